@@ -1,0 +1,32 @@
+# rlpost: `make train` runs the default job, `make test` the whole suite; each installs what it needs.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU unless an NVIDIA GPU answers nvidia-smi; override with `make install STACK=cpu|gpu`.
+STACK ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP := $(VENV)/.installed-$(STACK)
+PYTEST_ARGS ?=
+
+.PHONY: install train test test-fast lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): requirements/$(STACK).txt pyproject.toml scripts/install.sh
+	bash scripts/install.sh $(STACK) $(VENV) $(PY)
+	@touch $@
+
+train: install
+	$(BIN)/rlpost train $(ARGS)
+
+test: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+test-fast: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check src tests scripts
+
+clean:
+	rm -rf $(VENV) outputs multirun

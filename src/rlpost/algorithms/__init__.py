@@ -1,0 +1,1 @@
+"""RL algorithms: losses, advantages, the GRPO loop."""

@@ -1,0 +1,164 @@
+"""`rlpost` console script. Looks at the first word only: `train` hands the rest of argv to Hydra
+untouched (after a pre-flight validation of every job it would run), `plan` prints the derived
+numbers, `--help` / `--version` answer at once.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional, Tuple
+
+from rlpost import __version__
+
+USAGE = """\
+usage: rlpost <command> [hydra overrides]
+
+commands:
+  train [overrides]   run a job (GRPO by default); `-m` sweeps, `--cfg job` prints the config
+  plan  [overrides]   compose + validate the config and print the derived numbers; starts nothing
+
+examples:
+  rlpost train                                   tiny model + synthetic task on this machine
+  rlpost train policy=megatron algo=grpo
+  rlpost train -m policy.optimizer.kwargs.lr=3e-4,1e-3,3e-3
+  rlpost train --cfg job
+  rlpost plan cluster.gpus_per_node=8 policy.dtensor_cfg.tensor_parallel_size=2
+
+options:
+  -h, --help          this message (`rlpost train --help` lists the config groups)
+  --version           print the version
+"""
+
+# Hydra flags that take a value, and flags after which no job runs.
+_VALUE_FLAGS = {
+    "--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+    "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc", "--info", "-i",
+}
+_NO_JOB_FLAGS = {"--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc", "--experimental-rerun"}
+
+
+def split_hydra_argv(argv: List[str]) -> Tuple[List[str], List[str], bool]:
+    """(flags, overrides, multirun) of a Hydra command line."""
+    flags: List[str] = []
+    overrides: List[str] = []
+    multirun = False
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-m", "--multirun"):
+            multirun = True
+            flags.append(a)
+        elif a.startswith("-"):
+            flags.append(a)
+            if a in _VALUE_FLAGS and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                if a not in ("--info", "-i") or "=" not in argv[i + 1]:
+                    flags.append(argv[i + 1])
+                    i += 1
+        else:
+            overrides.append(a)
+        i += 1
+    return flags, overrides, multirun
+
+
+def _expand_sweeps(overrides: List[str]) -> List[List[str]]:
+    """Every job's override list of a multirun (Hydra's own sweep grammar)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    batches = BasicSweeper.split_arguments(parsed, None)
+    return [job for batch in batches for job in batch]
+
+
+def preflight(overrides: List[str], multirun: bool) -> int:
+    """Compose and validate every job before Hydra starts anything; print the first error, return 2 on error."""
+    from rlpost.build import check_targets
+    from rlpost.config.errors import ConfigError
+    from rlpost.config.load import load_master_config, translate_exception
+
+    try:
+        jobs = _expand_sweeps(overrides) if multirun else [overrides]
+    except Exception as exc:  # noqa: BLE001 - a bad override string
+        report_config_error(translate_exception(exc))
+        return 2
+    for job in jobs:
+        try:
+            _, master = load_master_config(job)
+            check_targets(master)
+        except ConfigError as err:
+            report_config_error(err, job if multirun else None)
+            return 2
+    return 0
+
+
+def report_config_error(err: object, job: Optional[List[str]] = None) -> None:
+    """One clear message on stderr: key, value, rule (and hint)."""
+    from rlpost.config.errors import ConfigError
+
+    assert isinstance(err, ConfigError)
+    where = f" (job: {' '.join(job)})" if job else ""
+    msg = f"rlpost: config error{where}: {err.key}={err.value!r}: {err.rule}"
+    if err.hint:
+        msg += f"\n  hint: {err.hint}"
+    print(msg, file=sys.stderr)
+
+
+def _plan(argv: List[str]) -> int:
+    from rlpost.build import check_targets
+    from rlpost.config.errors import ConfigError
+    from rlpost.config.load import load_master_config
+    from rlpost.plan import print_plan
+
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: rlpost plan [hydra overrides]  (composes, validates and prints the derived numbers)")
+        return 0
+    try:
+        _, master = load_master_config(argv)
+        check_targets(master)
+    except ConfigError as err:
+        report_config_error(err)
+        return 2
+    print_plan(master)
+    return 0
+
+
+def _train(argv: List[str]) -> int:
+    flags, overrides, multirun = split_hydra_argv(argv)
+    if not any(f in _NO_JOB_FLAGS for f in flags):
+        rc = preflight(overrides, multirun)
+        if rc:
+            return rc
+    from rlpost import train
+
+    sys.argv = ["rlpost train", *argv]
+    train.main()
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] in ("--version", "-V", "version"):
+        print(f"rlpost {__version__}")
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return _train(rest)
+    if cmd == "plan":
+        return _plan(rest)
+    import difflib
+
+    close = difflib.get_close_matches(cmd, ["train", "plan"], n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    print(f"rlpost: unknown command {cmd!r}{hint}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+def entrypoint() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entrypoint()

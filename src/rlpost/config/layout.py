@@ -1,0 +1,163 @@
+"""Derived numbers of a config: worker placement, parallel layout and batch arithmetic.
+
+Torch-free; used by MasterConfig's cross-field checks and by `rlpost plan`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from rlpost.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rlpost.config.schema.master import MasterConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where training and generation run and how the batch is cut."""
+
+    colocated: bool
+    train_nodes: int
+    train_workers_per_node: int
+    gen_nodes: int
+    gen_workers_per_node: int
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    gen_tp: int
+    gen_replicas: int
+    prompts_per_step: int
+    completions_per_step: int
+    optimizer_steps_per_grpo_step: int
+    micro_batches_per_optimizer_step: int
+
+    @property
+    def train_world(self) -> int:
+        return self.train_nodes * self.train_workers_per_node
+
+    @property
+    def gen_world(self) -> int:
+        return self.gen_nodes * self.gen_workers_per_node
+
+
+def _placement(cfg: MasterConfig) -> tuple[int, int, int, int]:
+    """(train_nodes, train_per_node, gen_nodes, gen_per_node)."""
+    cl = cfg.cluster
+    gen = cfg.policy.generation
+    if gen.colocated.enabled:
+        return cl.num_nodes, cl.gpus_per_node, cl.num_nodes, cl.gpus_per_node
+    res = gen.colocated.resources
+    key = "policy.generation.colocated.resources"
+    if cl.num_nodes == 1:
+        g = res.gpus_per_node
+        if g is None or g <= 0 or g >= cl.gpus_per_node:
+            raise ConfigError(
+                f"{key}.gpus_per_node",
+                g,
+                f"on one node, generation needs 1..{cl.gpus_per_node - 1} of cluster.gpus_per_node="
+                f"{cl.gpus_per_node} workers, leaving the rest to training",
+            )
+        return 1, cl.gpus_per_node - g, 1, g
+    n = res.num_nodes
+    if n is None or n <= 0 or n >= cl.num_nodes:
+        raise ConfigError(
+            f"{key}.num_nodes",
+            n,
+            f"on {cl.num_nodes} nodes, generation needs 1..{cl.num_nodes - 1} whole nodes",
+        )
+    return cl.num_nodes - n, cl.gpus_per_node, n, cl.gpus_per_node
+
+
+def attention_heads(cfg: MasterConfig) -> Optional[int]:
+    """Attention heads of the model, from the tiny spec or a local config.json; None if unknown."""
+    if cfg.model.tiny is not None:
+        return cfg.model.tiny.num_attention_heads
+    path = os.path.join(str(cfg.policy.model_name), "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f).get("num_attention_heads")
+    return None
+
+
+def compute_layout(cfg: MasterConfig) -> Layout:
+    """Derive the layout, raising ConfigError on any inconsistent number."""
+    tn, tpn, gn, gpn = _placement(cfg)
+    train_world = tn * tpn
+    sizes = cfg.policy.parallel_sizes()
+    tp, pp, cp = sizes["tp"], sizes["pp"], sizes["cp"]
+    backend_key = (
+        "policy.megatron_cfg.tensor_model_parallel_size"
+        if cfg.policy.megatron_cfg is not None
+        else "policy.dtensor_cfg.tensor_parallel_size"
+    )
+    model_parallel = tp * pp * cp
+    if train_world % model_parallel != 0:
+        raise ConfigError(
+            backend_key,
+            tp,
+            f"DP x TP x PP x CP must equal the {train_world} training workers; "
+            f"TP*PP*CP={model_parallel} does not divide {train_world}",
+        )
+    dp = train_world // model_parallel
+    heads = attention_heads(cfg)
+    if heads is not None and heads % tp != 0:
+        raise ConfigError(backend_key, tp, f"tensor-parallel size must divide the model's {heads} attention heads")
+
+    gen_tp = 1
+    vllm_cfg = getattr(cfg.policy.generation, "vllm_cfg", None)
+    gen_world = gn * gpn
+    if vllm_cfg is not None:
+        gen_tp = vllm_cfg.tensor_parallel_size * vllm_cfg.pipeline_parallel_size
+        if gen_world % gen_tp != 0:
+            raise ConfigError(
+                "policy.generation.vllm_cfg.tensor_parallel_size",
+                vllm_cfg.tensor_parallel_size,
+                f"TP*PP of the engine ({gen_tp}) must divide the {gen_world} generation workers",
+            )
+        if heads is not None and heads % vllm_cfg.tensor_parallel_size != 0:
+            raise ConfigError(
+                "policy.generation.vllm_cfg.tensor_parallel_size",
+                vllm_cfg.tensor_parallel_size,
+                f"must divide the model's {heads} attention heads",
+            )
+
+    g = cfg.grpo
+    p = cfg.policy
+    completions = g.num_prompts_per_step * g.num_generations_per_prompt
+    gbs = p.train_global_batch_size
+    if completions % gbs != 0:
+        raise ConfigError(
+            "policy.train_global_batch_size",
+            gbs,
+            f"the rollout batch (grpo.num_prompts_per_step x num_generations_per_prompt = {completions}) "
+            "must be a multiple of it",
+        )
+    if gbs % (p.train_micro_batch_size * dp) != 0:
+        raise ConfigError(
+            "policy.train_global_batch_size",
+            gbs,
+            f"must be divisible by train_micro_batch_size x data-parallel size "
+            f"({p.train_micro_batch_size} x {dp} = {p.train_micro_batch_size * dp})",
+        )
+    return Layout(
+        colocated=cfg.policy.generation.colocated.enabled,
+        train_nodes=tn,
+        train_workers_per_node=tpn,
+        gen_nodes=gn,
+        gen_workers_per_node=gpn,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        gen_tp=gen_tp,
+        gen_replicas=gen_world // gen_tp,
+        prompts_per_step=g.num_prompts_per_step,
+        completions_per_step=completions,
+        optimizer_steps_per_grpo_step=completions // gbs,
+        micro_batches_per_optimizer_step=gbs // (p.train_micro_batch_size * dp),
+    )

@@ -1,0 +1,151 @@
+"""Compose a config, turn it into a typed MasterConfig, and turn every failure into a ConfigError.
+
+`compose_config` is the in-process path (Hydra's Compose API, used by `rlpost plan`, the CLI's
+pre-flight check and tests). `to_master_config` is shared with the @hydra.main task.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from rlpost.config.errors import ConfigError
+from rlpost.config.schema.master import MasterConfig
+from rlpost.config.store import register_configs
+
+CONFIG_NAME = "config"
+
+
+def conf_dir() -> str:
+    """The directory holding config.yaml: $RLPOST_CONF_DIR, the package's bundled copy, or the repo's conf/."""
+    env = os.environ.get("RLPOST_CONF_DIR")
+    if env:
+        return str(Path(env).resolve())
+    here = Path(__file__).resolve().parent.parent
+    for cand in (here / "conf", here.parent.parent / "conf"):
+        if (cand / f"{CONFIG_NAME}.yaml").is_file():
+            return str(cand)
+    raise FileNotFoundError("rlpost: cannot find conf/config.yaml (set RLPOST_CONF_DIR)")
+
+
+def group_options(group: str) -> List[str]:
+    """Option names of a config group in conf/ (e.g. 'policy' -> ['dtensor', 'dtensor_v2', 'megatron'])."""
+    d = Path(conf_dir()) / group
+    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+
+
+def groups() -> List[str]:
+    """Config groups in conf/."""
+    return sorted(p.name for p in Path(conf_dir()).iterdir() if p.is_dir())
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> Optional[str]:
+    m = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f"did you mean '{m[0]}'?" if m else None
+
+
+def _key_candidates(cfg: Optional[DictConfig], full_key: str) -> List[str]:
+    if cfg is None or "." not in full_key:
+        return [str(k) for k in cfg.keys()] if cfg is not None else []
+    parent = full_key.rsplit(".", 1)[0]
+    node = OmegaConf.select(cfg, parent, throw_on_missing=False)
+    return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+
+
+def translate_exception(exc: BaseException, cfg: Optional[DictConfig] = None) -> ConfigError:
+    """Turn a Hydra / OmegaConf exception (or one it wraps) into a ConfigError naming key, value and rule."""
+    if isinstance(exc, ConfigError):
+        return exc
+    chain: List[BaseException] = []
+    e: Optional[BaseException] = exc
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for err in chain:
+        if isinstance(err, ConfigError):
+            return err
+    text = "\n".join(str(c) for c in chain)
+
+    # Unknown option of a config group.
+    m = re.search(r"Could not find '([^']+)/([^'/]+)'", text) or re.search(
+        r"Could not load '([^']+)/([^'/]+)'", text
+    )
+    if m:
+        group, opt = m.group(1), m.group(2)
+        opts = group_options(group.split("/")[-1]) if "/" in group else group_options(group)
+        return ConfigError(group, opt, f"unknown option of group '{group}'; options: {opts}", _did_you_mean(opt, opts))
+    m = re.search(r"Could not override '([^']+)'", text)
+    for err in chain:
+        if isinstance(err, MissingMandatoryValue):
+            key = getattr(err, "full_key", None) or "?"
+            return ConfigError(key, "???", "a value is required here")
+        if isinstance(err, OmegaConfBaseException):
+            key = getattr(err, "full_key", None) or (m.group(1) if m else "?")
+            msg = getattr(err, "msg", None) or str(err).split("\n")[0]
+            km = re.search(r"Key '([^']+)' (?:not in|is not in)", msg)
+            if km:
+                hint = _did_you_mean(key.rsplit(".", 1)[-1], _key_candidates(cfg, key))
+                if key.endswith(".enabled") and ("dtensor_cfg" in key or "megatron_cfg" in key):
+                    hint = "rlpost picks the backend with policy=dtensor|dtensor_v2|megatron"
+                return ConfigError(key, None, "unknown config key", hint)
+            vm = re.search(r"Value '(.*?)' (?:of type '[^']+' )?could not be converted to (\w+)", msg, re.S)
+            if vm:
+                return ConfigError(key, vm.group(1), f"must be of type {vm.group(2)}")
+            vm = re.search(r"field '([^']+)' is not Optional", msg)
+            if vm:
+                return ConfigError(key, None, "may not be null")
+            value = getattr(err, "value", None)
+            return ConfigError(key, value, msg.strip())
+    if m:
+        return ConfigError(m.group(1), None, chain[-1].__class__.__name__ + ": " + str(chain[-1]).split("\n")[0])
+    first = str(exc).strip().split("\n")
+    return ConfigError("<overrides>", None, " ".join(line.strip() for line in first if line.strip())[:500])
+
+
+def to_master_config(cfg: DictConfig) -> MasterConfig:
+    """DictConfig (with or without a `hydra` node) -> validated MasterConfig, or ConfigError."""
+    node = cfg.copy()
+    if "hydra" in node:
+        with_struct = OmegaConf.is_struct(node)
+        OmegaConf.set_struct(node, False)
+        node.pop("hydra")
+        OmegaConf.set_struct(node, with_struct)
+    try:
+        obj = OmegaConf.to_object(node)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a ConfigError
+        raise translate_exception(exc, node) from None
+    assert isinstance(obj, MasterConfig)
+    return obj
+
+
+def compose_config(overrides: Optional[List[str]] = None, config_name: str = CONFIG_NAME) -> DictConfig:
+    """Compose conf/<config_name>.yaml with `overrides` (Hydra Compose API); ConfigError on failure."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    overrides = list(overrides or [])
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+            return compose(config_name=config_name, overrides=overrides)
+    except Exception as exc:  # noqa: BLE001
+        raise translate_exception(exc) from None
+
+
+def load_master_config(overrides: Optional[List[str]] = None) -> tuple[DictConfig, MasterConfig]:
+    """Compose and validate: the resolved DictConfig and the typed MasterConfig."""
+    cfg = compose_config(overrides)
+    return cfg, to_master_config(cfg)
+
+
+def to_yaml(obj: Any) -> str:
+    """YAML of a MasterConfig or DictConfig, resolved."""
+    return OmegaConf.to_yaml(OmegaConf.structured(obj) if not isinstance(obj, DictConfig) else obj, resolve=True)

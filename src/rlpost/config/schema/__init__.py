@@ -1,0 +1,1 @@
+"""Dataclass schemas for every config block. Torch-free leaves: they import only the stdlib."""

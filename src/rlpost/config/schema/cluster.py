@@ -1,0 +1,42 @@
+"""Cluster config (`cluster=local|ray`): how many workers, on which nodes, through which Ray."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from rlpost.config.errors import one_of, positive
+
+
+@dataclass
+class ClusterConfig:
+    """Workers per node and Ray connection."""
+
+    gpus_per_node: int = 1
+    """Worker slots per node: GPUs, or CPU worker processes on a machine without GPUs."""
+    num_nodes: int = 1
+    """Nodes used."""
+    device: str = "auto"
+    """'auto' (cuda if available, else cpu), 'cpu' (gloo) or 'cuda' (nccl)."""
+    address: Optional[str] = None
+    """Ray address to join ('auto' or host:port); None starts a local Ray cluster."""
+    num_cpus: Optional[float] = None
+    """CPUs a local Ray cluster advertises; None = all cores."""
+    object_store_memory_mb: int = 512
+    """Object store size of a local Ray cluster."""
+    worker_num_cpus: float = 0.25
+    """Ray num_cpus of one worker actor on CPU (fractional so colocated groups fit)."""
+    placement_timeout_s: float = 60.0
+    """Fail with a clear message if the placement group is not ready by then."""
+    call_timeout_s: float = 900.0
+    """Timeout of every remote call's result."""
+
+    def check(self, path: str) -> None:
+        positive(f"{path}.gpus_per_node", self.gpus_per_node)
+        positive(f"{path}.num_nodes", self.num_nodes)
+        one_of(f"{path}.device", self.device, ("auto", "cpu", "cuda"))
+        positive(f"{path}.num_cpus", self.num_cpus, allow_none=True)
+        positive(f"{path}.object_store_memory_mb", self.object_store_memory_mb)
+        positive(f"{path}.worker_num_cpus", self.worker_num_cpus)
+        positive(f"{path}.placement_timeout_s", self.placement_timeout_s)
+        positive(f"{path}.call_timeout_s", self.call_timeout_s)

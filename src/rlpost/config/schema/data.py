@@ -1,0 +1,77 @@
+"""Dataset config (`data=synthetic|jsonl`, placed at `data`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from rlpost.config.errors import one_of, positive, require
+
+SYNTHETIC_TASKS = ("next_letter", "copy_digit", "add_mod10")
+
+
+@dataclass
+class SyntheticTaskConfig:
+    """A verifiable task generated in-process (no files, no downloads)."""
+
+    task: str = "next_letter"
+    """'next_letter' (answer the letter after the given one), 'copy_digit' or 'add_mod10'."""
+    num_train: int = 4096
+    """Training prompts generated."""
+    num_val: int = 64
+    """Validation prompts generated."""
+    seed: int = 1234
+    """Generator seed."""
+
+    def check(self, path: str) -> None:
+        one_of(f"{path}.task", self.task, SYNTHETIC_TASKS)
+        positive(f"{path}.num_train", self.num_train)
+        positive(f"{path}.num_val", self.num_val)
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from and how they are turned into token ids."""
+
+    dataset_name: str = "synthetic"
+    """'synthetic' (generated), 'jsonl' or 'parquet' (local files through `datasets`)."""
+    train_data_path: Optional[str] = None
+    """Local training file (jsonl / parquet)."""
+    val_data_paths: List[str] = field(default_factory=list)
+    """Local validation files."""
+    synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
+    """The synthetic task (dataset_name=synthetic)."""
+    input_key: str = "problem"
+    """Row field holding the prompt text."""
+    output_key: str = "expected_answer"
+    """Row field holding the ground-truth answer."""
+    env_name: str = "synthetic"
+    """Environment (key of `env`) that scores these rows."""
+    prompt_file: Optional[str] = None
+    """Prompt template file with one '{}' for the problem; None = the problem as is."""
+    system_prompt_file: Optional[str] = None
+    """System prompt file; None = no system message."""
+    max_input_seq_length: int = 256
+    """Prompts longer than this (in tokens) are masked out of the loss and counted."""
+    add_generation_prompt: bool = True
+    """Append the assistant turn opener of the chat template."""
+    shuffle: bool = True
+    """Shuffle the training set each epoch."""
+    seed: int = 42
+    """Shuffle seed."""
+    num_workers: int = 0
+    """Dataloader worker processes."""
+
+    def check(self, path: str) -> None:
+        one_of(f"{path}.dataset_name", self.dataset_name, ("synthetic", "jsonl", "parquet"))
+        if self.dataset_name == "synthetic":
+            self.synthetic.check(f"{path}.synthetic")
+        else:
+            require(
+                bool(self.train_data_path),
+                f"{path}.train_data_path",
+                self.train_data_path,
+                f"dataset_name={self.dataset_name} needs a local train_data_path",
+            )
+        positive(f"{path}.max_input_seq_length", self.max_input_seq_length)
+        require(self.num_workers >= 0, f"{path}.num_workers", self.num_workers, "must be >= 0")

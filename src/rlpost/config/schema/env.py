@@ -1,0 +1,51 @@
+"""Environment configs (`env=synthetic|math`, placed at `env`): each entry scores one kind of row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from rlpost.config.errors import one_of, positive
+
+
+@dataclass
+class EnvConfig:
+    """Base of every environment config."""
+
+    _target_: str = "rlpost.environments.synthetic.SyntheticEnvironment"
+    """Environment class."""
+    num_workers: int = 1
+    """Verifier worker processes."""
+    timeout_s: float = 10.0
+    """A reward computation running longer is killed: reward 0 and a counted warning."""
+
+    def check(self, path: str) -> None:
+        positive(f"{path}.num_workers", self.num_workers)
+        positive(f"{path}.timeout_s", self.timeout_s)
+
+
+@dataclass
+class SyntheticEnvConfig(EnvConfig):
+    """Exact-match verifier of the synthetic tasks."""
+
+    task: str = "${data.synthetic.task}"
+    """Task whose answers are checked."""
+
+
+@dataclass
+class MathEnvConfig(EnvConfig):
+    """Math answers checked with math-verify."""
+
+    _target_: str = "rlpost.environments.math_environment.MathEnvironment"
+    """Environment class."""
+    verifier_type: str = "math"
+    """'math' (math-verify equivalence)."""
+    math_verify_impl: str = "hf_math_verify"
+    """'hf_math_verify' (the math-verify package)."""
+    stop_strings: Optional[List[str]] = None
+    """Strings that end a response."""
+
+    def check(self, path: str) -> None:
+        super().check(path)
+        one_of(f"{path}.verifier_type", self.verifier_type, ("math",))
+        one_of(f"{path}.math_verify_impl", self.math_verify_impl, ("hf_math_verify",))

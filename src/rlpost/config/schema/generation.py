@@ -1,0 +1,153 @@
+"""Rollout-engine configs, placed at `policy.generation` (`generation=vllm|hf`).
+
+GenerationConfig holds what every engine honours; VllmConfig and HFGenerationConfig add their own
+knobs. The engine class is the option's `_target_`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from rlpost.config.errors import non_negative, one_of, positive, require
+
+
+@dataclass
+class ColocationResources:
+    """Resources of a generation cluster that is not colocated with training."""
+
+    gpus_per_node: Optional[int] = None
+    """Workers (GPUs, or CPU worker slots) per node given to generation; single-node split."""
+    num_nodes: Optional[int] = None
+    """Whole nodes given to generation; multi-node split."""
+
+
+@dataclass
+class ColocationConfig:
+    """Whether the engine shares the training workers' resources."""
+
+    enabled: bool = True
+    """True: engine and policy share bundles (weights handed over in-process/IPC). False: separate resources."""
+    resources: ColocationResources = field(default_factory=ColocationResources)
+    """Generation resources when not colocated."""
+
+
+@dataclass
+class GenerationConfig:
+    """What every rollout engine honours (NeMo RL GenerationConfig)."""
+
+    _target_: str = "rlpost.models.generation.vllm_generation.VllmGeneration"
+    """Engine class, built by rlpost.build."""
+    backend: str = "vllm"
+    """Engine name, for logs and `_should_use_async_rollouts`: 'vllm' or 'hf'."""
+    max_new_tokens: int = 512
+    """Most tokens generated per sample."""
+    temperature: float = 1.0
+    """Sampling temperature; training and logprob passes divide logits by it too."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: Optional[int] = None
+    """Top-k sampling (None = off)."""
+    model_name: Optional[str] = None
+    """Model path; filled from policy.model_name by setup when unset."""
+    stop_token_ids: Optional[List[int]] = None
+    """Token ids that end a sample; None = the tokenizer's EOS."""
+    stop_strings: Optional[List[str]] = None
+    """Strings that end a sample."""
+    colocated: ColocationConfig = field(default_factory=ColocationConfig)
+    """Colocation with the training workers."""
+
+    def check(self, path: str) -> None:
+        one_of(f"{path}.backend", self.backend, ("vllm", "hf", "megatron"))
+        positive(f"{path}.max_new_tokens", self.max_new_tokens)
+        positive(f"{path}.temperature", self.temperature)
+        require(0.0 < self.top_p <= 1.0, f"{path}.top_p", self.top_p, "must be in (0, 1]")
+        require(
+            self.top_k is None or self.top_k > 0 or self.top_k == -1,
+            f"{path}.top_k",
+            self.top_k,
+            "must be null, -1 or > 0",
+        )
+        res = self.colocated.resources
+        if not self.colocated.enabled:
+            require(
+                res.gpus_per_node is not None or res.num_nodes is not None,
+                f"{path}.colocated.resources.gpus_per_node",
+                res.gpus_per_node,
+                "a non-colocated engine needs resources: set gpus_per_node (single node) or num_nodes",
+            )
+
+
+@dataclass
+class VllmSpecificArgs:
+    """vLLM engine arguments (NeMo RL VllmSpecificArgs)."""
+
+    tensor_parallel_size: int = 1
+    """Tensor-parallel size of each engine replica."""
+    pipeline_parallel_size: int = 1
+    """Pipeline-parallel size of each engine replica."""
+    expert_parallel_size: int = 1
+    """Expert-parallel size of each engine replica."""
+    gpu_memory_utilization: float = 0.6
+    """Share of GPU memory vLLM may take (GPU only)."""
+    max_model_len: Optional[int] = None
+    """Context length; None = policy.max_total_sequence_length."""
+    async_engine: bool = False
+    """Use vLLM's AsyncLLM engine (per-sample coroutines; still on-policy)."""
+    precision: str = "float32"
+    """Engine dtype: 'float32', 'bfloat16' or 'float16'."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs / compilation (required on CPU)."""
+    load_format: str = "auto"
+    """'auto' loads the checkpoint; 'dummy' leaves random weights for the first refit to fill."""
+    kv_cache_space_gb: float = 1.0
+    """CPU only: KV-cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    seed: int = 0
+    """Engine sampling seed."""
+
+    def check(self, path: str) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+            positive(f"{path}.{name}", getattr(self, name))
+        require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"{path}.gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "must be in (0, 1]",
+        )
+        one_of(f"{path}.precision", self.precision, ("float32", "bfloat16", "float16"))
+        one_of(f"{path}.load_format", self.load_format, ("auto", "dummy", "safetensors"))
+        positive(f"{path}.kv_cache_space_gb", self.kv_cache_space_gb)
+
+
+@dataclass
+class VllmConfig(GenerationConfig):
+    """`generation=vllm`: vLLM engines in Ray actors."""
+
+    vllm_cfg: VllmSpecificArgs = field(default_factory=VllmSpecificArgs)
+    """vLLM engine arguments."""
+    vllm_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Raw keyword arguments passed through to vllm.LLM."""
+
+    def check(self, path: str) -> None:
+        super().check(path)
+        self.vllm_cfg.check(f"{path}.vllm_cfg")
+
+
+@dataclass
+class HFGenerationConfig(GenerationConfig):
+    """`generation=hf`: transformers `generate`, for debugging and models vLLM can't serve."""
+
+    _target_: str = "rlpost.models.generation.hf_generation.HFGeneration"
+    """Engine class."""
+    backend: str = "hf"
+    """Engine name."""
+    generation_batch_size: int = 32
+    """Prompts per `generate` call."""
+    precision: str = "float32"
+    """Engine dtype: 'float32', 'bfloat16' or 'float16'."""
+
+    def check(self, path: str) -> None:
+        super().check(path)
+        positive(f"{path}.generation_batch_size", self.generation_batch_size)
+        one_of(f"{path}.precision", self.precision, ("float32", "bfloat16", "float16"))
+        non_negative(f"{path}.max_new_tokens", self.max_new_tokens)

@@ -1,0 +1,90 @@
+"""Loss configs, placed at `loss_fn` (`loss=token_level|sequence_level|nll`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from rlpost.config.errors import ConfigError, non_negative, one_of, positive, require
+
+
+@dataclass
+class LossConfig:
+    """Base of every loss config: the loss class to build."""
+
+    _target_: str = "rlpost.algorithms.loss_functions.ClippedPGLossFn"
+    """Loss class, built by rlpost.build with this config."""
+
+    def check(self, path: str) -> None:
+        """Range checks; subclasses extend."""
+
+
+@dataclass
+class ClippedPGLossConfig(LossConfig):
+    """PPO-style clipped policy-gradient loss with KL penalty (NeMo RL ClippedPGLossConfig)."""
+
+    reference_policy_kl_penalty: float = 0.01
+    """KL coefficient beta; 0 skips the reference-model pass."""
+    reference_policy_kl_type: str = "k3"
+    """KL estimator: 'k1', 'k2' or 'k3' (Schulman 2020)."""
+    kl_input_clamp_value: float = 20.0
+    """Clamp on log(pi_ref/pi) before the estimator."""
+    kl_output_clamp_value: float = 10.0
+    """Clamp on the per-token KL value."""
+    ratio_clip_min: float = 0.2
+    """epsilon_low: the ratio is clipped below at 1 - ratio_clip_min."""
+    ratio_clip_max: float = 0.2
+    """epsilon_high: the ratio is clipped above at 1 + ratio_clip_max (DAPO clip-higher when larger)."""
+    ratio_clip_c: Optional[float] = None
+    """Dual-clip constant c > 1 for negative advantages; None = off."""
+    use_on_policy_kl_approximation: bool = False
+    """Weight the KL by pi/pi_gen so it estimates the on-policy KL."""
+    use_importance_sampling_correction: bool = False
+    """Correct the train/inference mismatch with exp(lp_prev - lp_gen) weights."""
+    truncated_importance_sampling_ratio: Optional[float] = None
+    """Cap on the IS weights (TIS); requires use_importance_sampling_correction."""
+    token_level_loss: bool = True
+    """True: mean over all valid tokens of the global batch; False: per-sequence mean, then mean over sequences."""
+    sequence_level_importance_ratios: bool = False
+    """GSPO: one ratio per sequence, exp(mean token log-ratio); requires token_level_loss=false."""
+    disable_ppo_ratio: bool = False
+    """REINFORCE/RLOO: use -A * logprob instead of the clipped ratio."""
+
+    def check(self, path: str) -> None:
+        non_negative(f"{path}.reference_policy_kl_penalty", self.reference_policy_kl_penalty)
+        one_of(f"{path}.reference_policy_kl_type", self.reference_policy_kl_type, ("k1", "k2", "k3"))
+        positive(f"{path}.kl_input_clamp_value", self.kl_input_clamp_value)
+        positive(f"{path}.kl_output_clamp_value", self.kl_output_clamp_value)
+        require(0 <= self.ratio_clip_min < 1, f"{path}.ratio_clip_min", self.ratio_clip_min, "must be in [0, 1)")
+        non_negative(f"{path}.ratio_clip_max", self.ratio_clip_max)
+        if self.ratio_clip_c is not None:
+            require(self.ratio_clip_c > 1, f"{path}.ratio_clip_c", self.ratio_clip_c, "dual clip needs c > 1")
+        if self.truncated_importance_sampling_ratio is not None:
+            positive(f"{path}.truncated_importance_sampling_ratio", self.truncated_importance_sampling_ratio)
+            require(
+                self.use_importance_sampling_correction,
+                f"{path}.truncated_importance_sampling_ratio",
+                self.truncated_importance_sampling_ratio,
+                "truncated IS requires use_importance_sampling_correction=true",
+            )
+        if self.sequence_level_importance_ratios:
+            require(
+                not self.token_level_loss,
+                f"{path}.sequence_level_importance_ratios",
+                self.sequence_level_importance_ratios,
+                "sequence-level importance ratios (GSPO) require token_level_loss=false",
+            )
+        if self.disable_ppo_ratio and self.sequence_level_importance_ratios:
+            raise ConfigError(
+                f"{path}.disable_ppo_ratio",
+                True,
+                "disable_ppo_ratio cannot be combined with sequence_level_importance_ratios",
+            )
+
+
+@dataclass
+class NLLLossConfig(LossConfig):
+    """Token-level negative log-likelihood (SFT)."""
+
+    _target_: str = "rlpost.algorithms.loss_functions.NLLLoss"
+    """Loss class."""

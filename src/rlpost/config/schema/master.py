@@ -1,0 +1,97 @@
+"""MasterConfig: the whole composed config, with the cross-field rules in __post_init__."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+from rlpost.config.errors import require
+from rlpost.config.schema.checkpoint import CheckpointingConfig
+from rlpost.config.schema.cluster import ClusterConfig
+from rlpost.config.schema.data import DataConfig
+from rlpost.config.schema.env import EnvConfig, SyntheticEnvConfig
+from rlpost.config.schema.grpo import GRPOConfig
+from rlpost.config.schema.logger import GRPOLoggerConfig
+from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
+from rlpost.config.schema.model import ModelConfig
+from rlpost.config.schema.policy import PolicyConfig
+
+
+@dataclass
+class MasterConfig:
+    """Top-level keys as NeMo RL's MasterConfig, plus `model` (which local checkpoint to load)."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """The trained policy, its backend and its rollout engine."""
+    loss_fn: LossConfig = field(default_factory=ClippedPGLossConfig)
+    """The loss (`loss=token_level|sequence_level|nll`)."""
+    env: Dict[str, EnvConfig] = field(default_factory=lambda: {"synthetic": SyntheticEnvConfig()})
+    """Environments by name; data rows name theirs with data.env_name."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """The GRPO algorithm."""
+    logger: GRPOLoggerConfig = field(default_factory=GRPOLoggerConfig)
+    """Metrics sinks."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Workers and Ray."""
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    """Checkpoints and resume."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The local checkpoint (or tiny model spec) behind policy.model_name."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Every per-block range check, then the rules that span blocks."""
+        self.model.check("model")
+        self.policy.check("policy")
+        self.loss_fn.check("loss_fn")
+        for name, env in self.env.items():
+            env.check(f"env.{name}")
+        self.data.check("data")
+        self.grpo.check("grpo")
+        self.logger.check("logger")
+        self.cluster.check("cluster")
+        self.checkpointing.check("checkpointing")
+        self._cross_checks()
+
+    def _cross_checks(self) -> None:
+        from rlpost.config.layout import compute_layout
+
+        p, g = self.policy, self.grpo
+        require(
+            self.data.env_name in self.env,
+            "data.env_name",
+            self.data.env_name,
+            f"must name a configured environment: {sorted(self.env)}",
+        )
+        require(
+            self.data.max_input_seq_length <= p.max_total_sequence_length,
+            "data.max_input_seq_length",
+            self.data.max_input_seq_length,
+            f"must be <= policy.max_total_sequence_length ({p.max_total_sequence_length})",
+        )
+        require(
+            p.generation.max_new_tokens <= p.max_total_sequence_length,
+            "policy.generation.max_new_tokens",
+            p.generation.max_new_tokens,
+            f"must be <= policy.max_total_sequence_length ({p.max_total_sequence_length})",
+        )
+        if p.generation.backend == "megatron":
+            require(
+                p.megatron_cfg is not None,
+                "policy.generation.backend",
+                "megatron",
+                "generation by the policy itself needs policy=megatron",
+            )
+        if self.checkpointing.enabled and (self.checkpointing.metric_name or "").startswith("val:"):
+            require(
+                g.val_period > 0 or g.val_at_start,
+                "checkpointing.metric_name",
+                self.checkpointing.metric_name,
+                "a 'val:' metric needs validation (grpo.val_period > 0)",
+                "use checkpointing.metric_name=train:reward or null",
+            )
+        compute_layout(self)

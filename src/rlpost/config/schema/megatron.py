@@ -1,0 +1,175 @@
+"""Megatron-Core backend config (`policy=megatron`): names and defaults as NeMo RL's MegatronConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from rlpost.config.errors import one_of, positive, require
+
+
+@dataclass
+class MegatronOptimizerConfig:
+    """Megatron-Core optimizer (`megatron.core.optimizer.OptimizerConfig`)."""
+
+    optimizer: str = "adam"
+    """'adam' or 'sgd'."""
+    lr: float = 5.0e-6
+    """Peak learning rate."""
+    min_lr: float = 5.0e-7
+    """Learning rate floor of the decay schedule."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    bf16: bool = False
+    """bf16 mixed-precision optimizer with fp32 main params (GPU only)."""
+    fp16: bool = False
+    """fp16 mixed-precision optimizer with loss scaling (GPU only)."""
+    params_dtype: str = "float32"
+    """dtype of the model parameters as built."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1.0e-8
+    """Adam epsilon."""
+    sgd_momentum: float = 0.9
+    """SGD momentum (optimizer='sgd')."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (ZeRO-1; GPU only)."""
+    use_precision_aware_optimizer: bool = False
+    """Keep optimizer states in lower precision (GPU only)."""
+    clip_grad: float = 0.0
+    """Global grad-norm clip; 0 disables (clipping is GPU only in megatron-core 0.16)."""
+    optimizer_cpu_offload: bool = False
+    """Offload the optimizer to CPU (HybridDeviceOptimizer; GPU only)."""
+    optimizer_offload_fraction: float = 0.0
+    """Share of the optimizer offloaded when optimizer_cpu_offload is on."""
+
+    def check(self, path: str) -> None:
+        one_of(f"{path}.optimizer", self.optimizer, ("adam", "sgd"))
+        positive(f"{path}.lr", self.lr)
+        require(self.min_lr <= self.lr, f"{path}.min_lr", self.min_lr, "must be <= lr")
+        require(not (self.bf16 and self.fp16), f"{path}.bf16", self.bf16, "bf16 and fp16 are exclusive")
+        one_of(f"{path}.params_dtype", self.params_dtype, ("float32", "bfloat16", "float16"))
+        require(self.clip_grad >= 0, f"{path}.clip_grad", self.clip_grad, "must be >= 0")
+
+
+@dataclass
+class MegatronSchedulerConfig:
+    """Megatron-Core OptimizerParamScheduler."""
+
+    start_weight_decay: float = 0.01
+    """Weight decay at the first step."""
+    end_weight_decay: float = 0.01
+    """Weight decay at the last step."""
+    weight_decay_incr_style: str = "constant"
+    """'constant', 'linear' or 'cosine'."""
+    lr_decay_style: str = "constant"
+    """'constant', 'linear', 'cosine' or 'inverse-square-root'."""
+    lr_decay_iters: Optional[int] = None
+    """Steps over which lr decays; None = the training steps."""
+    lr_warmup_iters: int = 0
+    """Linear warm-up steps."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at the first warm-up step."""
+
+    def check(self, path: str) -> None:
+        one_of(f"{path}.weight_decay_incr_style", self.weight_decay_incr_style, ("constant", "linear", "cosine"))
+        one_of(
+            f"{path}.lr_decay_style",
+            self.lr_decay_style,
+            ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+        )
+        require(self.lr_warmup_iters >= 0, f"{path}.lr_warmup_iters", self.lr_warmup_iters, "must be >= 0")
+
+
+@dataclass
+class MegatronDDPConfig:
+    """Megatron-Core DistributedDataParallel wrapper."""
+
+    grad_reduce_in_fp32: bool = True
+    """Reduce gradients in fp32."""
+    overlap_grad_reduce: bool = False
+    """Overlap the gradient all-reduce with backward."""
+    overlap_param_gather: bool = False
+    """Overlap the parameter all-gather with forward (distributed optimizer)."""
+    use_custom_fsdp: bool = False
+    """Megatron's own FSDP (GPU only)."""
+    data_parallel_sharding_strategy: str = "no_shard"
+    """'no_shard', 'optim', 'optim_grads' or 'optim_grads_params'."""
+
+    def check(self, path: str) -> None:
+        one_of(
+            f"{path}.data_parallel_sharding_strategy",
+            self.data_parallel_sharding_strategy,
+            ("no_shard", "optim", "optim_grads", "optim_grads_params"),
+        )
+
+
+@dataclass
+class MegatronConfig:
+    """Parallelism and memory knobs of the Megatron-Core worker."""
+
+    env_vars: Dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for each worker process."""
+    empty_unused_memory_level: int = 0
+    """0: never, 1: after each step, 2: also after each micro-batch, empty the allocator cache."""
+    activation_checkpointing: bool = False
+    """Full uniform recompute of every layer."""
+    converter_type: str = "auto"
+    """HF architecture to convert from ('Qwen2ForCausalLM', 'LlamaForCausalLM', or 'auto' from config.json)."""
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel size."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Layers on the first stage (uneven pipelines)."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Layers on the last stage (uneven pipelines)."""
+    context_parallel_size: int = 1
+    """Context-parallel size (requires sequence packing)."""
+    pipeline_dtype: str = "float32"
+    """dtype of the tensors passed between pipeline stages."""
+    sequence_parallel: bool = False
+    """Shard norm/dropout activations over the TP group (requires TP > 1)."""
+    freeze_moe_router: bool = True
+    """Do not train MoE routers."""
+    expert_tensor_parallel_size: int = 1
+    """Tensor-parallel size inside experts."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel size."""
+    defer_fp32_logits: bool = False
+    """Cast logits to fp32 lazily (required with logprob_chunk_size)."""
+    apply_rope_fusion: bool = False
+    """Fused RoPE kernel (GPU only)."""
+    optimizer: MegatronOptimizerConfig = field(default_factory=MegatronOptimizerConfig)
+    """Megatron optimizer."""
+    scheduler: MegatronSchedulerConfig = field(default_factory=MegatronSchedulerConfig)
+    """Megatron LR / weight-decay scheduler."""
+    distributed_data_parallel_config: MegatronDDPConfig = field(default_factory=MegatronDDPConfig)
+    """Megatron DDP wrapper."""
+    train_iters: Optional[int] = None
+    """Total optimizer steps; injected by GRPO setup, leave unset."""
+    extra: Dict[str, Any] = field(default_factory=dict)
+    """Raw TransformerConfig overrides passed through to megatron-core."""
+
+    def check(self, path: str) -> None:
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_tensor_parallel_size",
+            "expert_model_parallel_size",
+        ):
+            positive(f"{path}.{name}", getattr(self, name))
+        one_of(f"{path}.empty_unused_memory_level", self.empty_unused_memory_level, (0, 1, 2))
+        one_of(f"{path}.pipeline_dtype", self.pipeline_dtype, ("float32", "bfloat16", "float16"))
+        require(
+            not self.sequence_parallel or self.tensor_model_parallel_size > 1,
+            f"{path}.sequence_parallel",
+            self.sequence_parallel,
+            "sequence parallelism needs tensor_model_parallel_size > 1",
+        )
+        self.optimizer.check(f"{path}.optimizer")
+        self.scheduler.check(f"{path}.scheduler")
+        self.distributed_data_parallel_config.check(f"{path}.distributed_data_parallel_config")

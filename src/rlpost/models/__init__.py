@@ -1,0 +1,1 @@
+"""Models: policy workers, rollout engines, model builders."""

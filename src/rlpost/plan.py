@@ -1,0 +1,54 @@
+"""`rlpost plan`: the derived numbers of a config, printed without starting Ray or loading a model."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from rlpost.config.layout import Layout, compute_layout
+from rlpost.config.schema.master import MasterConfig
+
+
+def plan_rows(cfg: MasterConfig) -> list[tuple[str, str]]:
+    """(label, value) rows describing what one run will do."""
+    lay: Layout = compute_layout(cfg)
+    p, g = cfg.policy, cfg.grpo
+    backend = p._target_.rsplit(".", 1)[-1]
+    engine = p.generation._target_.rsplit(".", 1)[-1]
+    placement = (
+        f"colocated: policy and engine share {lay.train_world} worker slot(s) on {lay.train_nodes} node(s)"
+        if lay.colocated
+        else (
+            f"split: training on {lay.train_nodes} node(s) x {lay.train_workers_per_node}, "
+            f"generation on {lay.gen_nodes} node(s) x {lay.gen_workers_per_node}"
+        )
+    )
+    mbs = p.train_micro_batch_size
+    return [
+        ("model", str(p.model_name)),
+        ("policy backend", backend),
+        ("rollout engine", engine),
+        ("loss", cfg.loss_fn._target_.rsplit(".", 1)[-1]),
+        ("device", cfg.cluster.device),
+        ("prompts per step", str(lay.prompts_per_step)),
+        ("completions per step", f"{lay.completions_per_step} ({g.num_prompts_per_step} x {g.num_generations_per_prompt})"),
+        ("optimizer steps per GRPO step", f"{lay.optimizer_steps_per_grpo_step} (global batch {p.train_global_batch_size})"),
+        (
+            "micro-batches per optimizer step",
+            f"{lay.micro_batches_per_optimizer_step} per DP rank (micro-batch {mbs})",
+        ),
+        ("training layout", f"DP={lay.dp} TP={lay.tp} PP={lay.pp} CP={lay.cp} ({lay.train_world} workers)"),
+        ("engine layout", f"{lay.gen_replicas} replica(s) x TP*PP={lay.gen_tp} ({lay.gen_world} workers)"),
+        ("placement", placement),
+        ("steps", f"max {g.max_num_steps} steps / {g.max_num_epochs} epoch(s); validate every {g.val_period}"),
+    ]
+
+
+def print_plan(cfg: MasterConfig, console: Console | None = None) -> None:
+    """Render the plan as a table."""
+    table = Table(title="rlpost plan", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for label, value in plan_rows(cfg):
+        table.add_row(label, value)
+    (console or Console()).print(table)

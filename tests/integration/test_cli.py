@@ -1,0 +1,82 @@
+"""The installed `rlpost` script in a subprocess: help, version, train, multirun, --cfg, plan."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SNAPSHOT = REPO / "tests" / "snapshots" / "default_cfg_job.yaml"
+
+
+def rlpost(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_help_and_version(tmp_path: Path) -> None:
+    out = rlpost("--help", cwd=tmp_path)
+    assert out.returncode == 0 and "rlpost train" in out.stdout and "plan" in out.stdout
+    out = rlpost("--version", cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.startswith("rlpost ")
+    out = rlpost("trian", cwd=tmp_path)
+    assert out.returncode == 2 and "did you mean 'train'" in out.stderr
+
+
+def test_train_help_lists_groups(tmp_path: Path) -> None:
+    out = rlpost("train", "--help", cwd=tmp_path)
+    assert out.returncode == 0
+    for group in ("policy:", "generation:", "loss:", "algo:"):
+        assert group in out.stdout
+
+
+def test_cfg_job_matches_snapshot(tmp_path: Path) -> None:
+    out = rlpost("train", "--cfg", "job", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == SNAPSHOT.read_text(), (
+        "the default config changed; if intended, regenerate with "
+        "`rlpost train --cfg job > tests/snapshots/default_cfg_job.yaml`"
+    )
+
+
+def test_train_writes_resolved_config_to_run_dir(tmp_path: Path) -> None:
+    out = rlpost("train", "hydra.run.dir=run", "grpo.max_num_steps=5", "+policy.hf_config_overrides.x=1", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    resolved = yaml.safe_load((tmp_path / "run" / "resolved_config.yaml").read_text())
+    assert resolved["grpo"]["max_num_steps"] == 5
+    assert resolved["policy"]["hf_config_overrides"] == {"x": 1}
+    assert resolved["policy"]["model_name"] == resolved["model"]["path"]
+    assert (tmp_path / "run" / ".hydra" / "overrides.yaml").is_file()
+
+
+def test_multirun_sweeps_three_isolated_jobs(tmp_path: Path) -> None:
+    out = rlpost("train", "-m", "policy.optimizer.kwargs.lr=1e-4,3e-4,1e-3", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lrs = []
+    for i in range(3):
+        job = tmp_path / "sweep" / str(i)
+        cfg = yaml.safe_load((job / "resolved_config.yaml").read_text())
+        lrs.append(cfg["policy"]["optimizer"]["kwargs"]["lr"])
+    assert lrs == pytest.approx([1e-4, 3e-4, 1e-3])
+
+
+def test_bad_config_subprocess_exit_2_no_traceback(tmp_path: Path) -> None:
+    out = rlpost("train", "policy.train_global_batch_size=48", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "policy.train_global_batch_size=48" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_plan_prints_derived_numbers(tmp_path: Path) -> None:
+    out = rlpost("plan", "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "DP=1 TP=2 PP=1 CP=1" in text
+    assert "completions per step" in text and "64 (8 x 8)" in text
+    assert not (tmp_path / "outputs").exists()

@@ -1,0 +1,95 @@
+"""A bad config exits with status 2 and one message naming the key, the value and the rule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rlpost.cli import main
+
+# (overrides, key that must be named, words of the rule that must appear)
+BAD = [
+    (["policy=megatorn"], "policy", "did you mean 'megatron'"),
+    (["generation=vlm"], "generation", "did you mean 'vllm'"),
+    (["grpo.num_prompts_per_step=abc"], "grpo.num_prompts_per_step", "type Integer"),
+    (["policy.foo=1"], "policy.foo", "unknown config key"),
+    (["policy.dtensor_cfg.enabled=false"], "policy.dtensor_cfg.enabled", "policy=dtensor|dtensor_v2|megatron"),
+    (["policy.train_global_batch_size=48"], "policy.train_global_batch_size", "must be a multiple of it"),
+    (["policy.train_micro_batch_size=3"], "policy.train_global_batch_size", "divisible by train_micro_batch_size"),
+    (["cluster.gpus_per_node=3", "policy.dtensor_cfg.tensor_parallel_size=2"],
+     "policy.dtensor_cfg.tensor_parallel_size", "DP x TP x PP x CP"),
+    (["policy.sequence_packing.enabled=true", "policy.dynamic_batching.enabled=true"],
+     "policy.sequence_packing.enabled", "mutually exclusive"),
+    (["loss=gspo", "loss_fn.token_level_loss=true"], "loss_fn.sequence_level_importance_ratios",
+     "require token_level_loss=false"),
+    (["loss_fn.truncated_importance_sampling_ratio=2.0"], "loss_fn.truncated_importance_sampling_ratio",
+     "requires use_importance_sampling_correction"),
+    (["cluster.gpus_per_node=4", "policy.dtensor_cfg.tensor_parallel_size=4"],
+     "policy.dtensor_cfg.tensor_parallel_size", "attention heads"),
+    (["policy.generation.colocated.enabled=false"], "policy.generation.colocated.resources.gpus_per_node",
+     "non-colocated engine needs resources"),
+    (["cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
+      "policy.generation.colocated.resources.gpus_per_node=2"],
+     "policy.generation.colocated.resources.gpus_per_node", "leaving the rest to training"),
+    (["loss_fn.ratio_clip_c=0.5"], "loss_fn.ratio_clip_c", "c > 1"),
+    (["loss_fn.reference_policy_kl_type=k4"], "loss_fn.reference_policy_kl_type", "must be one of"),
+    (["policy.precision=fp8"], "policy.precision", "must be one of"),
+    (["policy.generation.temperature=0"], "policy.generation.temperature", "must be > 0"),
+    (["policy.generation.top_p=1.5"], "policy.generation.top_p", "(0, 1]"),
+    (["policy._target_=os.system"], "policy._target_", "allow-list"),
+    (["policy.optimizer.name=builtins.eval"], "policy.optimizer.name", "allow-list"),
+    (["grpo.async_grpo.enabled=true"], "grpo.async_grpo.enabled", "not implemented"),
+    (["logger.wandb_enabled=true"], "logger.wandb_enabled", "not bundled"),
+    (["checkpointing.metric_name=accuracy"], "checkpointing.metric_name", "'val:' or 'train:'"),
+    (["policy.dtensor_cfg.sequence_parallel=true"], "policy.dtensor_cfg.sequence_parallel", "tensor_parallel_size > 1"),
+    (["policy.generation.max_new_tokens=1000"], "policy.generation.max_new_tokens", "max_total_sequence_length"),
+    (["data.env_name=math"], "data.env_name", "configured environment"),
+    (["model.tiny.hidden_size=48"], "model.tiny.hidden_size", "head_dim"),
+    (["policy.scheduler=[{name:torch.optim.lr_scheduler.LinearLR},{name:torch.optim.lr_scheduler.ConstantLR}]"],
+     "policy.scheduler", "milestones"),
+    (["data=math_jsonl", "env=math"], "data.train_data_path", "needs a local train_data_path"),
+    (["grpo.val_period=0"], "checkpointing.metric_name", "needs validation"),
+    (["policy.max_grad_norm=-1"], "policy.max_grad_norm", "must be > 0"),
+    (["cluster.device=tpu"], "cluster.device", "must be one of"),
+    (["policy=megatron", "policy.megatron_cfg.sequence_parallel=true"],
+     "policy.megatron_cfg.sequence_parallel", "tensor_model_parallel_size > 1"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "rule"), BAD, ids=[" ".join(b[0])[:60] for b in BAD])
+def test_bad_config_exits_2_naming_key_and_rule(
+    overrides: list[str], key: str, rule: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlpost: config error")
+    assert key in err, err
+    assert rule in err, err
+    assert "Traceback" not in err
+
+
+def test_at_least_twenty_distinct_bad_configs() -> None:
+    assert len({b[1] + b[2] for b in BAD}) >= 20
+
+
+def test_bad_multirun_job_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "-m", "policy.train_global_batch_size=64,48"]) == 2
+    err = capsys.readouterr().err
+    assert "policy.train_global_batch_size=48" in err and "must be a multiple" in err
+
+
+def test_plan_rejects_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "policy.precision=fp8"]) == 2
+    assert "policy.precision" in capsys.readouterr().err
+
+
+def test_bad_config_starts_nothing_heavy() -> None:
+    code = (
+        "import sys; from rlpost.cli import main; rc = main(['train', 'policy.train_global_batch_size=48']);"
+        "print(rc, sorted(m for m in ('torch', 'ray', 'vllm', 'megatron', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "2 []", out.stdout + out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,49 @@
+"""Derived numbers (`rlpost plan`) and the cross-field rules behind them."""
+
+from __future__ import annotations
+
+from rlpost.config.layout import compute_layout
+from rlpost.config.load import load_master_config
+from rlpost.plan import plan_rows
+
+
+def test_default_layout() -> None:
+    _, cfg = load_master_config([])
+    lay = compute_layout(cfg)
+    assert (lay.dp, lay.tp, lay.pp, lay.cp) == (1, 1, 1, 1)
+    assert lay.completions_per_step == 64
+    assert lay.optimizer_steps_per_grpo_step == 1
+    assert lay.micro_batches_per_optimizer_step == 2
+    assert lay.colocated and lay.train_world == 1 and lay.gen_world == 1
+
+
+def test_layout_with_tp_dp_and_split() -> None:
+    _, cfg = load_master_config([
+        "cluster.gpus_per_node=8",
+        "policy.dtensor_cfg.tensor_parallel_size=2",
+        "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.gpus_per_node=4",
+        "policy.train_global_batch_size=32",
+        "policy.train_micro_batch_size=8",
+    ])
+    lay = compute_layout(cfg)
+    assert lay.train_world == 4 and lay.gen_world == 4
+    assert (lay.dp, lay.tp) == (2, 2)
+    assert lay.optimizer_steps_per_grpo_step == 2
+    assert lay.micro_batches_per_optimizer_step == 2
+    assert not lay.colocated
+    rows = dict(plan_rows(cfg))
+    assert rows["training layout"].startswith("DP=2 TP=2 PP=1 CP=1")
+    assert "split" in rows["placement"]
+
+
+def test_megatron_pp_layout() -> None:
+    _, cfg = load_master_config([
+        "policy=megatron",
+        "cluster.gpus_per_node=4",
+        "policy.megatron_cfg.pipeline_model_parallel_size=2",
+        "policy.train_micro_batch_size=16",
+    ])
+    lay = compute_layout(cfg)
+    assert (lay.dp, lay.tp, lay.pp) == (2, 1, 2)
+    assert lay.micro_batches_per_optimizer_step == 2
