@@ -1,0 +1,327 @@
+"""Policy losses: `ClippedPGLossFn` (GRPO/PPO/GSPO/REINFORCE) and `NLLLoss` (SFT), NeMo RL v0.4 semantics.
+
+Notation (after the `[:, 1:]` shift of every per-token tensor; logits[:, :-1] predict input_ids[:, 1:]):
+  tm = token_mask, s = sample_mask [B], m = tm * s, Gt / Gs = global valid tokens / sequences,
+  A = advantages, lp = current logprobs (fp32), lp_old = prev_logprobs, lp_gen = generation_logprobs,
+  lp_ref = reference_policy_logprobs, beta = reference_policy_kl_penalty.
+  masked_mean(x, m, N) = sum(x * m) / (N + 1e-8).
+  Token-level reduction:    R(x) = sum(x * m) / (Gt + 1e-8).
+  Sequence-level reduction: R(x) = sum_i s_i * [sum_t x * tm / (sum_t tm + 1e-8)] / (Gs + 1e-8).
+
+ClippedPGLossFn (reference §3.3, v0.4; KL estimator types and clamps from HEAD):
+  1. KL (only if beta != 0): logr = clamp(lp_ref - lp, +-kl_input_clamp_value);
+     k1 = -logr, k2 = logr^2 / 2, k3 = exp(logr) - 1 - logr;
+     w_kl = exp(lp - lp_gen).detach() (nan/inf -> 0) if use_on_policy_kl_approximation else 1;
+     kl_t = beta * clamp(w_kl * k, +-kl_output_clamp_value); KL = R(kl_t).
+     Reading: HEAD multiplies the estimator by the weights and then clamps the output; we keep that order and
+     v0.4's detached weights (HEAD's non-detached variant is not implemented).
+  2. Ratio: log rho = lp - lp_old; rho = exp(log rho) per token, or for GSPO
+     (sequence_level_importance_ratios) rho_i = exp(masked_mean_t(log rho, tm)) broadcast over tokens;
+     rho_hat = clamp(rho, 1 - ratio_clip_min, 1 + ratio_clip_max). disable_ppo_ratio: rho = rho_hat = lp.
+  3. l = max(-A * rho, -A * rho_hat); dual clip (ratio_clip_c = c): where A < 0, l = min(l, -c * A).
+  4. IS weights: w = exp(lp_old - lp_gen) per token, or for GSPO w_i = exp(sum_t m * (lp_old - lp_gen))
+     (detached, broadcast); nan/inf -> 0; TIS: w = min(w, truncated_importance_sampling_ratio).
+     Used only if use_importance_sampling_correction (else w = 1).
+  5. loss = R(w * l) + KL.
+
+Metrics (reference §3.5, v0.4) — python floats, each already normalised by the GLOBAL count (Gt for per-token
+means), exactly like the loss: the value for the whole global batch is the SUM over its micro-batches (and
+data-parallel ranks). num_valid_samples is this micro-batch's sum of sample_mask (so it also sums up).
+  probs_ratio / probs_ratio_clamped = token mean of rho / rho_hat; kl_penalty = KL / beta (0 if beta = 0);
+  token_mult_prob_error = token mean of exp(|lp_gen - lp_old|);
+  gen_kl_error = token mean of k3 with logr = lp_old - lp_gen; policy_kl_error = k3 with logr = lp_gen - lp_old;
+  js_divergence_error = token mean of 0.5 k3(P_old||M) + 0.5 k3(P_gen||M), log M = log(0.5 p_old + 0.5 p_gen);
+  sampling_importance_ratio = token mean of the IS weights w of step 4 (whether or not they are used);
+  approx_entropy = -token mean of exp(lp - lp_gen) * lp.
+  Reading: the diagnostic KLs use k3 (v0.4), not the configured estimator (HEAD), and are token means even for
+  a sequence-level loss (as in v0.4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from rlpost.algorithms.interfaces import LossType
+from rlpost.algorithms.logprobs import next_token_logprobs
+from rlpost.config.errors import ConfigError
+from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig, NLLLossConfig
+
+if TYPE_CHECKING:
+    from rlpost.distributed.batched_data_dict import BatchedDataDict
+
+_EPS = 1e-8
+_CfgT = TypeVar("_CfgT", bound=LossConfig)
+
+
+def masked_mean(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    dim: int | None = None,
+    global_normalization_factor: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """sum(values * mask, dim) / (N + 1e-8), N = global_normalization_factor or sum(mask, dim)."""
+    num = (values * mask).sum() if dim is None else (values * mask).sum(dim=dim)
+    if global_normalization_factor is None:
+        den = mask.sum() if dim is None else mask.sum(dim=dim)
+    else:
+        den = global_normalization_factor
+    return num / (den + _EPS)
+
+
+def calculate_kl(
+    logprobs: torch.Tensor,
+    logprobs_reference: torch.Tensor,
+    kl_type: str = "k3",
+    input_clamp_value: float | None = 20.0,
+    output_clamp_value: float | None = 10.0,
+    importance_sampling_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from samples of pi (Schulman 2020), elementwise.
+
+    logr = clamp(logprobs_reference - logprobs, +-input_clamp); k1 = -logr; k2 = logr^2 / 2;
+    k3 = exp(logr) - 1 - logr; times importance_sampling_weights if given; clamp(+-output_clamp).
+    """
+    logr = logprobs_reference - logprobs
+    if input_clamp_value is not None:
+        logr = logr.clamp(-input_clamp_value, input_clamp_value)
+    if kl_type == "k1":
+        kl = -logr
+    elif kl_type == "k2":
+        kl = 0.5 * logr.square()
+    elif kl_type == "k3":
+        kl = torch.exp(logr) - 1.0 - logr
+    else:
+        raise ValueError(f"unknown kl_type {kl_type!r} (expected k1, k2 or k3)")
+    if importance_sampling_weights is not None:
+        kl = kl * importance_sampling_weights
+    if output_clamp_value is not None:
+        kl = kl.clamp(-output_clamp_value, output_clamp_value)
+    return kl
+
+
+def _coerce_config(cfg: Any, cls: type[_CfgT]) -> _CfgT:
+    """Accept the dataclass itself, a Mapping or an OmegaConf DictConfig; reject unknown keys."""
+    if isinstance(cfg, cls):
+        return cfg
+    if isinstance(cfg, LossConfig):
+        cfg = dataclasses.asdict(cfg)
+    elif not isinstance(cfg, Mapping):
+        try:
+            from omegaconf import DictConfig, OmegaConf
+        except ImportError:  # pragma: no cover - omegaconf is a dependency
+            DictConfig = None  # type: ignore[assignment,misc]
+        if DictConfig is None or not isinstance(cfg, DictConfig):
+            raise ConfigError("loss_fn", cfg, f"must be a {cls.__name__}, a mapping or a DictConfig")
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(cfg, Mapping)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(cfg) - fields)
+    if unknown:
+        raise ConfigError(f"loss_fn.{unknown[0]}", cfg[unknown[0]], f"unknown key for {cls.__name__}")
+    return cls(**{str(k): v for k, v in cfg.items()})
+
+
+def _slice_inputs(
+    next_token_logits: torch.Tensor,
+    data: BatchedDataDict,
+    vocab_parallel_group: dist.ProcessGroup | None,
+    vocab_parallel_rank: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (lp [B, S-1], token_mask [B, S-1], sample_mask [B], mask [B, S-1]), all in lp's dtype (fp32/fp64)."""
+    ids = data["input_ids"]  # [B, S]
+    lp = next_token_logprobs(next_token_logits, ids, vocab_parallel_group, vocab_parallel_rank)[:, 1:]  # [B, S-1]
+    token_mask = data["token_mask"][:, 1:].to(lp.dtype)  # [B, S-1]
+    sample_mask = data["sample_mask"].to(lp.dtype)  # [B]
+    mask = token_mask * sample_mask.unsqueeze(-1)  # [B, S-1]
+    return lp, token_mask, sample_mask, mask
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+class ClippedPGLossFn:
+    """Clipped policy-gradient loss with optional KL penalty, dual clip, IS correction, GSPO, REINFORCE.
+
+    See the module docstring for the exact math. Built from a ClippedPGLossConfig (or an equivalent mapping /
+    DictConfig); invalid option combinations raise ConfigError here, at build time.
+    """
+
+    def __init__(self, cfg: ClippedPGLossConfig | Mapping[str, Any] | Any) -> None:
+        self.cfg: ClippedPGLossConfig = _coerce_config(cfg, ClippedPGLossConfig)
+        self.cfg.check("loss_fn")
+        c = self.cfg
+        self.reference_policy_kl_penalty = float(c.reference_policy_kl_penalty)
+        self.reference_policy_kl_type = c.reference_policy_kl_type
+        self.kl_input_clamp_value = c.kl_input_clamp_value
+        self.kl_output_clamp_value = c.kl_output_clamp_value
+        self.ratio_clip_min = float(c.ratio_clip_min)
+        self.ratio_clip_max = float(c.ratio_clip_max)
+        self.ratio_clip_c = None if c.ratio_clip_c is None else float(c.ratio_clip_c)
+        self.use_on_policy_kl_approximation = bool(c.use_on_policy_kl_approximation)
+        self.use_importance_sampling_correction = bool(c.use_importance_sampling_correction)
+        self.truncated_importance_sampling_ratio = c.truncated_importance_sampling_ratio
+        self.sequence_level_importance_ratios = bool(c.sequence_level_importance_ratios)
+        self.disable_ppo_ratio = bool(c.disable_ppo_ratio)
+        self.loss_type = LossType.TOKEN_LEVEL if c.token_level_loss else LossType.SEQUENCE_LEVEL
+
+    def _reduce(
+        self,
+        x: torch.Tensor,  # [B, S-1]
+        mask: torch.Tensor,  # [B, S-1]
+        token_mask: torch.Tensor,  # [B, S-1]
+        sample_mask: torch.Tensor,  # [B]
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.loss_type == LossType.TOKEN_LEVEL:
+            return masked_mean(x, mask, global_normalization_factor=global_valid_toks)
+        per_seq = masked_mean(x, token_mask, dim=-1)  # [B]
+        return masked_mean(per_seq, sample_mask, global_normalization_factor=global_valid_seqs)
+
+    def __call__(
+        self,
+        next_token_logits: torch.Tensor,
+        data: BatchedDataDict,
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+        vocab_parallel_rank: int | None = None,
+        vocab_parallel_group: dist.ProcessGroup | None = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        lp, token_mask, sample_mask, mask = _slice_inputs(
+            next_token_logits, data, vocab_parallel_group, vocab_parallel_rank
+        )
+        adv = data["advantages"][:, 1:].to(lp.dtype)  # [B, S-1]
+        lp_old = data["prev_logprobs"][:, 1:].to(lp.dtype)  # [B, S-1]
+        lp_gen = data["generation_logprobs"][:, 1:].to(lp.dtype)  # [B, S-1]
+        gvt = global_valid_toks
+
+        with torch.no_grad():
+            diag = _diagnostics(lp_old, lp_gen, mask, gvt)
+
+        # 1. KL penalty to the reference policy.
+        beta = self.reference_policy_kl_penalty
+        if beta != 0:
+            lp_ref = data["reference_policy_logprobs"][:, 1:].to(lp.dtype)  # [B, S-1]
+            if self.use_on_policy_kl_approximation:
+                w_kl = _finite(torch.exp(lp - lp_gen).detach())  # [B, S-1]
+            else:
+                w_kl = None
+            kl_t = beta * calculate_kl(
+                lp,
+                lp_ref,
+                self.reference_policy_kl_type,
+                self.kl_input_clamp_value,
+                self.kl_output_clamp_value,
+                importance_sampling_weights=w_kl,
+            )  # [B, S-1]
+            kl = self._reduce(kl_t, mask, token_mask, sample_mask, global_valid_seqs, gvt)
+        else:
+            kl = torch.zeros((), dtype=lp.dtype, device=lp.device)
+
+        # 2. Ratio and its clipped version.
+        if not self.disable_ppo_ratio:
+            log_ratio = lp - lp_old  # [B, S-1]
+            if self.sequence_level_importance_ratios:
+                seq_log_ratio = masked_mean(log_ratio, token_mask, dim=-1)  # [B]
+                ratios = torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(log_ratio)  # [B, S-1]
+            else:
+                ratios = torch.exp(log_ratio)
+            ratios_clamped = ratios.clamp(1.0 - self.ratio_clip_min, 1.0 + self.ratio_clip_max)
+        else:
+            ratios = lp
+            ratios_clamped = lp
+
+        # 3. Pessimistic clipped surrogate, optional dual clip.
+        clip_loss = torch.max(-adv * ratios, -adv * ratios_clamped)  # [B, S-1]
+        if self.ratio_clip_c is not None:
+            clip_loss = torch.where(adv < 0, torch.min(clip_loss, -adv * self.ratio_clip_c), clip_loss)
+
+        # 4. Importance-sampling weights between the training and the inference engine.
+        if self.sequence_level_importance_ratios:
+            seq_diff = ((lp_old - lp_gen) * mask).sum(dim=-1)  # [B]
+            is_w = _finite(torch.exp(seq_diff)).unsqueeze(-1).expand_as(lp_old)  # [B, S-1]
+        else:
+            is_w = _finite(torch.exp(lp_old - lp_gen))  # [B, S-1]
+        if self.truncated_importance_sampling_ratio is not None:
+            is_w = is_w.clamp(max=float(self.truncated_importance_sampling_ratio))
+        weights = is_w if self.use_importance_sampling_correction else torch.ones_like(lp_old)
+
+        # 5. Actor loss + KL.
+        actor_loss = self._reduce(weights * clip_loss, mask, token_mask, sample_mask, global_valid_seqs, gvt)
+        loss = actor_loss + kl
+
+        with torch.no_grad():
+            metrics: dict[str, Any] = {
+                "loss": float(loss.item()),
+                "probs_ratio": float(masked_mean(ratios.detach(), mask, global_normalization_factor=gvt).item()),
+                "probs_ratio_clamped": float(
+                    masked_mean(ratios_clamped.detach(), mask, global_normalization_factor=gvt).item()
+                ),
+                "kl_penalty": float(kl.item()) / beta if beta != 0 else 0.0,
+                **diag,
+                "sampling_importance_ratio": float(masked_mean(is_w, mask, global_normalization_factor=gvt).item()),
+                "num_valid_samples": float(sample_mask.sum().item()),
+                "approx_entropy": float(
+                    -masked_mean(
+                        torch.exp(lp.detach() - lp_gen) * lp.detach(), mask, global_normalization_factor=gvt
+                    ).item()
+                ),
+            }
+        return loss, metrics
+
+
+def _diagnostics(lp_old: torch.Tensor, lp_gen: torch.Tensor, mask: torch.Tensor, gvt: torch.Tensor) -> dict[str, float]:
+    """Train/inference mismatch metrics: the trainer's prev logprobs vs the engine's (token means, global Gt)."""
+
+    def tmean(x: torch.Tensor) -> float:
+        return float(masked_mean(x, mask, global_normalization_factor=gvt).item())
+
+    def k3(logr: torch.Tensor) -> torch.Tensor:
+        return torch.exp(logr) - logr - 1.0
+
+    log_mix = torch.log(0.5 * torch.exp(lp_old) + 0.5 * torch.exp(lp_gen))  # [B, S-1]
+    js = 0.5 * k3(lp_old - log_mix) + 0.5 * k3(lp_gen - log_mix)
+    return {
+        "token_mult_prob_error": tmean(torch.exp(torch.abs(lp_gen - lp_old) * mask)),
+        "gen_kl_error": tmean(k3(lp_old - lp_gen)),
+        "policy_kl_error": tmean(k3(lp_gen - lp_old)),
+        "js_divergence_error": tmean(js),
+    }
+
+
+class NLLLoss:
+    """Token-level negative log-likelihood (SFT): loss = -sum(lp * m) / (Gt + 1e-8).
+
+    Metrics: loss, num_unmasked_tokens (sum of m in this micro-batch), num_valid_samples (sum of sample_mask);
+    all sum over micro-batches to the global value.
+    """
+
+    loss_type = LossType.TOKEN_LEVEL
+
+    def __init__(self, cfg: NLLLossConfig | Mapping[str, Any] | Any | None = None) -> None:
+        self.cfg: NLLLossConfig = NLLLossConfig() if cfg is None else _coerce_config(cfg, NLLLossConfig)
+        self.cfg.check("loss_fn")
+
+    def __call__(
+        self,
+        next_token_logits: torch.Tensor,
+        data: BatchedDataDict,
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+        vocab_parallel_rank: int | None = None,
+        vocab_parallel_group: dist.ProcessGroup | None = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        del global_valid_seqs
+        lp, _, sample_mask, mask = _slice_inputs(next_token_logits, data, vocab_parallel_group, vocab_parallel_rank)
+        loss = -masked_mean(lp, mask, global_normalization_factor=global_valid_toks)
+        return loss, {
+            "loss": float(loss.item()),
+            "num_unmasked_tokens": float(mask.sum().item()),
+            "num_valid_samples": float(sample_mask.sum().item()),
+        }

@@ -1,0 +1,1 @@
+"""Data: datasets, prompt processing, collate, sequence packing."""

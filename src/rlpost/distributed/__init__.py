@@ -1,0 +1,1 @@
+"""Distributed data plumbing: BatchedDataDict, sharding and micro-batching."""
