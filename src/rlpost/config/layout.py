@@ -73,15 +73,17 @@ def _placement(cfg: MasterConfig) -> tuple[int, int, int, int]:
     return cl.num_nodes - n, cl.gpus_per_node, n, cl.gpus_per_node
 
 
-def attention_heads(cfg: MasterConfig) -> Optional[int]:
-    """Attention heads of the model, from the tiny spec or a local config.json; None if unknown."""
+def attention_heads(cfg: MasterConfig) -> tuple[Optional[int], Optional[int]]:
+    """(attention heads, key/value heads) of the model, from the tiny spec or a local config.json; None if unknown."""
     if cfg.model.tiny is not None:
-        return cfg.model.tiny.num_attention_heads
+        return cfg.model.tiny.num_attention_heads, cfg.model.tiny.num_key_value_heads
     path = os.path.join(str(cfg.policy.model_name), "config.json")
     if os.path.isfile(path):
         with open(path) as f:
-            return json.load(f).get("num_attention_heads")
-    return None
+            hf = json.load(f)
+        heads = hf.get("num_attention_heads")
+        return heads, hf.get("num_key_value_heads", heads)
+    return None, None
 
 
 def compute_layout(cfg: MasterConfig) -> Layout:
@@ -104,9 +106,13 @@ def compute_layout(cfg: MasterConfig) -> Layout:
             f"TP*PP*CP={model_parallel} does not divide {train_world}",
         )
     dp = train_world // model_parallel
-    heads = attention_heads(cfg)
+    heads, kv_heads = attention_heads(cfg)
     if heads is not None and heads % tp != 0:
         raise ConfigError(backend_key, tp, f"tensor-parallel size must divide the model's {heads} attention heads")
+    if kv_heads is not None and kv_heads % tp != 0:
+        raise ConfigError(
+            backend_key, tp, f"tensor-parallel size must divide the model's {kv_heads} key/value heads"
+        )
 
     gen_tp = 1
     vllm_cfg = getattr(cfg.policy.generation, "vllm_cfg", None)
@@ -119,11 +125,11 @@ def compute_layout(cfg: MasterConfig) -> Layout:
                 vllm_cfg.tensor_parallel_size,
                 f"TP*PP of the engine ({gen_tp}) must divide the {gen_world} generation workers",
             )
-        if heads is not None and heads % vllm_cfg.tensor_parallel_size != 0:
+        if kv_heads is not None and kv_heads % vllm_cfg.tensor_parallel_size != 0:
             raise ConfigError(
                 "policy.generation.vllm_cfg.tensor_parallel_size",
                 vllm_cfg.tensor_parallel_size,
-                f"must divide the model's {heads} attention heads",
+                f"must divide the model's {kv_heads} key/value heads",
             )
 
     g = cfg.grpo

@@ -28,6 +28,8 @@ BAD = [
      "requires use_importance_sampling_correction"),
     (["cluster.gpus_per_node=4", "policy.dtensor_cfg.tensor_parallel_size=4"],
      "policy.dtensor_cfg.tensor_parallel_size", "attention heads"),
+    (["cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2", "model.tiny.num_key_value_heads=1"],
+     "policy.dtensor_cfg.tensor_parallel_size", "key/value heads"),
     (["policy.generation.colocated.enabled=false"], "policy.generation.colocated.resources.gpus_per_node",
      "non-colocated engine needs resources"),
     (["cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",

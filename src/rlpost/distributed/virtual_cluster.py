@@ -1,0 +1,192 @@
+"""Ray start-up and placement: `init_ray` and `RayVirtualCluster`.
+
+A RayVirtualCluster reserves one bundle per worker slot (a GPU, or a fraction of the CPUs on a
+machine without GPUs) in one placement group. Worker groups place one actor per bundle; two groups
+(the policy and the rollout engine) may share the bundles, each actor asking for
+1/max_colocated_worker_groups of a bundle. If the bundles can't be reserved within the timeout it
+fails with a message naming what was asked and what exists; it never hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlpost.config.schema.cluster import ClusterConfig
+
+# Environment every actor starts with: one compute thread per process (the cores are few), no hub.
+WORKER_ENV: Dict[str, str] = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+class ClusterResourceError(RuntimeError):
+    """The requested bundles could not be reserved in time."""
+
+
+def resolve_device(cfg: ClusterConfig) -> str:
+    """'cuda' or 'cpu' for cluster.device='auto'."""
+    if cfg.device != "auto":
+        return cfg.device
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def init_ray(cfg: ClusterConfig) -> None:
+    """Join `cfg.address` or start a local Ray cluster (bounded object store, no dashboard). Idempotent."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    runtime_env = {"env_vars": dict(WORKER_ENV)}
+    if cfg.address:
+        ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=True)
+        return
+    ray.init(
+        num_cpus=cfg.num_cpus if cfg.num_cpus is not None else os.cpu_count(),
+        include_dashboard=False,
+        object_store_memory=cfg.object_store_memory_mb * 2**20,
+        runtime_env=runtime_env,
+        log_to_driver=True,
+        configure_logging=True,
+        logging_level="WARNING",
+    )
+
+
+@dataclass(frozen=True)
+class BundlePlacement:
+    """Where one bundle landed."""
+
+    index: int
+    node_id: str
+
+
+class RayVirtualCluster:
+    """`workers_per_node` bundles on each of `num_nodes` nodes, in one placement group."""
+
+    def __init__(
+        self,
+        name: str,
+        workers_per_node: int,
+        num_nodes: int = 1,
+        use_gpus: bool = False,
+        cpus_per_bundle: float = 0.5,
+        max_colocated_worker_groups: int = 1,
+        placement_timeout_s: float = 60.0,
+    ) -> None:
+        self.name = name
+        self.workers_per_node = workers_per_node
+        self.num_nodes = num_nodes
+        self.use_gpus = use_gpus
+        self.cpus_per_bundle = cpus_per_bundle
+        self.max_colocated_worker_groups = max_colocated_worker_groups
+        self.placement_timeout_s = placement_timeout_s
+        self._pg: Optional[PlacementGroup] = None
+        self._order: List[BundlePlacement] = []
+
+    @property
+    def world_size(self) -> int:
+        return self.workers_per_node * self.num_nodes
+
+    def bundle(self) -> Dict[str, float]:
+        b: Dict[str, float] = {"CPU": self.cpus_per_bundle}
+        if self.use_gpus:
+            b["GPU"] = 1.0
+        return b
+
+    def placement_group(self) -> PlacementGroup:
+        """Reserve the bundles (once), or raise ClusterResourceError after the timeout."""
+        if self._pg is not None:
+            return self._pg
+        bundles = [self.bundle() for _ in range(self.world_size)]
+        if self.num_nodes == 1:
+            strategy = "STRICT_PACK"
+        else:
+            strategy = "STRICT_SPREAD" if self.workers_per_node == 1 else "SPREAD"
+        pg = placement_group(bundles, strategy=strategy, name=f"{self.name}-pg")
+        ready, _ = ray.wait([pg.ready()], timeout=self.placement_timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise ClusterResourceError(
+                f"cluster '{self.name}': could not reserve {len(bundles)} bundle(s) of {self.bundle()} "
+                f"({strategy}) within {self.placement_timeout_s:.0f}s; the Ray cluster has "
+                f"{_fmt(ray.cluster_resources())} in all, {_fmt(ray.available_resources())} free, on "
+                f"{len([n for n in ray.nodes() if n.get('Alive')])} node(s). Lower cluster.gpus_per_node / "
+                "cluster.worker_num_cpus or add nodes."
+            )
+        table = placement_group_table(pg)
+        to_node = table.get("bundles_to_node_id", {})
+        # Bundles sorted by node so consecutive ranks share a node.
+        self._order = sorted(
+            (BundlePlacement(i, str(to_node.get(i, ""))) for i in range(len(bundles))),
+            key=lambda b: (b.node_id, b.index),
+        )
+        self._pg = pg
+        return pg
+
+    def bundle_for_rank(self, rank: int) -> BundlePlacement:
+        self.placement_group()
+        return self._order[rank]
+
+    def scheduling(self, rank: int, fraction: Optional[float] = None) -> Dict[str, Any]:
+        """Ray actor options placing rank `rank` on its bundle, taking 1/max_colocated of it."""
+        frac = fraction if fraction is not None else 1.0 / self.max_colocated_worker_groups
+        b = self.bundle_for_rank(rank)
+        opts: Dict[str, Any] = {
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group(), placement_group_bundle_index=b.index
+            ),
+            "num_cpus": self.cpus_per_bundle * frac,
+        }
+        if self.use_gpus:
+            opts["num_gpus"] = frac
+        return opts
+
+    def node_of_rank(self, rank: int) -> str:
+        node_id = self.bundle_for_rank(rank).node_id
+        for n in ray.nodes():
+            if n.get("NodeID") == node_id:
+                return f"{n.get('NodeManagerAddress', '?')} ({node_id[:8]})"
+        return node_id[:8] or "?"
+
+    def get_master_address_and_port(self) -> tuple[str, int]:
+        """An address and a free port on the node of rank 0 (for torch.distributed rendezvous)."""
+        opts = self.scheduling(0, fraction=0.001 / max(self.cpus_per_bundle, 1e-3))
+        opts["num_cpus"] = 0
+        ref = _free_port.options(**opts).remote()
+        addr, port = ray.get(ref, timeout=self.placement_timeout_s)
+        return addr, port
+
+    def shutdown(self) -> None:
+        if self._pg is not None:
+            try:
+                remove_placement_group(self._pg)
+            except Exception:  # noqa: BLE001 - Ray may already be down
+                pass
+            self._pg = None
+
+
+@ray.remote(num_cpus=0)
+def _free_port() -> tuple[str, int]:
+    addr = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return addr, int(s.getsockname()[1])
+
+
+def _fmt(res: Dict[str, float]) -> str:
+    keep = {k: v for k, v in res.items() if k in ("CPU", "GPU")}
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items())) + "}"

@@ -1,0 +1,175 @@
+"""RayWorkerGroup: one Ray actor per rank, data-parallel dispatch, and calls that never hang.
+
+Ranks are laid out tp-fastest, then cp, then dp, then pp (Megatron's order):
+    rank = ((pp * DP + dp) * CP + cp) * TP + tp
+Sharded calls send shard `dp` to every rank with that dp coordinate (replicated over tp/cp/pp) and
+keep one result per dp shard (from tp=0, cp=0 and the last pipeline stage), so nothing is
+duplicated.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
+
+
+class WorkerGroupError(RuntimeError):
+    """A worker died or a call did not finish in time; the message names the worker."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the rank grid."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def coords(self, rank: int) -> Dict[str, int]:
+        return {
+            "tp": rank % self.tp,
+            "cp": (rank // self.tp) % self.cp,
+            "dp": (rank // (self.tp * self.cp)) % self.dp,
+            "pp": rank // (self.tp * self.cp * self.dp),
+        }
+
+    def is_output_rank(self, rank: int) -> bool:
+        c = self.coords(rank)
+        return c["tp"] == 0 and c["cp"] == 0 and c["pp"] == self.pp - 1
+
+
+class RayWorkerGroup:
+    """Actors of `actor_cls` (a plain class; wrapped with ray.remote here), one per rank."""
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        actor_cls: type,
+        *args: Any,
+        dims: Optional[ParallelDims] = None,
+        name_prefix: str = "worker",
+        env_vars: Optional[Dict[str, str]] = None,
+        timeout_s: float = 900.0,
+        **kwargs: Any,
+    ) -> None:
+        self.cluster = cluster
+        self.dims = dims or ParallelDims(dp=cluster.world_size)
+        if self.dims.world_size != cluster.world_size:
+            raise ValueError(
+                f"{name_prefix}: parallel dims {self.dims} need {self.dims.world_size} workers, "
+                f"the cluster has {cluster.world_size}"
+            )
+        self.name_prefix = name_prefix
+        self.timeout_s = timeout_s
+        addr, port = cluster.get_master_address_and_port()
+        remote_cls = ray.remote(actor_cls)
+        self.workers: List[Any] = []
+        for rank in range(self.dims.world_size):
+            env = {
+                **WORKER_ENV,
+                **(env_vars or {}),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank % cluster.workers_per_node),
+                "WORLD_SIZE": str(self.dims.world_size),
+                "MASTER_ADDR": addr,
+                "MASTER_PORT": str(port),
+            }
+            opts = cluster.scheduling(rank)
+            opts["runtime_env"] = {"env_vars": env}
+            opts["name"] = f"{name_prefix}-{rank}-{id(self):x}"
+            opts["max_concurrency"] = 2  # lets a `ping` through while a long call runs
+            self.workers.append(remote_cls.options(**opts).remote(*args, **kwargs))
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    def describe(self, rank: int) -> str:
+        return f"{self.name_prefix} rank {rank} on node {self.cluster.node_of_rank(rank)}"
+
+    # ---- dispatch -------------------------------------------------------------------------
+    def run_all(self, method: str, *args: Any, **kwargs: Any) -> List[Any]:
+        """Call `method` on every rank with the same arguments; results in rank order."""
+        return self.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def run_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.get([getattr(self.workers[0], method).remote(*args, **kwargs)])[0]
+
+    def run_sharded(
+        self, method: str, shards: Sequence[Any], *args: Any, output_only: bool = True, **kwargs: Any
+    ) -> List[Any]:
+        """Send `shards[dp]` to every rank of data-parallel index dp; one result per shard (dp order)."""
+        if len(shards) != self.dims.dp:
+            raise ValueError(f"{len(shards)} shards for data-parallel size {self.dims.dp}")
+        refs = [ray.put(s) for s in shards]
+        futures = [
+            getattr(w, method).remote(refs[self.dims.coords(r)["dp"]], *args, **kwargs)
+            for r, w in enumerate(self.workers)
+        ]
+        results = self.get(futures)
+        if not output_only:
+            return results
+        out: List[Any] = [None] * self.dims.dp
+        for r, res in enumerate(results):
+            if self.dims.is_output_rank(r):
+                out[self.dims.coords(r)["dp"]] = res
+        return out
+
+    def get(self, futures: List[Any], timeout_s: Optional[float] = None) -> List[Any]:
+        """ray.get with a timeout; a dead worker or a timeout raises WorkerGroupError naming the rank."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        pending = list(futures)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = [futures.index(f) for f in pending]
+                self._fail(
+                    f"call did not finish within {timeout:.0f}s on " + ", ".join(self.describe(r) for r in ranks)
+                )
+            done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
+            for f in done:
+                try:
+                    ray.get(f, timeout=0)
+                except RayActorError as exc:
+                    rank = futures.index(f)
+                    self._fail(f"{self.describe(rank)} died: {str(exc).splitlines()[0]}")
+                except RayTaskError as exc:
+                    rank = futures.index(f)
+                    raise WorkerGroupError(f"{self.describe(rank)} raised: {exc}") from None
+                except GetTimeoutError:  # pragma: no cover - done futures don't time out
+                    pass
+        return ray.get(list(futures), timeout=max(deadline - time.monotonic(), 1.0))
+
+    def _fail(self, msg: str) -> None:
+        self.shutdown()
+        raise WorkerGroupError(msg)
+
+    def shutdown(self, graceful_method: Optional[str] = None, timeout_s: float = 30.0) -> None:
+        """Optionally call `graceful_method` on every rank (bounded), then kill the actors."""
+        if graceful_method and self.workers:
+            try:
+                ray.wait(
+                    [getattr(w, graceful_method).remote() for w in self.workers],
+                    num_returns=len(self.workers),
+                    timeout=timeout_s,
+                )
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        self.workers = []

@@ -1,0 +1,1 @@
+"""DTensor / FSDP2 parallelism for HF causal LMs."""

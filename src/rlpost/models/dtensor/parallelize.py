@@ -1,0 +1,117 @@
+"""One function per parallelism technique, composed in a fixed order: TP, then activation
+checkpointing, then FSDP2.
+
+TP plans are rlpost's own, per architecture (Qwen2 and Llama share the layout): column-parallel
+q/k/v/gate/up, row-parallel o/down, a vocab-sharded embedding, and an lm_head whose logits stay
+sharded over the vocabulary (Shard(-1)) so the loss runs through the vocab-parallel log-softmax.
+transformers 5.x reshapes attention with -1 heads, so local head counts need no patching.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of decoder blocks of a HF causal LM (model.model.layers)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: no model.layers ModuleList; only decoder-only HF LMs are supported")
+    return layers
+
+
+def qwen2_llama_tp_plan() -> Dict[str, Any]:
+    """TP plan for Qwen2/Llama-style decoders (relative to the HF CausalLM module)."""
+    plan: Dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        plan[f"model.layers.*.self_attn.{proj}"] = ColwiseParallel()
+    plan["model.layers.*.self_attn.o_proj"] = RowwiseParallel()
+    for proj in ("gate_proj", "up_proj"):
+        plan[f"model.layers.*.mlp.{proj}"] = ColwiseParallel()
+    plan["model.layers.*.mlp.down_proj"] = RowwiseParallel()
+    return plan
+
+
+TP_PLANS = {
+    "Qwen2ForCausalLM": qwen2_llama_tp_plan,
+    "LlamaForCausalLM": qwen2_llama_tp_plan,
+    "Qwen3ForCausalLM": qwen2_llama_tp_plan,
+}
+
+
+def get_tp_plan(model: nn.Module, custom_plan: Optional[str] = None) -> Dict[str, Any]:
+    """The built-in plan for the model's architecture, or the one at `custom_plan` (allow-listed import path)."""
+    if custom_plan:
+        from rlpost.build import resolve
+
+        obj = resolve(custom_plan, key="policy.dtensor_cfg.custom_parallel_plan")
+        return obj() if callable(obj) else dict(obj)
+    name = type(model).__name__.removeprefix("FSDP")
+    if name not in TP_PLANS:
+        raise ValueError(f"no tensor-parallel plan for {name}; known: {sorted(TP_PLANS)} (or set custom_parallel_plan)")
+    return TP_PLANS[name]()
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, custom_plan: Optional[str] = None) -> None:
+    """Shard the model over `tp_mesh` with its TP plan; re-tie embeddings that the plan split apart."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    parallelize_module(model, tp_mesh, get_tp_plan(model, custom_plan))
+    if tied:
+        # Both the embedding (Rowwise) and lm_head (Colwise) shard the weight on dim 0 (vocab): same DTensor layout.
+        model.lm_head.weight = model.get_input_embeddings().weight
+
+
+def apply_ac(model: nn.Module) -> None:
+    """Recompute each decoder layer in backward (non-reentrant activation checkpointing)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    cpu_offload: bool = False,
+) -> None:
+    """FSDP2: each decoder layer, then the root. fp32 master weights; compute in `param_dtype`, reduce in fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    kwargs: Dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp}
+    if cpu_offload and dp_mesh.device_type == "cuda":
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    precision: str,
+    activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
+    custom_plan: Optional[str] = None,
+) -> nn.Module:
+    """TP -> AC -> FSDP2 on a 2-D ('dp', 'tp') mesh."""
+    if mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"], custom_plan)
+    if activation_checkpointing:
+        apply_ac(model)
+    apply_fsdp(model, mesh["dp"], DTYPES[precision], cpu_offload)
+    return model

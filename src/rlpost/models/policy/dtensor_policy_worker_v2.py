@@ -1,0 +1,81 @@
+"""`policy=dtensor_v2`: the same worker, with loading and parallelism delegated to libraries.
+
+- Tensor parallelism: transformers' own plan (`from_pretrained(tp_plan="auto", device_mesh=tp)`,
+  the model's `base_model_tp_plan`); its lm_head plan gathers the logits, so the loss sees the full
+  vocabulary.
+- FSDP2: accelerate's `fsdp2_prepare_model` (transformer-layer auto-wrap, embedding/tail units,
+  fp32 master weights under a MixedPrecisionPolicy).
+
+accelerate 1.15 turns FSDP on only for accelerator devices; on CPU the worker hands the
+Accelerator's state its FSDP plugin, device mesh and parallelism config itself (three assignments
+in `_accelerator`), then uses accelerate's preparation unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from rlpost.models.dtensor.parallelize import DTYPES, decoder_layers
+from rlpost.models.policy.dtensor_worker_base import DTensorWorkerBase
+from rlpost.models.policy.hf_loading import load_hf_causal_lm
+
+
+class DTensorPolicyWorkerV2(DTensorWorkerBase):
+    """One rank of the library-parallelised DTensor policy."""
+
+    DP_DIM = "dp_shard_cp"
+
+    def _accelerator(self, layer_cls: str) -> Any:
+        from accelerate import Accelerator
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        d = self.cfg.dtensor_cfg
+        assert d is not None
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=[layer_cls],
+            reshard_after_forward=True,
+            cpu_ram_efficient_loading=False,
+            activation_checkpointing=d.activation_checkpointing,
+            mixed_precision_policy=MixedPrecisionPolicy(
+                param_dtype=DTYPES[self.cfg.precision], reduce_dtype=torch.float32, output_dtype=torch.float32
+            ),
+            cpu_offload=CPUOffloadPolicy() if (d.cpu_offload and self.device.type == "cuda") else None,
+        )
+        acc = Accelerator(cpu=self.device.type == "cpu")
+        acc.state.fsdp_plugin = plugin
+        acc.state.device_mesh = self.mesh
+        acc.state.parallelism_config = ParallelismConfig(dp_shard_size=self.dp_size, tp_size=self.tp_size)
+        return acc
+
+    def _build_model(self) -> nn.Module:
+        from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_prepare_model
+
+        if self.tp_size > 1:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(
+                self.cfg.model_name,
+                dtype=torch.float32,
+                tp_plan="auto",
+                device_mesh=self.mesh["tp"],
+                trust_remote_code=self.cfg.trust_remote_code,
+                use_safetensors=True,
+                attn_implementation="sdpa",
+                **self.cfg.hf_config_overrides,
+            )
+        else:
+            model = load_hf_causal_lm(self.cfg, torch.float32).to(self.device)
+        acc = self._accelerator(type(decoder_layers(model)[0]).__name__)
+        if self.cfg.dtensor_cfg is not None and self.cfg.dtensor_cfg.activation_checkpointing:
+            model = fsdp2_apply_ac(acc, model)
+        return fsdp2_prepare_model(acc, model)
+
+    def _vp_kwargs(self) -> Dict[str, Any]:
+        return {}  # transformers' lm_head plan gathers the logits: the loss sees the full vocabulary

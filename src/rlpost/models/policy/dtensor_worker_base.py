@@ -1,0 +1,325 @@
+"""Shared body of the DTensor policy workers (one Ray actor per rank).
+
+A subclass only decides how the HF model is loaded and parallelised (`_build_model`). Everything
+else — logprobs, the training step with global normalisation, the reference model, checkpoints
+and weight export for refit — is here.
+
+Training step (NeMo RL semantics): per global batch, the valid sequences and tokens are summed
+over data-parallel ranks (Gs, Gt); each micro-batch loss is already divided by them, so the sum of
+micro-batch losses is the global mean. FSDP averages gradients over DP, so each micro-batch loss is
+multiplied by the DP size before backward. Logits are divided by the sampling temperature.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from rlpost.config.schema.policy import PolicyConfig
+from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.models.policy import dtensor_checkpoint
+from rlpost.models.policy.optim import build_optimizer, build_scheduler
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class DTensorWorkerBase:
+    """One rank of a DTensor policy. Constructed inside a Ray actor with RANK/WORLD_SIZE/MASTER_* set."""
+
+    DP_DIM = "dp"
+    """Name of the data-parallel mesh dimension."""
+
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        weights_path: Optional[str] = None,
+        optimizer_path: Optional[str] = None,
+        init_optimizer: bool = True,
+        init_reference_model: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        assert cfg.dtensor_cfg is not None
+        self.device = torch.device(os.environ.get("RLPOST_DEVICE", "cpu"))
+        if self.device.type == "cpu":
+            torch.set_num_threads(1)
+        else:
+            torch.cuda.set_device(0)
+            self.device = torch.device("cuda", 0)
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend="nccl" if self.device.type == "cuda" else "gloo",
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+        tp = cfg.dtensor_cfg.tensor_parallel_size
+        self.dp_size = self.world_size // tp
+        self.mesh: DeviceMesh = init_device_mesh(
+            self.device.type, (self.dp_size, tp), mesh_dim_names=(self.DP_DIM, "tp")
+        )
+        self.tp_size = tp
+        self.temperature = float(cfg.generation.temperature) if cfg.generation is not None else 1.0
+        torch.manual_seed(1234)
+        self.model = self._build_model()
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None
+        if init_optimizer and cfg.optimizer is not None:
+            self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+            self.scheduler = build_scheduler(cfg.scheduler, self.optimizer)
+        if weights_path:
+            dtensor_checkpoint.load(self, weights_path, optimizer_path)
+        self.reference: Optional[Dict[str, torch.Tensor]] = None
+        if init_reference_model:
+            self.reference = {k: _local(v).detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        self._export: List[Tuple[str, torch.Tensor]] = []
+
+    # ---- subclass hook -----------------------------------------------------------------
+    def _build_model(self) -> nn.Module:
+        raise NotImplementedError
+
+    # ---- small helpers -----------------------------------------------------------------
+    def ping(self) -> int:
+        return self.rank
+
+    @property
+    def tp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.mesh["tp"].get_group() if self.tp_size > 1 else None
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh[self.DP_DIM].get_group()
+
+    def _microbatches(self, data: BatchedDataDict, mbs: int) -> Iterator[Any]:
+        if data.micro_batch_kind == "packing":
+            yield from data.make_microbatch_iterator_for_packable_sequences()
+        elif data.micro_batch_kind == "dynamic":
+            yield from data.make_microbatch_iterator_with_dynamic_shapes()
+        else:
+            yield from data.make_microbatch_iterator(mbs)
+
+    def _forward_logits(self, mb: Any) -> Tuple[torch.Tensor, BatchedDataDict, Any]:
+        """Logits / temperature for a micro-batch: ([1, T, V] packed or [B, S, V]), its rows, the packing."""
+        if hasattr(mb, "packed"):
+            pk = mb.packed
+            mask = pk.attention_mask(torch.float32).to(self.device)
+            out = self.model(
+                input_ids=pk.input_ids.to(self.device),
+                position_ids=pk.position_ids.to(self.device),
+                attention_mask=mask,
+            )
+            rows = mb.data
+        else:
+            out = self.model(input_ids=mb["input_ids"].to(self.device))
+            rows, pk = mb, None
+        logits = out.logits
+        if isinstance(logits, DTensor):
+            logits = logits.to_local()  # [.., V / TP]: sharded over the vocabulary
+        return logits.float() / self.temperature, rows, pk
+
+    def _vp_kwargs(self) -> Dict[str, Any]:
+        if self.tp_size == 1:
+            return {}
+        return {"vocab_parallel_group": self.tp_group, "vocab_parallel_rank": self.mesh["tp"].get_local_rank()}
+
+    # ---- logprobs ----------------------------------------------------------------------
+    @torch.no_grad()
+    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        from rlpost.algorithms.logprobs import next_token_logprobs
+
+        self.model.eval()
+        full_len = int(data["input_ids"].shape[1])
+        outs: List[torch.Tensor] = []
+        for mb in self._microbatches(data, self.cfg.logprob_batch_size):
+            logits, rows, pk = self._forward_logits(mb)
+            if pk is not None:
+                ids = pk.input_ids.to(self.device)
+                lp = next_token_logprobs(logits, ids, chunk_size=self.cfg.logprob_chunk_size, **self._vp_kwargs())
+                starts = pk.cu_seqlens_padded[:-1].long()
+                lp[0, starts] = 0.0  # a sequence's first token has no in-sequence context
+                lp = mb.unpack(lp.cpu())  # [N, seq_len]
+            else:
+                lp = next_token_logprobs(
+                    logits, rows["input_ids"].to(self.device), chunk_size=self.cfg.logprob_chunk_size,
+                    **self._vp_kwargs(),
+                ).cpu()
+            if lp.shape[1] < full_len:
+                lp = torch.nn.functional.pad(lp, (0, full_len - lp.shape[1]))
+            if not getattr(mb, "is_padding", False) and not getattr(rows, "is_padding", False):
+                outs.append(lp)
+        return BatchedDataDict(logprobs=torch.cat(outs, dim=0) if outs else torch.zeros(0, full_len))
+
+    @torch.no_grad()
+    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        if self.reference is None:
+            raise RuntimeError("the policy was built without a reference model (init_reference_model=False)")
+        current = self._swap_weights(self.reference)
+        try:
+            out = self.get_logprobs(data)
+        finally:
+            self._swap_weights(current)
+        return BatchedDataDict(reference_logprobs=out["logprobs"])
+
+    @torch.no_grad()
+    def _swap_weights(self, new: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        old: Dict[str, torch.Tensor] = {}
+        for k, v in self.model.state_dict().items():
+            local = _local(v)
+            old[k] = local.detach().to("cpu", copy=True)
+            local.copy_(new[k].to(local.device))
+        return old
+
+    # ---- training ----------------------------------------------------------------------
+    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: Optional[int] = None) -> Dict[str, Any]:
+        if self.optimizer is None:
+            raise RuntimeError("the policy was built without an optimizer (init_optimizer=False)")
+        self.model.train()
+        gbs = gbs or self.cfg.train_global_batch_size
+        local_gbs = gbs // self.dp_size
+        n_global = data.size // local_gbs
+        losses, grad_norms = [], []
+        mb_metrics: Dict[str, List[float]] = {}
+        for g in range(n_global):
+            gb = data.get_batch(g, local_gbs)
+            sm = gb["sample_mask"].float()
+            tm = gb["token_mask"][:, 1:].float()
+            counts = torch.stack([sm.sum(), (tm * sm[:, None]).sum()]).to(self.device)
+            dist.all_reduce(counts, group=self.dp_group)
+            gs, gt = counts[0], counts[1]
+            self.optimizer.zero_grad(set_to_none=True)
+            gb_loss = torch.zeros((), device=self.device)
+            for mb in self._microbatches(gb, self.cfg.train_micro_batch_size):
+                logits, rows, pk = self._forward_logits(mb)
+                rows = rows.to(self.device)
+                fn = loss_fn
+                if pk is not None:
+                    from rlpost.algorithms.packed_loss import SequencePackingLossWrapper
+
+                    fn = SequencePackingLossWrapper(loss_fn, pk.cu_seqlens, pk.cu_seqlens_padded)
+                loss, metrics = fn(logits, rows, gs, gt, **self._vp_kwargs())
+                if getattr(mb, "is_padding", False) or getattr(rows, "is_padding", False):
+                    loss = loss * 0.0
+                (loss * self.dp_size).backward()
+                gb_loss += loss.detach()
+                for k, v in metrics.items():
+                    mb_metrics.setdefault(k, []).append(float(v))
+            grad_norm = self._clip_grad_norm()
+            self.optimizer.step()
+            dist.all_reduce(gb_loss, group=self.dp_group)
+            losses.append(float(gb_loss))
+            grad_norms.append(grad_norm)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return {
+            "loss": sum(losses) / max(len(losses), 1),
+            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "num_global_batches": n_global,
+            "all_mb_metrics": mb_metrics,
+        }
+
+    def _clip_grad_norm(self) -> float:
+        """Global L2 grad norm over every parameter (TP-sharded and not), then clip to max_grad_norm.
+
+        Parameters live on different meshes (TP-sharded ones on (dp, tp), others on (dp,)), so the
+        norm is taken per mesh and combined; torch's clip_grad_norm_ refuses mixed meshes.
+        """
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        groups: Dict[Any, List[torch.Tensor]] = {}
+        for g in grads:
+            key = (tuple(g.device_mesh.mesh_dim_names or ()), tuple(g.device_mesh.mesh.flatten().tolist())) if isinstance(
+                g, DTensor
+            ) else None
+            groups.setdefault(key, []).append(g)
+        sq = torch.zeros((), dtype=torch.float64)
+        for gs in groups.values():
+            n = torch.nn.utils.get_total_norm(gs, 2.0)
+            if isinstance(n, DTensor):
+                n = n.full_tensor()
+            sq += n.detach().double().cpu() ** 2
+        total = float(sq.sqrt())
+        max_norm = self.cfg.max_grad_norm
+        if max_norm is not None and total > max_norm:
+            coef = max_norm / (total + 1e-6)
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(coef)
+        return total
+
+    # ---- memory phases (no-ops on CPU) ------------------------------------------------------
+    def prepare_for_training(self) -> None:
+        self.model.train()
+
+    def prepare_for_lp_inference(self) -> None:
+        self.model.eval()
+
+    def offload_before_refit(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def offload_after_refit(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- refit export ----------------------------------------------------------------------
+    def prepare_weights_for_export(self, dtype: str) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """All ranks: gather full weights (collective); rank 0 keeps them cast to `dtype` under HF names."""
+        full = dtensor_checkpoint.full_state_dict(self.model)
+        if "lm_head.weight" not in full and getattr(self.model.config, "tie_word_embeddings", False):
+            full["lm_head.weight"] = full.get("model.embed_tokens.weight")
+        torch_dtype = getattr(torch, dtype)
+        self._export = [(k, v.to(torch_dtype)) for k, v in full.items() if v is not None] if self.rank == 0 else []
+        return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in self._export}
+
+    def get_export_chunk(self, start: int, max_bytes: int) -> Tuple[List[Tuple[str, torch.Tensor]], int]:
+        """Rank 0: tensors [start, next) of the prepared export, at most max_bytes (at least one tensor)."""
+        out, size, i = [], 0, start
+        while i < len(self._export):
+            name, t = self._export[i]
+            nbytes = t.numel() * t.element_size()
+            if out and size + nbytes > max_bytes:
+                break
+            out.append((name, t))
+            size += nbytes
+            i += 1
+        return out, i
+
+    def export_fingerprint(self) -> str:
+        from rlpost.models.fingerprint import weight_fingerprint
+
+        return weight_fingerprint(self._export)
+
+    def clear_export(self) -> None:
+        self._export = []
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None, hf_export: bool = True) -> None:
+        dtensor_checkpoint.save(self, weights_path, optimizer_path, hf_export=hf_export)
+
+    def state_fingerprint(self) -> Dict[str, float]:
+        """Debug/test helper: sum of |w| and of optimizer state per rank (local shards)."""
+        w = sum(float(_local(p).detach().double().abs().sum()) for p in self.model.parameters())
+        o = 0.0
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        o += float(_local(v).double().abs().sum())
+        return {"weights": w, "optimizer": o}
+
+    def full_weights(self) -> Dict[str, torch.Tensor]:
+        """All ranks call; rank 0 gets the full fp32 state dict (tests, exports)."""
+        return dtensor_checkpoint.full_state_dict(self.model)
+
+    def shutdown(self) -> bool:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return True

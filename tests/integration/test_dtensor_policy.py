@@ -1,0 +1,252 @@
+"""DTensor policy workers on real Ray actors and gloo process groups (2 ranks)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterator, List
+
+import pytest
+import ray
+import torch
+
+from rlpost.algorithms.loss_functions import ClippedPGLossFn
+from rlpost.config.load import load_master_config
+from rlpost.config.schema.loss import ClippedPGLossConfig
+from rlpost.config.schema.policy import PolicyConfig, PytorchOptimizerConfig
+from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.virtual_cluster import RayVirtualCluster
+from rlpost.distributed.worker_groups import WorkerGroupError
+from rlpost.models.policy.lm_policy import Policy
+
+pytestmark = pytest.mark.slow
+
+B, S = 16, 20
+SGD = PytorchOptimizerConfig(name="torch.optim.SGD", kwargs={"lr": 0.5})
+
+
+def policy_cfg(model_dir: Path, *overrides: str, optimizer: PytorchOptimizerConfig | None = None) -> PolicyConfig:
+    _, cfg = load_master_config(
+        [
+            "grpo.num_prompts_per_step=2",
+            "policy.train_global_batch_size=16",
+            "policy.train_micro_batch_size=4",
+            "policy.logprob_batch_size=4",
+            "cluster.gpus_per_node=2",
+            *overrides,
+        ]
+    )
+    p = dataclasses.replace(cfg.policy, model_name=str(model_dir))
+    p.tokenizer.name = str(model_dir)
+    if optimizer is not None:
+        p.optimizer = optimizer
+    return p
+
+
+def make_batch(seed: int = 0, vocab: int = 380) -> BatchedDataDict:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, S + 1, (B,), generator=g)
+    ids = torch.randint(3, vocab, (B, S), generator=g)
+    pos = torch.arange(S)[None, :]
+    valid = pos < lengths[:, None]
+    ids = torch.where(valid, ids, torch.zeros_like(ids))
+    token_mask = (valid & (pos >= 4)).float()  # the first 4 tokens are the "prompt"
+    adv = torch.randn(B, 1, generator=g).expand(B, S).clone()
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=lengths,
+        token_mask=token_mask,
+        sample_mask=torch.ones(B),
+        advantages=adv,
+        generation_logprobs=torch.zeros(B, S),
+    )
+
+
+LOSS = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0))
+
+
+class Built:
+    def __init__(self, cfg: PolicyConfig, workers: int, **kw: Any) -> None:
+        self.cluster = RayVirtualCluster(f"test-{id(self)}", workers, cpus_per_bundle=0.5)
+        self.policy = Policy(self.cluster, cfg, **kw)
+
+    def close(self) -> None:
+        self.policy.shutdown()
+        self.cluster.shutdown()
+
+
+@pytest.fixture
+def built() -> Iterator[List[Built]]:
+    made: List[Built] = []
+    yield made
+    for b in made:
+        b.close()
+
+
+def train_steps(policy: Policy, n: int) -> List[float]:
+    losses = []
+    for step in range(n):
+        data = make_batch(seed=step)
+        data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
+        losses.append(policy.train(data, LOSS)["loss"])
+    return losses
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def test_logprobs_match_plain_transformers(ray_local: None, tiny_model_dir: Path, built: List[Built]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    b = Built(policy_cfg(tiny_model_dir), 2)
+    built.append(b)
+    data = make_batch()
+    lp = b.policy.get_logprobs(data)["logprobs"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(data["input_ids"]).logits.float(), -1)[:, :-1]
+        ref = ref.gather(-1, data["input_ids"][:, 1:, None])[..., 0]
+    valid = (torch.arange(S)[None, 1:] < data["input_lengths"][:, None])
+    assert torch.allclose(lp[:, 1:][valid], ref[valid], atol=1e-5)
+    assert torch.all(lp[:, 0] == 0)
+
+
+def test_dp2_equals_dp1_and_microbatch_split(ray_local: None, tiny_model_dir: Path, built: List[Built]) -> None:
+    one = Built(policy_cfg(tiny_model_dir, "cluster.gpus_per_node=1", optimizer=SGD), 1)
+    built.append(one)
+    l1 = train_steps(one.policy, 2)
+    w1 = one.policy.full_weights()
+    one.close()
+    built.remove(one)
+
+    two = Built(policy_cfg(tiny_model_dir, optimizer=SGD), 2)
+    built.append(two)
+    l2 = train_steps(two.policy, 2)
+    w2 = two.policy.full_weights()
+    two.close()
+    built.remove(two)
+    assert l1 == pytest.approx(l2, abs=1e-5)
+    assert max_diff(w1, w2) <= 1e-5
+
+    mb1 = Built(policy_cfg(tiny_model_dir, "cluster.gpus_per_node=1", "policy.train_micro_batch_size=1",
+                           optimizer=SGD), 1)
+    built.append(mb1)
+    train_steps(mb1.policy, 2)
+    assert max_diff(w1, mb1.policy.full_weights()) <= 1e-5
+    # the update is real: weights moved
+    from safetensors.torch import load_file
+
+    w0 = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert max(float((w1[k] - w0[k]).abs().max()) for k in w0) > 1e-3
+
+
+def test_tp2_equals_tp1(ray_local: None, tiny_model_dir: Path, built: List[Built]) -> None:
+    data = make_batch(seed=5)
+    one = Built(policy_cfg(tiny_model_dir, "cluster.gpus_per_node=1", optimizer=SGD), 1)
+    built.append(one)
+    lp1 = one.policy.get_logprobs(data)["logprobs"]
+    train_steps(one.policy, 1)
+    w1 = one.policy.full_weights()
+    one.close()
+    built.remove(one)
+
+    tp = Built(policy_cfg(tiny_model_dir, "policy.dtensor_cfg.tensor_parallel_size=2", optimizer=SGD), 2)
+    built.append(tp)
+    lp2 = tp.policy.get_logprobs(data)["logprobs"]
+    assert torch.allclose(lp1, lp2, atol=1e-5)
+    train_steps(tp.policy, 1)
+    assert max_diff(w1, tp.policy.full_weights()) <= 1e-5
+
+
+def test_sequence_packing_and_dynamic_batching_same_logprobs(
+    ray_local: None, tiny_model_dir: Path, built: List[Built]
+) -> None:
+    data = make_batch(seed=7)
+    plain = Built(policy_cfg(tiny_model_dir), 2)
+    built.append(plain)
+    lp = plain.policy.get_logprobs(data)["logprobs"]
+    plain.close()
+    built.remove(plain)
+    for extra in (
+        ["policy.sequence_packing.enabled=true", "policy.sequence_packing.logprob_mb_tokens=64",
+         "policy.sequence_packing.sequence_length_round=1"],
+        ["policy.dynamic_batching.enabled=true", "policy.dynamic_batching.logprob_mb_tokens=64",
+         "policy.dynamic_batching.sequence_length_round=4"],
+    ):
+        other = Built(policy_cfg(tiny_model_dir, *extra), 2)
+        built.append(other)
+        lp2 = other.policy.get_logprobs(data)["logprobs"]
+        valid = torch.arange(S)[None, :] < data["input_lengths"][:, None]
+        assert torch.allclose(lp[valid], lp2[valid], atol=1e-5), extra
+        other.close()
+        built.remove(other)
+
+
+def test_save_load_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, built: List[Built],
+                                        tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    cfg = policy_cfg(tiny_model_dir)  # AdamW: optimizer state must round-trip
+    a = Built(cfg, 2)
+    built.append(a)
+    train_steps(a.policy, 1)
+    a.policy.save_checkpoint(str(tmp_path / "weights"), str(tmp_path / "optim"))
+    data = make_batch(seed=11)
+    lp_saved = a.policy.get_logprobs(data)["logprobs"]
+    fp_saved = a.policy.state_fingerprints()
+    data["prev_logprobs"] = lp_saved
+    a.policy.train(data, LOSS)
+    w_next = a.policy.full_weights()
+    a.close()
+    built.remove(a)
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "weights" / "hf")
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(data["input_ids"]).logits.float(), -1)[:, :-1]
+        ref = ref.gather(-1, data["input_ids"][:, 1:, None])[..., 0]
+    valid = torch.arange(S)[None, 1:] < data["input_lengths"][:, None]
+    assert torch.allclose(lp_saved[:, 1:][valid], ref[valid], atol=1e-5)
+
+    b = Built(cfg, 2, weights_path=str(tmp_path / "weights"), optimizer_path=str(tmp_path / "optim"))
+    built.append(b)
+    assert torch.equal(b.policy.get_logprobs(data)["logprobs"], lp_saved)
+    assert b.policy.state_fingerprints() == fp_saved
+    b.policy.train(data, LOSS)
+    assert max_diff(w_next, b.policy.full_weights()) == 0.0
+
+
+def test_killed_worker_is_named(ray_local: None, tiny_model_dir: Path, built: List[Built]) -> None:
+    import time
+
+    b = Built(policy_cfg(tiny_model_dir), 2)
+    built.append(b)
+    wg = b.policy.worker_group
+    big = make_batch()
+    big = BatchedDataDict.from_batches([big] * 8)
+    shards = big.shard_by_batch_size(2)
+    futures = [w.get_logprobs.remote(shards[i]) for i, w in enumerate(wg.workers)]
+    ray.kill(wg.workers[1], no_restart=True)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerGroupError, match=r"policy rank 1 on node .* died"):
+        wg.get(futures)
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_v2_logprobs_equal_v1(ray_local: None, tiny_model_dir: Path, built: List[Built], tp: int) -> None:
+    data = make_batch(seed=3)
+    extra = [f"policy.dtensor_cfg.tensor_parallel_size={tp}"]
+    v1 = Built(policy_cfg(tiny_model_dir, *extra, optimizer=SGD), 2)
+    built.append(v1)
+    lp1 = v1.policy.get_logprobs(data)["logprobs"]
+    train_steps(v1.policy, 1)
+    w1 = v1.policy.full_weights()
+    v1.close()
+    built.remove(v1)
+    v2 = Built(policy_cfg(tiny_model_dir, "policy=dtensor_v2", *extra, optimizer=SGD), 2)
+    built.append(v2)
+    assert torch.allclose(lp1, v2.policy.get_logprobs(data)["logprobs"], atol=1e-5)
+    train_steps(v2.policy, 1)
+    assert max_diff(w1, v2.policy.full_weights()) <= 1e-5
