@@ -1,0 +1,507 @@
+"""HF <-> Megatron-Core conversion for the Qwen2 and Llama families (dense, SwiGLU, RMSNorm, RoPE, GQA).
+
+Config: `transformer_config_from_hf` maps the HF config to a megatron `TransformerConfig` (RMSNorm eps, GQA via
+`num_query_groups`, `kv_channels` = head_dim, SwiGLU = `gated_linear_unit` + silu, Qwen2's q/k/v bias via
+`add_qkv_bias`, no dropout, `calculate_per_token_loss=True` so the schedules never average a loss), and
+`gpt_model_args_from_hf` gives the GPTModel arguments (padded vocab, RoPE base `rope_theta`, llama3 RoPE scaling,
+tied embeddings = `share_embeddings_and_output_weights`). On CPU every fusion is off, weights are initialised on
+the CPU and `batch_p2p_sync` is off (it calls torch.cuda.synchronize after the pipeline p2p ops); on a GPU the
+bias-activation / bias-dropout fusions are on and `apply_rope_fusion` follows the config.
+
+Weights, per layer (HF name -> megatron local-spec name, TP split):
+  input_layernorm.weight            -> input_layernorm.weight                    replicated
+  self_attn.{q,k,v}_proj.{weight,bias} -> self_attention.linear_qkv.{weight,bias}  dim 0, fused (below)
+  self_attn.o_proj.weight           -> self_attention.linear_proj.weight         dim 1
+  post_attention_layernorm.weight   -> pre_mlp_layernorm.weight                  replicated
+  mlp.{gate,up}_proj.weight         -> mlp.linear_fc1.weight                     dim 0, fused (below)
+  mlp.down_proj.weight              -> mlp.linear_fc2.weight                     dim 1
+plus model.embed_tokens.weight -> embedding.word_embeddings.weight (dim 0), model.norm.weight ->
+decoder.final_layernorm.weight, lm_head.weight -> output_layer.weight (dim 0; absent when tied on a single stage).
+The Transformer Engine spec fuses the two norms into the next linear (`linear_qkv.layer_norm_weight`,
+`linear_fc1.layer_norm_weight`); `to_model_keys` / `from_model_keys` translate between the two namings.
+
+Fused layouts:
+- linear_qkv interleaves per query group g (ng = num_key_value_heads groups of nh/ng query heads):
+  rows [q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...]; the bias follows the same layout.
+  A TP rank holds the contiguous 1/tp slice of these rows (whole groups when ng >= tp; when ng < tp megatron
+  all-gathers the fused output and picks its heads, so the contiguous slice is still the right shard).
+- linear_fc1 of TP rank r is [gate rows of shard r; up rows of shard r] (megatron's GLU chunks the local
+  output in two), i.e. NOT a slice of the global [gate; up].
+
+Vocab padding: megatron shards the vocabulary evenly over TP, so the embedding and output layer get
+`padded_vocab_size(V, tp, divisor)` rows: V rounded up to a multiple of divisor * tp (megatron-LM's
+make_vocab_size_divisible_by, default 128; set megatron_cfg.extra["make_vocab_size_divisible_by"] to change it).
+Padded rows are zero; rlpost's logit code masks padded columns out of every softmax; export drops them.
+
+Layer indices: megatron numbers the layers of a pipeline stage from 0; a stage holding global layers
+[start, end) maps HF layer g to local index g - start.
+
+`export_hf_weights` gathers a built (possibly TP/PP-sharded, DDP-wrapped) model back to full HF tensors; see its
+docstring for the collectives. No conversion cache is kept on disk: conversion is an in-memory re-layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from rlpost.config.schema.megatron import MegatronConfig
+
+ARCHITECTURES: dict[str, str] = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+DEFAULT_VOCAB_DIVISOR = 128
+VOCAB_DIVISOR_KEY = "make_vocab_size_divisible_by"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Megatron's llama3 RoPE scaling hard-codes these (RotaryEmbedding._apply_scaling).
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# local-spec name -> Transformer Engine spec name of the norms that TE fuses into the next linear.
+_TE_NORM_ALIASES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HFModelDims:
+    """The architecture facts of a supported HF causal LM that the conversion needs."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: float | None
+    qkv_bias: bool
+    tied_embeddings: bool
+    initializer_range: float
+
+
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """transformers 5 keeps RoPE settings in `rope_parameters`; 4.x used rope_theta + rope_scaling."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    out = dict(getattr(hf_config, "rope_scaling", None) or {})
+    out.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return out
+
+
+def hf_model_dims(hf_config: Any, converter_type: str = "auto") -> HFModelDims:
+    """Read and validate the dims of a Qwen2 / Llama config; raise NotImplementedError for unsupported variants."""
+    if converter_type == "auto":
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        arch = archs[0] if archs else ARCHITECTURES.get(getattr(hf_config, "model_type", ""), "")
+    else:
+        arch = converter_type
+    if arch not in ARCHITECTURES.values():
+        raise NotImplementedError(
+            f"no Megatron converter for {arch or hf_config!r}; supported: {list(ARCHITECTURES.values())}"
+        )
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"hidden_act={hf_config.hidden_act!r}: only SwiGLU (silu) is converted")
+    if arch == "LlamaForCausalLM" and (
+        getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False)
+    ):
+        raise NotImplementedError(
+            "Llama attention_bias / mlp_bias (o_proj / MLP biases) have no megatron equivalent here"
+        )
+    if getattr(hf_config, "use_sliding_window", False):
+        raise NotImplementedError("Qwen2 sliding-window attention is not converted")
+    rope = _rope_parameters(hf_config)
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    scaling: float | None = None
+    if rope_type == "llama3":
+        for key, value in _LLAMA3_FIXED.items():
+            if float(rope.get(key, value)) != value:
+                raise NotImplementedError(f"llama3 RoPE with {key}={rope.get(key)}: megatron fixes it to {value}")
+        scaling = float(rope["factor"])
+    elif rope_type != "default":
+        raise NotImplementedError(f"rope_type={rope_type!r} is not converted (only 'default' and 'llama3')")
+    heads = int(hf_config.num_attention_heads)
+    return HFModelDims(
+        architecture=arch,
+        num_layers=int(hf_config.num_hidden_layers),
+        hidden_size=int(hf_config.hidden_size),
+        num_heads=heads,
+        num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads),
+        ffn_hidden_size=int(hf_config.intermediate_size),
+        vocab_size=int(hf_config.vocab_size),
+        max_position_embeddings=int(hf_config.max_position_embeddings),
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_scaling_factor=scaling,
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        initializer_range=float(getattr(hf_config, "initializer_range", 0.02)),
+    )
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, divisor: int = DEFAULT_VOCAB_DIVISOR) -> int:
+    """vocab_size rounded up to a multiple of divisor * tp_size (megatron's even vocab split over TP)."""
+    multiple = divisor * tp_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def vocab_divisor(megatron_cfg: MegatronConfig | None) -> int:
+    """The vocab padding divisor: megatron_cfg.extra['make_vocab_size_divisible_by'] or 128."""
+    if megatron_cfg is None:
+        return DEFAULT_VOCAB_DIVISOR
+    return int(megatron_cfg.extra.get(VOCAB_DIVISOR_KEY, DEFAULT_VOCAB_DIVISOR))
+
+
+def pipeline_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """Global layers [start, end) of an even pipeline split (uneven splits: pass layer_range explicitly)."""
+    if num_layers % pp_size:
+        raise ValueError(f"{num_layers} layers do not split evenly over {pp_size} stages; pass layer_range")
+    per = num_layers // pp_size
+    return pp_rank * per, (pp_rank + 1) * per
+
+
+def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    return dtype if isinstance(dtype, torch.dtype) else _DTYPES[dtype]
+
+
+def transformer_config_from_hf(
+    hf_config: Any, megatron_cfg: MegatronConfig, params_dtype: torch.dtype | str
+) -> TransformerConfig:
+    """megatron TransformerConfig of the HF model under megatron_cfg's parallelism (see the module docstring).
+
+    megatron_cfg.extra entries override TransformerConfig fields (except make_vocab_size_divisible_by, which
+    is the vocab padding divisor); an unknown key raises ValueError.
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    d = hf_model_dims(hf_config, megatron_cfg.converter_type)
+    dtype = _torch_dtype(params_dtype)
+    on_gpu = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=d.num_layers,
+        hidden_size=d.hidden_size,
+        num_attention_heads=d.num_heads,
+        num_query_groups=d.num_kv_heads,
+        kv_channels=d.head_dim,
+        ffn_hidden_size=d.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=d.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=d.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=d.initializer_range,
+        attention_softmax_in_fp32=True,
+        calculate_per_token_loss=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=_torch_dtype(megatron_cfg.pipeline_dtype),
+        tensor_model_parallel_size=megatron_cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=megatron_cfg.pipeline_model_parallel_size,
+        context_parallel_size=megatron_cfg.context_parallel_size,
+        sequence_parallel=megatron_cfg.sequence_parallel,
+        num_layers_in_first_pipeline_stage=megatron_cfg.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=megatron_cfg.num_layers_in_last_pipeline_stage,
+        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=on_gpu and megatron_cfg.apply_rope_fusion,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # The post-batch_isend_irecv torch.cuda.synchronize() guards CUDA streams; gloo requests are waited on.
+        batch_p2p_sync=on_gpu,
+    )
+    if megatron_cfg.activation_checkpointing:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    extra = {k: v for k, v in megatron_cfg.extra.items() if k != VOCAB_DIVISOR_KEY}
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ValueError(f"megatron_cfg.extra has keys that are not TransformerConfig fields: {unknown}")
+    kwargs.update(extra)
+    return TransformerConfig(**kwargs)
+
+
+def gpt_model_args_from_hf(hf_config: Any, megatron_cfg: MegatronConfig) -> dict[str, Any]:
+    """GPTModel constructor arguments (besides config / spec / pre- and post-process) for the HF model."""
+    d = hf_model_dims(hf_config, megatron_cfg.converter_type)
+    return dict(
+        vocab_size=padded_vocab_size(
+            d.vocab_size, megatron_cfg.tensor_model_parallel_size, vocab_divisor(megatron_cfg)
+        ),
+        max_sequence_length=d.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=d.rope_theta,
+        rope_scaling=d.rope_scaling_factor is not None,
+        rope_scaling_factor=d.rope_scaling_factor or 8.0,
+        share_embeddings_and_output_weights=d.tied_embeddings,
+        parallel_output=True,
+    )
+
+
+# ----------------------------------------------------------------------------------------------- tensor layout
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: HFModelDims) -> torch.Tensor:
+    """[nh*hd, ...], [ng*hd, ...], [ng*hd, ...] -> megatron's per-group interleaved [(nh + 2 ng) * hd, ...]."""
+    ng, rest = d.num_kv_heads, q.shape[1:]
+    fused = torch.cat([q.reshape(ng, -1, *rest), k.reshape(ng, -1, *rest), v.reshape(ng, -1, *rest)], dim=1)
+    return fused.reshape(-1, *rest)
+
+
+def _split_qkv(fused: torch.Tensor, d: HFModelDims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of _fuse_qkv."""
+    ng, hd, rest = d.num_kv_heads, d.head_dim, fused.shape[1:]
+    grouped = fused.reshape(ng, -1, *rest)
+    q, k, v = torch.split(grouped, [d.num_heads // ng * hd, hd, hd], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])], dim=0)
+
+
+def tp_split_dim(name: str) -> int | None:
+    """Dimension along which megatron shards a (local-spec) parameter over TP; None = replicated."""
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight")):
+        return 0
+    if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+        return 0
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    return None
+
+
+def _shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """TP shard `rank` of the full megatron tensor `name` (fc1: [gate_r; up_r])."""
+    dim = tp_split_dim(name)
+    if dim is None or size == 1:
+        return full
+    if name.endswith("linear_fc1.weight"):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    return full.chunk(size, dim=dim)[rank].contiguous()
+
+
+def merge_tp_shard(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Full megatron tensor `name` from its TP shards in rank order (inverse of the per-rank split)."""
+    dim = tp_split_dim(name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if name.endswith("linear_fc1.weight"):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(shards), dim=dim)
+
+
+def to_model_keys(state_dict: Mapping[str, torch.Tensor], model_keys: set[str]) -> dict[str, torch.Tensor]:
+    """Rename local-spec norm keys to the TE spec's fused names when the model uses them."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state_dict.items():
+        for local, te in _TE_NORM_ALIASES.items():
+            if name.endswith(local):
+                alias = name[: -len(local)] + te
+                if name not in model_keys and alias in model_keys:
+                    name = alias
+                break
+        out[name] = t
+    return out
+
+
+def from_model_keys(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Local-spec names for a model state dict (TE fused-norm names renamed back, `_extra_state` dropped)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state_dict.items():
+        if name.endswith("_extra_state") or not isinstance(t, torch.Tensor):
+            continue
+        for local, te in _TE_NORM_ALIASES.items():
+            if name.endswith(te):
+                name = name[: -len(te)] + local
+                break
+        out[name] = t
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ HF -> Megatron
+
+
+def _layer_hf_to_megatron(hf: Mapping[str, torch.Tensor], g: int, d: HFModelDims) -> dict[str, torch.Tensor]:
+    """Full (unsharded) megatron tensors of HF layer g, under names relative to decoder.layers.<i>."""
+    h = f"model.layers.{g}."
+    out = {
+        "input_layernorm.weight": hf[h + "input_layernorm.weight"],
+        "self_attention.linear_qkv.weight": _fuse_qkv(
+            hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"], d
+        ),
+        "self_attention.linear_proj.weight": hf[h + "self_attn.o_proj.weight"],
+        "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
+        "mlp.linear_fc1.weight": torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0),
+        "mlp.linear_fc2.weight": hf[h + "mlp.down_proj.weight"],
+    }
+    if d.qkv_bias:
+        out["self_attention.linear_qkv.bias"] = _fuse_qkv(
+            hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"], d
+        )
+    return out
+
+
+def hf_to_megatron_state_dict(
+    hf_state_dict: Mapping[str, torch.Tensor],
+    hf_config: Any,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    *,
+    layer_range: tuple[int, int] | None = None,
+    divisor: int = DEFAULT_VOCAB_DIVISOR,
+    converter_type: str = "auto",
+) -> dict[str, torch.Tensor]:
+    """The local-spec megatron state dict of TP rank tp_rank on pipeline stage pp_rank.
+
+    The stage holds global layers layer_range (default: the even split) under local indices; stage 0 gets the
+    embedding, the last stage the final norm and (unless tied on a single stage) output_layer.weight, which for a
+    tied model is the embedding. Vocab rows are zero-padded to padded_vocab_size(V, tp_size, divisor).
+    Tensors may share storage with hf_state_dict.
+    """
+    d = hf_model_dims(hf_config, converter_type)
+    start, end = layer_range or pipeline_layer_range(d.num_layers, pp_rank, pp_size)
+    vocab = padded_vocab_size(d.vocab_size, tp_size, divisor)
+    full: dict[str, torch.Tensor] = {}
+    if pp_rank == 0:
+        full["embedding.word_embeddings.weight"] = _pad_rows(hf_state_dict["model.embed_tokens.weight"], vocab)
+    for g in range(start, end):
+        for name, t in _layer_hf_to_megatron(hf_state_dict, g, d).items():
+            full[f"decoder.layers.{g - start}.{name}"] = t
+    if pp_rank == pp_size - 1:
+        full["decoder.final_layernorm.weight"] = hf_state_dict["model.norm.weight"]
+        if not (d.tied_embeddings and pp_rank == 0):
+            head = "model.embed_tokens.weight" if d.tied_embeddings else "lm_head.weight"
+            if head not in hf_state_dict:
+                raise KeyError(f"{head} missing from the HF state dict (tie_word_embeddings={d.tied_embeddings})")
+            full["output_layer.weight"] = _pad_rows(hf_state_dict[head], vocab)
+    return {name: _shard(name, t, tp_rank, tp_size) for name, t in full.items()}
+
+
+# ------------------------------------------------------------------------------------------------ Megatron -> HF
+
+
+def _layer_megatron_to_hf(m: Mapping[str, torch.Tensor], g: int, d: HFModelDims) -> dict[str, torch.Tensor]:
+    """HF tensors of global layer g from full megatron tensors named relative to decoder.layers.<i>."""
+    h = f"model.layers.{g}."
+    q, k, v = _split_qkv(m["self_attention.linear_qkv.weight"], d)
+    gate, up = m["mlp.linear_fc1.weight"].chunk(2, dim=0)
+    out = {
+        h + "input_layernorm.weight": m["input_layernorm.weight"],
+        h + "self_attn.q_proj.weight": q,
+        h + "self_attn.k_proj.weight": k,
+        h + "self_attn.v_proj.weight": v,
+    }
+    if d.qkv_bias:
+        qb, kb, vb = _split_qkv(m["self_attention.linear_qkv.bias"], d)
+        out.update({h + "self_attn.q_proj.bias": qb, h + "self_attn.k_proj.bias": kb, h + "self_attn.v_proj.bias": vb})
+    out.update(
+        {
+            h + "self_attn.o_proj.weight": m["self_attention.linear_proj.weight"],
+            h + "post_attention_layernorm.weight": m["pre_mlp_layernorm.weight"],
+            h + "mlp.gate_proj.weight": gate,
+            h + "mlp.up_proj.weight": up,
+            h + "mlp.down_proj.weight": m["mlp.linear_fc2.weight"],
+        }
+    )
+    return out
+
+
+def full_megatron_to_hf(
+    full: Mapping[str, torch.Tensor], d: HFModelDims, layer_offset: int = 0, include_tied_lm_head: bool = True
+) -> dict[str, torch.Tensor]:
+    """HF tensors for whatever part of a stage `full` holds (TP-merged local-spec tensors, local layer indices).
+
+    For a tied model lm_head.weight is emitted from the embedding (include_tied_lm_head) and a last-stage
+    output_layer copy is ignored.
+    """
+    out: dict[str, torch.Tensor] = {}
+    if "embedding.word_embeddings.weight" in full:
+        emb = full["embedding.word_embeddings.weight"][: d.vocab_size]
+        out["model.embed_tokens.weight"] = emb
+        if d.tied_embeddings and include_tied_lm_head:
+            out["lm_head.weight"] = emb
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in full.items():
+        if name.startswith("decoder.layers."):
+            idx, rest = name[len("decoder.layers.") :].split(".", 1)
+            layers.setdefault(int(idx), {})[rest] = t
+    for idx in sorted(layers):
+        out.update(_layer_megatron_to_hf(layers[idx], idx + layer_offset, d))
+    if "decoder.final_layernorm.weight" in full:
+        out["model.norm.weight"] = full["decoder.final_layernorm.weight"]
+    if "output_layer.weight" in full and not d.tied_embeddings:
+        out["lm_head.weight"] = full["output_layer.weight"][: d.vocab_size]
+    return out
+
+
+def megatron_to_hf_state_dict(
+    tp_shards: Sequence[Mapping[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    hf_config: Any,
+    *,
+    layer_offset: int = 0,
+    include_tied_lm_head: bool = True,
+    converter_type: str = "auto",
+) -> dict[str, torch.Tensor]:
+    """HF state dict of one pipeline stage from its megatron state dicts (one per TP rank, in rank order).
+
+    Accepts local-spec or TE-spec names (`_extra_state` entries are ignored). layer_offset is the stage's first
+    global layer. Vocab padding is removed. For a whole model, union the results of all stages.
+    """
+    shards = [tp_shards] if isinstance(tp_shards, Mapping) else list(tp_shards)
+    local = [from_model_keys(s) for s in shards]
+    merged = {name: merge_tp_shard(name, [s[name] for s in local]) for name in local[0]}
+    return full_megatron_to_hf(merged, hf_model_dims(hf_config, converter_type), layer_offset, include_tied_lm_head)
+
+
+# ----------------------------------------------------------------------------------- distributed export (refit)
+
+
+def export_hf_weights(
+    model: Any,
+    hf_config: Any,
+    tp_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None,
+    *,
+    dtype: torch.dtype | None = None,
+    include_tied_lm_head: bool = True,
+    converter_type: str = "auto",
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for every weight of a built model on every TP x PP rank.
+
+    Implemented in `rlpost.models.megatron.export` (TP all_gather + PP broadcast); see its docstring.
+    """
+    from rlpost.models.megatron.export import export_hf_weights as _export
+
+    return _export(
+        model,
+        hf_config,
+        tp_group,
+        pp_group,
+        dtype=dtype,
+        include_tied_lm_head=include_tied_lm_head,
+        converter_type=converter_type,
+    )

@@ -1,0 +1,285 @@
+"""One Megatron-Core training step: DDP wrapper, optimizer and LR scheduler from rlpost's MegatronConfig.
+
+`setup_training` wraps a built GPTModel in megatron's DistributedDataParallel (from MegatronDDPConfig), builds
+megatron's optimizer (`get_megatron_optimizer`, from MegatronOptimizerConfig) and `OptimizerParamScheduler`
+(from MegatronSchedulerConfig), and wires the hooks the schedules use. `train_step` then runs all micro-batches of
+one global batch through `get_forward_backward_func()` (no pipelining, or 1F1B over PP stages) and steps.
+
+Loss semantics ("no averaging", NeMo RL's calculate_per_token_loss + do_not_average_loss): loss_fn returns a loss
+that is already normalised by the GLOBAL batch counts, so the gradient of the global batch is the plain SUM of
+every micro-batch's and every data-parallel rank's gradient. megatron-core 0.16.1 has no do_not_average_loss; we
+get the same effect with what it has: the model config has calculate_per_token_loss=True (so forward_step does not
+divide the loss by num_microbatches and DDP does not pre-scale gradients by 1/dp), loss_func returns the
+three-tuple (loss, num_tokens, data), and finalize_model_grads is called with num_tokens=None (no division by the
+token count). The reported loss / metrics are the sums over micro-batches and DP ranks.
+
+Differences from plain PyTorch: megatron's optimizer applies no weight decay to biases and 1-D (norm) params;
+Adam is torch's AdamW (decoupled weight decay). Clipping on CPU: megatron's clip asserts CUDA tensor types, so on CPU
+megatron gets clip_grad=0 and this module clips the fp32 grads itself with megatron's rule (see cpu_compat).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from rlpost.algorithms.logprobs import vocab_parallel_logprobs
+from rlpost.models.megatron.cpu_compat import is_cpu_compat_active
+from rlpost.models.megatron.export import unwrap_model
+from rlpost.models.megatron.model import resolve_tp_group, scale_and_mask_logits, vocab_shard_range
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from rlpost.config.schema.megatron import MegatronConfig
+
+MicrobatchLoss = Callable[[torch.Tensor, Mapping[str, Any]], tuple[torch.Tensor, Mapping[str, Any]]]
+"""loss_fn(logits_or_logprobs, microbatch) -> (globally normalised scalar loss, metrics of python floats)."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GPU_ONLY = {
+    "bf16": "the bf16 mixed-precision optimizer",
+    "fp16": "the fp16 mixed-precision optimizer",
+    "use_distributed_optimizer": "the distributed optimizer",
+    "use_precision_aware_optimizer": "the precision-aware optimizer",
+    "optimizer_cpu_offload": "optimizer CPU offload (HybridDeviceOptimizer)",
+}
+
+
+@dataclasses.dataclass
+class MegatronTrainState:
+    """The DDP-wrapped model with its optimizer and scheduler; clip_grad is applied by rlpost when manual_clip."""
+
+    model: DistributedDataParallel
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    clip_grad: float
+    manual_clip: bool
+
+
+@dataclasses.dataclass
+class TrainStepResult:
+    """Outcome of one step: loss and metrics summed over micro-batches and DP ranks, grad norm before clipping."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    metrics: dict[str, float]
+    num_microbatches: int
+    update_successful: bool
+
+
+def _check_cpu_support(megatron_cfg: MegatronConfig) -> None:
+    if not is_cpu_compat_active():
+        return
+    opt = megatron_cfg.optimizer
+    for field, what in _GPU_ONLY.items():
+        if getattr(opt, field):
+            raise ValueError(f"megatron_cfg.optimizer.{field}: {what} is GPU-only in megatron-core 0.16.1")
+    if megatron_cfg.distributed_data_parallel_config.use_custom_fsdp:
+        raise ValueError("megatron_cfg.distributed_data_parallel_config.use_custom_fsdp is GPU-only")
+
+
+def wrap_ddp(model: Any, megatron_cfg: MegatronConfig) -> DistributedDataParallel:
+    """megatron DistributedDataParallel around the built model, from MegatronDDPConfig."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    c = megatron_cfg.distributed_data_parallel_config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=c.grad_reduce_in_fp32,
+        overlap_grad_reduce=c.overlap_grad_reduce,
+        overlap_param_gather=c.overlap_param_gather,
+        use_distributed_optimizer=megatron_cfg.optimizer.use_distributed_optimizer,
+        use_megatron_fsdp=c.use_custom_fsdp,
+        data_parallel_sharding_strategy=c.data_parallel_sharding_strategy,
+        average_in_collective=False,
+    )
+    return DistributedDataParallel(config=unwrap_model(model).config, ddp_config=ddp_config, module=model)
+
+
+def build_optimizer(ddp_model: DistributedDataParallel, megatron_cfg: MegatronConfig) -> MegatronOptimizer:
+    """megatron's optimizer from MegatronOptimizerConfig (clip_grad forced to 0 on CPU; rlpost clips there)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o = megatron_cfg.optimizer
+    config = OptimizerConfig(
+        optimizer=o.optimizer,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        bf16=o.bf16,
+        fp16=o.fp16,
+        params_dtype=_DTYPES[o.params_dtype],
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        sgd_momentum=o.sgd_momentum,
+        use_distributed_optimizer=o.use_distributed_optimizer,
+        use_precision_aware_optimizer=o.use_precision_aware_optimizer,
+        clip_grad=0.0 if is_cpu_compat_active() else o.clip_grad,
+        optimizer_cpu_offload=o.optimizer_cpu_offload,
+        optimizer_offload_fraction=o.optimizer_offload_fraction,
+    )
+    return get_megatron_optimizer(config, [ddp_model])
+
+
+def build_scheduler(
+    optimizer: MegatronOptimizer, megatron_cfg: MegatronConfig, train_iters: int | None = None
+) -> OptimizerParamScheduler:
+    """OptimizerParamScheduler from MegatronSchedulerConfig; decay/wd-increment over train_iters steps.
+
+    train_iters defaults to megatron_cfg.train_iters, then to lr_warmup_iters + 1 (enough for constant styles).
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    s, o = megatron_cfg.scheduler, megatron_cfg.optimizer
+    total = train_iters or megatron_cfg.train_iters or s.lr_warmup_iters + 1
+    decay = s.lr_decay_iters or total
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=s.lr_warmup_init,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=s.lr_warmup_iters,
+        lr_decay_steps=max(decay, s.lr_warmup_iters + 1),
+        lr_decay_style=s.lr_decay_style,
+        start_wd=s.start_weight_decay,
+        end_wd=s.end_weight_decay,
+        wd_incr_steps=total,
+        wd_incr_style=s.weight_decay_incr_style,
+    )
+
+
+def _finalize_without_token_scaling(
+    model_chunks: list[torch.nn.Module], num_tokens: torch.Tensor | None, **kwargs: Any
+) -> None:
+    """finalize_model_grads with num_tokens=None: grads are summed over DP and never divided by a token count."""
+    from megatron.core.distributed import finalize_model_grads
+
+    del num_tokens
+    finalize_model_grads(model_chunks, None, **kwargs)
+
+
+def setup_training(model: Any, megatron_cfg: MegatronConfig, train_iters: int | None = None) -> MegatronTrainState:
+    """Wrap the built model in DDP, build optimizer + scheduler and install the schedule hooks on its config."""
+    _check_cpu_support(megatron_cfg)
+    ddp = wrap_ddp(model, megatron_cfg)
+    optimizer = build_optimizer(ddp, megatron_cfg)
+    scheduler = build_scheduler(optimizer, megatron_cfg, train_iters)
+    config = unwrap_model(ddp).config
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = _finalize_without_token_scaling
+    config.grad_scale_func = optimizer.scale_loss
+    clip = float(megatron_cfg.optimizer.clip_grad)
+    return MegatronTrainState(ddp, optimizer, scheduler, clip_grad=clip, manual_clip=is_cpu_compat_active())
+
+
+def _step_with_manual_clip(optimizer: MegatronOptimizer, clip_grad: float) -> tuple[bool, float]:
+    """megatron's ChainedOptimizer.step with rlpost's fp32 clip (CPU): coefficient max / (norm + 1e-6) if < 1."""
+    if optimizer.prepare_grads():
+        return False, float("nan")
+    grad_norm = float(optimizer.get_grad_norm())
+    if clip_grad > 0.0:
+        coeff = clip_grad / (grad_norm + 1.0e-6)
+        if coeff < 1.0:
+            grads = [p.grad for p in optimizer.get_parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, coeff)
+    return bool(optimizer.step_with_ready_grads()), grad_norm
+
+
+def _reduce_sums(loss: float, metrics: dict[str, float]) -> tuple[float, dict[str, float]]:
+    """Sum loss and metrics over DP ranks (last stage), then share them with every pipeline stage."""
+    from megatron.core import parallel_state as ps
+
+    keys = sorted(metrics)
+    is_last = ps.is_pipeline_last_stage()
+    if is_last and ps.get_data_parallel_world_size() > 1:
+        t = torch.tensor([loss] + [metrics[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        loss, metrics = float(t[0]), {k: float(v) for k, v in zip(keys, t[1:].tolist(), strict=True)}
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        box = [(loss, metrics)]
+        dist.broadcast_object_list(
+            box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+        loss, metrics = box[0]
+    return loss, metrics
+
+
+def train_step(
+    state: MegatronTrainState,
+    microbatches: Sequence[Mapping[str, Any]],
+    loss_fn: MicrobatchLoss,
+    *,
+    temperature: float = 1.0,
+    loss_input: Literal["logits", "logprobs"] = "logits",
+    chunk_size: int | None = None,
+) -> TrainStepResult:
+    """Forward/backward every micro-batch of one global batch, then one optimizer and scheduler step.
+
+    Each micro-batch maps "input_ids" ([mbs, S], right-padded; with PP every micro-batch must share [mbs, S]) to
+    whatever loss_fn reads. loss_fn gets, per micro-batch on the last stage, either this TP rank's logits
+    [mbs, S, V_local] (loss_input="logits"; divided by the temperature, padded vocab columns at the dtype minimum;
+    rank r holds the vocab slice [r * V_local, (r + 1) * V_local)) or the next-token logprobs [mbs, S]
+    (loss_input="logprobs"; fp32, position 0 = 0), and must return a loss already normalised by the global batch.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ddp, optimizer = state.model, state.optimizer
+    group = resolve_tp_group(None)
+    start, end, vocab = vocab_shard_range(ddp, group)
+    device = next(unwrap_model(ddp).parameters()).device
+    metric_sums: dict[str, float] = {}
+
+    def forward_step(data_iterator: Iterator[Mapping[str, Any]], mdl: Any) -> tuple[torch.Tensor, Any]:
+        mb = next(data_iterator)
+        ids = mb["input_ids"].to(device)
+        output = mdl(ids, None, None)
+
+        def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+            logits = scale_and_mask_logits(out, temperature, start, vocab)
+            x = (
+                logits
+                if loss_input == "logits"
+                else vocab_parallel_logprobs(logits, ids, start, end, group, chunk_size)
+            )
+            loss, metrics = loss_fn(x, mb)
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+            return loss, torch.zeros((), dtype=torch.int, device=out.device), {"loss": loss.detach()}
+
+        return output, loss_func
+
+    ddp.train()
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    first = microbatches[0]["input_ids"]
+    results = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=[ddp],
+        num_microbatches=len(microbatches),
+        seq_length=int(first.shape[1]),
+        micro_batch_size=int(first.shape[0]),
+        forward_only=False,
+    )
+    lr = float(optimizer.param_groups[0]["lr"])
+    if state.manual_clip:
+        success, grad_norm = _step_with_manual_clip(optimizer, state.clip_grad)
+    else:
+        success, norm, _ = optimizer.step()
+        grad_norm = float(norm) if norm is not None else float(optimizer.get_grad_norm())
+    if success:
+        state.scheduler.step(increment=1)
+    loss = float(sum(float(r["loss"]) for r in results)) if results else 0.0
+    loss, metrics = _reduce_sums(loss, metric_sums)
+    if math.isnan(grad_norm):
+        success = False
+    return TrainStepResult(loss, grad_norm, lr, metrics, len(microbatches), bool(success))

@@ -1,0 +1,258 @@
+"""Helpers of the megatron tests: tiny HF checkpoints, plain-PyTorch references, and the spawned worker.
+
+The worker runs in a fresh process (torch.multiprocessing spawn, gloo over tcp://127.0.0.1) so that neither the
+CPU compatibility layer nor megatron's global parallel state ever touches the pytest process. It writes its
+results with torch.save to <out_dir>/rank<r>.pt; the test process does all the asserting.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+SEQ = 12
+TEMPERATURE = 0.7
+
+
+def qwen2_config(tied: bool) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        max_position_embeddings=256,
+        rope_theta=5000.0,
+    )
+
+
+def llama_config() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=100,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=16384,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
+
+
+MODEL_CONFIGS: dict[str, Callable[[], Any]] = {
+    "qwen2_tied": lambda: qwen2_config(True),
+    "qwen2_untied": lambda: qwen2_config(False),
+    "llama": llama_config,
+}
+
+
+def make_hf_model(name: str, seed: int = 0) -> Any:
+    """Random-init HF model; biases and norm weights are randomised too (HF inits them to 0 / 1)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(MODEL_CONFIGS[name](), dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                p.add_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def save_hf_model(name: str, directory: str) -> str:
+    path = os.path.join(directory, name)
+    make_hf_model(name).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def batch(vocab: int, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input_ids [rows, SEQ] and their attention mask (row i has SEQ - i tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, SEQ), generator=g)
+    lengths = torch.tensor([SEQ - i for i in range(rows)])
+    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+    return ids * mask, mask
+
+
+def hf_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Reference: log_softmax(logits / T) gathered at the next tokens; [B, S] with position 0 = 0."""
+    logits = model(input_ids=ids, attention_mask=mask).logits.float() / temperature
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros(ids.shape[0], 1), lp], dim=1)
+
+
+def nll_loss(lp: torch.Tensor, token_mask: torch.Tensor, global_tokens: float) -> torch.Tensor:
+    """Token NLL of one micro-batch normalised by the global token count (positions 1.. only)."""
+    return -(lp[:, 1:] * token_mask[:, 1:]).sum() / global_tokens
+
+
+def torch_reference_step(
+    name: str, microbatches: list[dict[str, torch.Tensor]], optimizer: str, lr: float, clip: float
+) -> tuple[dict[str, torch.Tensor], float, float]:
+    """Plain PyTorch on the HF model: (updated state dict, grad norm before clipping, loss)."""
+    model = make_hf_model(name).train()
+    params = list(model.parameters())
+    opt: torch.optim.Optimizer
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=lr, momentum=0.0)
+    else:
+        opt = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    total = float(sum(mb["attention_mask"][:, 1:].sum() for mb in microbatches))
+    loss_sum = 0.0
+    for mb in microbatches:
+        lp = hf_logprobs(model, mb["input_ids"], mb["attention_mask"], 1.0)
+        loss = nll_loss(lp, mb["attention_mask"], total)
+        loss.backward()
+        loss_sum += float(loss)
+    norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
+    opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norm, loss_sum
+
+
+def train_microbatches(vocab: int) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for i in range(2):
+        ids, mask = batch(vocab, 2, seed=100 + i)
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+# ------------------------------------------------------------------------------------------ spawned worker
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(fn: Callable[..., None], world_size: int, args: tuple[Any, ...], timeout_s: float = 120.0) -> None:
+    """Run fn(rank, *args) in world_size spawned processes; raise on failure or timeout."""
+    ctx = mp.start_processes(fn, args=args, nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            raise TimeoutError(f"megatron workers did not finish within {timeout_s} s")
+
+
+def config_namespace(name: str) -> SimpleNamespace:
+    """The HF config as plain attributes: the conversion reads attributes only, and the workers skip
+    importing transformers (seconds per process)."""
+    return SimpleNamespace(**MODEL_CONFIGS[name]().to_dict())
+
+
+def worker(rank: int, world_size: int, port: int, phases: dict[str, dict[str, Any]], out_dir: str) -> None:
+    """One rank: megatron over gloo with the CPU layer; runs each phase's logprob / export / train jobs.
+
+    A phase is {"tp": .., "pp": .., "logprobs": [names], "export": [names], "train": {key: (name, optim, lr,
+    clip)}} plus the shared "files" (safetensors path per model), "inputs" and "train_batches". With DP > 1 each
+    data-parallel rank trains on its own share of the micro-batches.
+    """
+    torch.set_num_threads(1)
+    import sys
+
+    import torch.distributed as dist
+
+    import rlpost.models.megatron
+    import rlpost.models.megatron.convert
+    import rlpost.models.megatron.cpu_compat
+    import rlpost.models.megatron.export
+    import rlpost.models.megatron.model
+    import rlpost.models.megatron.train_step  # noqa: F401
+
+    lazy = not any(m == "megatron" or m.startswith("megatron.") for m in sys.modules)
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+
+    from rlpost.config.schema.megatron import MegatronConfig, MegatronOptimizerConfig, MegatronSchedulerConfig
+    from rlpost.models.megatron.convert import export_hf_weights
+    from rlpost.models.megatron.cpu_compat import cpu_compat, seed_model_parallel_rng
+    from rlpost.models.megatron.model import build_gpt_model, forward_logprobs
+    from rlpost.models.megatron.train_step import setup_training, train_step
+
+    shared = phases.pop("shared")
+    results: dict[str, Any] = {"imports_are_lazy": lazy}
+    with cpu_compat():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        for phase, plan in phases.items():
+            tp, pp = plan["tp"], plan["pp"]
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            seed_model_parallel_rng(1234)
+            groups = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group())
+            dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+            base = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+            def build(name: str, cfg: Any, precision: str = "float32") -> Any:
+                state = load_file(shared["files"][name])
+                return build_gpt_model(config_namespace(name), cfg, precision, hf_state_dict=state)
+
+            out: dict[str, Any] = {"logprobs": {}, "logprobs_bf16": {}, "export": {}, "train": {}}
+            for name in plan.get("logprobs", []):
+                ids, mask = shared["inputs"][name]
+                lp = forward_logprobs(build(name, MegatronConfig(**base)), ids, mask, TEMPERATURE, micro_batch_size=2)
+                out["logprobs"][name] = lp.numpy()
+            for name in plan.get("logprobs_bf16", []):
+                ids, mask = shared["inputs"][name]
+                model = build(name, MegatronConfig(**base), "bfloat16")
+                out["logprobs_bf16"][name] = forward_logprobs(model, ids, mask, TEMPERATURE).numpy()
+            for name in plan.get("export", []):
+                exported = export_hf_weights(build(name, MegatronConfig(**base)), config_namespace(name), *groups)
+                out["export"][name] = {k: v.clone() for k, v in exported}
+            for key, (name, optim, lr, clip) in plan.get("train", {}).items():
+                opt_cfg = MegatronOptimizerConfig(
+                    optimizer=optim, lr=lr, min_lr=0.0, weight_decay=0.0, sgd_momentum=0.0, clip_grad=clip
+                )
+                # The scheduler owns weight decay (it overwrites the optimizer's every step): keep it 0 like torch.
+                sched = MegatronSchedulerConfig(start_weight_decay=0.0, end_weight_decay=0.0)
+                cfg = MegatronConfig(**base, optimizer=opt_cfg, scheduler=sched)
+                state = setup_training(build(name, cfg), cfg)
+                all_mbs = shared["train_batches"][name]
+                total = float(sum(mb["attention_mask"][:, 1:].sum() for mb in all_mbs))
+                mine = all_mbs[dp_rank::dp]
+
+                def loss_fn(lp: torch.Tensor, mb: Any, total: float = total) -> tuple[torch.Tensor, dict[str, float]]:
+                    loss = nll_loss(lp, mb["attention_mask"], total)
+                    return loss, {"nll": float(loss)}
+
+                res = train_step(state, mine, loss_fn, loss_input="logprobs")
+                weights = {k: v.clone() for k, v in export_hf_weights(state.model, config_namespace(name), *groups)}
+                out["train"][key] = {
+                    "weights": weights,
+                    "grad_norm": res.grad_norm,
+                    "loss": res.loss,
+                    "lr": res.lr,
+                    "metrics": res.metrics,
+                }
+            results[phase] = out
+            dist.barrier()
+            ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -1,0 +1,134 @@
+"""Megatron-Core on CPU over gloo: logprob parity with HF, export round trip and one training step.
+
+One spawned job of two ranks (megatron_test_helpers.worker) runs three phases: TP=1 with DP=2, TP=2 and PP=2;
+the tests compare its results here against plain HF / PyTorch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import megatron_test_helpers as h
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-4
+PHASES: dict[str, dict[str, Any]] = {
+    "tp1_dp2": {
+        "tp": 1,
+        "pp": 1,
+        "logprobs": ["qwen2_tied", "qwen2_untied", "llama"],
+        "logprobs_bf16": ["qwen2_tied"],
+        "export": ["qwen2_untied"],
+        "train": {
+            "qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0),
+            "qwen_adam": ("qwen2_untied", "adam", 1e-3, 0.0),
+            "llama_sgd_clip": ("llama", "sgd", 0.5, 0.05),
+        },
+    },
+    "tp2": {
+        "tp": 2,
+        "pp": 1,
+        "logprobs": ["qwen2_tied", "llama"],
+        "export": ["qwen2_tied", "llama"],
+        "train": {"qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0), "llama_adam": ("llama", "adam", 1e-3, 0.0)},
+    },
+    "pp2": {
+        "tp": 1,
+        "pp": 2,
+        "logprobs": ["qwen2_tied", "llama"],
+        "export": ["qwen2_tied", "llama"],
+        "train": {"qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0), "llama_sgd": ("llama", "sgd", 0.5, 0.0)},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = str(tmp_path_factory.mktemp("hf_models"))
+    vocab = {name: make().vocab_size for name, make in h.MODEL_CONFIGS.items()}
+    return {
+        "files": {name: os.path.join(h.save_hf_model(name, root), "model.safetensors") for name in vocab},
+        "inputs": {name: h.batch(v, 4, seed=7) for name, v in vocab.items()},
+        "train_batches": {name: h.train_microbatches(v) for name, v in vocab.items()},
+    }
+
+
+@pytest.fixture(scope="module")
+def results(shared: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out_dir = str(tmp_path_factory.mktemp("megatron_results"))
+    h.spawn(h.worker, 2, (2, h.free_port(), {"shared": shared, **PHASES}, out_dir), timeout_s=180)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def hf_models() -> dict[str, Any]:
+    return {name: h.make_hf_model(name) for name in h.MODEL_CONFIGS}
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_logprob_parity(phase: str, results: list[dict[str, Any]], shared: dict[str, Any], hf_models: dict) -> None:
+    for name in PHASES[phase]["logprobs"]:
+        ids, mask = shared["inputs"][name]
+        with torch.no_grad():
+            ref = h.hf_logprobs(hf_models[name], ids, mask, h.TEMPERATURE)
+        for res in results:  # every rank returns the full result
+            got = torch.from_numpy(res[phase]["logprobs"][name])
+            assert got.shape == ids.shape
+            assert torch.all(got[:, 0] == 0)
+            diff = (got - ref)[mask.bool()].abs().max().item()
+            assert diff <= TOL, f"{phase}/{name}: max |megatron - hf| logprob = {diff}"
+
+
+def test_bf16_forward_runs_on_cpu(results: list[dict[str, Any]], shared: dict[str, Any], hf_models: dict) -> None:
+    """bf16 params (Float16Module) forward on CPU: logprobs close to the fp32 HF ones (bf16 rounding only)."""
+    ids, mask = shared["inputs"]["qwen2_tied"]
+    with torch.no_grad():
+        ref = h.hf_logprobs(hf_models["qwen2_tied"], ids, mask, h.TEMPERATURE)
+    for res in results:
+        got = torch.from_numpy(res["tp1_dp2"]["logprobs_bf16"]["qwen2_tied"])
+        assert got.dtype == torch.float32
+        assert (got - ref)[mask.bool()].abs().max().item() < 0.1
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_export_round_trip(phase: str, results: list[dict[str, Any]], hf_models: dict) -> None:
+    for name in PHASES[phase]["export"]:
+        ref = hf_models[name].state_dict()
+        for res in results:  # every rank yields every weight
+            got = res[phase]["export"][name]
+            assert list(got) == list(results[0][phase]["export"][name])  # same order on every rank
+            assert set(got) == set(ref), sorted(set(got) ^ set(ref))
+            for k, v in ref.items():
+                assert torch.equal(got[k], v), f"{phase}/{name}: {k}"
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_train_step_matches_pytorch(
+    phase: str, results: list[dict[str, Any]], shared: dict[str, Any], hf_models: dict
+) -> None:
+    for key, (name, optim, lr, clip) in PHASES[phase]["train"].items():
+        mbs = shared["train_batches"][name]
+        ref_sd, ref_norm, ref_loss = h.torch_reference_step(name, mbs, optim, lr, clip)
+        before = hf_models[name].state_dict()
+        for res in results:
+            out = res[phase]["train"][key]
+            assert out["loss"] == pytest.approx(ref_loss, rel=1e-5)
+            assert out["metrics"]["nll"] == pytest.approx(ref_loss, rel=1e-5)
+            assert out["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+            assert out["lr"] == pytest.approx(lr)
+            assert set(out["weights"]) == set(ref_sd)
+            moved = 0.0
+            for k, v in ref_sd.items():
+                diff = (out["weights"][k] - v).abs().max().item()
+                assert diff <= TOL, f"{phase}/{key}: {k} differs from the PyTorch step by {diff}"
+                moved = max(moved, (v - before[k]).abs().max().item())
+            assert moved > 10 * TOL, f"{phase}/{key}: the step barely moved the weights ({moved})"
+
+
+def test_package_imports_do_not_import_megatron(results: list[dict[str, Any]]) -> None:
+    """In the fresh worker processes, importing every rlpost.models.megatron module left megatron unimported."""
+    assert all(res["imports_are_lazy"] for res in results)
