@@ -1,0 +1,1 @@
+"""Rollout engines: vLLM (VllmGeneration) and transformers `generate` (HFGeneration) behind GenerationInterface."""

