@@ -27,6 +27,7 @@ def ray_local() -> Iterator[None]:
     if ray.is_initialized():
         ray.shutdown()
     ray.init(
+        address="local",
         num_cpus=2,
         include_dashboard=False,
         object_store_memory=256 * 2**20,

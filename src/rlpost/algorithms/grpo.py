@@ -1,19 +1,36 @@
 """GRPO at NeMo RL's path (`nemo_rl.algorithms.grpo`).
 
 Public names: GRPOConfig, GRPOSaveState, GRPOLoggerConfig, MasterConfig (typed dataclasses),
-and the loop's functions. The loop reads top to bottom; each phase lives in its own module.
+setup, grpo_train, validate, refit_policy_generation, _should_use_async_rollouts.
+`grpo_train` reads top to bottom, one phase per helper module:
+rollouts (generate + rewards) -> advantages -> dynamic sampling -> train data -> logprobs -> train.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional
 
+import torch
+
+from rlpost.algorithms.advantages import (
+    apply_overlong_reward_shaping,
+    calculate_baseline_and_std_per_prompt,
+    compute_advantages,
+    scale_rewards,
+)
+from rlpost.algorithms.dynamic_sampling import DynamicSampler
+from rlpost.algorithms.grpo_setup import GRPOComponents, generation_dtype, save_rng_state, setup
+from rlpost.algorithms.refit import refit_policy_generation
+from rlpost.algorithms.rollouts import RolloutBatch, run_rollout
+from rlpost.algorithms.train_data import build_train_data
+from rlpost.config.schema.generation import GenerationConfig
 from rlpost.config.schema.grpo import GRPOConfig, GRPOSaveState, _default_grpo_save_state
 from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.master import MasterConfig
-
-if TYPE_CHECKING:
-    from rlpost.config.schema.generation import GenerationConfig
+from rlpost.timer import Timer
 
 __all__ = [
     "GRPOConfig",
@@ -22,7 +39,15 @@ __all__ = [
     "MasterConfig",
     "_default_grpo_save_state",
     "_should_use_async_rollouts",
+    "grpo_train",
+    "refit_policy_generation",
+    "setup",
+    "validate",
 ]
+
+
+class HealthCheckError(RuntimeError):
+    """The trainer and the engine disagree too much (token_mult_prob_error above the abort threshold)."""
 
 
 def _should_use_async_rollouts(master_config: MasterConfig) -> bool:
@@ -31,3 +56,199 @@ def _should_use_async_rollouts(master_config: MasterConfig) -> bool:
     gen: GenerationConfig = master_config.policy.generation
     vllm_cfg = getattr(gen, "vllm_cfg", None)
     return gen.backend == "vllm" and vllm_cfg is not None and bool(vllm_cfg.async_engine)
+
+
+def _sample_seeds(seed: int, step: int, n: int, salt: int = 0) -> List[int]:
+    """Per-sample sampling seeds: a resumed run draws exactly what an uninterrupted one would."""
+    return [(seed * 1_000_003 + step * 10_007 + salt * 7919 + i) % (2**31 - 1) for i in range(n)]
+
+
+def _rollout_rows(c: GRPOComponents, rows: List[Dict[str, Any]]) -> tuple[List[Dict[str, Any]], torch.Tensor]:
+    g = c.cfg.grpo.num_generations_per_prompt
+    processed = [c.processor(r) for r in rows]
+    repeated = [p for p in processed for _ in range(g)]
+    group_ids = torch.arange(len(processed)).repeat_interleave(g)
+    return repeated, group_ids
+
+
+def _advantages(c: GRPOComponents, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    g = c.cfg.grpo
+    rewards = scale_rewards(batch.rewards, g.reward_scaling)
+    rewards = apply_overlong_reward_shaping(rewards, batch.gen["generation_lengths"].float(), g.reward_shaping)
+    valid = torch.ones_like(rewards)
+    baseline, std = calculate_baseline_and_std_per_prompt(batch.group_ids, rewards, valid, g.use_leave_one_out_baseline)
+    return compute_advantages(rewards, baseline, std, g.normalize_rewards), std
+
+
+def validate(c: GRPOComponents, step: int) -> Dict[str, float]:
+    """Accuracy (share of samples with reward 1) and mean generated length on the validation rows."""
+    g = c.cfg.grpo
+    rows = c.val_rows[: g.max_val_samples]
+    if not rows:
+        return {}
+    t0 = time.perf_counter()
+    rewards, lengths = [], []
+    for start in range(0, len(rows), g.val_batch_size):
+        part = [c.processor(r) for r in rows[start : start + g.val_batch_size]]
+        seeds = _sample_seeds(g.seed, step, len(part), salt=1 + start)
+        batch = run_rollout(part, torch.arange(len(part)), c.generation, c.tokenizer, c.envs, seeds=seeds)
+        rewards.append(batch.rewards)
+        lengths.append(batch.gen["generation_lengths"].float())
+    r = torch.cat(rewards)
+    c.generation.finish_generation()
+    return {
+        "validation/accuracy": float((r == 1.0).float().mean()),
+        "validation/avg_length": float(torch.cat(lengths).mean()),
+        "validation/reward": float(r.mean()),
+        "timing/validation/total_validation_time": time.perf_counter() - t0,
+    }
+
+
+def _checkpoint(c: GRPOComponents, step: int, metrics: Dict[str, float]) -> None:
+    s = c.save_state
+    name = c.cfg.checkpointing.metric_name
+    if name:
+        kind, key = name.split(":", 1)
+        value = metrics.get(f"{'validation' if kind == 'val' else 'train'}/{key}")
+        if value is not None:
+            s.extra[name] = value
+    tmp = c.checkpointer.begin(step)
+    c.policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"))
+    (tmp / "train_dataloader.json").write_text(json.dumps(c.dataloader.state_dict()))
+    (tmp / "rng_state.json").write_text(json.dumps(save_rng_state()))
+    (tmp / "config.yaml").write_text(json.dumps(c.config_dict, indent=1, default=str))
+    c.checkpointer.finalize(tmp, step, s.to_dict(), c.model_fp, c.config_dict)
+
+
+def _health_gate(c: GRPOComponents, metrics: Dict[str, float], step: int) -> None:
+    err = metrics.get("train/token_mult_prob_error")
+    if err is None:
+        return
+    g = c.cfg.grpo
+    if err > g.token_mult_prob_error_abort_threshold:
+        raise HealthCheckError(
+            f"step {step}: train/token_mult_prob_error={err:.4f} > abort threshold "
+            f"{g.token_mult_prob_error_abort_threshold} (grpo.token_mult_prob_error_abort_threshold): "
+            "the engine's and the trainer's logprobs disagree; check refit and precision"
+        )
+    if err > g.token_mult_prob_error_warn_threshold:
+        metrics["train/health_warnings"] = 1.0
+        warnings.warn(
+            f"step {step}: train/token_mult_prob_error={err:.4f} > warn threshold "
+            f"{g.token_mult_prob_error_warn_threshold}",
+            stacklevel=2,
+        )
+
+
+def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> GRPOSaveState:
+    """Run GRPO until grpo.max_num_steps or grpo.max_num_epochs; returns the final save state."""
+    cfg, g, s = c.cfg, c.cfg.grpo, c.save_state
+    timer = Timer()
+    stale = True
+    gen_dtype = generation_dtype(cfg)
+    if g.val_at_start and s.total_steps == 0:
+        c.logger.log(validate(c, 0), 0)
+    loader = c.dataloader
+    while loader.epochs_done() < g.max_num_epochs and s.total_steps < g.max_num_steps:
+        prompt_rows = loader.next_batch()
+        step = s.total_steps + 1
+        timer.reset()
+        with timer.time("total_step_time"):
+            metrics: Dict[str, float] = {}
+            sampler = DynamicSampler(g.num_prompts_per_step * g.num_generations_per_prompt,
+                                     g.dynamic_sampling_max_gen_batches) if g.use_dynamic_sampling else None
+            batch: Optional[RolloutBatch] = None
+            rows = prompt_rows
+            while batch is None:
+                repeated, group_ids = _rollout_rows(c, rows)
+                if stale:
+                    with timer.time("refit"):
+                        refit_policy_generation(c.policy, c.generation, c.colocated, gen_dtype,
+                                                cfg.policy.refit_buffer_size_gb)
+                    stale = False
+                with timer.time("generation"):
+                    seeds = _sample_seeds(g.seed, step, len(repeated),
+                                          salt=sampler.gen_batches if sampler else 0)
+                    rollout = run_rollout(repeated, group_ids, c.generation, c.tokenizer, c.envs, seeds=seeds)
+                    c.generation.finish_generation()
+                metrics["train/reward"] = float(rollout.rewards.mean())
+                if sampler is None:
+                    batch = rollout
+                else:
+                    _, std = _advantages(c, rollout)
+                    batch = sampler.add(rollout, std)
+                    if batch is None:
+                        rows = loader.next_batch()
+            with timer.time("reward_calculation"):
+                adv, _ = _advantages(c, batch)
+            with timer.time("data_processing"):
+                mask = torch.tensor([r["loss_multiplier"] for r in batch.rows])
+                if g.overlong_filtering:
+                    mask = mask * (~batch.gen["truncated"].bool()).float()
+                train_data = build_train_data(batch, adv, mask, c.tokenizer.pad_token_id,
+                                              cfg.policy.make_sequence_length_divisible_by)
+            with timer.time("policy_and_reference_logprobs"):
+                c.policy.prepare_for_lp_inference()
+                train_data["prev_logprobs"] = c.policy.get_logprobs(train_data)["logprobs"]
+                if getattr(c.loss_fn, "reference_policy_kl_penalty", 0.0) != 0.0:
+                    ref = c.policy.get_reference_policy_logprobs(train_data)["reference_logprobs"]
+                    train_data["reference_policy_logprobs"] = ref
+                else:
+                    train_data["reference_policy_logprobs"] = train_data["prev_logprobs"]
+            with timer.time("policy_training"):
+                c.policy.prepare_for_training()
+                results = c.policy.train(train_data, c.loss_fn)
+                stale = True
+            metrics.update(_step_metrics(batch, train_data, adv, results, sampler))
+            if g.val_period > 0 and step % g.val_period == 0:
+                with timer.time("refit"):
+                    refit_policy_generation(c.policy, c.generation, c.colocated, gen_dtype,
+                                            cfg.policy.refit_buffer_size_gb)
+                    stale = False
+                val = validate(c, step)
+                metrics.update(val)
+                s.val_reward = val.get("validation/accuracy", s.val_reward)
+            s.current_epoch, s.current_step = loader.epoch, loader.index
+            s.total_steps = step
+            s.consumed_samples += g.num_prompts_per_step
+            s.total_valid_tokens += int(train_data["token_mask"].sum())
+            last = step >= g.max_num_steps
+            if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last):
+                with timer.time("checkpointing"):
+                    _checkpoint(c, step, metrics)
+        metrics.update(timer.metrics("timing/train"))
+        n_tok = float(train_data["input_lengths"].sum())
+        metrics["performance/tokens_per_sec"] = n_tok / max(timer.times["total_step_time"], 1e-9)
+        gen_tok = float(batch.gen["generation_lengths"].sum())
+        metrics["performance/generation_tokens_per_sec"] = gen_tok / max(timer.times.get("generation", 0.0), 1e-9)
+        _health_gate(c, metrics, step)
+        c.logger.log(metrics, step)
+        if on_step is not None:
+            on_step(step, metrics)
+    return s
+
+
+def _step_metrics(
+    batch: RolloutBatch, train_data: Any, adv: torch.Tensor, results: Dict[str, Any], sampler: Optional[DynamicSampler]
+) -> Dict[str, float]:
+    m: Dict[str, float] = {f"train/{k}": float(v) for k, v in results["metrics"].items()}
+    m["train/loss"] = float(results["loss"])
+    m["train/grad_norm"] = float(results["grad_norm"])
+    m["train/lr"] = float(results["lr"])
+    resp = train_data["token_mask"].sum(-1)
+    m["train/mean_gen_length"] = float(batch.gen["generation_lengths"].float().mean())
+    m["train/mean_prompt_length"] = float(batch.input_lengths.float().mean())
+    m["train/total_num_tokens"] = float(train_data["input_lengths"].sum())
+    m["train/advantages/mean"] = float(adv.mean())
+    m["train/advantages/max"] = float(adv.max())
+    m["train/advantages/min"] = float(adv.min())
+    m["train/num_too_long_prompts"] = float(sum(1 for r in batch.rows if r.get("too_long")))
+    m["train/truncated_fraction"] = float(batch.gen["truncated"].float().mean())
+    m["train/filtered_reward"] = float(batch.rewards.mean())
+    m["train/valid_response_tokens"] = float(resp.sum())
+    for k, v in batch.metrics.items():
+        m[f"train/{k}"] = v
+    if sampler is not None:
+        m["train/dynamic_sampling_num_discarded_valid_samples"] = float(sampler.discarded)
+        m["train/dynamic_sampling_num_gen_batches"] = float(sampler.gen_batches)
+    return m

@@ -56,6 +56,7 @@ def init_ray(cfg: ClusterConfig) -> None:
         ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=True)
         return
     ray.init(
+        address="local",  # never attach silently to a cluster someone started with `ray start`
         num_cpus=cfg.num_cpus if cfg.num_cpus is not None else os.cpu_count(),
         include_dashboard=False,
         object_store_memory=cfg.object_store_memory_mb * 2**20,

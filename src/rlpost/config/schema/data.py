@@ -14,8 +14,8 @@ SYNTHETIC_TASKS = ("next_letter", "copy_digit", "add_mod10")
 class SyntheticTaskConfig:
     """A verifiable task generated in-process (no files, no downloads)."""
 
-    task: str = "next_letter"
-    """'next_letter' (answer the letter after the given one), 'copy_digit' or 'add_mod10'."""
+    task: str = "copy_digit"
+    """'copy_digit' (repeat the digit), 'next_letter' or 'add_mod10' (see rlpost.environments.synthetic)."""
     num_train: int = 4096
     """Training prompts generated."""
     num_val: int = 64

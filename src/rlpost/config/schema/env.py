@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from rlpost.config.errors import one_of, positive
+from rlpost.config.errors import one_of, positive, require
 
 
 @dataclass
@@ -30,6 +30,12 @@ class SyntheticEnvConfig(EnvConfig):
 
     task: str = "${data.synthetic.task}"
     """Task whose answers are checked."""
+    format_reward: float = 0.1
+    """Reward for a well-formed but wrong answer (one symbol of the task's answer alphabet); 1.0 when correct."""
+
+    def check(self, path: str) -> None:
+        super().check(path)
+        require(0.0 <= self.format_reward < 1.0, f"{path}.format_reward", self.format_reward, "must be in [0, 1)")
 
 
 @dataclass

@@ -150,8 +150,12 @@ class HFGenerationWorker:
             out.append(GeneratedSample(new[i, :n].tolist(), lps[i, :n].tolist(), truncated=not stopped))
         return out
 
-    def generate(self, prompts: list[list[int]], spec: dict[str, Any]) -> list[GeneratedSample]:
-        """One sample per prompt, in order."""
+    def generate(
+        self, prompts: list[list[int]], spec: dict[str, Any], seed: Optional[int] = None
+    ) -> list[GeneratedSample]:
+        """One sample per prompt, in order; `seed` reseeds the sampler first (reproducible shards)."""
+        if seed is not None:
+            torch.manual_seed(seed)
         out: list[GeneratedSample] = []
         for s in range(0, len(prompts), self.batch_size):
             out += self._generate_batch(prompts[s : s + self.batch_size], spec)
@@ -240,8 +244,18 @@ class HFGeneration(GenerationInterface):
         """Generate for every row of `data` (contract in rlpost.models.generation.interfaces)."""
         prompts = unpack_prompts(data)
         spec = hf_sampling_spec(self.cfg, greedy, self.eos_token_id)
-        shards = [prompts[a:b] for a, b in contiguous_splits(len(prompts), self.group.dims.dp)]
-        parts = self.group.run_sharded("generate", shards, spec)
+        splits = contiguous_splits(len(prompts), self.group.dims.dp)
+        shards = [prompts[a:b] for a, b in splits]
+        if "seeds" in data:
+            seeds = [int(x) for x in data["seeds"]]
+            first = [seeds[a] if a < len(seeds) else None for a, _ in splits]
+            futures = [
+                w.generate.remote(shards[self.group.dims.coords(r)["dp"]], spec, first[self.group.dims.coords(r)["dp"]])
+                for r, w in enumerate(self.group.workers)
+            ]
+            parts = self.group.get(futures)
+        else:
+            parts = self.group.run_sharded("generate", shards, spec)
         samples = [s for part in parts for s in part]
         return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
 

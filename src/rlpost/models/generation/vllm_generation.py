@@ -200,10 +200,11 @@ class VllmGeneration(GenerationInterface):
         prompts = unpack_prompts(data)
         spec = sampling_spec(self.cfg, greedy, self.eos_token_id)
         chunks = contiguous_splits(len(prompts), self.num_replicas)
+        seeds = [int(x) for x in data["seeds"]] if "seeds" in data else None
         futures, used = [], []
         for r, (a, b) in enumerate(chunks):
             if b > a:
-                futures.append(self.workers[r].generate.remote(prompts[a:b], spec))
+                futures.append(self.workers[r].generate.remote(prompts[a:b], spec, seeds[a:b] if seeds else None))
                 used.append(r)
         samples = [s for part in self._get(futures, "generate", used) for s in part]
         return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)

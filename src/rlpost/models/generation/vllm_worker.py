@@ -113,21 +113,28 @@ class VllmEngineWorker:
 
         return SamplingParams(**spec, output_kind=RequestOutputKind.FINAL_ONLY)
 
-    def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[GeneratedSample]:
-        """Generate one sample per prompt (token-id lists) with SamplingParams(**sampling); input order kept."""
+    def generate(
+        self, prompts: list[list[int]], sampling: dict[str, Any], seeds: Optional[list[int]] = None
+    ) -> list[GeneratedSample]:
+        """Generate one sample per prompt (token-id lists) with SamplingParams(**sampling); input order kept.
+
+        With `seeds`, prompt i samples with its own seed (reproducible whatever ran before)."""
         if not prompts:
             return []
-        params = self._sampling_params(sampling)
+        if seeds is not None:
+            per_prompt = [self._sampling_params({**sampling, "seed": int(s)}) for s in seeds]
+        else:
+            per_prompt = [self._sampling_params(sampling)] * len(prompts)
         token_prompts = [{"prompt_token_ids": list(p)} for p in prompts]
         if not self.async_engine:
-            outs = self.engine.generate(token_prompts, params, use_tqdm=False)
+            outs = self.engine.generate(token_prompts, per_prompt, use_tqdm=False)
             return [_to_sample(o.outputs[0]) for o in outs]
         base = self._req
         self._req += len(prompts)
 
         async def one(i: int, prompt: dict[str, Any]) -> GeneratedSample:
             final = None
-            async for out in self.engine.generate(prompt, params, request_id=f"r{self.replica}-{base + i}"):
+            async for out in self.engine.generate(prompt, per_prompt[i], request_id=f"r{self.replica}-{base + i}"):
                 final = out
             if final is None:
                 raise RuntimeError(f"no output for prompt {i}")

@@ -277,7 +277,7 @@ class DTensorWorkerBase:
             full["lm_head.weight"] = full.get("model.embed_tokens.weight")
         torch_dtype = getattr(torch, dtype)
         self._export = [(k, v.to(torch_dtype)) for k, v in full.items() if v is not None] if self.rank == 0 else []
-        return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in self._export}
+        return {k: (tuple(v.shape), v.dtype) for k, v in self._export}
 
     def get_export_chunk(self, start: int, max_bytes: int) -> Tuple[List[Tuple[str, torch.Tensor]], int]:
         """Rank 0: tensors [start, next) of the prepared export, at most max_bytes (at least one tensor)."""
@@ -299,6 +299,25 @@ class DTensorWorkerBase:
 
     def clear_export(self) -> None:
         self._export = []
+
+    def init_refit_collective(self, host: str, port: int, world_size: int) -> bool:
+        """Rank 0 joins the refit group with the engine workers as rank 0 (non-colocated refit)."""
+        if self.rank == 0:
+            from rlpost.distributed.collective import StatelessGroup
+
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            self._refit_group = StatelessGroup(host, port, 0, world_size, backend=backend)
+        return True
+
+    def broadcast_weights_collective(self, dtype: str) -> str:
+        """All ranks gather the full weights; rank 0 broadcasts them to the engines. Rank 0's fingerprint."""
+        self.prepare_weights_for_export(dtype)
+        fp = ""
+        if self.rank == 0:
+            self._refit_group.broadcast_tensors(self._export, src=0)
+            fp = self.export_fingerprint()
+        self.clear_export()
+        return fp
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None, hf_export: bool = True) -> None:

@@ -127,14 +127,22 @@ class Policy(ColocatablePolicyInterface):
         self.worker_group.shutdown(graceful_method="shutdown")
 
     # ---- refit -----------------------------------------------------------------------------
-    def prepare_refit_info(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
-        info = self.worker_group.run_all("prepare_weights_for_export", "float32")[0]
+    def prepare_refit_info(self, dtype: str = "float32") -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        info = self.worker_group.run_all("prepare_weights_for_export", dtype)[0]
         self.worker_group.run_all("clear_export")
         return info
 
     def export_weights(self, dtype: str, max_chunk_bytes: int = 256 * 2**20) -> WeightStream:
         self.worker_group.run_all("prepare_weights_for_export", dtype)
         return _RankZeroStream(self.worker_group, max_chunk_bytes)
+
+    def init_refit_collective_async(self, host: str, port: int, world_size: int) -> List[Any]:
+        """Start rank 0 joining the refit group (it blocks until the engines join too)."""
+        return [w.init_refit_collective.remote(host, port, world_size) for w in self.worker_group.workers]
+
+    def broadcast_weights_collective_async(self, dtype: str) -> List[Any]:
+        """Start the broadcast of full weights from rank 0 (engines must receive concurrently)."""
+        return [w.broadcast_weights_collective.remote(dtype) for w in self.worker_group.workers]
 
     def offload_before_refit(self) -> None:
         self.worker_group.run_all("offload_before_refit")

@@ -1,0 +1,179 @@
+"""GRPO `setup`: builds, in order, seeds, the logger, the checkpoint manager (and resume state),
+the resumable dataloader, the cluster(s), the engine, the policy, the refit info and the loss."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+from omegaconf import OmegaConf
+
+from rlpost.build import build
+from rlpost.checkpointing import CheckpointManager, model_fingerprint
+from rlpost.config.schema.grpo import GRPOSaveState
+from rlpost.config.schema.master import MasterConfig
+from rlpost.data.dataloader import PromptLoader
+from rlpost.data.datasets import load_rows
+from rlpost.data.prompts import PromptProcessor, load_tokenizer
+from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
+from rlpost.metrics_logger import MetricsLogger
+
+
+@dataclass
+class GRPOComponents:
+    """Everything `grpo_train` runs on (NeMo RL's setup tuple, as one object)."""
+
+    cfg: MasterConfig
+    run_dir: Path
+    policy: Any
+    generation: Any
+    clusters: List[RayVirtualCluster]
+    dataloader: PromptLoader
+    val_rows: List[Dict[str, Any]]
+    loss_fn: Any
+    logger: MetricsLogger
+    checkpointer: CheckpointManager
+    save_state: GRPOSaveState
+    tokenizer: Any
+    processor: PromptProcessor
+    envs: Dict[str, Any]
+    model_fp: str
+    config_dict: Dict[str, Any]
+    colocated: bool = True
+    extras: Dict[str, Any] = field(default_factory=dict)
+
+    def close(self) -> None:
+        """Release engines, workers, clusters, verifier processes and the logger (idempotent)."""
+        for closer in (
+            lambda: self.generation and self.generation.shutdown(),
+            lambda: self.policy and self.policy.shutdown(),
+            *[(lambda c=c: c.shutdown()) for c in self.clusters],
+            *[(lambda e=e: e.shutdown()) for e in self.envs.values()],
+            self.logger.close,
+        ):
+            try:
+                closer()
+            except Exception:  # noqa: BLE001 - keep closing the rest
+                pass
+        self.generation = None
+        self.policy = None
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _prepare_model(cfg: MasterConfig) -> None:
+    if cfg.model.tiny is not None:
+        from rlpost.models.tiny import ensure_tiny_model
+
+        ensure_tiny_model(cfg.model.tiny, cfg.model.path)
+
+
+def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
+    """Build every component of a GRPO run (resuming from the latest checkpoint if one exists)."""
+    set_seed(cfg.grpo.seed)
+    _prepare_model(cfg)
+    logger = MetricsLogger(cfg.logger, run_dir)
+    config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[assignment]
+    logger.log_hyperparams(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
+    checkpointer = CheckpointManager(cfg.checkpointing, run_dir)
+    model_fp = model_fingerprint(cfg.policy.model_name)
+    last = checkpointer.latest()
+    save_state = GRPOSaveState()
+    if last is not None:
+        checkpointer.check_resume(last, model_fp, config_dict)
+        save_state = GRPOSaveState.from_dict(json.loads((last / "training_info.json").read_text()))
+
+    tokenizer = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
+    processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs)
+    g = cfg.grpo
+    batch = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
+    dataloader = PromptLoader(load_rows(cfg.data, "train"), batch, cfg.data.shuffle, cfg.data.seed)
+    val_rows = load_rows(cfg.data, "val") if (g.val_period > 0 or g.val_at_start) else []
+    if last is not None:
+        dataloader.load_state_dict(json.loads((last / "train_dataloader.json").read_text()))
+        rng = json.loads((last / "rng_state.json").read_text())
+        random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
+
+    envs = {name: build(env_cfg, key=f"env.{name}._target_") for name, env_cfg in cfg.env.items()}
+
+    init_ray(cfg.cluster)
+    device = resolve_device(cfg.cluster)
+    use_gpus = device == "cuda"
+    colocated = cfg.policy.generation.colocated.enabled
+    from rlpost.config.layout import compute_layout
+
+    lay = compute_layout(cfg)
+    cpus = cfg.cluster.worker_num_cpus
+    if colocated:
+        train_cluster = RayVirtualCluster(
+            "grpo_policy_cluster", lay.train_workers_per_node, lay.train_nodes, use_gpus, cpus * 2, 2,
+            cfg.cluster.placement_timeout_s,
+        )
+        gen_cluster = train_cluster
+        clusters = [train_cluster]
+    else:
+        train_cluster = RayVirtualCluster(
+            "grpo_train_cluster", lay.train_workers_per_node, lay.train_nodes, use_gpus, cpus, 1,
+            cfg.cluster.placement_timeout_s,
+        )
+        gen_cluster = RayVirtualCluster(
+            "grpo_inference_cluster", lay.gen_workers_per_node, lay.gen_nodes, use_gpus, cpus, 1,
+            cfg.cluster.placement_timeout_s,
+        )
+        clusters = [train_cluster, gen_cluster]
+
+    gen_cfg = cfg.policy.generation
+    if gen_cfg.model_name is None:
+        gen_cfg.model_name = cfg.policy.model_name
+    comps = GRPOComponents(
+        cfg=cfg, run_dir=run_dir, policy=None, generation=None, clusters=clusters, dataloader=dataloader,
+        val_rows=val_rows, loss_fn=None, logger=logger, checkpointer=checkpointer, save_state=save_state,
+        tokenizer=tokenizer, processor=processor, envs=envs, model_fp=model_fp, config_dict=config_dict,
+        colocated=colocated,
+    )
+    try:
+        comps.generation = build(gen_cfg, gen_cluster, model_path=cfg.policy.model_name,
+                                 key="policy.generation._target_")
+        comps.generation.finish_generation()
+        from rlpost.models.policy.lm_policy import Policy
+
+        weights = optim = None
+        if last is not None:
+            weights, optim = str(last / "policy" / "weights"), str(last / "policy" / "optimizer")
+        beta = getattr(cfg.loss_fn, "reference_policy_kl_penalty", 0.0)
+        comps.policy = Policy(
+            train_cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
+            init_reference_model=beta > 0, device=device, timeout_s=cfg.cluster.call_timeout_s,
+        )
+        if not colocated:
+            from rlpost.algorithms.refit import init_refit_collective
+
+            host, port = train_cluster.get_master_address_and_port()
+            init_refit_collective(comps.policy, comps.generation, host, port)
+        comps.generation.prepare_refit_info(comps.policy.prepare_refit_info(generation_dtype(cfg)))
+        comps.loss_fn = build(cfg.loss_fn, key="loss_fn._target_")
+    except BaseException:
+        comps.close()
+        raise
+    return comps
+
+
+def generation_dtype(cfg: MasterConfig) -> str:
+    """The dtype weights are cast to for the engine."""
+    gen = cfg.policy.generation
+    vllm_cfg = getattr(gen, "vllm_cfg", None)
+    return str(vllm_cfg.precision if vllm_cfg is not None else getattr(gen, "precision", "float32"))
+
+
+def save_rng_state() -> Dict[str, Any]:
+    st = random.getstate()
+    return {"python": [st[0], list(st[1]), st[2]]}
+
+

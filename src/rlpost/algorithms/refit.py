@@ -1,0 +1,57 @@
+"""refit_policy_generation: the policy's current weights into the rollout engine, verified.
+
+Colocated: full weights stream from the policy's rank 0 through the Ray object store (shared
+memory on one node; IPC) in chunks of at most refit_buffer_size_gb. Non-colocated: rank 0
+broadcasts over a torch.distributed group it shares with the engine workers (gloo on CPU, NCCL on
+GPU). Either way both sides compute a weight fingerprint and a mismatch aborts: a silently stale
+engine is the bug this prevents.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from rlpost.models.fingerprint import FingerprintMismatch
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+def refit_policy_generation(
+    policy: Any,
+    policy_generation: Any,
+    colocated_inference: bool,
+    dtype: str = "float32",
+    refit_buffer_size_gb: Optional[float] = None,
+    timer: Any = None,
+) -> float:
+    """Refit and check; returns the seconds it took."""
+    t0 = time.perf_counter()
+    policy.offload_before_refit()
+    policy_generation.prepare_for_generation(tags=["weights"])
+    if colocated_inference:
+        chunk = int(refit_buffer_size_gb * 2**30) if refit_buffer_size_gb else DEFAULT_CHUNK_BYTES
+        stream = policy.export_weights(dtype, chunk)
+        engine_fp = policy_generation.update_weights(t for part in stream for t in part)
+        policy_fp = stream.fingerprint
+    else:
+        futures = policy_generation.update_weights_from_collective_async()
+        sent = policy.worker_group.get(policy.broadcast_weights_collective_async(dtype))
+        policy_fp = sent[0]
+        engine_fp = policy_generation.wait_collective_update(futures, expected=policy_fp)
+    if engine_fp != policy_fp:
+        raise FingerprintMismatch(
+            f"refit check failed: the engine loaded weights with fingerprint {engine_fp}, "
+            f"the policy sent {policy_fp}"
+        )
+    policy.offload_after_refit()
+    policy_generation.prepare_for_generation(tags=["kv_cache"])
+    return time.perf_counter() - t0
+
+
+def init_refit_collective(policy: Any, policy_generation: Any, host: str, port: int) -> None:
+    """Non-colocated: policy rank 0 (rank 0) and every engine worker (ranks 1..) join one group."""
+    world = 1 + policy_generation.num_replicas * policy_generation.slots_per_replica
+    engine_f = policy_generation.init_collective_async(host, port, 1, world)
+    policy.worker_group.get(policy.init_refit_collective_async(host, port, world))
+    policy_generation._get(engine_f, "init_collective")

@@ -1,0 +1,55 @@
+"""Rows -> token ids: prompt template, system prompt, the tokenizer's (or a file's) chat template.
+
+Prompts longer than data.max_input_seq_length tokens are truncated to it and masked out of the
+loss (loss_multiplier 0); they are counted in the step metrics.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from rlpost.config.schema.data import DataConfig
+from rlpost.config.schema.policy import TokenizerConfig
+
+
+def load_tokenizer(cfg: TokenizerConfig, trust_remote_code: bool = False) -> Any:
+    """AutoTokenizer from a local path; pad = eos if missing; chat template from cfg.chat_template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.name, trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    ct = cfg.chat_template
+    if ct is None:
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    elif ct != "default":
+        p = Path(ct)
+        tok.chat_template = p.read_text() if p.suffix == ".jinja" and p.is_file() else ct
+    return tok
+
+
+class PromptProcessor:
+    """Formats and tokenizes rows."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any, chat_template_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.template = Path(cfg.prompt_file).read_text() if cfg.prompt_file else None
+        self.system = Path(cfg.system_prompt_file).read_text().strip() if cfg.system_prompt_file else None
+        self.kwargs = chat_template_kwargs or {}
+
+    def messages(self, row: Dict[str, Any]) -> List[Dict[str, str]]:
+        text = self.template.format(row["problem"]) if self.template else row["problem"]
+        msgs = [{"role": "system", "content": self.system}] if self.system else []
+        return msgs + [{"role": "user", "content": text}]
+
+    def __call__(self, row: Dict[str, Any]) -> Dict[str, Any]:
+        text = self.tok.apply_chat_template(
+            self.messages(row), tokenize=False, add_generation_prompt=self.cfg.add_generation_prompt, **self.kwargs
+        )
+        ids: List[int] = self.tok(text, add_special_tokens=False)["input_ids"]
+        too_long = len(ids) > self.cfg.max_input_seq_length
+        if too_long:
+            ids = ids[: self.cfg.max_input_seq_length]
+        return {**row, "prompt_ids": ids, "loss_multiplier": 0.0 if too_long else 1.0, "too_long": too_long}

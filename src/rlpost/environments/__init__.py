@@ -1,0 +1,1 @@
+"""Environments: score responses. They know no trainer."""

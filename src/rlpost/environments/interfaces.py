@@ -1,0 +1,33 @@
+"""EnvironmentInterface: turn responses into rewards. A leaf module."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+
+@dataclass
+class EnvironmentReturn:
+    """Rewards of one batch of responses, plus what went wrong while scoring them."""
+
+    rewards: List[float]
+    """One reward per response."""
+    timeouts: int = 0
+    """Verifications killed for running past the timeout (reward 0)."""
+    errors: int = 0
+    """Verifications that raised (reward 0)."""
+    metrics: Dict[str, float] = field(default_factory=dict)
+    """Environment-specific metrics."""
+
+
+class EnvironmentInterface(ABC):
+    """Single-turn scoring of responses against per-sample metadata (e.g. the ground truth)."""
+
+    @abstractmethod
+    def step(self, responses: List[str], metadata: List[Dict[str, Any]]) -> EnvironmentReturn:
+        """Score `responses`; metadata[i] belongs to responses[i]."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop worker processes."""

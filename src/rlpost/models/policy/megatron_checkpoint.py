@@ -1,0 +1,224 @@
+"""Checkpoints of a Megatron policy: torch.distributed.checkpoint (DCP) of the sharded state, plus an HF export.
+
+Layout under `weights_path`:   dcp/ (model shards), megatron_layout.json, hf/ (config.json, model.safetensors and the
+                               tokenizer files of policy.model_name; `AutoModelForCausalLM.from_pretrained` loads it);
+under `optimizer_path`:        dcp/ (optimizer state), scheduler.json (megatron OptimizerParamScheduler state).
+
+Keys. Every rank saves its own shard under a layout tag, `tp{t}-pp{p}/<megatron parameter name>` for the model and
+`tp{t}-pp{p}/c{chained optimizer}/p{parameter index}/<state name>` for the optimizer (`-dp{d}` is added to the
+tag for the distributed optimizer, whose state differs per data-parallel rank). Data-parallel replicas hold the
+same keys with the same values, and DCP's save planner writes each of them once. The optimizer entries are the
+torch-level state of megatron's optimizer (exp_avg, exp_avg_sq, step, momentum_buffer, ...), plus its parameters
+when they are not the model's own (fp32 main params of the mixed-precision optimizer), plus a numeric `step` kept
+in a param group (fused Adam). Loading allocates the destination tensors from the checkpoint's DCP metadata, so
+the restored state is bit-identical and a resumed run continues exactly like the original.
+
+Why not megatron dist-checkpointing: megatron-core 0.16.1's torch_dist save path calls `torch.cuda.synchronize()`
+unconditionally (FileSystemWriterAsync.preload_tensors), so it cannot run on CPU; one DCP format for both devices
+keeps CPU tests meaningful. The price: no resharding. A checkpoint restores only into the same TP x PP layout
+(megatron_layout.json is checked and a mismatch raises a clear error); to change layout, start from hf/.
+Loading never runs code from the checkpoint: DCP, JSON and safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from rlpost.models.policy.dtensor_checkpoint import TOKENIZER_FILES
+
+if TYPE_CHECKING:
+    from rlpost.models.policy.megatron_policy_worker import MegatronPolicyWorker
+
+FORMAT = "rlpost-megatron-dcp/1"
+LAYOUT_FILE = "megatron_layout.json"
+SCHEDULER_FILE = "scheduler.json"
+
+
+def _layout(worker: MegatronPolicyWorker) -> Dict[str, Any]:
+    m = worker.cfg.megatron_cfg
+    assert m is not None
+    return {
+        "format": FORMAT,
+        "tensor_model_parallel_size": m.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": m.pipeline_model_parallel_size,
+        "num_layers_in_first_pipeline_stage": m.num_layers_in_first_pipeline_stage,
+        "num_layers_in_last_pipeline_stage": m.num_layers_in_last_pipeline_stage,
+        "data_parallel_size": worker.dp_size,
+        "use_distributed_optimizer": bool(m.optimizer.use_distributed_optimizer),
+    }
+
+
+def _tag(worker: MegatronPolicyWorker, with_dp: bool = False) -> str:
+    from megatron.core import parallel_state as ps
+
+    tag = f"tp{ps.get_tensor_model_parallel_rank()}-pp{ps.get_pipeline_model_parallel_rank()}"
+    return f"{tag}-dp{ps.get_data_parallel_rank()}" if with_dp else tag
+
+
+def torch_optimizers(optimizer: Any) -> List[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron's (chained) optimizer, in chain order."""
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [o.optimizer for o in chained]
+
+
+def optimizer_state_tensors(optimizer: Any) -> Iterator[Tuple[Dict[str, Any], str, torch.Tensor]]:
+    """(state dict, name, tensor) of every non-scalar optimizer state tensor (exp_avg, momentum_buffer, ...)."""
+    for topt in torch_optimizers(optimizer):
+        for state in topt.state.values():
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    yield state, name, value
+
+
+def move_optimizer_state(optimizer: Any, device: torch.device | str) -> None:
+    """Move the optimizer state tensors (not the 0-d steps) to device: GPU memory phases."""
+    for state, name, value in list(optimizer_state_tensors(optimizer)):
+        state[name] = value.to(device, non_blocking=True)
+
+
+def _optimizer_tensors(worker: MegatronPolicyWorker, tag: str) -> Dict[str, torch.Tensor]:
+    assert worker.train_state is not None
+    model_params = {id(p) for p in worker.gpt.parameters()}
+    out: Dict[str, torch.Tensor] = {}
+    for c, topt in enumerate(torch_optimizers(worker.train_state.optimizer)):
+        for j, group in enumerate(topt.param_groups):
+            if isinstance(group.get("step"), (int, float, torch.Tensor)):
+                out[f"{tag}/c{c}/g{j}/step"] = torch.as_tensor(group["step"], dtype=torch.float64).clone()
+        params = [p for g in topt.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            key = f"{tag}/c{c}/p{i}"
+            if id(p) not in model_params:
+                out[f"{key}/param"] = p.detach()
+            for name, value in topt.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    out[f"{key}/{name}"] = value.detach()
+                elif value is not None:
+                    raise TypeError(f"optimizer state {name!r} of type {type(value).__name__} cannot be checkpointed")
+    return out
+
+
+def _restore_optimizer(worker: MegatronPolicyWorker, tag: str, loaded: Dict[str, torch.Tensor]) -> None:
+    assert worker.train_state is not None
+    for c, topt in enumerate(torch_optimizers(worker.train_state.optimizer)):
+        for j, group in enumerate(topt.param_groups):
+            step = loaded.get(f"{tag}/c{c}/g{j}/step")
+            if step is not None:
+                old = group.get("step")
+                group["step"] = step.to(old.dtype) if isinstance(old, torch.Tensor) else type(old)(step.item())
+        params = [p for g in topt.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            prefix = f"{tag}/c{c}/p{i}/"
+            state: Dict[str, Any] = {}
+            for key, t in loaded.items():
+                if not key.startswith(prefix):
+                    continue
+                name = key[len(prefix):]
+                if name == "param":
+                    with torch.no_grad():
+                        p.copy_(t.to(p.device))
+                else:  # a 0-d `step` stays where torch keeps it (CPU unless capturable/fused)
+                    state[name] = t if t.dim() == 0 else t.to(p.device)
+            if state:
+                topt.state[p] = state
+
+
+def _load_own_keys(path: Path, prefix: str) -> Dict[str, torch.Tensor]:
+    """Collective: every key of the DCP checkpoint at `path` that starts with prefix, freshly allocated and loaded."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    dest: Dict[str, torch.Tensor] = {}
+    for key, m in meta.items():
+        if key.startswith(prefix):
+            size = getattr(m, "size", None)
+            if size is None:
+                raise ValueError(f"{path}: entry {key!r} is not a tensor")
+            dest[key] = torch.empty(tuple(size), dtype=m.properties.dtype)
+    dcp.load(dest, checkpoint_id=str(path))
+    return dest
+
+
+def save(worker: MegatronPolicyWorker, weights_path: str, optimizer_path: Optional[str], hf_export: bool) -> None:
+    """Collective over all ranks: DCP model (and optimizer) shards, the scheduler, and the HF export on rank 0."""
+    wp = Path(weights_path)
+    tag = _tag(worker)
+    model_sd = {f"{tag}/{k}": v.detach() for k, v in worker.local_state().items()}
+    dcp.save(model_sd, checkpoint_id=str(wp / "dcp"))
+    if worker.rank == 0:
+        (wp / LAYOUT_FILE).write_text(json.dumps(_layout(worker), indent=2))
+    state = worker.train_state
+    if optimizer_path and state is not None:
+        op = Path(optimizer_path)
+        with_dp = bool(worker.cfg.megatron_cfg and worker.cfg.megatron_cfg.optimizer.use_distributed_optimizer)
+        dcp.save(_optimizer_tensors(worker, _tag(worker, with_dp)), checkpoint_id=str(op / "dcp"))
+        if worker.rank == 0:
+            (op / SCHEDULER_FILE).write_text(json.dumps(state.scheduler.state_dict(), indent=2))
+    if hf_export:
+        full = worker.gather_full_weights(torch.float32)
+        if worker.rank == 0:
+            export_hf(worker.hf_config, full, worker.cfg.model_name, wp / "hf")
+    dist.barrier()
+
+
+def export_hf(hf_config: Any, full: Dict[str, torch.Tensor], source_dir: str, out_dir: Path) -> None:
+    """Write config.json, model.safetensors (a tied lm_head dropped) and the tokenizer files of `source_dir`."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    tensors = {k: v.detach().contiguous() for k, v in full.items() if not (tied and k == "lm_head.weight")}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    hf_config.save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        src = Path(source_dir) / name
+        if src.is_file():
+            shutil.copy2(src, out_dir / name)
+
+
+def _check_layout(worker: MegatronPolicyWorker, weights_path: Path) -> None:
+    path = weights_path / LAYOUT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{weights_path}: no {LAYOUT_FILE}; not a Megatron policy checkpoint")
+    saved = json.loads(path.read_text())
+    mine = _layout(worker)
+    keys = ["format", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+            "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"]
+    if saved.get("use_distributed_optimizer") or mine["use_distributed_optimizer"]:
+        keys += ["data_parallel_size", "use_distributed_optimizer"]
+    diff = {k: (saved.get(k), mine[k]) for k in keys if saved.get(k) != mine[k]}
+    if diff:
+        found = ", ".join(f"{k}: saved {a}, now {b}" for k, (a, b) in diff.items())
+        raise ValueError(
+            f"{weights_path} was saved with another parallel layout ({found}); Megatron checkpoints restore only "
+            "into the same layout (start from the HF export under hf/ instead)"
+        )
+
+
+def load(worker: MegatronPolicyWorker, weights_path: str, optimizer_path: Optional[str]) -> None:
+    """Collective: restore the model shards (and optimizer + scheduler when given) written by `save`."""
+    wp = Path(weights_path)
+    _check_layout(worker, wp)
+    tag = _tag(worker)
+    loaded = _load_own_keys(wp / "dcp", f"{tag}/")
+    local = worker.local_state()
+    missing = sorted(k for k in local if f"{tag}/{k}" not in loaded)
+    if missing:
+        raise ValueError(f"{wp}: checkpoint has no {missing[:4]} for {tag}")
+    with torch.no_grad():
+        for k, v in local.items():
+            v.copy_(loaded[f"{tag}/{k}"].to(v.device))
+    state = worker.train_state
+    if optimizer_path and state is not None and (Path(optimizer_path) / "dcp").exists():
+        op = Path(optimizer_path)
+        with_dp = bool(worker.cfg.megatron_cfg and worker.cfg.megatron_cfg.optimizer.use_distributed_optimizer)
+        otag = _tag(worker, with_dp)
+        _restore_optimizer(worker, otag, _load_own_keys(op / "dcp", f"{otag}/"))
+        sched = op / SCHEDULER_FILE
+        if sched.is_file():
+            state.scheduler.load_state_dict(json.loads(sched.read_text()))
+    dist.barrier()

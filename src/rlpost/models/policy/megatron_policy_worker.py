@@ -1,0 +1,524 @@
+"""`policy=megatron`: one rank of a Megatron-Core policy (one Ray actor per rank).
+
+`Policy` drives it exactly like the DTensor workers: same constructor, method names and return shapes. Ranks are
+laid out tp-fastest, then cp, dp, pp, which is megatron's default order, so `parallel_state` groups line up with
+`RayWorkerGroup`'s sharding (every rank of a DP index gets the same shard; results come from tp=0 of the last
+pipeline stage). The model is the HF checkpoint at `policy.model_name` converted in memory into a megatron
+GPTModel (`rlpost.models.megatron`), with the HF config's `policy.hf_config_overrides` applied.
+
+Semantics, per call:
+- get_logprobs: megatron's forward-only schedule over micro-batches of `logprob_batch_size` (rows padded to a
+  multiple when PP > 1), logits / `generation.temperature`, vocab-parallel log-softmax; [B, S] fp32, position 0 = 0.
+- get_reference_policy_logprobs: the reference is a CPU copy of this rank's shard of the INITIAL weights (the HF
+  checkpoint, taken before any checkpoint is loaded, as NeMo RL's reference is the pretrained model), swapped into
+  the model for the pass and swapped back (NeMo RL's Megatron scheme; no second model).
+- train: per global batch, Gs / Gt (valid sequences, valid tokens[1:]) are summed over the DP group, the loss
+  function gets TP-sharded logits already divided by the temperature and returns a loss normalised by Gs / Gt, and
+  `rlpost.models.megatron.train_step` runs megatron's forward-backward schedule with per-token loss and no
+  averaging (gradients are plain sums over micro-batches and DP ranks), clips, and steps the optimizer.
+  The LR / weight-decay scheduler (megatron's OptimizerParamScheduler, which also owns the weight decay through
+  start/end_weight_decay) is stepped ONCE per train() call, like NeMo RL's Megatron worker (its
+  `scheduler.step(increment=gbs)` with gbs-scaled step counts) and like the DTensor worker; here steps count
+  train() calls, so warm-up / decay iterations are in GRPO steps. Returned loss / grad_norm are means over global
+  batches, lr is the rate after the scheduler step, all_mb_metrics the loss function's per-micro-batch metrics.
+- Clipping: `megatron_cfg.optimizer.clip_grad` when > 0, else `policy.max_grad_norm` (None: no clipping).
+  On CPU rlpost clips the fp32 grads itself (megatron's clip asserts CUDA tensor types), with the same rule.
+- prepare_weights_for_export / full_weights: TP all-gather + PP broadcast to full HF-named tensors (tied lm_head
+  included); only data-parallel replica 0 gathers, global rank 0 keeps them.
+- Checkpoints: see `megatron_checkpoint` (DCP of the sharded state, same-layout restore, HF export under hf/).
+- Memory phases (GPU only; no-ops on CPU): offload_before/after_refit (and prepare_for_lp_inference with
+  offload_optimizer_for_logprob) move the optimizer state to the CPU, prepare_for_training / train bring it back;
+  the weights stay on the GPU. empty_unused_memory_level 1 / 2 empties the cache after each global batch / also
+  after each logprob pass. With sequence_parallel the sequence is right-padded to a multiple of TP.
+
+Device: env RLPOST_DEVICE. 'cpu': gloo, megatron's local layer spec, fp32, and the CPU compatibility layer
+(`rlpost.models.megatron.cpu_compat`), which is switched on around every call in the calling thread (Ray runs
+actor calls on a small thread pool; the layer's function mode is per thread). Calls that use megatron must not run
+concurrently on one worker; `Policy` never does that. 'cuda': nccl, the Transformer Engine spec when importable,
+precision and the (distributed) optimizer as configured.
+
+Not supported (a clear error naming the key at the first call): dynamic batching, sequence packing, context and
+expert parallelism, reward models; on CPU also the GPU-only options (bf16/fp16 training, the distributed /
+precision-aware / CPU-offloaded optimizer, megatron FSDP, sequence parallelism, activation checkpointing).
+Ray reports a failed actor constructor only as "actor died" (the first line, without the message), so a config
+error found in __init__ is kept and re-raised by every later call, where it reaches the driver in full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from rlpost.config.errors import ConfigError
+from rlpost.config.schema.policy import PolicyConfig
+from rlpost.distributed.batched_data_dict import BatchedDataDict
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+_GPU_ONLY_OPTIMIZER = {
+    "bf16": "the bf16 mixed-precision optimizer",
+    "fp16": "the fp16 mixed-precision optimizer",
+    "use_distributed_optimizer": "the distributed optimizer",
+    "use_precision_aware_optimizer": "the precision-aware optimizer",
+    "optimizer_cpu_offload": "optimizer CPU offload",
+}
+
+
+class MegatronConfigError(ConfigError):
+    """A ConfigError that survives Ray's pickling (ConfigError's four-argument constructor does not)."""
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (type(self), (self.key, self.value, self.rule, self.hint))
+
+
+def check_megatron_support(cfg: PolicyConfig, device_type: str, init_optimizer: bool = True) -> None:
+    """Raise NotImplementedError / MegatronConfigError (naming the key) for what this worker cannot run."""
+    m = cfg.megatron_cfg
+    if m is None:
+        raise MegatronConfigError("policy.megatron_cfg", None, "the Megatron worker needs megatron_cfg",
+                                  "choose the backend with policy=megatron")
+    unsupported = [
+        ("policy.dynamic_batching.enabled", cfg.dynamic_batching.enabled, "dynamic batching"),
+        ("policy.sequence_packing.enabled", cfg.sequence_packing.enabled, "sequence packing"),
+        ("policy.reward_model_cfg.enabled", cfg.reward_model_cfg.enabled, "reward models"),
+        ("policy.megatron_cfg.context_parallel_size", m.context_parallel_size > 1, "context parallelism"),
+        ("policy.megatron_cfg.expert_model_parallel_size", m.expert_model_parallel_size > 1, "expert parallelism"),
+        ("policy.megatron_cfg.expert_tensor_parallel_size", m.expert_tensor_parallel_size > 1, "expert TP"),
+    ]
+    for key, on, what in unsupported:
+        if on:
+            raise NotImplementedError(f"{key}: {what} is not implemented by the Megatron policy worker; turn it off")
+    if device_type != "cpu":
+        _check_precision(cfg, init_optimizer)
+        return
+    gpu_only: List[Tuple[str, Any, str]] = [
+        (f"policy.megatron_cfg.optimizer.{name}", getattr(m.optimizer, name), what)
+        for name, what in _GPU_ONLY_OPTIMIZER.items()
+    ]
+    gpu_only += [
+        ("policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp",
+         m.distributed_data_parallel_config.use_custom_fsdp, "megatron FSDP"),
+        ("policy.megatron_cfg.sequence_parallel", m.sequence_parallel,
+         "sequence parallelism (the local layer spec's torch norms reject it)"),
+        ("policy.megatron_cfg.activation_checkpointing", m.activation_checkpointing,
+         "activation recompute (megatron saves CUDA RNG states)"),
+        ("policy.precision", cfg.precision if init_optimizer and cfg.precision != "float32" else None,
+         "training in bf16/fp16 (megatron's mixed-precision optimizer)"),
+    ]
+    for key, value, what in gpu_only:
+        if value:
+            raise MegatronConfigError(key, value, f"{what} is GPU-only in megatron-core 0.16.1",
+                                      "turn it off (or use float32) when RLPOST_DEVICE=cpu")
+    _check_precision(cfg, init_optimizer)
+
+
+def _check_precision(cfg: PolicyConfig, init_optimizer: bool) -> None:
+    """Training: megatron's mixed-precision optimizer flag must match the model precision."""
+    m = cfg.megatron_cfg
+    if not init_optimizer or m is None:
+        return
+    for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        flag = bool(getattr(m.optimizer, name))
+        if flag != (cfg.precision == dtype):
+            raise MegatronConfigError(f"policy.megatron_cfg.optimizer.{name}", flag,
+                                      f"must be {not flag} with policy.precision={cfg.precision}",
+                                      "bf16/fp16 params train with megatron's mixed-precision optimizer")
+
+
+def _megatron_call(fn: _F) -> _F:
+    """Re-raise a deferred init error; on CPU run the call with the CPU compatibility layer on in this thread."""
+
+    @functools.wraps(fn)
+    def wrapper(self: MegatronPolicyWorker, *args: Any, **kwargs: Any) -> Any:
+        if self._init_error is not None:
+            raise self._init_error
+        if self.device.type != "cpu":
+            return fn(self, *args, **kwargs)
+        from rlpost.models.megatron.cpu_compat import cpu_compat
+
+        with cpu_compat():
+            return fn(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _normalised_loss(
+    loss_fn: Any, gs: torch.Tensor, gt: torch.Tensor, vp: Dict[str, Any], recorded: List[Dict[str, Any]],
+    logits: torch.Tensor, mb: Any,
+) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """train_step's per-micro-batch loss: loss_fn with the global counts; its metrics are kept per micro-batch."""
+    loss, metrics = loss_fn(logits, mb, gs, gt, **vp)
+    recorded.append(metrics)
+    return loss, {}
+
+
+class _NoSchedulerStep:
+    """Stands in for the scheduler inside train_step: the worker steps the real one once per train() call."""
+
+    def step(self, increment: int) -> None:
+        del increment
+
+
+class MegatronPolicyWorker:
+    """One rank of a Megatron-Core policy. Constructed inside a Ray actor with RANK/WORLD_SIZE/MASTER_* set."""
+
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        weights_path: Optional[str] = None,
+        optimizer_path: Optional[str] = None,
+        init_optimizer: bool = True,
+        init_reference_model: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.device = torch.device(os.environ.get("RLPOST_DEVICE", "cpu"))
+        self._init_error: Optional[BaseException] = None
+        self._export: List[Tuple[str, torch.Tensor]] = []
+        self._offloaded = False
+        try:
+            check_megatron_support(cfg, self.device.type, init_optimizer)
+        except (ConfigError, NotImplementedError) as exc:
+            self._init_error = exc  # re-raised by every call (see the module docstring)
+            return
+        self._setup(weights_path, optimizer_path, init_optimizer, init_reference_model)
+
+    @_megatron_call
+    def _setup(
+        self, weights_path: Optional[str], optimizer_path: Optional[str], init_optimizer: bool, init_ref: bool
+    ) -> None:
+        from megatron.core import parallel_state as ps
+
+        from rlpost.models.megatron.cpu_compat import seed_model_parallel_rng
+        from rlpost.models.megatron.model import build_gpt_model, load_hf_checkpoint
+        from rlpost.models.megatron.train_step import setup_training
+        from rlpost.models.policy import megatron_checkpoint
+
+        m = self.cfg.megatron_cfg
+        assert m is not None
+        if self.device.type == "cpu":
+            torch.set_num_threads(1)
+        else:
+            torch.cuda.set_device(0)
+            self.device = torch.device("cuda", 0)
+        if not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=m.tensor_model_parallel_size,
+            pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+            context_parallel_size=m.context_parallel_size,
+        )
+        seed_model_parallel_rng(1234)
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.temperature = float(self.cfg.generation.temperature) if self.cfg.generation is not None else 1.0
+        hf_config, hf_state = load_hf_checkpoint(self.cfg.model_name)
+        for key, value in self.cfg.hf_config_overrides.items():
+            setattr(hf_config, key, value)
+        self.hf_config = hf_config
+        model = build_gpt_model(hf_config, m, self.cfg.precision, hf_state_dict=hf_state)
+        del hf_state
+        self.model: Any = model
+        self.reference: Optional[Dict[str, torch.Tensor]] = None
+        if init_ref:
+            self.reference = {k: v.detach().to("cpu", copy=True) for k, v in self.local_state().items()}
+        self.train_state: Any = None
+        if init_optimizer:
+            max_norm = self.cfg.max_grad_norm
+            clip = m.optimizer.clip_grad if m.optimizer.clip_grad > 0 else float(max_norm or 0.0)
+            run_cfg = dataclasses.replace(m, optimizer=dataclasses.replace(m.optimizer, clip_grad=clip))
+            self.train_state = setup_training(model, run_cfg, m.train_iters)
+            self.model = self.train_state.model
+        if weights_path:
+            megatron_checkpoint.load(self, weights_path, optimizer_path)
+
+    # ---- small helpers -----------------------------------------------------------------
+    def ping(self) -> int:
+        if self._init_error is not None:
+            raise self._init_error
+        return self.rank
+
+    @property
+    def gpt(self) -> Any:
+        """The GPTModel inside the DDP / Float16Module wrappers."""
+        from rlpost.models.megatron.export import unwrap_model
+
+        return unwrap_model(self.model)
+
+    def local_state(self) -> Dict[str, torch.Tensor]:
+        """This rank's shard: megatron names -> tensors aliasing the parameters (no TE _extra_state)."""
+        return {
+            k: v for k, v in self.gpt.state_dict().items()
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+        }
+
+    def _vp_kwargs(self) -> Dict[str, Any]:
+        from megatron.core import parallel_state as ps
+
+        from rlpost.models.megatron.model import resolve_tp_group
+
+        group = resolve_tp_group(None)
+        if group is None:
+            return {}
+        return {"vocab_parallel_group": group, "vocab_parallel_rank": ps.get_tensor_model_parallel_rank()}
+
+    def _seq_multiple(self) -> int:
+        m = self.cfg.megatron_cfg
+        assert m is not None
+        return m.tensor_model_parallel_size if m.sequence_parallel else 1
+
+    @staticmethod
+    def _pad_seq(data: BatchedDataDict, multiple: int) -> BatchedDataDict:
+        """Right-pad every [B, S, ...] tensor to a multiple of S (sequence parallelism); zeros are masked out."""
+        seq = int(data["input_ids"].shape[1])
+        extra = (-seq) % multiple
+        if extra == 0:
+            return data
+        out = {
+            k: torch.nn.functional.pad(v.transpose(1, -1), (0, extra)).transpose(1, -1)
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq else v
+            for k, v in data.items()
+        }
+        return BatchedDataDict(out)
+
+    def _empty_cache(self, level: int) -> None:
+        m = self.cfg.megatron_cfg
+        if self.device.type == "cuda" and m is not None and m.empty_unused_memory_level >= level:
+            torch.cuda.empty_cache()
+
+    # ---- logprobs ----------------------------------------------------------------------
+    def _logprobs(self, data: BatchedDataDict) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        from rlpost.models.megatron.model import forward_logprobs
+
+        ids = data["input_ids"]
+        rows, seq = int(ids.shape[0]), int(ids.shape[1])
+        if rows == 0:
+            return torch.zeros(0, seq)
+        ids = self._pad_seq(BatchedDataDict(input_ids=ids), self._seq_multiple())["input_ids"]
+        mbs = min(self.cfg.logprob_batch_size, rows)
+        pad_rows = (-rows) % mbs if ps.get_pipeline_model_parallel_world_size() > 1 else 0
+        if pad_rows:  # the pipeline schedule needs equal micro-batches; the extra rows are dropped below
+            ids = torch.cat([ids, ids[:1].expand(pad_rows, -1)])
+        lp = forward_logprobs(
+            self.model, ids, None, self.temperature, micro_batch_size=mbs, chunk_size=self.cfg.logprob_chunk_size
+        )
+        self._empty_cache(2)
+        return lp[:rows, :seq].float().cpu()
+
+    @_megatron_call
+    @torch.no_grad()
+    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        return BatchedDataDict(logprobs=self._logprobs(data))
+
+    @_megatron_call
+    @torch.no_grad()
+    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        if self.reference is None:
+            raise RuntimeError("the policy was built without a reference model (init_reference_model=False)")
+        current = self._swap_weights(self.reference)
+        try:
+            lp = self._logprobs(data)
+        finally:
+            self._swap_weights(current)
+        return BatchedDataDict(reference_logprobs=lp)
+
+    @torch.no_grad()
+    def _swap_weights(self, new: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        old: Dict[str, torch.Tensor] = {}
+        for k, v in self.local_state().items():
+            old[k] = v.detach().to("cpu", copy=True)
+            v.copy_(new[k].to(v.device))
+        return old
+
+    # ---- training ----------------------------------------------------------------------
+    @_megatron_call
+    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: Optional[int] = None) -> Dict[str, Any]:
+        from megatron.core import parallel_state as ps
+
+        from rlpost.models.megatron.train_step import train_step
+
+        if self.train_state is None:
+            raise RuntimeError("the policy was built without an optimizer (init_optimizer=False)")
+        self._restore_optimizer_state()
+        gbs = gbs or self.cfg.train_global_batch_size
+        local_gbs = gbs // self.dp_size
+        mbs = self.cfg.train_micro_batch_size
+        pp = ps.get_pipeline_model_parallel_world_size()
+        if pp > 1 and local_gbs % mbs:
+            raise ValueError(f"with pipeline parallelism the local batch {local_gbs} (gbs {gbs} / dp {self.dp_size}) "
+                             f"must split into equal micro-batches of policy.train_micro_batch_size={mbs}")
+        n_global = data.size // local_gbs if local_gbs else 0
+        step_state = dataclasses.replace(self.train_state, scheduler=_NoSchedulerStep())
+        vp = self._vp_kwargs()
+        losses, grad_norms = [], []
+        mb_metrics: Dict[str, List[float]] = {}
+        for g in range(n_global):
+            gb = data.get_batch(g, local_gbs)
+            sm = gb["sample_mask"].float()
+            tm = gb["token_mask"][:, 1:].float()
+            counts = torch.stack([sm.sum(), (tm * sm[:, None]).sum()]).to(self.device)
+            dist.all_reduce(counts, group=ps.get_data_parallel_group())
+            gs, gt = counts[0], counts[1]
+            gb = self._pad_seq(gb, self._seq_multiple())
+            micro = [mb.to(self.device) for mb in gb.make_microbatch_iterator(mbs)]
+            recorded: List[Dict[str, Any]] = []
+            mb_loss = functools.partial(_normalised_loss, loss_fn, gs, gt, vp, recorded)
+            res = train_step(step_state, micro, mb_loss, temperature=self.temperature, loss_input="logits")
+            if pp > 1:  # only the last stage ran the loss function
+                box = [recorded]
+                dist.broadcast_object_list(
+                    box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+                )
+                recorded = box[0]
+            for metrics in recorded:
+                for k, v in metrics.items():
+                    mb_metrics.setdefault(k, []).append(float(v))
+            losses.append(res.loss)
+            grad_norms.append(res.grad_norm)
+            self._empty_cache(1)
+        self.train_state.scheduler.step(increment=1)
+        return {
+            "loss": sum(losses) / max(len(losses), 1),
+            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "lr": float(self.train_state.optimizer.param_groups[0]["lr"]),
+            "num_global_batches": n_global,
+            "all_mb_metrics": mb_metrics,
+        }
+
+    # ---- memory phases (GPU: optimizer state to / from the CPU; no-ops on CPU) ------------------
+    def _offload_optimizer_state(self) -> None:
+        from rlpost.models.policy.megatron_checkpoint import move_optimizer_state
+
+        if self.device.type == "cuda" and not self._offloaded and self.train_state is not None:
+            move_optimizer_state(self.train_state.optimizer, "cpu")
+            self._offloaded = True
+            torch.cuda.empty_cache()
+
+    def _restore_optimizer_state(self) -> None:
+        from rlpost.models.policy.megatron_checkpoint import move_optimizer_state
+
+        if self._offloaded:
+            move_optimizer_state(self.train_state.optimizer, self.device)
+            self._offloaded = False
+
+    @_megatron_call
+    def prepare_for_training(self) -> None:
+        self._restore_optimizer_state()
+        self.model.train()
+
+    @_megatron_call
+    def prepare_for_lp_inference(self) -> None:
+        self.model.eval()
+        if self.cfg.offload_optimizer_for_logprob:
+            self._offload_optimizer_state()
+
+    @_megatron_call
+    def offload_before_refit(self) -> None:
+        self._offload_optimizer_state()
+
+    @_megatron_call
+    def offload_after_refit(self) -> None:
+        """GPU: the optimizer state goes to the CPU; the weights stay on the GPU (megatron's DDP buffers)."""
+        self._offload_optimizer_state()
+
+    # ---- refit export ----------------------------------------------------------------------
+    def gather_full_weights(self, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+        """Collective over TP x PP of DP replica 0: rank 0 gets full HF-named CPU tensors (tied lm_head too)."""
+        from megatron.core import parallel_state as ps
+
+        from rlpost.models.megatron.export import export_hf_weights
+
+        m = self.cfg.megatron_cfg
+        assert m is not None
+        out: Dict[str, torch.Tensor] = {}
+        if ps.get_data_parallel_rank() != 0:
+            return out
+        exported = export_hf_weights(
+            self.model,
+            self.hf_config,
+            ps.get_tensor_model_parallel_group(),
+            ps.get_pipeline_model_parallel_group(),
+            dtype=dtype,
+            converter_type=m.converter_type,
+        )
+        for name, t in exported:
+            if self.rank == 0:
+                out[name] = t.detach().to("cpu", copy=True)
+        return out
+
+    @_megatron_call
+    def prepare_weights_for_export(self, dtype: str) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """All ranks: gather the full weights (collective); rank 0 keeps them cast to `dtype` under HF names."""
+        self._export = list(self.gather_full_weights(getattr(torch, dtype)).items())
+        return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in self._export}
+
+    def get_export_chunk(self, start: int, max_bytes: int) -> Tuple[List[Tuple[str, torch.Tensor]], int]:
+        """Rank 0: tensors [start, next) of the prepared export, at most max_bytes (at least one tensor)."""
+        out: List[Tuple[str, torch.Tensor]] = []
+        size, i = 0, start
+        while i < len(self._export):
+            name, t = self._export[i]
+            nbytes = t.numel() * t.element_size()
+            if out and size + nbytes > max_bytes:
+                break
+            out.append((name, t))
+            size += nbytes
+            i += 1
+        return out, i
+
+    def export_fingerprint(self) -> str:
+        try:
+            from rlpost.models.fingerprint import weight_fingerprint
+        except ImportError:  # pragma: no cover - the fingerprint module is optional
+            import hashlib
+
+            h = hashlib.sha256()
+            for name, t in sorted(self._export):
+                h.update(name.encode())
+                h.update(t.detach().float().contiguous().numpy().tobytes())
+            return h.hexdigest()
+        return weight_fingerprint(self._export)
+
+    def clear_export(self) -> None:
+        self._export = []
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    @_megatron_call
+    def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None, hf_export: bool = True) -> None:
+        from rlpost.models.policy import megatron_checkpoint
+
+        self._restore_optimizer_state()
+        megatron_checkpoint.save(self, weights_path, optimizer_path, hf_export=hf_export)
+
+    @_megatron_call
+    def state_fingerprint(self) -> Dict[str, float]:
+        """Debug/test helper: sum of |w| over this rank's shard and of its optimizer state."""
+        from rlpost.models.policy.megatron_checkpoint import optimizer_state_tensors
+
+        w = sum(float(p.detach().double().abs().sum()) for p in self.gpt.parameters())
+        o = 0.0
+        if self.train_state is not None:
+            o = sum(float(v.double().abs().sum()) for _, _, v in optimizer_state_tensors(self.train_state.optimizer))
+        return {"weights": w, "optimizer": o}
+
+    @_megatron_call
+    def full_weights(self) -> Dict[str, torch.Tensor]:
+        """All ranks call; rank 0 gets the full fp32 HF-named state dict (tests, exports)."""
+        return self.gather_full_weights(torch.float32)
+
+    def shutdown(self) -> bool:
+        if self._init_error is None and dist.is_initialized():
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return True

@@ -1,0 +1,28 @@
+"""Step timer: nested named phases, reported as seconds under `timing/train/<phase>`."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Dict, Iterator
+
+
+class Timer:
+    """Accumulates wall time per phase name until `reset`."""
+
+    def __init__(self) -> None:
+        self.times: Dict[str, float] = {}
+
+    @contextmanager
+    def time(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self, prefix: str) -> Dict[str, float]:
+        return {f"{prefix}/{k}": v for k, v in self.times.items()}
+
+    def reset(self) -> None:
+        self.times = {}
