@@ -18,6 +18,8 @@ unconditionally (FileSystemWriterAsync.preload_tensors), so it cannot run on CPU
 keeps CPU tests meaningful. The price: no resharding. A checkpoint restores only into the same TP x PP layout
 (megatron_layout.json is checked and a mismatch raises a clear error); to change layout, start from hf/.
 Loading never runs code from the checkpoint: DCP, JSON and safetensors only.
+
+Also here: the full-HF-weights gather shared by the HF export and refit, and the export fingerprint.
 """
 
 from __future__ import annotations
@@ -141,6 +143,42 @@ def _load_own_keys(path: Path, prefix: str) -> Dict[str, torch.Tensor]:
             dest[key] = torch.empty(tuple(size), dtype=m.properties.dtype)
     dcp.load(dest, checkpoint_id=str(path))
     return dest
+
+
+def gather_hf_weights(worker: MegatronPolicyWorker, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """Collective over TP x PP of DP replica 0 (other replicas return at once): global rank 0 gets every weight
+    as a full HF-named CPU tensor cast to dtype (a tied lm_head included), the other ranks {}."""
+    from megatron.core import parallel_state as ps
+
+    from rlpost.models.megatron.export import export_hf_weights
+
+    m = worker.cfg.megatron_cfg
+    assert m is not None
+    out: Dict[str, torch.Tensor] = {}
+    if ps.get_data_parallel_rank() != 0:
+        return out
+    tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+    for name, t in export_hf_weights(
+        worker.model, worker.hf_config, tp_group, pp_group, dtype=dtype, converter_type=m.converter_type
+    ):
+        if worker.rank == 0:
+            out[name] = t.detach().to("cpu", copy=True)
+    return out
+
+
+def fingerprint(named: List[Tuple[str, torch.Tensor]]) -> str:
+    """rlpost.models.fingerprint.weight_fingerprint when available, else a sha256 over names and fp32 values."""
+    try:
+        from rlpost.models.fingerprint import weight_fingerprint
+    except ImportError:  # pragma: no cover - the fingerprint module is optional
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, t in sorted(named, key=lambda item: item[0]):
+            h.update(name.encode())
+            h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+        return h.hexdigest()
+    return weight_fingerprint(named)
 
 
 def save(worker: MegatronPolicyWorker, weights_path: str, optimizer_path: Optional[str], hf_export: bool) -> None:

@@ -1,47 +1,40 @@
 """`policy=megatron`: one rank of a Megatron-Core policy (one Ray actor per rank).
 
-`Policy` drives it exactly like the DTensor workers: same constructor, method names and return shapes. Ranks are
-laid out tp-fastest, then cp, dp, pp, which is megatron's default order, so `parallel_state` groups line up with
-`RayWorkerGroup`'s sharding (every rank of a DP index gets the same shard; results come from tp=0 of the last
-pipeline stage). The model is the HF checkpoint at `policy.model_name` converted in memory into a megatron
-GPTModel (`rlpost.models.megatron`), with the HF config's `policy.hf_config_overrides` applied.
+`Policy` drives it exactly like the DTensor workers (same constructor, method names and return shapes). Ranks are
+laid out tp-fastest, then cp, dp, pp: megatron's default order, so `parallel_state` groups match `RayWorkerGroup`'s
+sharding. The model is the HF checkpoint at `policy.model_name` (with `policy.hf_config_overrides`) converted in
+memory into a megatron GPTModel (`rlpost.models.megatron`).
 
-Semantics, per call:
 - get_logprobs: megatron's forward-only schedule over micro-batches of `logprob_batch_size` (rows padded to a
   multiple when PP > 1), logits / `generation.temperature`, vocab-parallel log-softmax; [B, S] fp32, position 0 = 0.
-- get_reference_policy_logprobs: the reference is a CPU copy of this rank's shard of the INITIAL weights (the HF
-  checkpoint, taken before any checkpoint is loaded, as NeMo RL's reference is the pretrained model), swapped into
-  the model for the pass and swapped back (NeMo RL's Megatron scheme; no second model).
-- train: per global batch, Gs / Gt (valid sequences, valid tokens[1:]) are summed over the DP group, the loss
-  function gets TP-sharded logits already divided by the temperature and returns a loss normalised by Gs / Gt, and
-  `rlpost.models.megatron.train_step` runs megatron's forward-backward schedule with per-token loss and no
-  averaging (gradients are plain sums over micro-batches and DP ranks), clips, and steps the optimizer.
-  The LR / weight-decay scheduler (megatron's OptimizerParamScheduler, which also owns the weight decay through
-  start/end_weight_decay) is stepped ONCE per train() call, like NeMo RL's Megatron worker (its
-  `scheduler.step(increment=gbs)` with gbs-scaled step counts) and like the DTensor worker; here steps count
-  train() calls, so warm-up / decay iterations are in GRPO steps. Returned loss / grad_norm are means over global
-  batches, lr is the rate after the scheduler step, all_mb_metrics the loss function's per-micro-batch metrics.
-- Clipping: `megatron_cfg.optimizer.clip_grad` when > 0, else `policy.max_grad_norm` (None: no clipping).
-  On CPU rlpost clips the fp32 grads itself (megatron's clip asserts CUDA tensor types), with the same rule.
-- prepare_weights_for_export / full_weights: TP all-gather + PP broadcast to full HF-named tensors (tied lm_head
-  included); only data-parallel replica 0 gathers, global rank 0 keeps them.
-- Checkpoints: see `megatron_checkpoint` (DCP of the sharded state, same-layout restore, HF export under hf/).
-- Memory phases (GPU only; no-ops on CPU): offload_before/after_refit (and prepare_for_lp_inference with
+- get_reference_policy_logprobs: a CPU copy of this rank's shard of the INITIAL weights (the HF checkpoint, taken
+  before any checkpoint is loaded: NeMo RL's reference is the pretrained model) is swapped in for the pass.
+- train: per global batch, Gs / Gt (valid sequences, valid tokens[1:]) are summed over the DP group; the loss
+  function gets TP-sharded logits / temperature and returns a loss normalised by Gs / Gt; `train_step` runs
+  megatron's forward-backward schedule with per-token loss and no averaging (gradients are plain sums over
+  micro-batches and DP ranks), clips and steps. The OptimizerParamScheduler (it also owns the weight decay, via
+  start/end_weight_decay) is stepped ONCE per train() call, like NeMo RL's Megatron worker (`step(increment=gbs)`
+  with gbs-scaled counts) and the DTensor worker: warm-up / decay iterations count GRPO steps. loss / grad_norm
+  are means over global batches, lr is the rate after the scheduler step.
+- Clipping: `megatron_cfg.optimizer.clip_grad` when > 0, else `policy.max_grad_norm` (None: none); on CPU rlpost
+  clips the fp32 grads itself with megatron's rule (megatron's clip asserts CUDA tensor types).
+- Export / full_weights: TP all-gather + PP broadcast to full HF-named tensors (tied lm_head included) by DP
+  replica 0; global rank 0 keeps them. Checkpoints: see `megatron_checkpoint` (DCP, same-layout restore, hf/).
+- Memory phases (GPU; no-ops on CPU): offload_before/after_refit (and prepare_for_lp_inference with
   offload_optimizer_for_logprob) move the optimizer state to the CPU, prepare_for_training / train bring it back;
-  the weights stay on the GPU. empty_unused_memory_level 1 / 2 empties the cache after each global batch / also
-  after each logprob pass. With sequence_parallel the sequence is right-padded to a multiple of TP.
+  weights stay on the GPU. empty_unused_memory_level 1 / 2: empty the cache after each global batch / also after
+  each logprob pass. With sequence_parallel the sequence is right-padded to a multiple of TP.
 
-Device: env RLPOST_DEVICE. 'cpu': gloo, megatron's local layer spec, fp32, and the CPU compatibility layer
-(`rlpost.models.megatron.cpu_compat`), which is switched on around every call in the calling thread (Ray runs
-actor calls on a small thread pool; the layer's function mode is per thread). Calls that use megatron must not run
-concurrently on one worker; `Policy` never does that. 'cuda': nccl, the Transformer Engine spec when importable,
-precision and the (distributed) optimizer as configured.
+Device (env RLPOST_DEVICE): 'cpu' = gloo, the local layer spec, fp32 and the CPU compatibility layer, switched on
+around every call in the calling thread (Ray runs actor calls on a thread pool; the layer's function mode is per
+thread), so megatron calls must not run concurrently on one worker (`Policy` never does). 'cuda' = nccl, the
+Transformer Engine spec when importable, precision and (distributed) optimizer as configured.
 
-Not supported (a clear error naming the key at the first call): dynamic batching, sequence packing, context and
-expert parallelism, reward models; on CPU also the GPU-only options (bf16/fp16 training, the distributed /
-precision-aware / CPU-offloaded optimizer, megatron FSDP, sequence parallelism, activation checkpointing).
-Ray reports a failed actor constructor only as "actor died" (the first line, without the message), so a config
-error found in __init__ is kept and re-raised by every later call, where it reaches the driver in full.
+Not supported, with an error naming the key: dynamic batching, sequence packing, context / expert parallelism,
+reward models; on CPU also the GPU-only options (bf16/fp16 training, the distributed / precision-aware /
+offloaded optimizer, megatron FSDP, sequence parallelism, activation checkpointing). Ray reports a failed actor
+constructor only as "actor died" (its first line has no message), so such an error found in __init__ is kept and
+re-raised by every later call, which reaches the driver in full.
 """
 
 from __future__ import annotations
@@ -432,33 +425,18 @@ class MegatronPolicyWorker:
     # ---- refit export ----------------------------------------------------------------------
     def gather_full_weights(self, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
         """Collective over TP x PP of DP replica 0: rank 0 gets full HF-named CPU tensors (tied lm_head too)."""
-        from megatron.core import parallel_state as ps
+        from rlpost.models.policy.megatron_checkpoint import gather_hf_weights
 
-        from rlpost.models.megatron.export import export_hf_weights
-
-        m = self.cfg.megatron_cfg
-        assert m is not None
-        out: Dict[str, torch.Tensor] = {}
-        if ps.get_data_parallel_rank() != 0:
-            return out
-        exported = export_hf_weights(
-            self.model,
-            self.hf_config,
-            ps.get_tensor_model_parallel_group(),
-            ps.get_pipeline_model_parallel_group(),
-            dtype=dtype,
-            converter_type=m.converter_type,
-        )
-        for name, t in exported:
-            if self.rank == 0:
-                out[name] = t.detach().to("cpu", copy=True)
-        return out
+        return gather_hf_weights(self, dtype)
 
     @_megatron_call
-    def prepare_weights_for_export(self, dtype: str) -> Dict[str, Tuple[Tuple[int, ...], str]]:
-        """All ranks: gather the full weights (collective); rank 0 keeps them cast to `dtype` under HF names."""
+    def prepare_weights_for_export(self, dtype: str) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """All ranks: gather the full weights (collective); rank 0 keeps them cast to `dtype` under HF names.
+
+        Returns rank 0's {name: (shape, dtype)} (the generation side's StateDictInfo), {} on other ranks.
+        """
         self._export = list(self.gather_full_weights(getattr(torch, dtype)).items())
-        return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in self._export}
+        return {k: (tuple(v.shape), v.dtype) for k, v in self._export}
 
     def get_export_chunk(self, start: int, max_bytes: int) -> Tuple[List[Tuple[str, torch.Tensor]], int]:
         """Rank 0: tensors [start, next) of the prepared export, at most max_bytes (at least one tensor)."""
@@ -475,20 +453,34 @@ class MegatronPolicyWorker:
         return out, i
 
     def export_fingerprint(self) -> str:
-        try:
-            from rlpost.models.fingerprint import weight_fingerprint
-        except ImportError:  # pragma: no cover - the fingerprint module is optional
-            import hashlib
+        from rlpost.models.policy.megatron_checkpoint import fingerprint
 
-            h = hashlib.sha256()
-            for name, t in sorted(self._export):
-                h.update(name.encode())
-                h.update(t.detach().float().contiguous().numpy().tobytes())
-            return h.hexdigest()
-        return weight_fingerprint(self._export)
+        return fingerprint(self._export)
 
     def clear_export(self) -> None:
         self._export = []
+
+    def init_refit_collective(self, host: str, port: int, world_size: int) -> bool:
+        """Rank 0 joins the refit group with the engine workers as rank 0 (non-colocated refit)."""
+        if self._init_error is not None:
+            raise self._init_error
+        if self.rank == 0:
+            from rlpost.distributed.collective import StatelessGroup
+
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            self._refit_group = StatelessGroup(host, port, 0, world_size, backend=backend)
+        return True
+
+    @_megatron_call
+    def broadcast_weights_collective(self, dtype: str) -> str:
+        """All ranks gather the full weights; rank 0 broadcasts them to the engines. Rank 0's fingerprint."""
+        self._export = list(self.gather_full_weights(getattr(torch, dtype)).items())
+        fp = ""
+        if self.rank == 0:
+            self._refit_group.broadcast_tensors(self._export, src=0)
+            fp = self.export_fingerprint()
+        self.clear_export()
+        return fp
 
     # ---- checkpoints -------------------------------------------------------------------------
     @_megatron_call

@@ -1,0 +1,311 @@
+"""Megatron policy workers on real Ray actors and gloo process groups, compared with the DTensor worker.
+
+One DTensor reference (1 worker, fp32) gives logprobs, one SGD step's weights, loss and grad norm on fixed data;
+the Megatron worker must match it for TP=1 (DP=2), TP=2 and PP=2. Then checkpoints (PP=2, Adam, clipping active)
+and the clear errors for unsupported / GPU-only options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import pytest
+import torch
+
+from rlpost.algorithms.loss_functions import ClippedPGLossFn
+from rlpost.config.errors import ConfigError
+from rlpost.config.load import load_master_config
+from rlpost.config.schema.loss import ClippedPGLossConfig
+from rlpost.config.schema.policy import PolicyConfig, PytorchOptimizerConfig
+from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.virtual_cluster import RayVirtualCluster
+from rlpost.distributed.worker_groups import WorkerGroupError
+from rlpost.models.policy.lm_policy import Policy
+
+pytestmark = pytest.mark.slow
+
+B, S = 16, 20
+TOL = 1e-4
+TEMPERATURE = 0.7
+LOSS = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0))
+COMMON = [
+    "grpo.num_prompts_per_step=2",
+    "policy.train_global_batch_size=16",
+    "policy.train_micro_batch_size=4",
+    "policy.logprob_batch_size=4",
+    f"policy.generation.temperature={TEMPERATURE}",
+]
+# The same plain SGD step in both backends: no momentum, no weight decay (megatron's scheduler owns it), no clipping
+# (so a wrong gradient scale shows up in the weights and in the grad norm).
+SGD_LR = 0.5
+MEGATRON_SGD = [
+    "policy.megatron_cfg.optimizer.optimizer=sgd",
+    f"policy.megatron_cfg.optimizer.lr={SGD_LR}",
+    f"policy.megatron_cfg.optimizer.min_lr={SGD_LR}",
+    "policy.megatron_cfg.optimizer.sgd_momentum=0.0",
+    "policy.megatron_cfg.optimizer.weight_decay=0.0",
+    "policy.megatron_cfg.scheduler.start_weight_decay=0.0",
+    "policy.megatron_cfg.scheduler.end_weight_decay=0.0",
+    "policy.max_grad_norm=null",
+]
+LAYOUTS = {
+    "tp1_dp2": [],
+    "tp2": ["policy.megatron_cfg.tensor_model_parallel_size=2"],
+    "pp2": ["policy.megatron_cfg.pipeline_model_parallel_size=2"],
+}
+
+
+def policy_cfg(model_dir: Path, workers: int, *overrides: str, megatron: bool = True) -> PolicyConfig:
+    backend = ["policy=megatron"] if megatron else []
+    _, cfg = load_master_config([*backend, *COMMON, f"cluster.gpus_per_node={workers}", *overrides])
+    p = dataclasses.replace(cfg.policy, model_name=str(model_dir))
+    p.tokenizer.name = str(model_dir)
+    return p
+
+
+def make_batch(seed: int = 0, vocab: int = 380) -> BatchedDataDict:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, S + 1, (B,), generator=g)
+    ids = torch.randint(3, vocab, (B, S), generator=g)
+    pos = torch.arange(S)[None, :]
+    valid = pos < lengths[:, None]
+    ids = torch.where(valid, ids, torch.zeros_like(ids))
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=lengths,
+        token_mask=(valid & (pos >= 4)).float(),  # the first 4 tokens are the "prompt"
+        sample_mask=torch.ones(B),
+        advantages=torch.randn(B, 1, generator=g).expand(B, S).clone(),
+        generation_logprobs=torch.zeros(B, S),
+    )
+
+
+def valid_positions(data: BatchedDataDict) -> torch.Tensor:
+    return torch.arange(S)[None, :] < data["input_lengths"][:, None]
+
+
+def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+class Built:
+    def __init__(self, cfg: PolicyConfig, workers: int, **kw: Any) -> None:
+        self.cluster = RayVirtualCluster(f"mtest-{id(self)}", workers, cpus_per_bundle=0.5)
+        self.policy = Policy(self.cluster, cfg, timeout_s=300.0, **kw)
+
+    def close(self) -> None:
+        self.policy.shutdown()
+        self.cluster.shutdown()
+
+
+@pytest.fixture
+def built() -> Iterator[List[Built]]:
+    made: List[Built] = []
+    yield made
+    for b in made:
+        b.close()
+
+
+def build(made: List[Built], cfg: PolicyConfig, workers: int, **kw: Any) -> Built:
+    b = Built(cfg, workers, **kw)
+    made.append(b)
+    return b
+
+
+def close(made: List[Built], b: Built) -> None:
+    b.close()
+    made.remove(b)
+
+
+def hf_logprobs(model_dir: Path, data: BatchedDataDict, temperature: float) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logits = model(data["input_ids"]).logits.float() / temperature
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, data["input_ids"][:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros(B, 1), lp], dim=1)
+
+
+@pytest.fixture(scope="module")
+def dtensor_reference(ray_local: None, tiny_model_dir: Path) -> Dict[str, Any]:
+    """DTensor worker (1 rank, fp32, SGD): logprobs, then one step on the same data -> loss, grad norm, weights."""
+    cfg = policy_cfg(tiny_model_dir, 1, "policy.max_grad_norm=null", megatron=False)
+    cfg.optimizer = PytorchOptimizerConfig(name="torch.optim.SGD", kwargs={"lr": SGD_LR})
+    b = Built(cfg, 1)
+    try:
+        data = make_batch(seed=1)
+        lp = b.policy.get_logprobs(data)["logprobs"]
+        data["prev_logprobs"] = lp
+        out = b.policy.train(data, LOSS)
+        return {"data": data, "logprobs": lp, "train": out, "weights": b.policy.full_weights()}
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parity_with_dtensor(
+    layout: str, dtensor_reference: Dict[str, Any], tiny_model_dir: Path, built: List[Built]
+) -> None:
+    ref = dtensor_reference
+    data = ref["data"]
+    b = build(built, policy_cfg(tiny_model_dir, 2, *LAYOUTS[layout], *MEGATRON_SGD), 2)
+
+    lp = b.policy.get_logprobs(data)["logprobs"]
+    lp_err = float((lp - ref["logprobs"]).abs().max())
+    assert torch.all(lp[:, 0] == 0)
+    assert lp_err <= TOL, f"{layout}: logprobs differ from DTensor by {lp_err:.3g}"
+
+    out = b.policy.train(data, LOSS)  # data carries the DTensor logprobs as prev_logprobs
+    w = b.policy.full_weights()
+    dt = ref["train"]
+    print(f"\n[{layout}] logprob max|diff| {lp_err:.3g}, loss {out['loss']:.6g} vs {dt['loss']:.6g}, grad_norm "
+          f"{out['grad_norm']:.6g} vs {dt['grad_norm']:.6g}, weights max|diff| {max_diff(w, ref['weights']):.3g}")
+    assert out["loss"] == pytest.approx(dt["loss"], abs=TOL)
+    assert out["grad_norm"] == pytest.approx(dt["grad_norm"], rel=TOL)
+    assert out["lr"] == pytest.approx(SGD_LR)
+    assert out["all_mb_metrics"].keys() == dt["all_mb_metrics"].keys()
+    assert max_diff(w, ref["weights"]) <= TOL
+    from safetensors.torch import load_file
+
+    w0 = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert max(float((w[k] - w0[k]).abs().max()) for k in w0) > 1e-3  # the step is real
+
+    # the reference policy is still the initial model
+    ref_lp = b.policy.get_reference_policy_logprobs(data)["reference_logprobs"]
+    assert torch.equal(ref_lp, lp)
+
+    if layout == "tp2":
+        check_refit(b.policy, w)
+
+
+def check_refit(policy: Policy, weights: Dict[str, torch.Tensor]) -> None:
+    """Refit exports: HF names with the tied lm_head, bounded chunks, fingerprints; streamed and collective."""
+    import socket
+
+    import ray
+
+    from rlpost.distributed.collective import StatelessGroup
+    from rlpost.models.fingerprint import weight_fingerprint
+
+    info = policy.prepare_refit_info()
+    stream = policy.export_weights("float32", max_chunk_bytes=64 * 1024)
+    got = {k: v for chunk in stream for k, v in chunk}
+    assert set(info) == set(got) == set(weights) and "lm_head.weight" in got
+    assert all(info[k] == (tuple(v.shape), v.dtype) for k, v in got.items())
+    assert max_diff(got, weights) == 0.0
+    assert stream.fingerprint == weight_fingerprint(got)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    joins = policy.init_refit_collective_async("127.0.0.1", port, 2)
+    with StatelessGroup("127.0.0.1", port, 1, 2, backend="gloo", timeout_s=60) as engine:
+        assert ray.get(joins, timeout=60) == [True, True]
+        sent = policy.broadcast_weights_collective_async("float32")
+        received = dict(engine.broadcast_tensors(None, src=0))
+        fingerprints = ray.get(sent, timeout=60)
+    assert max_diff(received, weights) == 0.0
+    assert fingerprints[0] == weight_fingerprint(received)
+
+
+def test_checkpoint_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, built: List[Built],
+                                          tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    cfg = policy_cfg(tiny_model_dir, 2, *LAYOUTS["pp2"])  # Adam, max_grad_norm 1.0 (clipping is active)
+    first, later = make_batch(seed=0), make_batch(seed=11)
+    a = build(built, cfg, 2)
+    lp_initial = a.policy.get_logprobs(later)["logprobs"]
+    first["prev_logprobs"] = a.policy.get_logprobs(first)["logprobs"]
+    assert a.policy.train(first, LOSS)["grad_norm"] > 1.0
+    a.policy.save_checkpoint(str(tmp_path / "weights"), str(tmp_path / "optim"))
+    lp_saved = a.policy.get_logprobs(later)["logprobs"]
+    fp_saved = a.policy.state_fingerprints()
+    later["prev_logprobs"] = lp_saved
+    a.policy.train(later, LOSS)
+    w_next = a.policy.full_weights()
+    close(built, a)
+
+    hf_dir = tmp_path / "weights" / "hf"
+    assert (hf_dir / "tokenizer.json").is_file()
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    assert hf_model.config.tie_word_embeddings
+    valid = valid_positions(later)
+    hf_err = float((lp_saved - hf_logprobs(hf_dir, later, TEMPERATURE))[valid].abs().max())
+    print(f"\n[checkpoint] HF export vs megatron logprobs max|diff| {hf_err:.3g}")
+    assert hf_err <= TOL
+
+    b = build(built, cfg, 2, weights_path=str(tmp_path / "weights"), optimizer_path=str(tmp_path / "optim"))
+    assert torch.equal(b.policy.get_logprobs(later)["logprobs"], lp_saved)
+    assert b.policy.state_fingerprints() == fp_saved
+    # the reference is the initial HF model, not the checkpoint
+    ref = b.policy.get_reference_policy_logprobs(later)["reference_logprobs"]
+    assert float((ref - lp_initial).abs().max()) <= 1e-6
+    b.policy.train(later, LOSS)
+    assert max_diff(w_next, b.policy.full_weights()) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
+         r"ConfigError: policy\.megatron_cfg\.optimizer\.use_distributed_optimizer=True: the distributed optimizer "
+         r"is GPU-only"),
+        ("policy.dynamic_batching.enabled=true", r"NotImplementedError: policy\.dynamic_batching\.enabled"),
+    ],
+    ids=["gpu_only_on_cpu", "dynamic_batching"],
+)
+def test_unsupported_options_fail_clearly(
+    override: str, pattern: str, ray_local: None, tiny_model_dir: Path, built: List[Built]
+) -> None:
+    b = build(built, policy_cfg(tiny_model_dir, 1, override), 1)
+    with pytest.raises(WorkerGroupError, match=pattern):
+        b.policy.get_logprobs(make_batch())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "device", "key"),
+    [
+        (["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true"], "cpu",
+         "policy.megatron_cfg.sequence_parallel"),
+        (["policy.megatron_cfg.activation_checkpointing=true"], "cpu", "policy.megatron_cfg.activation_checkpointing"),
+        (["policy.precision=bfloat16"], "cpu", "policy.precision"),
+        (["policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp=true"], "cpu",
+         "policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp"),
+        (["policy.precision=bfloat16"], "cuda", "policy.megatron_cfg.optimizer.bf16"),
+        (["policy.sequence_packing.enabled=true"], "cuda", "policy.sequence_packing.enabled"),
+    ],
+    ids=["sequence_parallel", "activation_checkpointing", "bf16_training", "megatron_fsdp", "bf16_flag", "packing"],
+)
+def test_config_checks_name_the_key(overrides: List[str], device: str, key: str, tmp_path: Path) -> None:
+    """In-process: the worker's up-front checks (no Ray); the errors survive pickling with their key."""
+    from rlpost.models.policy.megatron_policy_worker import check_megatron_support
+
+    workers = 2 if any("size=2" in o for o in overrides) else 1
+    cfg = policy_cfg(tmp_path, workers, *overrides)
+    with pytest.raises((ConfigError, NotImplementedError), match=re.escape(key)) as info:
+        check_megatron_support(cfg, device)
+    assert key in str(pickle.loads(pickle.dumps(info.value)))  # Ray pickles it to the driver
+    if key in ("policy.precision", "policy.megatron_cfg.optimizer.bf16"):
+        check_megatron_support(cfg, device, init_optimizer=False)  # bf16 logprobs alone are fine
+
+
+def test_checkpoint_layout_mismatch_is_clear(tmp_path: Path) -> None:
+    """In-process: a checkpoint restores only into its own TP x PP layout, and says so."""
+    from types import SimpleNamespace
+
+    from rlpost.models.policy import megatron_checkpoint as mc
+
+    saved = SimpleNamespace(cfg=policy_cfg(tmp_path, 2, *LAYOUTS["pp2"]), dp_size=1)
+    (tmp_path / mc.LAYOUT_FILE).write_text(json.dumps(mc._layout(saved)))
+    mc._check_layout(saved, tmp_path)  # type: ignore[arg-type]
+    other = SimpleNamespace(cfg=policy_cfg(tmp_path, 2, *LAYOUTS["tp2"]), dp_size=1)
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size: saved 2, now 1.*same layout"):
+        mc._check_layout(other, tmp_path)  # type: ignore[arg-type]
