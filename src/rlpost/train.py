@@ -47,7 +47,31 @@ def run_job(cfg: DictConfig) -> Optional[Any]:
     print_plan(master)
     from rlpost.runner import run
 
-    return run(master, run_dir)
+    try:
+        return run(master, run_dir)
+    except Exception as exc:  # noqa: BLE001 - known failures end with one clear line, not a traceback
+        code = _known_failure(exc)
+        if code is None:
+            raise
+        print(f"rlpost: error: {exc}", file=sys.stderr)
+        sys.exit(code)
+
+
+def _known_failure(exc: BaseException) -> Optional[int]:
+    """Exit status for failures a user can act on: 2 for bad input (data, checkpoint), 1 for run-time checks."""
+    from rlpost.algorithms.dynamic_sampling import DynamicSamplingExhausted
+    from rlpost.algorithms.grpo import HealthCheckError
+    from rlpost.checkpointing import CheckpointMismatch
+    from rlpost.config.errors import ConfigError
+    from rlpost.data.datasets import DataError
+    from rlpost.distributed.virtual_cluster import ClusterResourceError
+    from rlpost.models.fingerprint import FingerprintMismatch
+
+    if isinstance(exc, (ConfigError, DataError, CheckpointMismatch, FileNotFoundError)):
+        return 2
+    if isinstance(exc, (HealthCheckError, DynamicSamplingExhausted, ClusterResourceError, FingerprintMismatch)):
+        return 1
+    return None
 
 
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")

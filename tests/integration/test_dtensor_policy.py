@@ -160,7 +160,7 @@ def test_tp2_equals_tp1(ray_local: None, tiny_model_dir: Path, built: List[Built
     assert max_diff(w1, tp.policy.full_weights()) <= 1e-5
 
 
-def test_sequence_packing_and_dynamic_batching_same_logprobs(
+def test_packing_dynamic_batching_and_activation_checkpointing_same_logprobs(
     ray_local: None, tiny_model_dir: Path, built: List[Built]
 ) -> None:
     data = make_batch(seed=7)
@@ -174,6 +174,7 @@ def test_sequence_packing_and_dynamic_batching_same_logprobs(
          "policy.sequence_packing.sequence_length_round=1"],
         ["policy.dynamic_batching.enabled=true", "policy.dynamic_batching.logprob_mb_tokens=64",
          "policy.dynamic_batching.sequence_length_round=4"],
+        ["policy.dtensor_cfg.activation_checkpointing=true"],
     ):
         other = Built(policy_cfg(tiny_model_dir, *extra), 2)
         built.append(other)

@@ -51,7 +51,7 @@ def refit_policy_generation(
 
 def init_refit_collective(policy: Any, policy_generation: Any, host: str, port: int) -> None:
     """Non-colocated: policy rank 0 (rank 0) and every engine worker (ranks 1..) join one group."""
-    world = 1 + policy_generation.num_replicas * policy_generation.slots_per_replica
+    world = 1 + policy_generation.engine_world_size
     engine_f = policy_generation.init_collective_async(host, port, 1, world)
     policy.worker_group.get(policy.init_refit_collective_async(host, port, world))
-    policy_generation._get(engine_f, "init_collective")
+    policy_generation.wait_collective_init(engine_f)

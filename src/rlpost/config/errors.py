@@ -18,6 +18,10 @@ class ConfigError(ValueError):
             msg += f" ({hint})"
         super().__init__(msg)
 
+    def __reduce__(self) -> tuple:
+        # Picklable with its fields, so it survives the trip from a Ray worker to the driver.
+        return (type(self), (self.key, self.value, self.rule, self.hint))
+
 
 def require(cond: bool, key: str, value: Any, rule: str, hint: str | None = None) -> None:
     """Raise ConfigError(key, value, rule) unless `cond` holds."""

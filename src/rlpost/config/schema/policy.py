@@ -128,6 +128,18 @@ class DTensorConfig:
             self.sequence_parallel,
             "sequence parallelism needs tensor_parallel_size > 1",
         )
+        require(
+            not self.sequence_parallel,
+            f"{path}.sequence_parallel",
+            self.sequence_parallel,
+            "sequence parallelism is not implemented for the DTensor workers yet",
+        )
+        require(
+            self.context_parallel_size == 1,
+            f"{path}.context_parallel_size",
+            self.context_parallel_size,
+            "context parallelism is not implemented for the DTensor workers yet",
+        )
 
 
 @dataclass

@@ -311,9 +311,25 @@ class HFGeneration(GenerationInterface):
         """Join the refit group; the trainer's rank 0 must join concurrently."""
         self.group.get(self.init_collective_async(master_addr, master_port, rank_offset, world_size))
 
+    @property
+    def engine_world_size(self) -> int:
+        """Processes that join the refit group."""
+        return self.group.world_size
+
+    def wait_collective_init(self, futures: list[Any]) -> None:
+        self.group.get(futures)
+
+    def update_weights_from_collective_async(self) -> list[Any]:
+        """Start receiving a broadcast; finish with `wait_collective_update(futures)`."""
+        return [w.update_weights_from_collective.remote() for w in self.group.workers]
+
+    def wait_collective_update(self, futures: list[Any], expected: Optional[str] = None) -> str:
+        """Wait for a collective refit; workers must agree (and match `expected`, the sender's, if given)."""
+        return self._check(self.group.get(futures), expected)
+
     def update_weights_from_collective(self) -> str:
         """Receive the broadcast (sent concurrently by the trainer) and load it; workers must agree."""
-        return self._check(self.group.run_all("update_weights_from_collective"), None)
+        return self.wait_collective_update(self.update_weights_from_collective_async())
 
     def shutdown(self) -> None:
         """Kill the workers (idempotent)."""

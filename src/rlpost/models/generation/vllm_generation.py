@@ -266,6 +266,14 @@ class VllmGeneration(GenerationInterface):
             for r, w in enumerate(self.workers)
         ]
 
+    @property
+    def engine_world_size(self) -> int:
+        """Processes that join the refit group."""
+        return self.num_replicas * self.slots_per_replica
+
+    def wait_collective_init(self, futures: list[Any]) -> None:
+        self._get(futures, "init_collective")
+
     def init_collective(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> None:
         """Join the refit group; blocks until the trainer's rank 0 joins too (from another process/thread)."""
         self._get(self.init_collective_async(master_addr, master_port, rank_offset, world_size), "init_collective")

@@ -75,11 +75,12 @@ class DTensorWorkerBase:
         if init_optimizer and cfg.optimizer is not None:
             self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
             self.scheduler = build_scheduler(cfg.scheduler, self.optimizer)
-        if weights_path:
-            dtensor_checkpoint.load(self, weights_path, optimizer_path)
+        # The reference policy is the model as loaded from policy.model_name, also when resuming.
         self.reference: Optional[Dict[str, torch.Tensor]] = None
         if init_reference_model:
             self.reference = {k: _local(v).detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        if weights_path:
+            dtensor_checkpoint.load(self, weights_path, optimizer_path)
         self._export: List[Tuple[str, torch.Tensor]] = []
 
     # ---- subclass hook -----------------------------------------------------------------

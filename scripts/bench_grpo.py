@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""Benchmark N GRPO steps of a fixed workload; print and save per-phase times, tokens/s and peak memory.
+
+    .venv/bin/python scripts/bench_grpo.py                       # default job, 20 steps
+    .venv/bin/python scripts/bench_grpo.py --steps 10 generation=hf policy=dtensor_v2
+
+Extra arguments are Hydra overrides. Results go to results/bench_grpo.json (one entry per run).
+Peak memory is the largest sum of RSS over the driver and all its descendant processes (Ray's
+GCS/raylet, policy workers, engines, verifiers), sampled every 0.2 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import psutil
+
+from rlpost.config.load import load_master_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class TreeMemory:
+    """Peak total RSS of this process and its descendants."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.is_set():
+            total = 0
+            for p in [me, *me.children(recursive=True)]:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            time.sleep(0.2)
+
+    def __enter__(self) -> TreeMemory:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(timeout=2)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2, help="steps excluded from the averages")
+    ap.add_argument("--out", default=str(REPO / "results" / "bench_grpo.json"))
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+
+    from rlpost.algorithms.grpo import grpo_train, setup
+
+    overrides = [f"grpo.max_num_steps={args.steps}", "grpo.val_period=0", "checkpointing=disabled",
+                 "logger.console_progress=false", *args.overrides]
+    _, cfg = load_master_config(overrides)
+    steps: List[Dict[str, float]] = []
+    t0 = time.perf_counter()
+    with TreeMemory() as mem, tempfile.TemporaryDirectory() as run_dir:
+        comps = setup(cfg, Path(run_dir))
+        t_setup = time.perf_counter() - t0
+        try:
+            grpo_train(comps, on_step=lambda step, m: steps.append(dict(m)))
+        finally:
+            comps.close()
+            import ray
+
+            ray.shutdown()
+    wall = time.perf_counter() - t0
+    measured = steps[args.warmup:] or steps
+    phases = sorted({k for m in measured for k in m if k.startswith("timing/train/")})
+    result = {
+        "overrides": overrides,
+        "steps": len(steps),
+        "setup_s": round(t_setup, 2),
+        "wall_s": round(wall, 2),
+        "phase_mean_s": {k.removeprefix("timing/train/"): round(statistics.mean(m.get(k, 0.0) for m in measured), 4)
+                         for k in phases},
+        "tokens_per_sec": round(statistics.mean(m["performance/tokens_per_sec"] for m in measured), 1),
+        "generation_tokens_per_sec": round(
+            statistics.mean(m["performance/generation_tokens_per_sec"] for m in measured), 1),
+        "peak_memory_gib": round(mem.peak / 2**30, 3),
+        "final_reward": steps[-1].get("train/reward") if steps else None,
+        "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    print(json.dumps(result, indent=1))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    history = json.loads(out.read_text()) if out.is_file() else []
+    out.write_text(json.dumps([*history, result], indent=1))
+    print(f"saved to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

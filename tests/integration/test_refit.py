@@ -1,0 +1,103 @@
+"""Refit verified against the trainer: after a training step and a refit, the engine's logprobs of
+its own samples equal the trainer's (token_mult_prob_error <= 1.0001 in fp32), colocated and
+non-colocated, with a TP=2 policy; a corrupted weight is caught by the fingerprint check."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rlpost.algorithms.loss_functions import ClippedPGLossFn
+from rlpost.algorithms.refit import init_refit_collective, refit_policy_generation
+from rlpost.config.load import load_master_config
+from rlpost.config.schema.loss import ClippedPGLossConfig
+from rlpost.config.schema.policy import PytorchOptimizerConfig
+from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.virtual_cluster import ClusterResourceError, RayVirtualCluster
+from rlpost.models.fingerprint import FingerprintMismatch
+from rlpost.models.generation.vllm_generation import VllmGeneration
+from rlpost.models.policy.lm_policy import Policy
+
+pytestmark = pytest.mark.slow
+
+
+def configs(model_dir: Path, *overrides: str) -> Any:
+    _, cfg = load_master_config(["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=8",
+                                 "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
+                                 "policy.generation.max_new_tokens=6", "policy.generation.temperature=0.8",
+                                 *overrides])
+    p = dataclasses.replace(cfg.policy, model_name=str(model_dir))
+    p.tokenizer.name = str(model_dir)
+    p.optimizer = PytorchOptimizerConfig(name="torch.optim.SGD", kwargs={"lr": 2.0})
+    gen = dataclasses.replace(p.generation, model_name=str(model_dir))
+    gen.stop_token_ids = []  # sample the full length: more tokens to compare
+    return p, gen
+
+
+def prompts(n: int = 16) -> BatchedDataDict:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 7, (n,), generator=g)
+    ids = torch.randint(3, 300, (n, 6), generator=g)
+    return BatchedDataDict(input_ids=ids, input_lengths=lengths, seeds=torch.arange(n))
+
+
+def train_once(policy: Policy, gen_out: BatchedDataDict) -> None:
+    ids = gen_out["output_ids"]
+    n, s = ids.shape
+    data = BatchedDataDict(input_ids=ids, input_lengths=gen_out["unpadded_sequence_lengths"],
+                           token_mask=(gen_out["logprobs"] != 0).float(), sample_mask=torch.ones(n),
+                           advantages=torch.randn(n, 1, generator=torch.Generator().manual_seed(1)).expand(n, s).clone(),
+                           generation_logprobs=gen_out["logprobs"])
+    data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
+    policy.train(data, ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)))
+
+
+def mult_prob_error(policy: Policy, gen_out: BatchedDataDict) -> float:
+    lp_train = policy.get_logprobs(BatchedDataDict(input_ids=gen_out["output_ids"],
+                                                   input_lengths=gen_out["unpadded_sequence_lengths"]))["logprobs"]
+    mask = gen_out["logprobs"] != 0
+    return float(torch.exp((lp_train - gen_out["logprobs"]).abs())[mask].mean())
+
+
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "split"])
+def test_refit_keeps_engine_on_policy_with_tp2(ray_local: None, tiny_model_dir: Path, colocated: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    pcfg, gcfg = configs(tiny_model_dir, "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2")
+    train_cluster = RayVirtualCluster("refit-train", 2, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
+    gen_cluster = train_cluster if colocated else RayVirtualCluster("refit-gen", 1, cpus_per_bundle=0.2)
+    policy = Policy(train_cluster, pcfg)
+    engine = VllmGeneration(gcfg, gen_cluster)
+    try:
+        if not colocated:
+            host, port = train_cluster.get_master_address_and_port()
+            init_refit_collective(policy, engine, host, port)
+        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
+        out0 = engine.generate(prompts())
+        train_once(policy, out0)
+        stale = mult_prob_error(policy, out0)
+        assert stale > 1.01  # the weights really changed: the engine is now off-policy
+        took = refit_policy_generation(policy, engine, colocated, "float32")
+        assert took > 0
+        out1 = engine.generate(prompts())
+        err = mult_prob_error(policy, out1)
+        assert err <= 1.0001, err
+        if colocated:  # a corrupted tensor inside the engine is caught
+            monkeypatch.setenv("RLPOST_FAULT_CORRUPT_REFIT", "model.layers.0.mlp.up_proj.weight")
+            with pytest.raises(FingerprintMismatch):
+                refit_policy_generation(policy, engine, colocated, "float32")
+    finally:
+        engine.shutdown()
+        policy.shutdown()
+        train_cluster.shutdown()
+        if gen_cluster is not train_cluster:
+            gen_cluster.shutdown()
+
+
+def test_unsatisfiable_cluster_fails_fast_with_a_clear_message(ray_local: None) -> None:
+    cl = RayVirtualCluster("too-big", workers_per_node=4, cpus_per_bundle=1.0, placement_timeout_s=3)
+    with pytest.raises(ClusterResourceError, match=r"could not reserve 4 bundle\(s\) of \{'CPU': 1.0\}.*CPU: 2"):
+        cl.placement_group()

@@ -1,0 +1,79 @@
+"""GRPO loop pieces that need no workers: health gate, dynamic sampling, train-data layout, seeds."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+from typing import List
+
+import pytest
+import torch
+
+from rlpost.algorithms.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted
+from rlpost.algorithms.grpo import HealthCheckError, _health_gate, _sample_seeds
+from rlpost.algorithms.rollouts import RolloutBatch
+from rlpost.algorithms.train_data import build_train_data
+from rlpost.config.schema.grpo import GRPOConfig
+from rlpost.distributed.batched_data_dict import BatchedDataDict
+
+
+def comps(**kw: float) -> SimpleNamespace:
+    return SimpleNamespace(cfg=SimpleNamespace(grpo=GRPOConfig(**kw)))  # type: ignore[arg-type]
+
+
+def test_health_gate_warns_then_aborts() -> None:
+    c = comps(token_mult_prob_error_warn_threshold=1.05, token_mult_prob_error_abort_threshold=1.5)
+    m = {"train/token_mult_prob_error": 1.01}
+    _health_gate(c, m, 1)
+    assert "train/health_warnings" not in m
+    m = {"train/token_mult_prob_error": 1.2}
+    with pytest.warns(UserWarning, match="warn threshold"):
+        _health_gate(c, m, 2)
+    assert m["train/health_warnings"] == 1.0
+    with pytest.raises(HealthCheckError, match="abort threshold 1.5"), warnings.catch_warnings():
+        _health_gate(c, {"train/token_mult_prob_error": 1.6}, 3)
+
+
+def batch(rewards: List[float], group: int) -> RolloutBatch:
+    n = len(rewards)
+    gen = BatchedDataDict(
+        output_ids=torch.arange(n * 5).reshape(n, 5),
+        logprobs=torch.full((n, 5), -1.0),
+        generation_lengths=torch.full((n,), 2),
+        unpadded_sequence_lengths=torch.full((n,), 5),
+        truncated=torch.zeros(n, dtype=torch.bool),
+    )
+    return RolloutBatch(
+        rows=[{"i": i} for i in range(n)], group_ids=torch.arange(n) // group, gen=gen,
+        input_lengths=torch.full((n,), 3), responses=["x"] * n, rewards=torch.tensor(rewards, dtype=torch.float32),
+    )
+
+
+def test_dynamic_sampling_keeps_varied_groups_across_batches() -> None:
+    s = DynamicSampler(target=4, max_gen_batches=3)
+    b1 = batch([1, 1, 0, 1, 0, 0], group=2)  # groups: (1,1) same, (0,1) varied, (0,0) same
+    assert s.add(b1, torch.zeros(6)) is None and s.discarded == 4
+    full = s.add(batch([0, 1, 1, 1], group=2), torch.zeros(4))
+    assert full is not None and full.size == 4
+    assert full.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert len(set(full.group_ids.tolist())) == 2  # group ids stay distinct across batches
+    s2 = DynamicSampler(target=4, max_gen_batches=2)
+    s2.add(batch([1, 1], group=2), torch.zeros(2))
+    with pytest.raises(DynamicSamplingExhausted, match="after 2 generation batches"):
+        s2.add(batch([0, 0], group=2), torch.zeros(2))
+
+
+def test_train_data_masks_only_response_tokens() -> None:
+    b = batch([1.0, 0.0], group=2)
+    td = build_train_data(b, torch.tensor([0.5, -0.5]), torch.tensor([1.0, 0.0]), pad_id=0, multiple=4)
+    assert td["input_ids"].shape == (2, 8)
+    assert td["token_mask"][0].tolist() == [0, 0, 0, 1, 1, 0, 0, 0]
+    assert td["advantages"][0].tolist() == [0, 0, 0, 0.5, 0.5, 0, 0, 0]
+    assert td["generation_logprobs"][1].tolist() == [0, 0, 0, -1, -1, 0, 0, 0]
+    assert td["sample_mask"].tolist() == [1.0, 0.0]
+
+
+def test_sample_seeds_depend_only_on_step() -> None:
+    assert _sample_seeds(42, 3, 4) == _sample_seeds(42, 3, 4)
+    assert _sample_seeds(42, 3, 4) != _sample_seeds(42, 4, 4)
+    assert len(set(_sample_seeds(42, 3, 64))) == 64
