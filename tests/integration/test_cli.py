@@ -64,9 +64,9 @@ def test_train_writes_resolved_config_to_run_dir(tmp_path: Path) -> None:
 
 
 def test_bad_config_subprocess_exit_2_no_traceback(tmp_path: Path) -> None:
-    out = rlpost("train", "policy.train_global_batch_size=48", cwd=tmp_path)
+    out = rlpost("train", "policy.train_global_batch_size=96", cwd=tmp_path)
     assert out.returncode == 2
-    assert "policy.train_global_batch_size=48" in out.stderr and "Traceback" not in out.stderr
+    assert "policy.train_global_batch_size=96" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "outputs").exists()
 
 
@@ -75,5 +75,5 @@ def test_plan_prints_derived_numbers(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
     assert "DP=1 TP=2 PP=1 CP=1" in text
-    assert "completions per step" in text and "64 (8 x 8)" in text
+    assert "completions per step" in text and "256 (16 x 16)" in text
     assert not (tmp_path / "outputs").exists()

@@ -16,7 +16,7 @@ BAD = [
     (["grpo.num_prompts_per_step=abc"], "grpo.num_prompts_per_step", "type Integer"),
     (["policy.foo=1"], "policy.foo", "unknown config key"),
     (["policy.dtensor_cfg.enabled=false"], "policy.dtensor_cfg.enabled", "policy=dtensor|dtensor_v2|megatron"),
-    (["policy.train_global_batch_size=48"], "policy.train_global_batch_size", "must be a multiple of it"),
+    (["policy.train_global_batch_size=96"], "policy.train_global_batch_size", "must be a multiple of it"),
     (["policy.train_micro_batch_size=3"], "policy.train_global_batch_size", "divisible by train_micro_batch_size"),
     (["cluster.gpus_per_node=3", "policy.dtensor_cfg.tensor_parallel_size=2"],
      "policy.dtensor_cfg.tensor_parallel_size", "DP x TP x PP x CP"),
@@ -43,6 +43,9 @@ BAD = [
     (["policy._target_=os.system"], "policy._target_", "allow-list"),
     (["policy.optimizer.name=builtins.eval"], "policy.optimizer.name", "allow-list"),
     (["grpo.async_grpo.enabled=true"], "grpo.async_grpo.enabled", "not implemented"),
+    (["grpo.max_rollout_turns=2"], "grpo.max_rollout_turns", "multi-turn"),
+    (["policy.dtensor_cfg.context_parallel_size=2", "cluster.gpus_per_node=2"],
+     "policy.dtensor_cfg.context_parallel_size", "not implemented"),
     (["logger.wandb_enabled=true"], "logger.wandb_enabled", "not bundled"),
     (["checkpointing.metric_name=accuracy"], "checkpointing.metric_name", "'val:' or 'train:'"),
     (["policy.dtensor_cfg.sequence_parallel=true"], "policy.dtensor_cfg.sequence_parallel", "tensor_parallel_size > 1"),
@@ -77,9 +80,9 @@ def test_at_least_twenty_distinct_bad_configs() -> None:
 
 
 def test_bad_multirun_job_is_named(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "-m", "policy.train_global_batch_size=64,48"]) == 2
+    assert main(["train", "-m", "policy.train_global_batch_size=256,96"]) == 2
     err = capsys.readouterr().err
-    assert "policy.train_global_batch_size=48" in err and "must be a multiple" in err
+    assert "policy.train_global_batch_size=96" in err and "must be a multiple" in err
 
 
 def test_plan_rejects_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
@@ -89,7 +92,7 @@ def test_plan_rejects_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_bad_config_starts_nothing_heavy() -> None:
     code = (
-        "import sys; from rlpost.cli import main; rc = main(['train', 'policy.train_global_batch_size=48']);"
+        "import sys; from rlpost.cli import main; rc = main(['train', 'policy.train_global_batch_size=96']);"
         "print(rc, sorted(m for m in ('torch', 'ray', 'vllm', 'megatron', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -11,9 +11,9 @@ def test_default_layout() -> None:
     _, cfg = load_master_config([])
     lay = compute_layout(cfg)
     assert (lay.dp, lay.tp, lay.pp, lay.cp) == (1, 1, 1, 1)
-    assert lay.completions_per_step == 64
+    assert lay.completions_per_step == 256
     assert lay.optimizer_steps_per_grpo_step == 1
-    assert lay.micro_batches_per_optimizer_step == 2
+    assert lay.micro_batches_per_optimizer_step == 4
     assert lay.colocated and lay.train_world == 1 and lay.gen_world == 1
 
 
@@ -29,7 +29,7 @@ def test_layout_with_tp_dp_and_split() -> None:
     lay = compute_layout(cfg)
     assert lay.train_world == 4 and lay.gen_world == 4
     assert (lay.dp, lay.tp) == (2, 2)
-    assert lay.optimizer_steps_per_grpo_step == 2
+    assert lay.optimizer_steps_per_grpo_step == 8  # 256 completions / global batch 32
     assert lay.micro_batches_per_optimizer_step == 2
     assert not lay.colocated
     rows = dict(plan_rows(cfg))
@@ -46,4 +46,4 @@ def test_megatron_pp_layout() -> None:
     ])
     lay = compute_layout(cfg)
     assert (lay.dp, lay.tp, lay.pp) == (2, 1, 2)
-    assert lay.micro_batches_per_optimizer_step == 2
+    assert lay.micro_batches_per_optimizer_step == 8  # 256 / (16 x DP 2)

@@ -112,6 +112,12 @@ class GRPOConfig:
         ):
             positive(f"{path}.{name}", getattr(self, name))
         require(self.val_period >= 0, f"{path}.val_period", self.val_period, "must be >= 0")
+        require(
+            self.max_rollout_turns == 1,
+            f"{path}.max_rollout_turns",
+            self.max_rollout_turns,
+            "multi-turn rollouts are not implemented in rlpost yet (single turn only)",
+        )
         require(self.batch_multiplier >= 1.0, f"{path}.batch_multiplier", self.batch_multiplier, "must be >= 1")
         require(
             not self.async_grpo.enabled,

@@ -25,13 +25,14 @@ from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.optim import build_optimizer, build_scheduler
+from rlpost.models.policy.weight_export import WeightExportMixin
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class DTensorWorkerBase:
+class DTensorWorkerBase(WeightExportMixin):
     """One rank of a DTensor policy. Constructed inside a Ray actor with RANK/WORLD_SIZE/MASTER_* set."""
 
     DP_DIM = "dp"
@@ -280,45 +281,15 @@ class DTensorWorkerBase:
         self._export = [(k, v.to(torch_dtype)) for k, v in full.items() if v is not None] if self.rank == 0 else []
         return {k: (tuple(v.shape), v.dtype) for k, v in self._export}
 
-    def get_export_chunk(self, start: int, max_bytes: int) -> Tuple[List[Tuple[str, torch.Tensor]], int]:
-        """Rank 0: tensors [start, next) of the prepared export, at most max_bytes (at least one tensor)."""
-        out, size, i = [], 0, start
-        while i < len(self._export):
-            name, t = self._export[i]
-            nbytes = t.numel() * t.element_size()
-            if out and size + nbytes > max_bytes:
-                break
-            out.append((name, t))
-            size += nbytes
-            i += 1
-        return out, i
-
-    def export_fingerprint(self) -> str:
-        from rlpost.models.fingerprint import weight_fingerprint
-
-        return weight_fingerprint(self._export)
-
-    def clear_export(self) -> None:
-        self._export = []
-
     def init_refit_collective(self, host: str, port: int, world_size: int) -> bool:
-        """Rank 0 joins the refit group with the engine workers as rank 0 (non-colocated refit)."""
-        if self.rank == 0:
-            from rlpost.distributed.collective import StatelessGroup
-
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            self._refit_group = StatelessGroup(host, port, 0, world_size, backend=backend)
+        """Rank 0 joins the refit group with the engine workers (non-colocated refit)."""
+        self._join_refit_group(host, port, world_size)
         return True
 
     def broadcast_weights_collective(self, dtype: str) -> str:
         """All ranks gather the full weights; rank 0 broadcasts them to the engines. Rank 0's fingerprint."""
         self.prepare_weights_for_export(dtype)
-        fp = ""
-        if self.rank == 0:
-            self._refit_group.broadcast_tensors(self._export, src=0)
-            fp = self.export_fingerprint()
-        self.clear_export()
-        return fp
+        return self._broadcast_export()
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None, hf_export: bool = True) -> None:

@@ -19,7 +19,7 @@ keeps CPU tests meaningful. The price: no resharding. A checkpoint restores only
 (megatron_layout.json is checked and a mismatch raises a clear error); to change layout, start from hf/.
 Loading never runs code from the checkpoint: DCP, JSON and safetensors only.
 
-Also here: the full-HF-weights gather shared by the HF export and refit, and the export fingerprint.
+Also here: the full-HF-weights gather shared by the HF export and refit.
 """
 
 from __future__ import annotations
@@ -164,21 +164,6 @@ def gather_hf_weights(worker: MegatronPolicyWorker, dtype: torch.dtype) -> Dict[
         if worker.rank == 0:
             out[name] = t.detach().to("cpu", copy=True)
     return out
-
-
-def fingerprint(named: List[Tuple[str, torch.Tensor]]) -> str:
-    """rlpost.models.fingerprint.weight_fingerprint when available, else a sha256 over names and fp32 values."""
-    try:
-        from rlpost.models.fingerprint import weight_fingerprint
-    except ImportError:  # pragma: no cover - the fingerprint module is optional
-        import hashlib
-
-        h = hashlib.sha256()
-        for name, t in sorted(named, key=lambda item: item[0]):
-            h.update(name.encode())
-            h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
-        return h.hexdigest()
-    return weight_fingerprint(named)
 
 
 def save(worker: MegatronPolicyWorker, weights_path: str, optimizer_path: Optional[str], hf_export: bool) -> None:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.models.policy.weight_export import WeightExportMixin
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -157,7 +158,7 @@ class _NoSchedulerStep:
         del increment
 
 
-class MegatronPolicyWorker:
+class MegatronPolicyWorker(WeightExportMixin):
     """One rank of a Megatron-Core policy. Constructed inside a Ray actor with RANK/WORLD_SIZE/MASTER_* set."""
 
     def __init__(
@@ -438,49 +439,18 @@ class MegatronPolicyWorker:
         self._export = list(self.gather_full_weights(getattr(torch, dtype)).items())
         return {k: (tuple(v.shape), v.dtype) for k, v in self._export}
 
-    def get_export_chunk(self, start: int, max_bytes: int) -> Tuple[List[Tuple[str, torch.Tensor]], int]:
-        """Rank 0: tensors [start, next) of the prepared export, at most max_bytes (at least one tensor)."""
-        out: List[Tuple[str, torch.Tensor]] = []
-        size, i = 0, start
-        while i < len(self._export):
-            name, t = self._export[i]
-            nbytes = t.numel() * t.element_size()
-            if out and size + nbytes > max_bytes:
-                break
-            out.append((name, t))
-            size += nbytes
-            i += 1
-        return out, i
-
-    def export_fingerprint(self) -> str:
-        from rlpost.models.policy.megatron_checkpoint import fingerprint
-
-        return fingerprint(self._export)
-
-    def clear_export(self) -> None:
-        self._export = []
-
     def init_refit_collective(self, host: str, port: int, world_size: int) -> bool:
-        """Rank 0 joins the refit group with the engine workers as rank 0 (non-colocated refit)."""
+        """Rank 0 joins the refit group with the engine workers (non-colocated refit)."""
         if self._init_error is not None:
             raise self._init_error
-        if self.rank == 0:
-            from rlpost.distributed.collective import StatelessGroup
-
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            self._refit_group = StatelessGroup(host, port, 0, world_size, backend=backend)
+        self._join_refit_group(host, port, world_size)
         return True
 
     @_megatron_call
     def broadcast_weights_collective(self, dtype: str) -> str:
         """All ranks gather the full weights; rank 0 broadcasts them to the engines. Rank 0's fingerprint."""
         self._export = list(self.gather_full_weights(getattr(torch, dtype)).items())
-        fp = ""
-        if self.rank == 0:
-            self._refit_group.broadcast_tensors(self._export, src=0)
-            fp = self.export_fingerprint()
-        self.clear_export()
-        return fp
+        return self._broadcast_export()
 
     # ---- checkpoints -------------------------------------------------------------------------
     @_megatron_call

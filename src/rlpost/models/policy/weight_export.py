@@ -1,0 +1,60 @@
+"""The worker side of refit, shared by every policy backend.
+
+A worker fills `self._export` (rank 0: full HF-named tensors, cast to the engine's dtype) in its own
+`prepare_weights_for_export`; this mixin serves it in bounded chunks, fingerprints it, and
+broadcasts it over the refit group for a non-colocated engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import torch
+
+
+class WeightExportMixin:
+    """Needs `self.rank`, `self.device` and a `self._export` list of (name, tensor)."""
+
+    rank: int
+    device: torch.device
+    _export: List[Tuple[str, torch.Tensor]]
+    _refit_group: Any = None
+
+    def get_export_chunk(self, start: int, max_bytes: int) -> Tuple[List[Tuple[str, torch.Tensor]], int]:
+        """Rank 0: tensors [start, next) of the prepared export, at most max_bytes (at least one tensor)."""
+        out: List[Tuple[str, torch.Tensor]] = []
+        size, i = 0, start
+        while i < len(self._export):
+            name, t = self._export[i]
+            nbytes = t.numel() * t.element_size()
+            if out and size + nbytes > max_bytes:
+                break
+            out.append((name, t))
+            size += nbytes
+            i += 1
+        return out, i
+
+    def export_fingerprint(self) -> str:
+        from rlpost.models.fingerprint import weight_fingerprint
+
+        return weight_fingerprint(self._export)
+
+    def clear_export(self) -> None:
+        self._export = []
+
+    def _join_refit_group(self, host: str, port: int, world_size: int) -> None:
+        """Rank 0 joins the refit group as its rank 0 (the engine workers take the other ranks)."""
+        if self.rank == 0:
+            from rlpost.distributed.collective import StatelessGroup
+
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            self._refit_group = StatelessGroup(host, port, 0, world_size, backend=backend)
+
+    def _broadcast_export(self) -> str:
+        """Rank 0 broadcasts the prepared export; returns its fingerprint ('' on other ranks) and clears it."""
+        fp = ""
+        if self.rank == 0:
+            self._refit_group.broadcast_tensors(self._export, src=0)
+            fp = self.export_fingerprint()
+        self.clear_export()
+        return fp
