@@ -29,7 +29,7 @@ import hashlib
 import math
 import zlib
 from collections.abc import Iterable, Mapping
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -116,3 +116,20 @@ def weight_fingerprint(named_tensors: NamedTensors, samples_per_tensor: int = DE
     for name, t in items:
         b.add(name, t)
     return b.hexdigest()
+
+
+def check_fingerprints(fps: list[str], expected: Optional[str], who: str = "replica") -> str:
+    """The common fingerprint of every engine process; FingerprintMismatch naming each one that differs.
+
+    `expected` is the sender's fingerprint when known; otherwise the first process's is the reference.
+    """
+    ref = expected if expected is not None else fps[0]
+    bad = [r for r, fp in enumerate(fps) if fp != ref]
+    if bad:
+        against = "the sender's" if expected is not None else f"{who} 0's"
+        raise FingerprintMismatch(
+            "refit check failed: "
+            + ", ".join(f"{who} {r} loaded weights with fingerprint {fps[r]}" for r in bad)
+            + f", {against} is {ref}"
+        )
+    return ref

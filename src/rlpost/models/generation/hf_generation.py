@@ -36,7 +36,7 @@ import torch
 from rlpost.config.schema.generation import HFGenerationConfig
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
-from rlpost.models.fingerprint import FingerprintMismatch, weight_fingerprint
+from rlpost.models.fingerprint import check_fingerprints, weight_fingerprint
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
 from rlpost.models.generation.outputs import GeneratedSample, assemble_outputs, contiguous_splits, unpack_prompts
 from rlpost.models.generation.vllm_extension import FAULT_ENV, check_against_info
@@ -281,15 +281,7 @@ class HFGeneration(GenerationInterface):
         return weight_fingerprint((n, t.to(dt) if t.is_floating_point() else t) for n, t in items)
 
     def _check(self, fps: list[str], expected: Optional[str]) -> str:
-        ref = expected if expected is not None else fps[0]
-        bad = [r for r, fp in enumerate(fps) if fp != ref]
-        if bad:
-            raise FingerprintMismatch(
-                "refit check failed: "
-                + ", ".join(f"worker {r} holds weights with fingerprint {fps[r]}" for r in bad)
-                + f", expected {ref}"
-            )
-        return ref
+        return check_fingerprints(fps, expected, who="worker")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         """Load new weights into every worker; returns the checked fingerprint (in the engine's precision)."""

@@ -48,7 +48,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from rlpost.config.schema.generation import VllmConfig
 from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
 from rlpost.distributed.worker_groups import WorkerGroupError
-from rlpost.models.fingerprint import FingerprintMismatch, weight_fingerprint
+from rlpost.models.fingerprint import check_fingerprints, weight_fingerprint
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
 from rlpost.models.generation.outputs import assemble_outputs, contiguous_splits, unpack_prompts
 from rlpost.models.generation.vllm_extension import FAULT_ENV
@@ -234,16 +234,7 @@ class VllmGeneration(GenerationInterface):
         return name if name and replica == int(os.environ.get(FAULT_REPLICA_ENV, "0")) else None
 
     def _check_fingerprints(self, fps: list[str], expected: Optional[str]) -> str:
-        ref = expected if expected is not None else fps[0]
-        bad = [r for r, fp in enumerate(fps) if fp != ref]
-        if bad:
-            against = "the sender's" if expected is not None else "replica 0's"
-            raise FingerprintMismatch(
-                "refit check failed: "
-                + ", ".join(f"replica {r} loaded weights with fingerprint {fps[r]}" for r in bad)
-                + f", {against} is {ref}"
-            )
-        return ref
+        return check_fingerprints(fps, expected, who="replica")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         """Send full HF-named tensors to every replica (object store) and load them; the checked fingerprint."""

@@ -129,3 +129,16 @@ def test_builder_streaming_and_mismatch_type() -> None:
     assert issubclass(FingerprintMismatch, RuntimeError)
     with pytest.raises(FingerprintMismatch):
         raise FingerprintMismatch("x")
+
+
+def test_check_fingerprints_names_each_disagreeing_process() -> None:
+    import pytest
+
+    from rlpost.models.fingerprint import FingerprintMismatch, check_fingerprints
+
+    assert check_fingerprints(["a", "a"], None) == "a"
+    assert check_fingerprints(["b", "b"], "b", who="worker") == "b"
+    with pytest.raises(FingerprintMismatch, match=r"replica 1 loaded weights with fingerprint x, replica 0's is a"):
+        check_fingerprints(["a", "x"], None)
+    with pytest.raises(FingerprintMismatch, match=r"worker 0 .* worker 1 .* the sender's is s"):
+        check_fingerprints(["a", "b"], "s", who="worker")
