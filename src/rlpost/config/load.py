@@ -80,6 +80,9 @@ def translate_exception(exc: BaseException, cfg: Optional[DictConfig] = None) ->
         group, opt = m.group(1), m.group(2)
         opts = group_options(group.split("/")[-1]) if "/" in group else group_options(group)
         return ConfigError(group, opt, f"unknown option of group '{group}'; options: {opts}", _did_you_mean(opt, opts))
+    mm = re.search(r"Missing mandatory value: ([\w.]+)", text)
+    if mm:
+        return ConfigError(mm.group(1), "???", "a value is required here")
     m = re.search(r"Could not override '([^']+)'", text)
     for err in chain:
         if isinstance(err, MissingMandatoryValue):

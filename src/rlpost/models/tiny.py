@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rlpost.config.schema.model import TinyModelConfig
+from rlpost.config.schema.model import TINY_MARKER, TinyModelConfig, tiny_build_matches, tiny_spec
 
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -26,7 +26,6 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-BUILDER_VERSION = 1
 
 
 def _corpus() -> list[str]:
@@ -81,12 +80,31 @@ def build_tokenizer(vocab_size: int):  # -> PreTrainedTokenizerFast
     return fast
 
 
+class TinyTargetError(ValueError):
+    """The tiny builder was pointed at a directory that is not its own; nothing was written."""
+
+
+def _check_replaceable(out: Path) -> None:
+    """Refuse to replace anything but an earlier tiny build or an empty directory."""
+    if not out.is_dir():
+        raise TinyTargetError(f"{out}: exists and is not a directory; the tiny builder will not replace it")
+    if (out / TINY_MARKER).is_file() or not any(out.iterdir()):
+        return
+    raise TinyTargetError(f"{out}: holds files that are not a tiny-model build; the tiny builder will not touch it")
+
+
 def build_tiny_model(cfg: TinyModelConfig, out_dir: str | os.PathLike[str]) -> Path:
-    """Build the tokenizer and model described by `cfg` into `out_dir` (overwritten atomically)."""
+    """Build the tokenizer and model described by `cfg` into `out_dir`.
+
+    `out_dir` must not exist, be empty, or hold an earlier tiny build (replaced atomically);
+    anything else raises TinyTargetError before a byte is written.
+    """
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     out = Path(out_dir)
+    if out.exists():
+        _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -119,10 +137,15 @@ def build_tiny_model(cfg: TinyModelConfig, out_dir: str | os.PathLike[str]) -> P
         model.generation_config.pad_token_id = tok.pad_token_id
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        (tmp / "rlpost_tiny.json").write_text(json.dumps(_spec(cfg), indent=1))
-        if out.exists():
-            shutil.rmtree(out, ignore_errors=True)
+        (tmp / TINY_MARKER).write_text(json.dumps(tiny_spec(cfg), indent=1))
+        old = None
+        if out.exists():  # only ever an earlier tiny build or an empty directory (see _check_replaceable)
+            _check_replaceable(out)
+            old = out.parent / f".{out.name}.old.{os.getpid()}"
+            os.replace(out, old)
         os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -132,12 +155,6 @@ def build_tiny_model(cfg: TinyModelConfig, out_dir: str | os.PathLike[str]) -> P
 def ensure_tiny_model(cfg: TinyModelConfig, path: str | os.PathLike[str]) -> Path:
     """Return `path`, building the tiny model there first unless a complete build is present."""
     p = Path(path)
-    marker = p / "rlpost_tiny.json"
-    if marker.is_file() and (p / "model.safetensors").is_file() and (p / "tokenizer.json").is_file():
-        if json.loads(marker.read_text()) == _spec(cfg):
-            return p
+    if tiny_build_matches(p, cfg):
+        return p
     return build_tiny_model(cfg, p)
-
-
-def _spec(cfg: TinyModelConfig) -> dict:
-    return {"builder_version": BUILDER_VERSION, **vars(cfg)}

@@ -16,6 +16,7 @@ COMPANIONS = {
     ("env", "math"): ["data=math_jsonl", "data.train_data_path=/tmp/train.jsonl"],
     ("experiment", "qwen2_5_1_5b_math"): ["data.train_data_path=/tmp/train.jsonl"],
     ("cluster", "ray"): ["policy.train_micro_batch_size=8"],
+    ("model", "local"): ["model.path=/models/any"],
 }
 ALL = [(g, o) for g in groups() for o in group_options(g)]
 

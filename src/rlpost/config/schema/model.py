@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
 
-from rlpost.config.errors import one_of, positive, require
+from rlpost.config.errors import ConfigError, one_of, positive, require
+
+TINY_BUILDER_VERSION = 1
+TINY_MARKER = "rlpost_tiny.json"
 
 
 @dataclass
@@ -72,4 +78,55 @@ class ModelConfig:
     def check(self, path: str) -> None:
         if self.tiny is not None:
             self.tiny.check(f"{path}.tiny")
-        positive(f"{path}.tiny.hidden_size", self.tiny.hidden_size if self.tiny else 1)
+            check_tiny_target(self.path, self.cache_dir, self.tiny, f"{path}.path")
+
+
+def tiny_spec(cfg: TinyModelConfig) -> dict[str, Any]:
+    """What a tiny build records in its marker file; a build is reused only when this matches."""
+    return {"builder_version": TINY_BUILDER_VERSION, **asdict(cfg)}
+
+
+def tiny_build_matches(path: str | os.PathLike[str], cfg: TinyModelConfig) -> bool:
+    """True when `path` holds a complete tiny build of exactly `cfg`."""
+    p = Path(path)
+    marker = p / TINY_MARKER
+    if not (marker.is_file() and (p / "model.safetensors").is_file() and (p / "tokenizer.json").is_file()):
+        return False
+    try:
+        return bool(json.loads(marker.read_text()) == tiny_spec(cfg))
+    except (OSError, ValueError):
+        return False
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    try:
+        child.resolve().relative_to(parent.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def check_tiny_target(path: str, cache_dir: str, cfg: TinyModelConfig, key: str) -> None:
+    """`model=tiny` builds only inside `model.cache_dir`: a user's directory is never written to.
+
+    Outside the cache, `model.path` is accepted only when it already holds this exact tiny build
+    (reused read-only); a real model or anything else there is refused with exit 2.
+    """
+    target = Path(path).expanduser()
+    if _inside(target, Path(cache_dir).expanduser()):
+        if target.exists() and not target.is_dir():
+            raise ConfigError(key, path, "is a file; the tiny model is built into a directory")
+        return
+    if tiny_build_matches(target, cfg):
+        return
+    if (target / "config.json").is_file():
+        raise ConfigError(
+            key, path, "holds a model, but model=tiny builds a random-init model (and never writes outside "
+            "model.cache_dir)", hint=f"to train the model at this path: rlpost train model=local model.path={path}",
+        )
+    what = "does not exist" if not target.exists() else "is not a tiny-model build"
+    raise ConfigError(
+        key, path, f"{what}; model=tiny builds only inside model.cache_dir ({cache_dir}) and never writes to "
+        "another directory", hint="leave model.path unset (or set model.cache_dir=DIR) to build the tiny model; "
+        "use model=local model.path=DIR for a model you have",
+    )
