@@ -1,9 +1,14 @@
-"""Metric fan-out: metrics.jsonl (one object per step), TensorBoard scalars, a rich console bar."""
+"""Metric fan-out: metrics.jsonl (one object per step), TensorBoard scalars, a rich console bar.
+
+On resume from step S, `truncate_after(S)` drops what the interrupted run logged after S (and any
+partial last line), so the re-run steps appear once.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -24,13 +29,46 @@ class MetricsLogger:
     def __init__(self, cfg: LoggerConfig, run_dir: Path) -> None:
         self.dir = Path(cfg.log_dir) if cfg.log_dir else run_dir
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (self.dir / "metrics.jsonl").open("a") if cfg.jsonl_enabled else None
+        self.path = self.dir / "metrics.jsonl"
+        self.jsonl = self.path.open("a") if cfg.jsonl_enabled else None
         self.tb = None
         self.tb_dir = Path(cfg.tensorboard.log_dir) if cfg.tensorboard.log_dir else self.dir / "tensorboard"
         if cfg.tensorboard_enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(self.tb_dir))
+
+    def truncate_after(self, step: int) -> int:
+        """Atomically rewrite metrics.jsonl keeping only well-formed rows with step <= `step`, and have
+        TensorBoard discard its events after `step`. Returns the number of rows dropped."""
+        dropped = 0
+        if self.jsonl is not None:
+            self.jsonl.close()
+            keep = []
+            for line in self.path.read_text(errors="replace").splitlines(keepends=True):
+                try:
+                    row = json.loads(line) if line.endswith("\n") else None
+                    ok = isinstance(row, dict) and int(row["step"]) <= step
+                except (ValueError, KeyError, TypeError):
+                    ok = False
+                if ok:
+                    keep.append(line)
+                else:
+                    dropped += 1
+            if dropped:
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                with tmp.open("w") as f:
+                    f.writelines(keep)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            self.jsonl = self.path.open("a")
+        if self.tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb.close()
+            self.tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=step + 1)
+        return dropped
 
     def log(self, metrics: Dict[str, Any], step: int) -> None:
         clean = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}

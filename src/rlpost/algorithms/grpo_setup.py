@@ -3,23 +3,24 @@ the resumable dataloader, the cluster(s), the engine, the policy, the refit info
 
 from __future__ import annotations
 
-import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from omegaconf import OmegaConf
 
 from rlpost.build import build
-from rlpost.checkpointing import CheckpointManager, model_fingerprint
+from rlpost.checkpointing import CheckpointError, CheckpointManager, checkpoint_errors, model_fingerprint, read_json
 from rlpost.config.schema.grpo import GRPOSaveState
 from rlpost.config.schema.master import MasterConfig
 from rlpost.data.dataloader import PromptLoader
 from rlpost.data.datasets import load_rows
 from rlpost.data.prompts import PromptProcessor, load_tokenizer
 from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
+from rlpost.distributed.worker_groups import WorkerGroupError
 from rlpost.metrics_logger import MetricsLogger
 
 
@@ -84,11 +85,14 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     logger.log_hyperparams(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
     checkpointer = CheckpointManager(cfg.checkpointing, run_dir)
     model_fp = model_fingerprint(cfg.policy.model_name)
-    last = checkpointer.latest()
+    last = checkpointer.latest_verified()
     save_state = GRPOSaveState()
     if last is not None:
-        checkpointer.check_resume(last, model_fp, config_dict)
-        save_state = GRPOSaveState.from_dict(json.loads((last / "training_info.json").read_text()))
+        with checkpoint_errors(last / "fingerprint.json"):
+            checkpointer.check_resume(last, model_fp, config_dict)
+        with checkpoint_errors(last / "training_info.json"):
+            save_state = GRPOSaveState.from_dict(read_json(last / "training_info.json"))
+    logger.truncate_after(save_state.total_steps)  # rows the interrupted run logged after its checkpoint
 
     tokenizer = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
     processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs)
@@ -97,9 +101,11 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     dataloader = PromptLoader(load_rows(cfg.data, "train"), batch, cfg.data.shuffle, cfg.data.seed)
     val_rows = load_rows(cfg.data, "val") if (g.val_period > 0 or g.val_at_start) else []
     if last is not None:
-        dataloader.load_state_dict(json.loads((last / "train_dataloader.json").read_text()))
-        rng = json.loads((last / "rng_state.json").read_text())
-        random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
+        with checkpoint_errors(last / "train_dataloader.json"):
+            dataloader.load_state_dict(read_json(last / "train_dataloader.json"))
+        with checkpoint_errors(last / "rng_state.json"):
+            rng = read_json(last / "rng_state.json")
+            random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
 
     envs = {name: build(env_cfg, key=f"env.{name}._target_") for name, env_cfg in cfg.env.items()}
 
@@ -140,6 +146,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     )
     try:
         comps.generation = build(gen_cfg, gen_cluster, model_path=cfg.policy.model_name,
+                                 timeout_s=cfg.cluster.call_timeout_s,
                                  key="policy.generation._target_")
         comps.generation.finish_generation()
         from rlpost.models.policy.lm_policy import Policy
@@ -148,21 +155,42 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         if last is not None:
             weights, optim = str(last / "policy" / "weights"), str(last / "policy" / "optimizer")
         beta = getattr(cfg.loss_fn, "reference_policy_kl_penalty", 0.0)
-        comps.policy = Policy(
-            train_cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
-            init_reference_model=beta > 0, device=device, timeout_s=cfg.cluster.call_timeout_s,
-        )
-        if not colocated:
-            from rlpost.algorithms.refit import init_refit_collective
+        try:  # the workers load the checkpoint in their constructor; a failure shows on the first call
+            comps.policy = Policy(
+                train_cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
+                init_reference_model=beta > 0, device=device, timeout_s=cfg.cluster.call_timeout_s,
+            )
+            if not colocated:
+                from rlpost.algorithms.refit import init_refit_collective
 
-            host, port = train_cluster.get_master_address_and_port()
-            init_refit_collective(comps.policy, comps.generation, host, port)
-        comps.generation.prepare_refit_info(comps.policy.prepare_refit_info(generation_dtype(cfg)))
+                host, port = train_cluster.get_master_address_and_port()
+                init_refit_collective(comps.policy, comps.generation, host, port)
+            comps.generation.prepare_refit_info(comps.policy.prepare_refit_info(generation_dtype(cfg)))
+        except WorkerGroupError as exc:
+            why = _checkpoint_load_failure(exc) if last is not None else None
+            if why is not None:
+                raise CheckpointError(f"cannot load checkpoint {last}: {why}") from exc
+            raise
         comps.loss_fn = build(cfg.loss_fn, key="loss_fn._target_")
     except BaseException:
         comps.close()
         raise
     return comps
+
+
+def _checkpoint_load_failure(exc: BaseException) -> Optional[str]:
+    """When a worker error (or the Ray error it was raised from) carries a remote traceback through a
+    policy backend's checkpoint `load` (DCP, safetensors, torch.load): its final 'Type: message' line."""
+    seen = 0
+    e: Optional[BaseException] = exc
+    while e is not None and seen < 8:
+        text = str(e)
+        if re.search(r'_checkpoint\.py", line \d+, in load', text):
+            last = [ln.strip() for ln in text.splitlines() if ln.strip()][-1]
+            first_sentence = re.match(r"(.{40,}?[.!])\s", last)
+            return (first_sentence.group(1) if first_sentence else last)[:300]
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 def generation_dtype(cfg: MasterConfig) -> str:

@@ -1,0 +1,60 @@
+"""A corrupted latest checkpoint does not block the re-run: `rlpost train` moves it aside, says so in
+one line, resumes from the previous checkpoint, and metrics.jsonl keeps one row per step."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
+SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=32",
+         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16"]
+
+
+def env(cache: Path) -> Dict[str, str]:
+    return {**os.environ, "RLPOST_CACHE_DIR": str(cache), "RAY_AUTH_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
+
+
+def train(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([RLPOST, "train", f"hydra.run.dir={run_dir}", *overrides], env=env(cache),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return out
+
+
+def metric_steps(run_dir: Path) -> List[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_truncated_latest_checkpoint_falls_back_to_the_previous(tmp_path: Path) -> None:
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    common = [*SMALL, "generation=hf", "grpo.val_period=0", "checkpointing.save_period=1",
+              "checkpointing.metric_name=train:reward"]
+    train(run, cache, *common, "grpo.max_num_steps=2")
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_1", "step_2"]
+
+    files = [p for p in (ckpts / "step_2" / "policy").rglob("*") if p.is_file()]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    rel = victim.relative_to(ckpts / "step_2").as_posix()
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with (run / "metrics.jsonl").open("a") as f:  # what a run killed mid-step-3 could leave behind
+        f.write('{"step": 3, "train/re')
+
+    out = train(run, cache, *common, "grpo.max_num_steps=3")
+    warning = [ln for ln in out.stderr.splitlines() if "is corrupt" in ln]
+    assert len(warning) == 1, out.stderr[-3000:]
+    assert "step_2" in warning[0] and rel in warning[0] and "resuming from step_1" in warning[0]
+    assert "Traceback" not in out.stderr
+    assert (ckpts / "corrupt_step_2" / rel).is_file()  # moved aside, not deleted
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_1", "step_2", "step_3"]
+    assert metric_steps(run) == [1, 2, 3]
