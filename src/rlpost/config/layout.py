@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from rlpost.config.errors import ConfigError
 
@@ -73,17 +73,39 @@ def _placement(cfg: MasterConfig) -> tuple[int, int, int, int]:
     return cl.num_nodes - n, cl.gpus_per_node, n, cl.gpus_per_node
 
 
+def model_dir_key(cfg: MasterConfig) -> str:
+    """The key a user sets to choose the model directory: `model.path`, or `policy.model_name` if overridden."""
+    return "model.path" if cfg.policy.model_name == cfg.model.path else "policy.model_name"
+
+
+def read_hf_config(model_dir: str, key: str) -> Optional[Dict[str, Any]]:
+    """The model's config.json as a dict; None if there is none; ConfigError (naming `key`) if it is unreadable."""
+    path = os.path.join(str(model_dir), "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno} column {exc.colno}"
+        raise ConfigError(key, model_dir, f"{path}: not valid JSON at {where} ({exc.msg})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(key, model_dir, f"{path}: cannot be read ({exc})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(key, model_dir, f"{path}: expected a JSON object, got {type(hf).__name__}")
+    return hf
+
+
 def attention_heads(cfg: MasterConfig) -> tuple[Optional[int], Optional[int]]:
     """(attention heads, key/value heads) of the model, from the tiny spec or a local config.json; None if unknown."""
     if cfg.model.tiny is not None:
         return cfg.model.tiny.num_attention_heads, cfg.model.tiny.num_key_value_heads
-    path = os.path.join(str(cfg.policy.model_name), "config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            hf = json.load(f)
-        heads = hf.get("num_attention_heads")
-        return heads, hf.get("num_key_value_heads", heads)
-    return None, None
+    hf = read_hf_config(str(cfg.policy.model_name), model_dir_key(cfg))
+    if hf is None:
+        return None, None
+    heads = hf.get("num_attention_heads")
+    kv = hf.get("num_key_value_heads", heads)
+    return (heads if isinstance(heads, int) else None), (kv if isinstance(kv, int) else None)
 
 
 def compute_layout(cfg: MasterConfig) -> Layout:

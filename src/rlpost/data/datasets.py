@@ -1,20 +1,36 @@
 """Rows {problem, expected_answer, env_name} from the synthetic tasks or local JSONL / parquet files.
 
-Files are read locally through `datasets` (no hub access). A JSONL line that is not a JSON object,
-or a row without the input / output keys, is reported with its file and line (row for parquet).
+Files are read locally (JSONL line by line, parquet through `datasets`; no hub access). Every bad
+input is a DataError naming the file and line (row for parquet): a line that is not UTF-8 or not a
+JSON object, a missing, empty, boolean or non-finite text field, and a file of the other format
+(a parquet file given as JSONL or the other way round), with the `data.dataset_name` to use.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from rlpost.config.schema.data import DataConfig
+
+PARQUET_MAGIC = b"PAR1"
 
 
 class DataError(ValueError):
     """A bad data file or row; the message names the file and line."""
+
+
+def _text_field(value: Any, key: str, where: str) -> str:
+    """A row's input / output as text: a non-blank string or a finite number (bools and NaN are refused)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise DataError(f"{where}: {key!r} must be a string or number, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise DataError(f"{where}: {key!r} is {value!r}; a text field must be a string or a finite number")
+    if isinstance(value, str) and not value.strip():
+        raise DataError(f"{where}: {key!r} is empty" + (" (whitespace only)" if value else ""))
+    return str(value)
 
 
 def _check_row(row: Any, cfg: DataConfig, where: str) -> Dict[str, Any]:
@@ -23,18 +39,54 @@ def _check_row(row: Any, cfg: DataConfig, where: str) -> Dict[str, Any]:
     for key in (cfg.input_key, cfg.output_key):
         if key not in row:
             raise DataError(f"{where}: missing key {key!r} (data.input_key / data.output_key)")
-        if not isinstance(row[key], (str, int, float)):
-            raise DataError(f"{where}: {key!r} must be a string or number, got {type(row[key]).__name__}")
-    return {"problem": str(row[cfg.input_key]), "expected_answer": str(row[cfg.output_key])}
+    return {
+        "problem": _text_field(row[cfg.input_key], cfg.input_key, where),
+        "expected_answer": _text_field(row[cfg.output_key], cfg.output_key, where),
+    }
+
+
+def sniff(path: str) -> Optional[str]:
+    """What a file that is not JSON text looks like ('a parquet file', 'gzip-compressed', ...); None for text."""
+    with open(path, "rb") as f:
+        head = f.read(8192)
+    if head.startswith(PARQUET_MAGIC):
+        return "a parquet file"
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "UTF-16 text; save it as UTF-8"
+    if head.startswith(b"\x1f\x8b"):
+        return "gzip-compressed"
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive"
+    nul = head.find(b"\x00")
+    if nul >= 0:
+        return f"binary data: a NUL byte at offset {nul}"
+    return None
 
 
 def read_jsonl(path: str, cfg: DataConfig) -> List[Dict[str, Any]]:
+    """Rows of a JSONL file, one JSON object per non-blank line."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{path}: no such file")
+    kind = sniff(path)
+    if kind == "a parquet file":
+        raise DataError(f"{path}: this is a parquet file, not JSONL; read it with data.dataset_name=parquet")
+    if kind is not None:
+        raise DataError(
+            f"{path}: not a JSONL text file ({kind}); data.dataset_name=jsonl reads one JSON object per line"
+        )
     rows = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    offset = 0
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            start, offset = offset, offset + len(raw)
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}, "
+                    f"file offset {start + exc.start}); JSONL files must be UTF-8 text"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -48,12 +100,32 @@ def read_jsonl(path: str, cfg: DataConfig) -> List[Dict[str, Any]]:
 
 
 def read_parquet(path: str, cfg: DataConfig) -> List[Dict[str, Any]]:
-    from datasets import load_dataset
-
+    """Rows of a parquet file (read through `datasets`)."""
     if not Path(path).is_file():
         raise DataError(f"{path}: no such file")
-    ds = load_dataset("parquet", data_files=str(path), split="train")
-    return [_check_row(row, cfg, f"{path}: row {i}") for i, row in enumerate(ds)]
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if not head.startswith(PARQUET_MAGIC):
+        kind = sniff(path)
+        if kind is None and head.lstrip()[:1] in (b"{", b"["):
+            raise DataError(
+                f"{path}: not a parquet file (it looks like JSONL text); "
+                "read it with data.dataset_name=jsonl (e.g. data=math_jsonl)"
+            )
+        raise DataError(
+            f"{path}: not a parquet file ({kind or 'it does not start with the PAR1 magic bytes'}); "
+            "data.dataset_name=parquet reads parquet files only"
+        )
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset("parquet", data_files=str(path), split="train")
+    except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file: name it, no traceback
+        raise DataError(f"{path}: cannot be read as parquet ({type(exc).__name__}: {exc})") from None
+    rows = [_check_row(row, cfg, f"{path}: row {i}") for i, row in enumerate(ds)]
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
 
 
 def load_rows(cfg: DataConfig, split: str) -> List[Dict[str, Any]]:

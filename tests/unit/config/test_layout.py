@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
+from rlpost.config.errors import ConfigError
 from rlpost.config.layout import compute_layout
 from rlpost.config.load import load_master_config
 from rlpost.plan import plan_rows
@@ -47,3 +52,16 @@ def test_megatron_pp_layout() -> None:
     lay = compute_layout(cfg)
     assert (lay.dp, lay.tp, lay.pp) == (2, 1, 2)
     assert lay.micro_batches_per_optimizer_step == 8  # 256 / (16 x DP 2)
+
+
+@pytest.mark.parametrize(
+    ("text", "rule"),
+    [('{"model_type": "qwen2",\n  "num_attention_heads": 2,,\n}', "config.json: not valid JSON at line 2 column 28"),
+     ("[1, 2]", "config.json: expected a JSON object, got list")],
+    ids=["garbage", "list"],
+)
+def test_unreadable_model_config_json_names_the_file(tmp_path: Path, text: str, rule: str) -> None:
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_master_config(["model.tiny=null", f"model.path={tmp_path}"])
+    assert e.value.key == "model.path" and f"{tmp_path}/{rule}" in e.value.rule, str(e.value)

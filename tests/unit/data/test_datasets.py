@@ -73,3 +73,92 @@ def test_loader_resumes_exactly() -> None:
     assert first + rest == seq
     assert len(a) == 3 and a.epochs_done() == 2  # 7 batches of a 3-batch epoch, drop_last
     assert sorted(sum(seq[:3], [])) != sorted(sum(seq[3:6], [])) or seq[:3] != seq[3:6]
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "what"),
+    [
+        ('{"problem": "a", "expected_answer": "b"}\n{"problem": "", "expected_answer": "b"}\n', ":2:", "'problem' is empty"),
+        ('{"problem": "a", "expected_answer": "  \\t"}\n', ":1:", "'expected_answer' is empty (whitespace only)"),
+        ('{"problem": true, "expected_answer": "b"}\n', ":1:", "'problem' must be a string or number, got bool"),
+        ('{"problem": "a", "expected_answer": false}\n', ":1:", "'expected_answer' must be a string or number, got bool"),
+        ('{"problem": "a", "expected_answer": NaN}\n', ":1:", "'expected_answer' is nan"),
+        ('{"problem": "a", "expected_answer": -Infinity}\n', ":1:", "'expected_answer' is -inf"),
+        ('{"problem": "a", "expected_answer": null}\n', ":1:", "got NoneType"),
+    ],
+    ids=["empty", "blank", "bool-problem", "bool-answer", "nan", "inf", "null"],
+)
+def test_bad_text_fields_are_refused(tmp_path: Path, text: str, where: str, what: str) -> None:
+    p = tmp_path / "bad.jsonl"
+    p.write_text(text)
+    with pytest.raises(DataError) as e:
+        read_jsonl(str(p), cfg(p))
+    assert f"{p}{where}" in str(e.value) and what in str(e.value), str(e.value)
+
+
+def test_numbers_stay_answers_and_bom_is_accepted(tmp_path: Path) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"problem": "1+1", "expected_answer": 2}\n{"problem": 7, "expected_answer": 0.5}\n')
+    assert [(r["problem"], r["expected_answer"]) for r in read_jsonl(str(p), cfg(p))] == [("1+1", "2"), ("7", "0.5")]
+
+
+def test_invalid_utf8_is_named_by_line_and_offset(tmp_path: Path) -> None:
+    p = tmp_path / "latin1.jsonl"
+    first = b'{"problem": "a", "expected_answer": "b"}\n'
+    p.write_bytes(first + '{"problem": "caf\xe9", "expected_answer": "b"}\n'.encode("latin-1"))
+    with pytest.raises(DataError) as e:
+        read_jsonl(str(p), cfg(p))
+    msg = str(e.value)
+    assert f"{p}:2: not valid UTF-8" in msg and "0xe9" in msg and f"file offset {len(first) + 16}" in msg, msg
+
+
+def test_binary_file_given_as_jsonl(tmp_path: Path) -> None:
+    p = tmp_path / "blob.jsonl"
+    p.write_bytes(b"\x00\x01\x02garbage\xff")
+    with pytest.raises(DataError, match="not a JSONL text file .binary data: a NUL byte at offset 0"):
+        read_jsonl(str(p), cfg(p))
+
+
+def _write_parquet(path: Path, rows: list[dict[str, object]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def test_parquet_file_given_to_the_jsonl_reader(tmp_path: Path) -> None:
+    p = tmp_path / "train.jsonl"  # a parquet file with the wrong extension
+    _write_parquet(p, [{"problem": "x", "expected_answer": "1"}])
+    with pytest.raises(DataError) as e:
+        load_rows(cfg(p), "train")
+    assert str(e.value) == f"{p}: this is a parquet file, not JSONL; read it with data.dataset_name=parquet"
+
+
+@pytest.mark.parametrize(
+    ("content", "what"),
+    [
+        (b'{"problem": "x", "expected_answer": "1"}\n', "it looks like JSONL text); read it with data.dataset_name=jsonl"),
+        (b"just some text\n", "does not start with the PAR1 magic bytes"),
+        (b"PAR1 truncated", "cannot be read as parquet"),
+    ],
+    ids=["jsonl", "text", "truncated"],
+)
+def test_non_parquet_given_to_the_parquet_reader(tmp_path: Path, content: bytes, what: str) -> None:
+    p = tmp_path / "train.parquet"
+    p.write_bytes(content)
+    with pytest.raises(DataError) as e:
+        load_rows(DataConfig(dataset_name="parquet", train_data_path=str(p), env_name="math"), "train")
+    assert str(e.value).startswith(f"{p}: ") and what in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("answer", "what"),
+    [(float("nan"), "'expected_answer' is nan"), (True, "got bool"), ("", "'expected_answer' is empty")],
+    ids=["nan", "bool", "empty"],
+)
+def test_bad_parquet_rows_are_named_by_row(tmp_path: Path, answer: object, what: str) -> None:
+    p = tmp_path / "t.parquet"
+    _write_parquet(p, [{"problem": "x", "expected_answer": answer}, {"problem": "y", "expected_answer": answer}])
+    with pytest.raises(DataError) as e:
+        load_rows(DataConfig(dataset_name="parquet", train_data_path=str(p), env_name="math"), "train")
+    assert f"{p}: row 0: " in str(e.value) and what in str(e.value), str(e.value)

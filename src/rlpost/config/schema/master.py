@@ -88,10 +88,11 @@ class MasterConfig:
             )
         if self.checkpointing.enabled and (self.checkpointing.metric_name or "").startswith("val:"):
             require(
-                g.val_period > 0 or g.val_at_start,
+                g.val_period > 0,
                 "checkpointing.metric_name",
                 self.checkpointing.metric_name,
-                "a 'val:' metric needs validation (grpo.val_period > 0)",
+                "a 'val:' metric needs validation during training (grpo.val_period > 0; val_at_start alone "
+                "logs it before the first step only)",
                 "use checkpointing.metric_name=train:reward or null",
             )
         compute_layout(self)

@@ -1,0 +1,397 @@
+"""Checks that need the file system or an import, run by the driver after validation and before Ray.
+
+The schemas (`MasterConfig.__post_init__`) check a config on its own; `preflight_checks` checks it
+against the world: the model directory, the optimizer and scheduler classes and their arguments,
+the device a bf16 run would land on, the metric that ranks checkpoints, the output directories and
+the data files (read once; every bad row is named by file and line). A failure is a ConfigError
+(key, value, rule) or a DataError, never a traceback from a worker minutes later.
+
+torch is imported inside the checks that need it (optimizer signatures, `cuda.is_available`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import os
+import warnings
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from rlpost.build import check_target
+from rlpost.config.errors import ConfigError
+from rlpost.config.layout import model_dir_key, read_hf_config
+from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.policy import PytorchOptimizerConfig, SinglePytorchSchedulerConfig, parse_scheduler
+from rlpost.data.datasets import load_rows
+
+# What a GRPO step logs (rlpost.algorithms.grpo: `validate` as validation/*, `_step_metrics` and the
+# rollout's reward counters as train/*), i.e. the names `checkpointing.metric_name` may rank by.
+VAL_METRICS: Tuple[str, ...] = ("accuracy", "avg_length", "reward")
+TRAIN_STEP_METRICS: Tuple[str, ...] = (
+    "reward",
+    "reward_timeouts",
+    "reward_errors",
+    "reward_unfinished",
+    "loss",
+    "grad_norm",
+    "lr",
+    "params_finite",
+    "mean_gen_length",
+    "mean_prompt_length",
+    "total_num_tokens",
+    "advantages/mean",
+    "advantages/max",
+    "advantages/min",
+    "num_too_long_prompts",
+    "truncated_fraction",
+    "filtered_reward",
+    "valid_response_tokens",
+)
+DYNAMIC_SAMPLING_METRICS: Tuple[str, ...] = (
+    "dynamic_sampling_num_discarded_valid_samples",
+    "dynamic_sampling_num_gen_batches",
+)
+# Metrics each built-in loss returns (rlpost.algorithms.loss_functions), logged as train/<name>.
+LOSS_METRICS: Dict[str, Tuple[str, ...]] = {
+    "rlpost.algorithms.loss_functions.ClippedPGLossFn": (
+        "loss",
+        "probs_ratio",
+        "probs_ratio_clamped",
+        "kl_penalty",
+        "token_mult_prob_error",
+        "gen_kl_error",
+        "policy_kl_error",
+        "js_divergence_error",
+        "sampling_importance_ratio",
+        "num_valid_samples",
+        "approx_entropy",
+    ),
+    "rlpost.algorithms.loss_functions.NLLLoss": ("loss", "num_unmasked_tokens", "num_valid_samples"),
+}
+# Files that make a local HF tokenizer loadable (any one of them).
+TOKENIZER_FILES: Tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+WEIGHT_PATTERNS: Tuple[str, ...] = ("*.safetensors", "*.bin")
+# Optimizer arguments that depend on the device; the CPU dry build leaves them out for a GPU run.
+DEVICE_KWARGS = frozenset({"fused", "foreach", "capturable"})
+
+
+def preflight_checks(master: MasterConfig, run_dir: Optional[Path] = None) -> None:
+    """Raise ConfigError or DataError for anything that would fail after Ray starts. Loads no model."""
+    check_model_dir(master)
+    check_optimizer(master)
+    check_precision(master)
+    check_metric_name(master)
+    check_output_dirs(master, run_dir)
+    check_prompt_files(master)
+    check_data(master)
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> Optional[str]:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"did you mean {match[0]!r}?" if match else None
+
+
+def run_device(master: MasterConfig) -> str:
+    """'cuda' or 'cpu', decided as the driver's `resolve_device` decides it (no Ray, no CUDA context)."""
+    if master.cluster.device != "auto":
+        return master.cluster.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---- model directory --------------------------------------------------------------------------
+
+
+def check_model_dir(master: MasterConfig) -> None:
+    """A local HF model directory: config.json with a model_type, weights and tokenizer files.
+
+    Skipped for `model.tiny` (that directory is built on first use).
+    """
+    if master.model.tiny is not None:
+        return
+    key = model_dir_key(master)
+    path = str(master.policy.model_name)
+    d = Path(path).expanduser()
+    expected = "a local HF model directory (config.json, *.safetensors weights, tokenizer files)"
+    if not d.exists():
+        raise ConfigError(key, path, f"no such directory; expected {expected}")
+    if not d.is_dir():
+        raise ConfigError(key, path, f"is a file; expected {expected}")
+    if not any(d.iterdir()):
+        raise ConfigError(key, path, f"is an empty directory; expected {expected}")
+    hf = read_hf_config(str(d), key)
+    if hf is None:
+        raise ConfigError(key, path, f"has no config.json; expected {expected}")
+    if not isinstance(hf.get("model_type"), str) or not hf["model_type"]:
+        raise ConfigError(key, path, f"{d / 'config.json'}: no 'model_type'; is this a transformers config.json?")
+    if not any(any(d.glob(p)) for p in WEIGHT_PATTERNS):
+        raise ConfigError(key, path, f"has no weights ({' / '.join(WEIGHT_PATTERNS)})")
+    tok = str(master.policy.tokenizer.name)
+    tok_key = key if tok == path else "policy.tokenizer.name"
+    t = Path(tok).expanduser()
+    if not t.is_dir():
+        raise ConfigError(tok_key, tok, "no such directory; the tokenizer is loaded from a local directory")
+    if not any((t / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(tok_key, tok, f"has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+
+
+# ---- optimizer and scheduler ------------------------------------------------------------------
+
+
+def _import(name: str, key: str) -> Any:
+    """The object at import path `name`, after the allow-list check; ConfigError with a hint if missing."""
+    check_target(key, name)  # before anything is imported
+    module_name, _, attr = name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(key, name, f"cannot be imported ({exc})") from None
+    if not hasattr(module, attr):
+        public = [n for n in dir(module) if not n.startswith("_")]
+        match = difflib.get_close_matches(attr, public, n=1, cutoff=0.6)
+        hint = f"did you mean '{module_name}.{match[0]}'?" if match else None
+        raise ConfigError(key, name, f"cannot be imported: module {module_name!r} has no attribute {attr!r}", hint)
+    return getattr(module, attr)
+
+
+def _check_kwargs(cls: Any, name: str, kwargs: Dict[str, Any], key: str, passed_by_rlpost: str) -> None:
+    """Every key of `kwargs` is an argument of `cls`, and none of its required arguments is missing."""
+    try:
+        params = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):
+        return  # no signature to check against
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != passed_by_rlpost]
+    names = [p.name for p in named]
+    for k, v in kwargs.items():
+        if k == passed_by_rlpost:
+            raise ConfigError(f"{key}.{k}", v, f"is passed by rlpost, not set in the config ({name})")
+        if k not in names:
+            hint = _did_you_mean(k, names)
+            hint = f"{hint + ' ' if hint else ''}{name} takes: {', '.join(names)}"
+            raise ConfigError(f"{key}.{k}", v, f"is not an argument of {name}", hint)
+    for p in named:
+        if p.default is inspect.Parameter.empty and p.name not in kwargs:
+            raise ConfigError(f"{key}.{p.name}", None, f"is a required argument of {name}")
+
+
+def check_optimizer(master: MasterConfig) -> None:
+    """policy.optimizer / policy.scheduler (DTensor backends): importable classes, known arguments, values
+    the constructors accept (a dry build on one CPU parameter). Megatron's optimizer is a typed schema."""
+    p = master.policy
+    opt = p.optimizer
+    if p.megatron_cfg is not None or opt is None:
+        return
+    import torch
+
+    cls = _import(opt.name, "policy.optimizer.name")
+    if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError("policy.optimizer.name", opt.name, "is not a torch.optim.Optimizer class")
+    _check_kwargs(cls, opt.name, opt.kwargs, "policy.optimizer.kwargs", "params")
+    entries = parse_scheduler("policy.scheduler", p.scheduler)
+    for i, e in enumerate(entries):
+        if not isinstance(e, SinglePytorchSchedulerConfig):
+            continue
+        key = f"policy.scheduler[{i}]"
+        sched = _import(e.name, f"{key}.name")
+        if not (inspect.isclass(sched) and issubclass(sched, torch.optim.lr_scheduler.LRScheduler)):
+            raise ConfigError(f"{key}.name", e.name, "is not a torch.optim.lr_scheduler.LRScheduler class")
+        _check_kwargs(sched, e.name, e.kwargs, f"{key}.kwargs", "optimizer")
+    device_specific = any(opt.kwargs.get(k) for k in DEVICE_KWARGS)
+    _dry_build(opt, p.scheduler, run_device(master) if device_specific else "cpu")
+
+
+def _dry_build(opt: PytorchOptimizerConfig, scheduler: List[Dict[str, Any]], device: str) -> None:
+    """Build the optimizer and scheduler as the worker does, on one CPU parameter, to catch bad values."""
+    import torch
+
+    from rlpost.models.policy.optim import build_optimizer, build_scheduler
+
+    if device != "cpu":
+        opt = replace(opt, kwargs={k: v for k, v in opt.kwargs.items() if k not in DEVICE_KWARGS})
+    param = torch.nn.Parameter(torch.zeros(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            optimizer = build_optimizer(opt, [param])
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any constructor failure is a config error
+            raise ConfigError("policy.optimizer.kwargs", dict(opt.kwargs), f"rejected by {opt.name}: {exc}") from None
+        try:
+            build_scheduler(scheduler, optimizer)
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise ConfigError("policy.scheduler", scheduler, f"cannot be built: {exc}") from None
+
+
+# ---- precision on the device ------------------------------------------------------------------
+
+
+def check_precision(master: MasterConfig) -> None:
+    """bf16 / fp16 training needs a GPU; Megatron's other GPU-only options are checked as its worker does."""
+    p = master.policy
+    if p.precision == "float32" and p.megatron_cfg is None:
+        return
+    device = run_device(master)
+    if device == "cpu" and p.precision != "float32":
+        why = "cluster.device=cpu" if master.cluster.device == "cpu" else "cluster.device=auto and no CUDA device"
+        raise ConfigError(
+            "policy.precision",
+            p.precision,
+            f"{p.precision} training needs a GPU; this run is on CPU ({why})",
+            "use policy.precision=float32 on CPU",
+        )
+    if p.megatron_cfg is not None:
+        from rlpost.models.policy.megatron_policy_worker import check_megatron_support
+
+        try:
+            check_megatron_support(p, device)
+        except NotImplementedError as exc:
+            key, _, rule = str(exc).partition(": ")
+            raise ConfigError(key, True, rule) from None
+
+
+# ---- checkpoint metric ------------------------------------------------------------------------
+
+
+def produced_metrics(master: MasterConfig) -> Optional[List[str]]:
+    """'val:x' / 'train:x' names some step logs; None when a custom loss makes the train metrics unknown."""
+    loss = LOSS_METRICS.get(master.loss_fn._target_)
+    if loss is None:
+        return None
+    val = [f"val:{m}" for m in VAL_METRICS] if master.grpo.val_period > 0 else []
+    train = list(TRAIN_STEP_METRICS) + [m for m in loss if m not in TRAIN_STEP_METRICS]
+    if master.grpo.use_dynamic_sampling:
+        train += DYNAMIC_SAMPLING_METRICS
+    return val + [f"train:{m}" for m in train]
+
+
+def check_metric_name(master: MasterConfig) -> None:
+    """checkpointing.metric_name must be a metric that a training step logs."""
+    ck = master.checkpointing
+    if not ck.enabled or not ck.metric_name:
+        return
+    valid = produced_metrics(master)
+    if valid is None or ck.metric_name in valid:
+        return
+    if ck.metric_name.startswith("val:") and master.grpo.val_period == 0:
+        rule = "no step validates (grpo.val_period=0), so no 'val:' metric is logged"
+    else:
+        rule = "no training step logs this metric"
+    raise ConfigError(
+        "checkpointing.metric_name",
+        ck.metric_name,
+        f"{rule}; valid: {', '.join(valid)}",
+        _did_you_mean(ck.metric_name, valid),
+    )
+
+
+# ---- output directories -----------------------------------------------------------------------
+
+
+def _check_writable_dir(key: str, path: Path) -> None:
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(key, str(path), "exists and is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(key, str(path), "is not writable")
+        return
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(key, str(path), f"cannot be created: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(key, str(path), f"cannot be created: {parent} is not writable")
+
+
+def output_dirs(master: MasterConfig, run_dir: Optional[Path]) -> List[Tuple[str, Path]]:
+    """(key, directory) of every directory the run writes; defaults resolved under `run_dir` when given."""
+    out: List[Tuple[str, Path]] = []
+
+    def add(key: str, value: Optional[str], default: Optional[Path]) -> Optional[Path]:
+        path = Path(value).expanduser() if value else default
+        if path is not None:
+            out.append((key, path))
+        return path
+
+    ck, lg = master.checkpointing, master.logger
+    if ck.enabled:
+        add("checkpointing.checkpoint_dir", ck.checkpoint_dir, run_dir / "checkpoints" if run_dir else None)
+    log_dir = add("logger.log_dir", lg.log_dir, run_dir)
+    if lg.tensorboard_enabled:
+        add("logger.tensorboard.log_dir", lg.tensorboard.log_dir, log_dir / "tensorboard" if log_dir else None)
+    return out
+
+
+def check_output_dirs(master: MasterConfig, run_dir: Optional[Path] = None) -> None:
+    """Checkpoint and log directories are directories (or can be created) and writable."""
+    for key, path in output_dirs(master, run_dir):
+        _check_writable_dir(key, path)
+
+
+# ---- data -------------------------------------------------------------------------------------
+
+
+def check_prompt_files(master: MasterConfig) -> None:
+    """data.prompt_file is a readable template with one '{}'; data.system_prompt_file exists."""
+    d = master.data
+    for key, value in (("data.prompt_file", d.prompt_file), ("data.system_prompt_file", d.system_prompt_file)):
+        if value and not Path(value).is_file():
+            raise ConfigError(key, value, "no such file")
+    if d.prompt_file:
+        try:
+            template = Path(d.prompt_file).read_text(encoding="utf-8")
+            filled = template.format("\x00")
+        except (UnicodeDecodeError, KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(
+                "data.prompt_file", d.prompt_file,
+                f"not a valid template ({type(exc).__name__}: {exc})",
+                "one '{}' marks the problem; write other braces as '{{' and '}}'",
+            ) from None
+        if "\x00" not in filled:
+            raise ConfigError("data.prompt_file", d.prompt_file, "has no '{}' where the problem goes")
+
+
+def prompts_per_step(master: MasterConfig) -> int:
+    """Rows one GRPO step takes from the dataloader (grpo_setup's batch size)."""
+    g = master.grpo
+    return int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
+
+
+def check_data(master: MasterConfig) -> None:
+    """Read the train (and validation) files once: bad rows raise DataError; too few rows for one step
+    raise ConfigError naming grpo.num_prompts_per_step."""
+    d, g = master.data, master.grpo
+    need = prompts_per_step(master)
+    if d.dataset_name == "synthetic":
+        have, source = d.synthetic.num_train, "data.synthetic.num_train"
+    else:
+        have, source = len(load_rows(d, "train")), f"data.train_data_path={d.train_data_path}"
+        if g.val_period > 0 or g.val_at_start:
+            load_rows(d, "val")
+    if have < need:
+        how = ""
+        if need != g.num_prompts_per_step:
+            how = f" ({g.num_prompts_per_step} x grpo.batch_multiplier={g.batch_multiplier}, dynamic sampling)"
+        raise ConfigError(
+            "grpo.num_prompts_per_step",
+            g.num_prompts_per_step,
+            f"one GRPO step takes {need} prompts{how} but the training set has only {have} rows ({source})",
+            "lower grpo.num_prompts_per_step or use a larger training set",
+        )
+

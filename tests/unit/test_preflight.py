@@ -1,0 +1,251 @@
+"""preflight_checks: what a run would hit after Ray starts is refused before, naming the key or file:line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, List
+
+import pytest
+import torch
+
+from rlpost.config.errors import ConfigError
+from rlpost.config.load import load_master_config
+from rlpost.config.schema.master import MasterConfig
+from rlpost.data.datasets import DataError
+from rlpost.preflight import DYNAMIC_SAMPLING_METRICS, LOSS_METRICS, TRAIN_STEP_METRICS, preflight_checks
+
+
+def master(*overrides: str) -> MasterConfig:
+    return load_master_config(list(overrides))[1]
+
+
+def refused(m: MasterConfig, run_dir: Path | None = None) -> ConfigError:
+    with pytest.raises(ConfigError) as e:
+        preflight_checks(m, run_dir)
+    return e.value
+
+
+def jsonl(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"problem": f"{i}+1", "expected_answer": i + 1}) + "\n" for i in range(n)))
+    return path
+
+
+def math_data(train: Path, *extra: str) -> MasterConfig:
+    return master("data=math_jsonl", "env=math", f"data.train_data_path={train}", "grpo.val_period=0",
+                  "checkpointing.metric_name=train:reward", *extra)
+
+
+def model_dir(path: Path) -> Path:
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_attention_heads": 2}))
+    (path / "model.safetensors").write_bytes(b"")
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def test_default_config_passes(tmp_path: Path) -> None:
+    preflight_checks(master(), tmp_path)
+
+
+def test_local_model_dir_passes(tmp_path: Path) -> None:
+    preflight_checks(master("model.tiny=null", f"model.path={model_dir(tmp_path / 'm')}"), tmp_path)
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+
+def test_dataset_smaller_than_one_step(tmp_path: Path) -> None:
+    train = jsonl(tmp_path / "t.jsonl", 10)
+    err = refused(math_data(train))  # grpo.num_prompts_per_step=16
+    assert err.key == "grpo.num_prompts_per_step" and err.value == 16
+    assert "one GRPO step takes 16 prompts but the training set has only 10 rows" in err.rule
+    assert str(train) in err.rule
+
+
+def test_dynamic_sampling_batch_counts(tmp_path: Path) -> None:
+    train = jsonl(tmp_path / "t.jsonl", 20)
+    preflight_checks(math_data(train), tmp_path)  # 16 <= 20
+    err = refused(math_data(train, "grpo.use_dynamic_sampling=true", "grpo.batch_multiplier=1.5"))
+    assert err.key == "grpo.num_prompts_per_step"
+    assert "takes 24 prompts (16 x grpo.batch_multiplier=1.5, dynamic sampling)" in err.rule and "only 20 rows" in err.rule
+
+
+def test_synthetic_dataset_smaller_than_one_step() -> None:
+    err = refused(master("data.synthetic.num_train=8"))
+    assert err.key == "grpo.num_prompts_per_step" and "(data.synthetic.num_train)" in err.rule
+
+
+def test_bad_train_and_val_rows_are_data_errors(tmp_path: Path) -> None:
+    train = jsonl(tmp_path / "t.jsonl", 20)
+    with train.open("a") as f:
+        f.write('{"problem": "", "expected_answer": "1"}\n')
+    with pytest.raises(DataError, match=f"{train}:21: 'problem' is empty"):
+        preflight_checks(math_data(train))
+    good, val = jsonl(tmp_path / "good.jsonl", 20), tmp_path / "v.jsonl"
+    val.write_text('{"problem": "a", "expected_answer": NaN}\n')
+    with pytest.raises(DataError, match=f"{val}:1: 'expected_answer' is nan"):
+        preflight_checks(math_data(good, "grpo.val_period=5", f"data.val_data_paths=[{val}]"))
+
+
+def test_prompt_file_without_placeholder(tmp_path: Path) -> None:
+    tpl = tmp_path / "p.txt"
+    tpl.write_text("Solve: {problem}")
+    err = refused(master(f"data.prompt_file={tpl}"))
+    assert err.key == "data.prompt_file" and "not a valid template (KeyError" in err.rule
+    tpl.write_text("Solve it.")
+    assert "has no '{}'" in refused(master(f"data.prompt_file={tpl}")).rule
+    assert refused(master(f"data.prompt_file={tmp_path / 'nope.txt'}")).rule == "no such file"
+
+
+# ---- optimizer and scheduler --------------------------------------------------------------------
+
+
+def test_unknown_optimizer_kwarg_with_hint() -> None:
+    err = refused(master("+policy.optimizer.kwargs.weight_decy=0.1"))
+    assert err.key == "policy.optimizer.kwargs.weight_decy" and err.value == 0.1
+    assert err.rule == "is not an argument of torch.optim.AdamW"
+    assert err.hint is not None and err.hint.startswith("did you mean 'weight_decay'?") and "betas" in err.hint
+
+
+def test_kwargs_of_the_old_optimizer_are_refused_for_a_new_one() -> None:
+    err = refused(master("policy.optimizer.name=torch.optim.SGD"))
+    assert err.key == "policy.optimizer.kwargs.betas" and "torch.optim.SGD" in err.rule and "momentum" in str(err.hint)
+
+
+def test_non_importable_optimizer_class() -> None:
+    err = refused(master("policy.optimizer.name=torch.optim.AdamWW"))
+    assert err.key == "policy.optimizer.name" and "has no attribute 'AdamWW'" in err.rule
+    assert err.hint == "did you mean 'torch.optim.AdamW'?"
+    err = refused(master("policy.optimizer.name=torch.optim.nosuchmodule.Adam"))
+    assert err.key == "policy.optimizer.name" and "cannot be imported" in err.rule
+
+
+def test_optimizer_outside_the_allow_list_is_not_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = master()
+    assert m.policy.optimizer is not None
+    m.policy.optimizer.name = "os.system"
+    monkeypatch.setattr("importlib.import_module", lambda name: pytest.fail(f"imported {name}"))
+    err = refused(m)
+    assert err.key == "policy.optimizer.name" and "allow-list" in err.rule
+
+
+def test_optimizer_value_rejected_by_its_constructor() -> None:
+    err = refused(master("policy.optimizer.kwargs.betas=[0.9,1.5]"))
+    assert err.key == "policy.optimizer.kwargs" and "rejected by torch.optim.AdamW" in err.rule and "beta" in err.rule
+
+
+def test_scheduler_arguments() -> None:
+    err = refused(master("policy.scheduler=[{name:torch.optim.lr_scheduler.StepLR}]"))
+    assert err.key == "policy.scheduler[0].kwargs.step_size" and "required argument" in err.rule
+    err = refused(master("policy.scheduler=[{name:torch.optim.lr_scheduler.LinearLR,kwargs:{total_iter:5}}]"))
+    assert err.key == "policy.scheduler[0].kwargs.total_iter" and str(err.hint).startswith("did you mean 'total_iters'?")
+
+
+# ---- device, metric, directories ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["dtensor", "megatron"])
+def test_bf16_on_cpu(policy: str) -> None:
+    err = refused(master(f"policy={policy}", "cluster.device=cpu", "policy.precision=bfloat16"))
+    assert err.key == "policy.precision" and err.value == "bfloat16"
+    assert "training needs a GPU; this run is on CPU (cluster.device=cpu)" in err.rule
+
+
+def test_megatron_gpu_only_option_on_cpu() -> None:
+    err = refused(master("policy=megatron", "cluster.device=cpu", "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"))
+    assert err.key == "policy.megatron_cfg.optimizer.use_distributed_optimizer" and "GPU-only" in err.rule
+
+
+def test_metric_name_no_step_logs() -> None:
+    err = refused(master("checkpointing.metric_name=val:acc"))
+    assert err.key == "checkpointing.metric_name" and "no training step logs this metric" in err.rule
+    assert "val:accuracy, val:avg_length, val:reward, train:reward" in err.rule
+    assert err.hint == "did you mean 'val:accuracy'?"
+    assert "train:num_unmasked_tokens" in refused(master("checkpointing.metric_name=train:kl_penalty", "loss=nll")).rule
+    preflight_checks(master("checkpointing.metric_name=train:kl_penalty"))
+    preflight_checks(master("checkpointing.metric_name=train:nonsense", "checkpointing.enabled=false"))
+
+
+def test_metric_names_match_what_a_step_logs() -> None:
+    """The lists in preflight follow grpo._step_metrics, rollouts.score and the built-in losses."""
+    from rlpost.algorithms.grpo import _step_metrics
+    from rlpost.algorithms.loss_functions import ClippedPGLossFn, NLLLoss
+    from rlpost.algorithms.rollouts import score
+    from rlpost.config.schema.loss import ClippedPGLossConfig
+    from rlpost.distributed.batched_data_dict import BatchedDataDict
+    from rlpost.environments.interfaces import EnvironmentReturn
+
+    b, s, v = 2, 4, 5
+    lp = torch.log_softmax(torch.zeros(b, s), -1)
+    data = BatchedDataDict(
+        input_ids=torch.zeros(b, s, dtype=torch.long), token_mask=torch.ones(b, s), sample_mask=torch.ones(b),
+        advantages=torch.ones(b, s), prev_logprobs=lp, generation_logprobs=lp, reference_policy_logprobs=lp,
+    )
+    n = torch.tensor(float(b * (s - 1)))
+    for loss_fn, target in ((ClippedPGLossFn(ClippedPGLossConfig()), "ClippedPGLossFn"), (NLLLoss(), "NLLLoss")):
+        _, loss_metrics = loss_fn(torch.zeros(b, s, v), data, torch.tensor(float(b)), n)
+        assert set(loss_metrics) == set(LOSS_METRICS[f"rlpost.algorithms.loss_functions.{target}"]), target
+
+    env = SimpleNamespace(step=lambda responses, rows: EnvironmentReturn(rewards=[1.0] * len(rows)))
+    rewards, reward_metrics = score(["a", "b"], [{"env_name": "e"}, {"env_name": "e"}], {"e": env})
+    batch = SimpleNamespace(
+        gen={"generation_lengths": torch.ones(b), "truncated": torch.zeros(b)}, input_lengths=torch.ones(b),
+        rows=[{}, {}], rewards=rewards, metrics=reward_metrics,
+    )
+    results = {"metrics": {"loss": 1.0}, "loss": 1.0, "grad_norm": 1.0, "lr": 1.0}
+    sampler = SimpleNamespace(discarded=0, gen_batches=1)
+    td = {"token_mask": torch.ones(b, s), "input_lengths": torch.ones(b)}
+    logged: List[Any] = list(_step_metrics(batch, td, torch.ones(b), results, sampler))  # type: ignore[arg-type]
+    expected = {"train/reward"} | {f"train/{k}" for k in TRAIN_STEP_METRICS + DYNAMIC_SAMPLING_METRICS}
+    assert set(logged) | {"train/reward"} == expected
+
+
+def test_checkpoint_dir_is_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "ckpt"
+    f.write_text("")
+    err = refused(master(f"checkpointing.checkpoint_dir={f}"), tmp_path)
+    assert err.key == "checkpointing.checkpoint_dir" and err.rule == "exists and is not a directory"
+
+
+def test_default_dirs_under_the_run_dir(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints").write_text("")
+    err = refused(master(), tmp_path)
+    assert (err.key, err.value) == ("checkpointing.checkpoint_dir", str(tmp_path / "checkpoints"))
+    blocker = tmp_path / "logs"
+    blocker.write_text("")
+    err = refused(master("checkpointing=disabled", f"logger.log_dir={blocker}/run1"), tmp_path)
+    assert err.key == "logger.log_dir" and err.rule == f"cannot be created: {blocker} is a file"
+
+
+# ---- model directory ----------------------------------------------------------------------------
+
+
+def test_garbage_config_json_names_the_file(tmp_path: Path) -> None:
+    d = model_dir(tmp_path / "m")
+    m = master("model.tiny=null", f"model.path={d}")
+    (d / "config.json").write_text("{not json")
+    err = refused(m)
+    assert err.key == "model.path" and f"{d}/config.json: not valid JSON at line 1 column 2" in err.rule
+    (d / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
+    assert f"{d}/config.json: no 'model_type'" in refused(m).rule
+
+
+@pytest.mark.parametrize(
+    ("remove", "rule"),
+    [(None, "is an empty directory"), ("config.json", "has no config.json"),
+     ("model.safetensors", "has no weights"), ("tokenizer.json", "has no tokenizer files")],
+)
+def test_incomplete_model_dir(tmp_path: Path, remove: str | None, rule: str) -> None:
+    d = model_dir(tmp_path / "m")
+    m = master("model.tiny=null", f"model.path={d}")
+    for f in list(d.iterdir()) if remove is None else [d / remove]:
+        f.unlink()
+    err = refused(m)
+    assert err.key == "model.path" and err.value == str(d) and err.rule.startswith(rule), str(err)
+
+
+def test_missing_model_dir(tmp_path: Path) -> None:
+    err = refused(master("model.tiny=null", f"model.path={tmp_path / 'absent'}"))
+    assert err.key == "model.path" and err.rule.startswith("no such directory")
