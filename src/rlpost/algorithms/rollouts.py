@@ -3,17 +3,24 @@
 Rows arrive already tokenized (`prompt_ids`) and repeated num_generations_per_prompt times; the
 result keeps everything the loop needs afterwards: the engine's output tensors, the decoded
 responses, the rewards, and the per-sample group ids (identical prompt -> same group).
+Generation and scoring are timed apart (`generation`, `reward_calculation`), and a slow or
+timed-out scoring prints one warning line naming the step and the env settings to change.
 """
 
 from __future__ import annotations
 
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, ContextManager, Dict, List, Optional
 
 import torch
 
+from rlpost import console
+from rlpost.config.schema.env import EnvConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.environments.interfaces import EnvironmentInterface
+from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from rlpost.timer import Timer
 
 
 @dataclass
@@ -78,20 +85,64 @@ def prompts_batch(rows: List[Dict[str, Any]], pad_id: int) -> BatchedDataDict:
 
 
 def score(
-    responses: List[str], rows: List[Dict[str, Any]], envs: Dict[str, EnvironmentInterface]
+    responses: List[str],
+    rows: List[Dict[str, Any]],
+    envs: Dict[str, EnvironmentInterface],
+    label: Optional[str] = None,
 ) -> tuple[torch.Tensor, Dict[str, float]]:
-    """Rewards [B] from each row's environment; timeouts / errors counted as metrics."""
+    """Rewards [B] from each row's environment; timeouts / errors counted as metrics.
+
+    With a `label` (e.g. "step 3"), a slow or timed-out scoring prints one warning line.
+    """
     rewards = torch.zeros(len(rows))
-    timeouts = errors = 0
+    timeouts = errors = unfinished = 0
     by_env: Dict[str, List[int]] = {}
     for i, r in enumerate(rows):
         by_env.setdefault(r["env_name"], []).append(i)
+    seconds = 0.0
+    notes: List[str] = []
     for name, idx in by_env.items():
+        t0 = time.perf_counter()
         ret = envs[name].step([responses[i] for i in idx], [rows[i] for i in idx])
+        dt = time.perf_counter() - t0
+        seconds += dt
         rewards[torch.tensor(idx)] = torch.tensor(ret.rewards, dtype=torch.float32)
         timeouts += ret.timeouts
         errors += ret.errors
-    return rewards, {"reward_timeouts": float(timeouts), "reward_errors": float(errors)}
+        unfinished += ret.unfinished
+        note = _slow_note(name, envs[name], ret, dt)
+        if note is not None:
+            notes.append(note)
+    if label is not None and notes:
+        console.warn(
+            f"{label}: rewards took {seconds:.1f} s for {len(rows)} samples ({'; '.join(notes)}); "
+            "raise num_workers or lower timeout_s"
+        )
+    return rewards, {
+        "reward_timeouts": float(timeouts),
+        "reward_errors": float(errors),
+        "reward_unfinished": float(unfinished),
+    }
+
+
+def _slow_note(name: str, env: EnvironmentInterface, ret: EnvironmentReturn, seconds: float) -> Optional[str]:
+    """What the warning says about one environment, or None when its scoring was quick and complete."""
+    cfg = getattr(env, "cfg", None)
+    cfg = cfg if isinstance(cfg, EnvConfig) else None
+    slow = cfg is not None and seconds > cfg.slow_warning_s
+    if not slow and ret.timeouts == 0:
+        return None
+    parts: List[str] = []
+    killed = ret.timeouts - ret.unfinished
+    if killed:
+        parts.append(f"{killed} timed out" + (f" after {cfg.timeout_s:g} s" if cfg else ""))
+    if ret.unfinished:
+        parts.append(f"{ret.unfinished} unfinished" + (f" at the {cfg.batch_timeout_s:g} s batch deadline" if cfg else ""))
+    if cfg is not None:
+        parts.append(f"env.{name}.num_workers={cfg.num_workers}")
+    else:
+        parts.append(f"env {name}")
+    return ", ".join(parts)
 
 
 def run_rollout(
@@ -102,18 +153,31 @@ def run_rollout(
     envs: Dict[str, EnvironmentInterface],
     greedy: bool = False,
     seeds: Optional[List[int]] = None,
+    timer: Optional[Timer] = None,
+    label: Optional[str] = None,
 ) -> RolloutBatch:
-    """Generate for `rows` and score the responses."""
+    """Generate for `rows` and score the responses.
+
+    With a `timer`, generation (and decoding) is booked under "generation" and scoring under
+    "reward_calculation"; `label` names the step in the slow-reward warning.
+    """
     batch = prompts_batch(rows, tokenizer.pad_token_id)
     if seeds is not None:
         batch["seeds"] = torch.tensor(seeds, dtype=torch.long)
-    gen = generation.generate(batch, greedy=greedy)
-    in_len = batch["input_lengths"]
-    gl = gen["generation_lengths"]
-    out = gen["output_ids"]
-    responses = [
-        tokenizer.decode(out[i, int(in_len[i]) : int(in_len[i]) + int(gl[i])].tolist(), skip_special_tokens=True)
-        for i in range(len(rows))
-    ]
-    rewards, metrics = score(responses, rows, envs)
+    with _phase(timer, "generation"):
+        gen = generation.generate(batch, greedy=greedy)
+        in_len = batch["input_lengths"]
+        gl = gen["generation_lengths"]
+        out = gen["output_ids"]
+        responses = [
+            tokenizer.decode(out[i, int(in_len[i]) : int(in_len[i]) + int(gl[i])].tolist(), skip_special_tokens=True)
+            for i in range(len(rows))
+        ]
+    with _phase(timer, "reward_calculation"):
+        rewards, metrics = score(responses, rows, envs, label)
     return RolloutBatch(rows, group_ids, gen, in_len, responses, rewards, metrics)
+
+
+def _phase(timer: Optional[Timer], name: str) -> ContextManager[None]:
+    """`timer.time(name)`, or nothing without a timer."""
+    return timer.time(name) if timer is not None else nullcontext()

@@ -14,9 +14,11 @@ class EnvironmentReturn:
     rewards: List[float]
     """One reward per response."""
     timeouts: int = 0
-    """Verifications killed for running past the timeout (reward 0)."""
+    """Verifications killed for running past the timeout, or unfinished at the batch deadline (reward 0)."""
     errors: int = 0
     """Verifications that raised (reward 0)."""
+    unfinished: int = 0
+    """Of the timeouts, samples still unscored when the batch deadline ran out."""
     metrics: Dict[str, float] = field(default_factory=dict)
     """Environment-specific metrics."""
 

@@ -20,18 +20,22 @@ def math_verify_reward(response: str, answer: str) -> float:
     return 1.0 if verify(gold, pred) else 0.0
 
 
+def warm_up_math_verify() -> None:
+    """Import math-verify and answer one dummy check, so a worker's first real call is not its slowest."""
+    math_verify_reward("\\boxed{1}", "1")
+
+
 class MathEnvironment(EnvironmentInterface):
-    """Scores responses with math-verify in killable workers, each call bounded by cfg.timeout_s."""
+    """Scores responses with math-verify in warmed, killable workers (cfg.timeout_s per call,
+    cfg.batch_timeout_s per batch)."""
 
     def __init__(self, cfg: MathEnvConfig) -> None:
         self.cfg = cfg
-        self.pool = VerifierPool(math_verify_reward, cfg.num_workers, cfg.timeout_s)
+        self.pool = VerifierPool.from_config(math_verify_reward, cfg, warmup=warm_up_math_verify)
 
     def step(self, responses: List[str], metadata: List[Dict[str, Any]]) -> EnvironmentReturn:
-        rewards, timeouts, errors = self.pool.map(
-            [(r, m["expected_answer"]) for r, m in zip(responses, metadata, strict=True)]
-        )
-        return EnvironmentReturn(rewards, timeouts, errors)
+        res = self.pool.run([(r, m["expected_answer"]) for r, m in zip(responses, metadata, strict=True)])
+        return EnvironmentReturn(res.rewards, res.timeouts, res.errors, unfinished=res.unfinished)
 
     def shutdown(self) -> None:
         self.pool.shutdown()

@@ -62,14 +62,14 @@ class SyntheticEnvironment(EnvironmentInterface):
 
     def __init__(self, cfg: SyntheticEnvConfig) -> None:
         self.cfg = cfg
-        self.pool = VerifierPool(exact_match_reward, cfg.num_workers, cfg.timeout_s)
+        self.pool = VerifierPool.from_config(exact_match_reward, cfg)
 
     def step(self, responses: List[str], metadata: List[Dict[str, Any]]) -> EnvironmentReturn:
         alphabet = ALPHABETS.get(self.cfg.task, "")
-        rewards, timeouts, errors = self.pool.map(
+        res = self.pool.run(
             [(r, m["expected_answer"], alphabet, self.cfg.format_reward) for r, m in zip(responses, metadata, strict=True)]
         )
-        return EnvironmentReturn(rewards, timeouts, errors)
+        return EnvironmentReturn(res.rewards, res.timeouts, res.errors, unfinished=res.unfinished)
 
     def shutdown(self) -> None:
         self.pool.shutdown()

@@ -2,21 +2,46 @@
 
 A call that runs past `timeout_s` has its worker killed and replaced; the sample gets reward 0
 and is counted, and the batch goes on. A call that raises gets reward 0 and is counted too.
-Workers are spawned (not forked: the driver runs Ray's threads), so the reward function must be
-an importable top-level function.
+The whole batch is bounded by `batch_timeout_s`: what is unfinished then gets reward 0 and counts
+as a timeout. Up to `num_workers` calls run at once.
+
+Every worker is warmed before any clock starts: it imports the reward function's module, runs the
+optional `warmup` hook (e.g. one dummy verification) and reports ready; only then does it get a
+call. A replaced worker warms up the same way before its next call, so a slow import never counts
+against `timeout_s`. Warm-up has its own bound, `warmup_timeout_s`.
+
+Workers are spawned (not forked: the driver runs Ray's threads), so the reward function and the
+warm-up hook must be importable top-level functions.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import time
+from collections import deque
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Tuple
+
+from rlpost.config.schema.env import EnvConfig
 
 RewardFn = Callable[..., float]
+WarmupFn = Callable[[], None]
+
+_READY = -1  # sample index of the message a worker sends once it is warm
 
 
-def _worker_loop(fn: RewardFn, conn: Connection) -> None:
+def _worker_loop(fn: RewardFn, warmup: Optional[WarmupFn], conn: Connection) -> None:
+    # A terminal's Ctrl-C reaches the whole process group; the driver decides, the verifier keeps quiet.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    err: Optional[str] = None
+    if warmup is not None:
+        try:
+            warmup()
+        except Exception as exc:  # noqa: BLE001 - the calls themselves will report their errors
+            err = f"{type(exc).__name__}: {exc}"
+    conn.send((_READY, 0.0, err))
     while True:
         try:
             msg = conn.recv()
@@ -32,11 +57,13 @@ def _worker_loop(fn: RewardFn, conn: Connection) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx: Any, fn: RewardFn) -> None:
+    def __init__(self, ctx: Any, fn: RewardFn, warmup: Optional[WarmupFn], warmup_timeout_s: float) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_loop, args=(fn, child), daemon=True)
+        self.proc = ctx.Process(target=_worker_loop, args=(fn, warmup, child), daemon=True)
         self.proc.start()
         child.close()
+        self.ready = False
+        self.ready_by = time.monotonic() + warmup_timeout_s
         self.busy: Optional[Tuple[int, float]] = None  # (sample index, deadline)
 
     def kill(self) -> None:
@@ -45,52 +72,137 @@ class _Worker:
         self.conn.close()
 
 
-class VerifierPool:
-    """`num_workers` processes computing `fn(*args)` per sample."""
+@dataclass
+class PoolResult:
+    """Rewards of one batch and what went wrong."""
 
-    def __init__(self, fn: RewardFn, num_workers: int = 1, timeout_s: float = 10.0) -> None:
+    rewards: List[float]
+    """One reward per args tuple, in order (0 for a timeout or an error)."""
+    timeouts: int = 0
+    """Calls killed after timeout_s, plus samples unfinished at the batch deadline."""
+    errors: int = 0
+    """Calls that raised, or whose worker died."""
+    unfinished: int = 0
+    """Of the timeouts, samples still queued or running when batch_timeout_s ran out."""
+    seconds: float = 0.0
+    """Wall time of the batch, warm-up excluded."""
+
+
+class VerifierPool:
+    """`num_workers` warmed processes computing `fn(*args)` per sample, in parallel."""
+
+    def __init__(
+        self,
+        fn: RewardFn,
+        num_workers: int = 1,
+        timeout_s: float = 10.0,
+        batch_timeout_s: float = 300.0,
+        warmup: Optional[WarmupFn] = None,
+        warmup_timeout_s: float = 120.0,
+    ) -> None:
         self.fn = fn
+        self.warmup = warmup
         self.timeout_s = timeout_s
+        self.batch_timeout_s = batch_timeout_s
+        self.warmup_timeout_s = warmup_timeout_s
         self._ctx = mp.get_context("spawn")
-        self._workers = [_Worker(self._ctx, fn) for _ in range(num_workers)]
+        self._workers = [self._spawn() for _ in range(num_workers)]
+
+    @classmethod
+    def from_config(cls, fn: RewardFn, cfg: EnvConfig, warmup: Optional[WarmupFn] = None) -> VerifierPool:
+        """A pool sized and bounded by an environment config."""
+        return cls(fn, cfg.num_workers, cfg.timeout_s, cfg.batch_timeout_s, warmup)
 
     def map(self, args_list: List[Tuple[Any, ...]]) -> Tuple[List[float], int, int]:
         """(rewards, timeouts, errors) for each args tuple, in order."""
-        results: List[float] = [0.0] * len(args_list)
-        todo = list(range(len(args_list)))
-        timeouts = errors = 0
+        r = self.run(args_list)
+        return r.rewards, r.timeouts, r.errors
+
+    def run(self, args_list: List[Tuple[Any, ...]]) -> PoolResult:
+        """Score every args tuple; returns once all are done or the batch deadline has passed."""
+        self._await_ready()
+        t0 = time.monotonic()
+        batch_deadline = t0 + self.batch_timeout_s
+        res = PoolResult([0.0] * len(args_list))
+        todo: Deque[int] = deque(range(len(args_list)))
         done = 0
         while done < len(args_list):
+            if time.monotonic() >= batch_deadline:
+                for w in [w for w in self._workers if w.busy is not None]:
+                    self._replace(w)
+                res.unfinished = len(args_list) - done
+                res.timeouts += res.unfinished
+                break
             for w in self._workers:
-                if w.busy is None and todo:
-                    i = todo.pop(0)
+                if w.ready and w.busy is None and todo:
+                    i = todo.popleft()
                     w.conn.send((i, args_list[i]))
                     w.busy = (i, time.monotonic() + self.timeout_s)
-            busy = [w for w in self._workers if w.busy is not None]
-            next_deadline = min(w.busy[1] for w in busy)  # type: ignore[index]
-            ready = wait([w.conn for w in busy], timeout=max(next_deadline - time.monotonic(), 0.0))
-            for w in busy:
+            waiting = [w for w in self._workers if w.busy is not None or not w.ready]
+            deadlines = [w.busy[1] if w.busy is not None else w.ready_by for w in waiting]
+            until = min(deadlines + [batch_deadline])
+            ready = wait([w.conn for w in waiting], timeout=max(until - time.monotonic(), 0.0))
+            now = time.monotonic()
+            for w in waiting:
                 if w.conn in ready:
-                    try:
-                        idx, value, err = w.conn.recv()
-                    except EOFError:  # the worker died (e.g. killed by the OS)
-                        idx, value, err = w.busy[0], 0.0, "worker died"  # type: ignore[index]
-                        self._replace(w)
-                    results[idx] = value
-                    errors += err is not None
-                    w.busy = None
-                    done += 1
-                elif w.busy is not None and time.monotonic() >= w.busy[1]:
-                    results[w.busy[0]] = 0.0
-                    timeouts += 1
+                    done += self._receive(w, res)
+                elif w.busy is not None and now >= w.busy[1]:
+                    res.timeouts += 1
                     done += 1
                     self._replace(w)
-        return results, timeouts, errors
+                elif not w.ready and now >= w.ready_by:
+                    raise self._not_ready_error()
+        res.seconds = time.monotonic() - t0
+        return res
+
+    def _receive(self, w: _Worker, res: PoolResult) -> int:
+        """Handle one message from `w`; 1 when it finished a sample."""
+        try:
+            idx, value, err = w.conn.recv()
+        except (EOFError, OSError):  # the worker died (e.g. killed by the OS)
+            if w.busy is None:
+                raise RuntimeError(f"a verifier worker for {self._fn_name()} died while warming up") from None
+            res.errors += 1
+            self._replace(w)
+            return 1
+        if idx == _READY:
+            w.ready = True
+            return 0
+        res.rewards[idx] = value
+        res.errors += err is not None
+        w.busy = None
+        return 1
+
+    def _await_ready(self) -> None:
+        """Block until every worker has warmed up (each within warmup_timeout_s of its start)."""
+        while True:
+            cold = [w for w in self._workers if not w.ready]
+            if not cold:
+                return
+            until = min(w.ready_by for w in cold)
+            ready = wait([w.conn for w in cold], timeout=max(until - time.monotonic(), 0.0))
+            for w in cold:
+                if w.conn in ready:
+                    self._receive(w, PoolResult([]))
+                elif time.monotonic() >= w.ready_by:
+                    raise self._not_ready_error()
+
+    def _not_ready_error(self) -> RuntimeError:
+        return RuntimeError(
+            f"a verifier worker for {self._fn_name()} was not ready within {self.warmup_timeout_s:g} s "
+            "(importing the reward function and its warm-up call)"
+        )
+
+    def _fn_name(self) -> str:
+        return f"{getattr(self.fn, '__module__', '?')}.{getattr(self.fn, '__qualname__', '?')}"
+
+    def _spawn(self) -> _Worker:
+        return _Worker(self._ctx, self.fn, self.warmup, self.warmup_timeout_s)
 
     def _replace(self, w: _Worker) -> None:
         i = self._workers.index(w)
         w.kill()
-        self._workers[i] = _Worker(self._ctx, self.fn)
+        self._workers[i] = self._spawn()
 
     def shutdown(self) -> None:
         for w in self._workers:

@@ -18,10 +18,16 @@ class EnvConfig:
     """Verifier worker processes."""
     timeout_s: float = 10.0
     """A reward computation running longer is killed: reward 0 and a counted warning."""
+    batch_timeout_s: float = 300.0
+    """Bound on scoring one batch: samples unfinished by then get reward 0 and count as timeouts."""
+    slow_warning_s: float = 30.0
+    """Scoring a batch for longer than this (or any timeout) prints one warning line for the step."""
 
     def check(self, path: str) -> None:
         positive(f"{path}.num_workers", self.num_workers)
         positive(f"{path}.timeout_s", self.timeout_s)
+        positive(f"{path}.batch_timeout_s", self.batch_timeout_s)
+        positive(f"{path}.slow_warning_s", self.slow_warning_s)
 
 
 @dataclass
