@@ -9,6 +9,7 @@ import sys
 from typing import List, Optional, Tuple
 
 from rlpost import __version__
+from rlpost.config.errors import report_config_error
 
 USAGE = """\
 usage: rlpost <command> [hydra overrides]
@@ -81,26 +82,43 @@ def preflight(overrides: List[str], multirun: bool) -> int:
     except Exception as exc:  # noqa: BLE001 - a bad override string
         report_config_error(translate_exception(exc))
         return 2
+    from rlpost.data.datasets import DataError
+    from rlpost.preflight import preflight_checks
+
     for job in jobs:
         try:
             _, master = load_master_config(job)
             check_targets(master)
+            preflight_checks(master)
+            check_output_dir(job, multirun)
         except ConfigError as err:
             report_config_error(err, job if multirun else None)
+            return 2
+        except DataError as err:
+            print(f"rlpost: data error: {err}", file=sys.stderr)
             return 2
     return 0
 
 
-def report_config_error(err: object, job: Optional[List[str]] = None) -> None:
-    """One clear message on stderr: key, value, rule (and hint)."""
+def check_output_dir(overrides: List[str], multirun: bool) -> None:
+    """Hydra creates the run directory before rlpost runs: refuse one that is a file or unwritable."""
+    import os
+    from pathlib import Path
+
     from rlpost.config.errors import ConfigError
 
-    assert isinstance(err, ConfigError)
-    where = f" (job: {' '.join(job)})" if job else ""
-    msg = f"rlpost: config error{where}: {err.key}={err.value!r}: {err.rule}"
-    if err.hint:
-        msg += f"\n  hint: {err.hint}"
-    print(msg, file=sys.stderr)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
+    target = Path(given[-1]) if given else Path("multirun" if multirun else "outputs")
+    probe = target
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe == target and target.exists() and not target.is_dir():
+        raise ConfigError(key, str(target), "is a file; the run directory must be a directory")
+    if probe.exists() and not probe.is_dir():
+        raise ConfigError(key, str(target), f"cannot be created: {probe} is a file")
+    if not os.access(probe if probe.exists() else Path.cwd(), os.W_OK | os.X_OK):
+        raise ConfigError(key, str(target), f"cannot be created: {probe} is not writable")
 
 
 def _plan(argv: List[str]) -> int:

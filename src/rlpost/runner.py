@@ -1,66 +1,162 @@
 """Run one validated job in its run directory: setup -> grpo_train -> summary, always releasing
-Ray, process groups and worker processes (also between the jobs of a multirun)."""
+Ray, process groups and worker processes (also between the jobs of a multirun).
+
+The first Ctrl-C (or SIGTERM) lets the current step finish (and, with
+`checkpointing.save_on_interrupt`, saves it), then stops; a second one abandons the step at once.
+"""
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from pathlib import Path
-from typing import Any, Dict
+from types import FrameType
+from typing import Any, Dict, Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rlpost import console as say
+from rlpost.checkpointing import CheckpointManager, read_json
 from rlpost.config.schema.master import MasterConfig
+from rlpost.failures import EXIT_INTERRUPT, EXIT_TERMINATED, Interrupted
+
+_CODES = {signal.SIGINT: EXIT_INTERRUPT, signal.SIGTERM: EXIT_TERMINATED}
+
+
+class StopOnSignal:
+    """Turns SIGINT/SIGTERM into a stop request at the next step boundary (twice: stop now)."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self._old: Dict[int, Any] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in _CODES:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            raise Interrupted(name, _CODES[signal.Signals(signum)])
+        self.signum = signum
+        say.info(f"{name}: stopping after the current step (press Ctrl-C again to abandon it now)")
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def interrupted(self) -> Interrupted:
+        assert self.signum is not None
+        sig = signal.Signals(self.signum)
+        return Interrupted(sig.name, _CODES[sig])
+
+
+def _quiet_close(comps: Any) -> None:
+    """Release everything with SIGINT ignored, so a late Ctrl-C cannot leave processes behind."""
+    import ray
+
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        if comps is not None:
+            comps.close()
+        if ray.is_initialized():
+            ray.shutdown()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, old)
+
+
+def _completed_steps(cfg: MasterConfig, run_dir: Path) -> Optional[int]:
+    """Steps of the newest verified checkpoint when it already reaches grpo.max_num_steps (else None).
+
+    Checked before anything starts, so re-running a finished job costs nothing. (A run that ended by
+    max_num_epochs is noticed after setup, by grpo_train doing no step.)
+    """
+    if not cfg.checkpointing.enabled:
+        return None
+    last = CheckpointManager(cfg.checkpointing, run_dir).latest_verified()
+    if last is None:
+        return None
+    steps = int(read_json(last / "training_info.json").get("total_steps", 0))
+    return steps if steps >= cfg.grpo.max_num_steps else None
 
 
 def run(cfg: MasterConfig, run_dir: Path) -> Dict[str, Any]:
     """Train with GRPO; returns a summary (final reward, accuracy, where the outputs are)."""
-    import ray
-
-    from rlpost.algorithms.grpo import grpo_train, setup
+    from rlpost.algorithms.grpo import grpo_train, save_checkpoint, setup
 
     console = Console(stderr=True)
     t0 = time.perf_counter()
     last: Dict[str, float] = {}
     comps = None
-    try:
-        comps = setup(cfg, run_dir)
-        start = comps.save_state.total_steps
-        if start:
-            console.print(f"[bold]rlpost[/]: resuming from step {start} ({comps.checkpointer.latest()})")
-        total = cfg.grpo.max_num_steps
-        with Progress(
-            TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(), console=console, disable=not cfg.logger.console_progress,
-        ) as progress:
-            task = progress.add_task("train", total=total, completed=start, info="")
+    done = _completed_steps(cfg, run_dir)
+    if done is not None:
+        say.info(f"run already complete: {done} steps, grpo.max_num_steps={cfg.grpo.max_num_steps} (checkpoints in "
+                 f"{CheckpointManager(cfg.checkpointing, run_dir).dir}); nothing to do. Raise grpo.max_num_steps "
+                 "to train further.")
+        return {"run_dir": str(run_dir), "steps": done, "complete": True}
+    with StopOnSignal() as stop:
+        try:
+            comps = setup(cfg, run_dir)
+            start = comps.save_state.total_steps
+            total = cfg.grpo.max_num_steps
+            if start:
+                say.info(f"resuming from step {start} ({comps.checkpointer.latest()})")
+            with Progress(
+                TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(), console=console, disable=not cfg.logger.console_progress,
+            ) as progress:
+                task = progress.add_task("train", total=total, completed=start, info="")
 
-            def on_step(step: int, m: Dict[str, float]) -> None:
-                last.update(m)
-                info = f"reward {m.get('train/reward', float('nan')):.3f}  step {m.get('timing/train/total_step_time', 0):.2f}s"
-                if "validation/accuracy" in m:
-                    info += f"  val acc {m['validation/accuracy']:.3f}"
-                progress.update(task, completed=step, info=info)
+                def on_step(step: int, m: Dict[str, float]) -> None:
+                    last.update(m)
+                    info = f"reward {m.get('train/reward', float('nan')):.3f}  step {m.get('timing/train/total_step_time', 0):.2f}s"
+                    if "validation/accuracy" in m:
+                        info += f"  val acc {m['validation/accuracy']:.3f}"
+                    progress.update(task, completed=step, info=info)
+                    if stop.requested:
+                        ck = cfg.checkpointing
+                        saved = ck.enabled and (step % ck.save_period == 0 or step >= total)
+                        if ck.enabled and ck.save_on_interrupt and not saved:
+                            save_checkpoint(comps, step, m)
+                            saved = True
+                        if saved:
+                            say.info(f"stopped after step {step}; checkpoint saved")
+                        raise stop.interrupted()
 
-            state = grpo_train(comps, on_step=on_step)
-        summary = {
-            "run_dir": str(run_dir),
-            "steps": state.total_steps,
-            "final_reward": last.get("train/reward"),
-            "val_accuracy": last.get("validation/accuracy", state.val_reward),
-            "wall_s": time.perf_counter() - t0,
-            "metrics": str(comps.logger.dir / "metrics.jsonl"),
-            "tensorboard": str(comps.logger.tb_dir),
-        }
-        console.print(
-            f"[bold green]done[/]: {summary['steps']} steps in {summary['wall_s']:.0f}s, final train/reward "
-            f"{summary['final_reward'] if summary['final_reward'] is not None else float('nan'):.3f}\n"
-            f"  metrics:     {summary['metrics']}\n  tensorboard: {summary['tensorboard']}\n"
-            f"  checkpoints: {comps.checkpointer.dir if cfg.checkpointing.enabled else '(disabled)'}"
-        )
-        return summary
-    finally:
-        if comps is not None:
-            comps.close()
-        if ray.is_initialized():
-            ray.shutdown()
+                state = grpo_train(comps, on_step=on_step)
+        except Interrupted:
+            raise
+        except BaseException as exc:
+            if stop.requested:  # workers that got the terminal's signal too end the step this way
+                raise stop.interrupted() from exc
+            raise
+        finally:
+            _quiet_close(comps)
+    summary = {
+        "run_dir": str(run_dir),
+        "steps": state.total_steps,
+        "final_reward": last.get("train/reward"),
+        "val_accuracy": last.get("validation/accuracy", state.val_reward),
+        "wall_s": time.perf_counter() - t0,
+        "metrics": str(comps.logger.dir / "metrics.jsonl"),
+        "tensorboard": str(comps.logger.tb_dir),
+    }
+    reward = summary["final_reward"]
+    result = f"final train/reward {reward:.3f}" if reward is not None else "no step left to run (run complete)"
+    console.print(
+        f"[bold green]done[/]: {summary['steps']} steps in {summary['wall_s']:.0f}s, {result}\n"
+        f"  metrics:     {summary['metrics']}\n  tensorboard: {summary['tensorboard']}\n"
+        f"  checkpoints: {comps.checkpointer.dir if cfg.checkpointing.enabled else '(disabled)'}"
+    )
+    return summary

@@ -27,51 +27,67 @@ def _run_dir() -> Path:
         return Path.cwd()
 
 
+def _log_file() -> Optional[Path]:
+    """Hydra's file handler target (<run dir>/train.log), if logging is configured."""
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        name = getattr(handler, "baseFilename", None)
+        if name:
+            return Path(name)
+    return None
+
+
 def run_job(cfg: DictConfig) -> Optional[Any]:
-    """Validate, write the resolved config into the run directory, then run the job."""
+    """Validate, write the resolved config into the run directory, then run the job.
+
+    Every known failure ends with one line and its documented exit status (rlpost.failures);
+    the traceback goes to train.log.
+    """
+    from rlpost import console as say
+    from rlpost import failures
     from rlpost.build import check_targets
-    from rlpost.cli import report_config_error
-    from rlpost.config.errors import ConfigError
+    from rlpost.config.errors import ConfigError, report_config_error
     from rlpost.config.load import to_master_config
     from rlpost.plan import print_plan
+    from rlpost.preflight import preflight_checks
 
+    run_dir = _run_dir()
     try:
         master = to_master_config(cfg)
         check_targets(master)
+        preflight_checks(master, run_dir)
+        _make_run_dir(run_dir)
     except ConfigError as err:
         report_config_error(err)
-        sys.exit(2)
-    run_dir = _run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
+        sys.exit(failures.EXIT_INPUT)
+    except Exception as exc:  # noqa: BLE001 - e.g. DataError: bad input found before anything starts
+        failures.log_traceback(exc)
+        say.error(failures.describe(exc, _log_file()))
+        sys.exit(failures.exit_status(exc))
     (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(master), resolve=True))
     print_plan(master)
     from rlpost.runner import run
 
     try:
         return run(master, run_dir)
-    except Exception as exc:  # noqa: BLE001 - known failures end with one clear line, not a traceback
-        code = _known_failure(exc)
-        if code is None:
-            raise
-        print(f"rlpost: error: {exc}", file=sys.stderr)
-        sys.exit(code)
+    except (Exception, KeyboardInterrupt, failures.Interrupted) as exc:
+        failures.log_traceback(exc)
+        say.error(failures.describe(exc, _log_file()))
+        sys.exit(failures.exit_status(exc))
 
 
-def _known_failure(exc: BaseException) -> Optional[int]:
-    """Exit status for failures a user can act on: 2 for bad input (data, checkpoint), 1 for run-time checks."""
-    from rlpost.algorithms.dynamic_sampling import DynamicSamplingExhausted
-    from rlpost.algorithms.grpo import HealthCheckError
-    from rlpost.checkpointing import CheckpointMismatch
+def _make_run_dir(run_dir: Path) -> None:
+    """Create the run directory, or raise ConfigError naming hydra.run.dir and why not."""
     from rlpost.config.errors import ConfigError
-    from rlpost.data.datasets import DataError
-    from rlpost.distributed.virtual_cluster import ClusterResourceError
-    from rlpost.models.fingerprint import FingerprintMismatch
 
-    if isinstance(exc, (ConfigError, DataError, CheckpointMismatch, FileNotFoundError)):
-        return 2
-    if isinstance(exc, (HealthCheckError, DynamicSamplingExhausted, ClusterResourceError, FingerprintMismatch)):
-        return 1
-    return None
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".rlpost_write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError("hydra.run.dir", str(run_dir), f"cannot write the run directory ({exc.strerror})") from None
 
 
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")

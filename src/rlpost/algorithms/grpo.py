@@ -9,12 +9,13 @@ rollouts (generate + rewards) -> advantages -> dynamic sampling -> train data ->
 from __future__ import annotations
 
 import json
+import math
 import time
-import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from rlpost import console as say
 from rlpost.algorithms.advantages import (
     apply_overlong_reward_shaping,
     calculate_baseline_and_std_per_prompt,
@@ -41,6 +42,7 @@ __all__ = [
     "_should_use_async_rollouts",
     "grpo_train",
     "refit_policy_generation",
+    "save_checkpoint",
     "setup",
     "validate",
 ]
@@ -91,7 +93,8 @@ def validate(c: GRPOComponents, step: int) -> Dict[str, float]:
     for start in range(0, len(rows), g.val_batch_size):
         part = [c.processor(r) for r in rows[start : start + g.val_batch_size]]
         seeds = _sample_seeds(g.seed, step, len(part), salt=1 + start)
-        batch = run_rollout(part, torch.arange(len(part)), c.generation, c.tokenizer, c.envs, seeds=seeds)
+        batch = run_rollout(part, torch.arange(len(part)), c.generation, c.tokenizer, c.envs, seeds=seeds,
+                            label=f"validation at step {step}")
         rewards.append(batch.rewards)
         lengths.append(batch.gen["generation_lengths"].float())
     r = torch.cat(rewards)
@@ -104,7 +107,8 @@ def validate(c: GRPOComponents, step: int) -> Dict[str, float]:
     }
 
 
-def _checkpoint(c: GRPOComponents, step: int, metrics: Dict[str, float]) -> None:
+def save_checkpoint(c: GRPOComponents, step: int, metrics: Dict[str, float]) -> None:
+    """Write step_N (policy weights + optimizer, dataloader, RNG, config) atomically."""
     s = c.save_state
     name = c.cfg.checkpointing.metric_name
     if name:
@@ -121,6 +125,20 @@ def _checkpoint(c: GRPOComponents, step: int, metrics: Dict[str, float]) -> None
 
 
 def _health_gate(c: GRPOComponents, metrics: Dict[str, float], step: int) -> None:
+    """Stop before a broken step is checkpointed: non-finite loss or grad norm, or engine/trainer drift."""
+    for key in ("train/loss", "train/grad_norm", "train/params_finite"):
+        value = metrics.get(key)
+        if key == "train/params_finite" and value == 0.0:
+            raise HealthCheckError(
+                f"step {step}: the policy's weights are no longer finite after the update; the run stopped "
+                f"before saving this step (policy.optimizer.kwargs.lr={_lr(c)} may be too high; the last good "
+                "checkpoint is kept)"
+            )
+        if value is not None and not math.isfinite(value):
+            raise HealthCheckError(
+                f"step {step}: {key}={value} is not finite; the run stopped before saving this step "
+                f"(policy.optimizer.kwargs.lr={_lr(c)} may be too high; the last good checkpoint is kept)"
+            )
     err = metrics.get("train/token_mult_prob_error")
     if err is None:
         return
@@ -133,17 +151,35 @@ def _health_gate(c: GRPOComponents, metrics: Dict[str, float], step: int) -> Non
         )
     if err > g.token_mult_prob_error_warn_threshold:
         metrics["train/health_warnings"] = 1.0
-        warnings.warn(
+        say.warn(
             f"step {step}: train/token_mult_prob_error={err:.4f} > warn threshold "
-            f"{g.token_mult_prob_error_warn_threshold}",
-            stacklevel=2,
+            f"{g.token_mult_prob_error_warn_threshold} (grpo.token_mult_prob_error_warn_threshold)"
         )
+
+
+def call_timeout_for(cluster_cfg: Any, slowest_step_s: float) -> float:
+    """step_timeout_factor x the slowest step so far, within [min_call_timeout_s, call_timeout_s]."""
+    bound = cluster_cfg.step_timeout_factor * slowest_step_s
+    return min(max(bound, cluster_cfg.min_call_timeout_s), cluster_cfg.call_timeout_s)
+
+
+def _tighten_call_timeouts(c: GRPOComponents, slowest_step_s: float) -> None:
+    timeout = call_timeout_for(c.cfg.cluster, slowest_step_s)
+    c.policy.set_call_timeout(timeout)
+    c.generation.set_call_timeout(timeout)
+
+
+def _lr(c: GRPOComponents) -> object:
+    optimizer = getattr(c.cfg.policy, "optimizer", None)
+    kwargs = getattr(optimizer, "kwargs", None) or {}
+    return kwargs.get("lr", "?")
 
 
 def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> GRPOSaveState:
     """Run GRPO until grpo.max_num_steps or grpo.max_num_epochs; returns the final save state."""
     cfg, g, s = c.cfg, c.cfg.grpo, c.save_state
     timer = Timer()
+    slowest = 0.0
     stale = True
     gen_dtype = generation_dtype(cfg)
     if g.val_at_start and s.total_steps == 0:
@@ -166,10 +202,11 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
                         refit_policy_generation(c.policy, c.generation, c.colocated, gen_dtype,
                                                 cfg.policy.refit_buffer_size_gb)
                     stale = False
+                seeds = _sample_seeds(g.seed, step, len(repeated), salt=sampler.gen_batches if sampler else 0)
+                # books "generation" and "reward_calculation" (scoring) apart; warns on slow rewards
+                rollout = run_rollout(repeated, group_ids, c.generation, c.tokenizer, c.envs, seeds=seeds,
+                                      timer=timer, label=f"step {step}")
                 with timer.time("generation"):
-                    seeds = _sample_seeds(g.seed, step, len(repeated),
-                                          salt=sampler.gen_batches if sampler else 0)
-                    rollout = run_rollout(repeated, group_ids, c.generation, c.tokenizer, c.envs, seeds=seeds)
                     c.generation.finish_generation()
                 metrics["train/reward"] = float(rollout.rewards.mean())
                 if sampler is None:
@@ -212,17 +249,19 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
             s.total_steps = step
             s.consumed_samples += g.num_prompts_per_step
             s.total_valid_tokens += int(train_data["token_mask"].sum())
+            _health_gate(c, metrics, step)
             last = step >= g.max_num_steps
             if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last):
                 with timer.time("checkpointing"):
-                    _checkpoint(c, step, metrics)
+                    save_checkpoint(c, step, metrics)
         metrics.update(timer.metrics("timing/train"))
         n_tok = float(train_data["input_lengths"].sum())
         metrics["performance/tokens_per_sec"] = n_tok / max(timer.times["total_step_time"], 1e-9)
         gen_tok = float(batch.gen["generation_lengths"].sum())
         metrics["performance/generation_tokens_per_sec"] = gen_tok / max(timer.times.get("generation", 0.0), 1e-9)
-        _health_gate(c, metrics, step)
         c.logger.log(metrics, step)
+        slowest = max(slowest, timer.times["total_step_time"])
+        _tighten_call_timeouts(c, slowest)
         if on_step is not None:
             on_step(step, metrics)
     return s
@@ -235,6 +274,7 @@ def _step_metrics(
     m["train/loss"] = float(results["loss"])
     m["train/grad_norm"] = float(results["grad_norm"])
     m["train/lr"] = float(results["lr"])
+    m["train/params_finite"] = float(results.get("params_finite", True))
     resp = train_data["token_mask"].sum(-1)
     m["train/mean_gen_length"] = float(batch.gen["generation_lengths"].float().mean())
     m["train/mean_prompt_length"] = float(batch.input_lengths.float().mean())

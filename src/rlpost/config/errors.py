@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -44,3 +45,12 @@ def positive(key: str, value: float | int | None, allow_none: bool = False) -> N
 def non_negative(key: str, value: float | int | None) -> None:
     """Require `value` >= 0."""
     require(value is not None and value >= 0, key, value, "must be >= 0")
+
+
+def report_config_error(err: ConfigError, job: list[str] | None = None) -> None:
+    """One clear message on stderr: key, value, rule (and hint)."""
+    where = f" (job: {' '.join(job)})" if job else ""
+    msg = f"rlpost: config error{where}: {err.key}={err.value!r}: {err.rule}"
+    if err.hint:
+        msg += f"\n  hint: {err.hint}"
+    print(msg, file=sys.stderr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import ray
@@ -34,6 +35,10 @@ class ClusterResourceError(RuntimeError):
     """The requested bundles could not be reserved in time."""
 
 
+class ClusterUnavailable(RuntimeError):
+    """`cluster.address` names a Ray cluster that does not answer."""
+
+
 def resolve_device(cfg: ClusterConfig) -> str:
     """'cuda' or 'cpu' for cluster.device='auto'."""
     if cfg.device != "auto":
@@ -46,6 +51,33 @@ def resolve_device(cfg: ClusterConfig) -> str:
         return "cpu"
 
 
+def _probe_head(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, not after Ray's own 10-minute retry loop, when no head answers at `address`."""
+
+    target = address
+    if address == "auto":
+        target = os.environ.get("RAY_ADDRESS", "")
+        current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+        if not target and current.is_file():
+            target = current.read_text().strip()
+        if not target:
+            raise ClusterUnavailable(
+                "cluster.address=auto: no Ray cluster is running on this machine; start one with "
+                "`ray start --head`, or run here with cluster=local"
+            )
+    if target.startswith("ray://"):
+        return
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        raise ClusterUnavailable(
+            f"cluster.address={address}: no Ray cluster answers at {target} ({exc}); start one with "
+            "`ray start --head`, or run here with cluster=local"
+        ) from None
+
+
 def init_ray(cfg: ClusterConfig) -> None:
     """Join `cfg.address` or start a local Ray cluster (bounded object store, no dashboard). Idempotent."""
     if ray.is_initialized():
@@ -53,7 +85,14 @@ def init_ray(cfg: ClusterConfig) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     runtime_env = {"env_vars": dict(WORKER_ENV)}
     if cfg.address:
-        ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=True)
+        _probe_head(cfg.address)
+        try:
+            ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=True)
+        except ConnectionError as exc:
+            raise ClusterUnavailable(
+                f"cluster.address={cfg.address}: no Ray cluster answers there ({str(exc).splitlines()[0]}); "
+                "start one with `ray start --head`, or run on this machine with cluster=local"
+            ) from None
         return
     ray.init(
         address="local",  # never attach silently to a cluster someone started with `ray start`

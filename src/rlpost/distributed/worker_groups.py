@@ -147,7 +147,11 @@ class RayWorkerGroup:
                     self._fail(f"{self.describe(rank)} died: {str(exc).splitlines()[0]}")
                 except RayTaskError as exc:
                     rank = futures.index(f)
-                    raise WorkerGroupError(f"{self.describe(rank)} raised: {exc}") from None
+                    cause = getattr(exc, "cause", None)
+                    head = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}" \
+                        if cause is not None else str(exc).splitlines()[0]
+                    # One line first (what the console shows), then the remote traceback for train.log.
+                    raise WorkerGroupError(f"{self.describe(rank)} raised {head}\n{exc}") from None
                 except GetTimeoutError:  # pragma: no cover - done futures don't time out
                     pass
         return ray.get(list(futures), timeout=max(deadline - time.monotonic(), 1.0))

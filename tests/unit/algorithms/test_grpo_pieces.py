@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from types import SimpleNamespace
 from typing import List
 
@@ -21,17 +20,36 @@ def comps(**kw: float) -> SimpleNamespace:
     return SimpleNamespace(cfg=SimpleNamespace(grpo=GRPOConfig(**kw)))  # type: ignore[arg-type]
 
 
-def test_health_gate_warns_then_aborts() -> None:
+def test_health_gate_warns_then_aborts(capsys: pytest.CaptureFixture[str]) -> None:
     c = comps(token_mult_prob_error_warn_threshold=1.05, token_mult_prob_error_abort_threshold=1.5)
     m = {"train/token_mult_prob_error": 1.01}
     _health_gate(c, m, 1)
     assert "train/health_warnings" not in m
+    assert capsys.readouterr().err == ""
     m = {"train/token_mult_prob_error": 1.2}
-    with pytest.warns(UserWarning, match="warn threshold"):
-        _health_gate(c, m, 2)
+    _health_gate(c, m, 2)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlpost: warning: step 2:") and "warn threshold" in err[0]
     assert m["train/health_warnings"] == 1.0
-    with pytest.raises(HealthCheckError, match="abort threshold 1.5"), warnings.catch_warnings():
+    with pytest.raises(HealthCheckError, match="abort threshold 1.5"):
         _health_gate(c, {"train/token_mult_prob_error": 1.6}, 3)
+
+
+@pytest.mark.parametrize(
+    "metrics, match",
+    [
+        ({"train/loss": float("nan"), "train/grad_norm": 1.0}, "train/loss=nan is not finite"),
+        ({"train/loss": 0.1, "train/grad_norm": float("inf")}, "train/grad_norm=inf is not finite"),
+        ({"train/loss": 0.1, "train/grad_norm": 1.0, "train/params_finite": 0.0}, "weights are no longer finite"),
+    ],
+)
+def test_health_gate_stops_on_non_finite_training(metrics: dict, match: str) -> None:
+    c = comps()
+    c.cfg.policy = SimpleNamespace(optimizer=SimpleNamespace(kwargs={"lr": 1e30}))
+    with pytest.raises(HealthCheckError, match=match) as info:
+        _health_gate(c, dict(metrics), 4)
+    assert "lr=1e+30" in str(info.value) and "before saving this step" in str(info.value)
+    _health_gate(c, {"train/loss": 0.1, "train/grad_norm": 1.0, "train/params_finite": 1.0}, 5)
 
 
 def batch(rewards: List[float], group: int) -> RolloutBatch:

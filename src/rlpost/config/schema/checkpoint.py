@@ -33,6 +33,8 @@ class CheckpointingConfig:
     """Also write a consolidated HF model directory."""
     force_resume: bool = False
     """Resume even if the checkpoint's model or config fingerprint differs."""
+    save_on_interrupt: bool = False
+    """On Ctrl-C / SIGTERM, finish the current step and save a checkpoint before exiting."""
 
     def check(self, path: str) -> None:
         positive(f"{path}.save_period", self.save_period)

@@ -29,7 +29,12 @@ class ClusterConfig:
     placement_timeout_s: float = 60.0
     """Fail with a clear message if the placement group is not ready by then."""
     call_timeout_s: float = 900.0
-    """Timeout of every remote call's result."""
+    """Bound on every remote call until the first step is measured (start-up, first step, compiles)."""
+    step_timeout_factor: float = 10.0
+    """After each step, a call's bound becomes this times the slowest step so far (within
+    min_call_timeout_s .. call_timeout_s), so a hung worker is noticed in minutes, not 15."""
+    min_call_timeout_s: float = 120.0
+    """Lower bound of the step-derived call bound."""
 
     def check(self, path: str) -> None:
         positive(f"{path}.gpus_per_node", self.gpus_per_node)
@@ -40,3 +45,5 @@ class ClusterConfig:
         positive(f"{path}.worker_num_cpus", self.worker_num_cpus)
         positive(f"{path}.placement_timeout_s", self.placement_timeout_s)
         positive(f"{path}.call_timeout_s", self.call_timeout_s)
+        positive(f"{path}.step_timeout_factor", self.step_timeout_factor)
+        positive(f"{path}.min_call_timeout_s", self.min_call_timeout_s)

@@ -240,6 +240,9 @@ class HFGeneration(GenerationInterface):
         self.eos_token_id: Optional[int] = info["eos_token_id"]
         self.pad_token_id: int = int(info["pad_token_id"])
 
+    def set_call_timeout(self, timeout_s: float) -> None:
+        self.group.timeout_s = timeout_s
+
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
         """Generate for every row of `data` (contract in rlpost.models.generation.interfaces)."""
         prompts = unpack_prompts(data)

@@ -76,5 +76,9 @@ class GenerationInterface(ABC):
         """Receive weights broadcast by the trainer's rank 0 and load them; returns the fingerprint."""
 
     @abstractmethod
+    def set_call_timeout(self, timeout_s: float) -> None:
+        """Bound every later remote call by `timeout_s` (the loop tightens it once step times are known)."""
+
+    @abstractmethod
     def shutdown(self) -> None:
         """Stop the engine and release its workers (idempotent)."""

@@ -170,6 +170,9 @@ class VllmGeneration(GenerationInterface):
         self.pad_token_id: int = int(infos[0]["pad_token_id"])
 
     # ------------------------------------------------------------------ plumbing
+    def set_call_timeout(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
     def _get(self, futures: list[Any], what: str, replicas: Optional[list[int]] = None) -> list[Any]:
         """ray.get with the timeout; failures name the replica."""
         replicas = replicas if replicas is not None else list(range(len(futures)))

@@ -25,7 +25,7 @@ from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.optim import build_optimizer, build_scheduler
-from rlpost.models.policy.weight_export import WeightExportMixin
+from rlpost.models.policy.weight_export import WeightExportMixin, params_finite
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -226,6 +226,7 @@ class DTensorWorkerBase(WeightExportMixin):
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "num_global_batches": n_global,
             "all_mb_metrics": mb_metrics,
+            "params_finite": params_finite(self.model.parameters()),
         }
 
     def _clip_grad_norm(self) -> float:

@@ -59,6 +59,10 @@ class Policy(ColocatablePolicyInterface):
             timeout_s=timeout_s,
         )
 
+    def set_call_timeout(self, timeout_s: float) -> None:
+        """Bound every later call on the workers by `timeout_s`."""
+        self.worker_group.timeout_s = timeout_s
+
     # ---- sharding --------------------------------------------------------------------------
     def _shard(self, data: BatchedDataDict, batch_size: Optional[int], for_training: bool) -> Tuple[List[Any], Optional[List[int]]]:
         dp = self.dims.dp
@@ -110,6 +114,7 @@ class Policy(ColocatablePolicyInterface):
             "loss": first["loss"],
             "grad_norm": first["grad_norm"],
             "lr": first["lr"],
+            "params_finite": all(r.get("params_finite", True) for r in results),
             "all_mb_metrics": {k: [v for r in results for v in r["all_mb_metrics"][k]] for k in first["all_mb_metrics"]},
             "metrics": metrics,
         }

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.models.policy.weight_export import WeightExportMixin
+from rlpost.models.policy.weight_export import WeightExportMixin, params_finite
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -385,6 +385,7 @@ class MegatronPolicyWorker(WeightExportMixin):
             "lr": float(self.train_state.optimizer.param_groups[0]["lr"]),
             "num_global_batches": n_global,
             "all_mb_metrics": mb_metrics,
+            "params_finite": params_finite(self.model.parameters()),
         }
 
     # ---- memory phases (GPU: optimizer state to / from the CPU; no-ops on CPU) ------------------

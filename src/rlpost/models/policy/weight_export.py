@@ -7,9 +7,18 @@ broadcasts it over the refit group for a non-colocated engine.
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, Iterable, List, Tuple
 
 import torch
+
+
+def params_finite(params: Iterable[torch.Tensor]) -> bool:
+    """True when every (local shard of every) parameter is finite: a huge lr breaks this before the loss does."""
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.is_floating_point() and not bool(torch.isfinite(local.detach()).all()):
+            return False
+    return True
 
 
 class WeightExportMixin:

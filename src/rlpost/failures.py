@@ -1,0 +1,99 @@
+"""How a run ends when something goes wrong: one line on the console, a documented exit status,
+and the full traceback in the run's train.log.
+
+| status | meaning |
+|---|---|
+| 2   | bad input: config, data, model directory, checkpoint |
+| 3   | run-time failure: a worker or engine died or hung, the health gate, Ray unreachable |
+| 130 | interrupted (Ctrl-C); 143 for SIGTERM |
+| 1   | an unexpected error (a bug): the line says where the traceback is |
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+EXIT_INPUT = 2
+EXIT_RUNTIME = 3
+EXIT_INTERRUPT = 130
+EXIT_TERMINATED = 143
+EXIT_INTERNAL = 1
+
+_log = logging.getLogger("rlpost")
+
+
+class Interrupted(Exception):
+    """The run was stopped by a signal (Ctrl-C or SIGTERM); carries the exit status."""
+
+    def __init__(self, signame: str, code: int) -> None:
+        super().__init__(signame)
+        self.signame = signame
+        self.code = code
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    from rlpost.checkpointing import CheckpointMismatch
+    from rlpost.config.errors import ConfigError
+    from rlpost.data.datasets import DataError
+    from rlpost.models.tiny import TinyTargetError
+
+    found: list[type[BaseException]] = [ConfigError, DataError, CheckpointMismatch, TinyTargetError]
+    try:
+        from rlpost.checkpointing import CheckpointError  # type: ignore[attr-defined]
+
+        found.append(CheckpointError)
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+def _runtime_errors() -> tuple[type[BaseException], ...]:
+    import ray.exceptions
+
+    from rlpost.algorithms.dynamic_sampling import DynamicSamplingExhausted
+    from rlpost.algorithms.grpo import HealthCheckError
+    from rlpost.distributed.virtual_cluster import ClusterResourceError, ClusterUnavailable
+    from rlpost.distributed.worker_groups import WorkerGroupError
+    from rlpost.models.fingerprint import FingerprintMismatch
+
+    return (
+        HealthCheckError, DynamicSamplingExhausted, ClusterResourceError, ClusterUnavailable, FingerprintMismatch,
+        WorkerGroupError, ray.exceptions.RayError,
+    )
+
+
+def exit_status(exc: BaseException) -> int:
+    """The documented exit status for `exc`."""
+    if isinstance(exc, Interrupted):
+        return exc.code
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPT
+    if isinstance(exc, _input_errors()):
+        return EXIT_INPUT
+    if isinstance(exc, _runtime_errors()):
+        return EXIT_RUNTIME
+    return EXIT_INTERNAL
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def describe(exc: BaseException, log_file: Optional[Path]) -> str:
+    """The one line a person reads for `exc`."""
+    where = f" (traceback in {log_file})" if log_file is not None else ""
+    code = exit_status(exc)
+    if code in (EXIT_INTERRUPT, EXIT_TERMINATED):
+        name = exc.signame if isinstance(exc, Interrupted) else "SIGINT"
+        return f"interrupted by {name}; re-run the same command to resume from the last checkpoint"
+    if code == EXIT_INTERNAL:
+        return f"unexpected {type(exc).__name__}: {_first_line(exc)}{where}"
+    return _first_line(exc)
+
+
+def log_traceback(exc: BaseException) -> None:
+    """The full traceback goes to train.log (Hydra's file handler), never to the console."""
+    _log.error("run ended with %s", type(exc).__name__, exc_info=(type(exc), exc, exc.__traceback__))
