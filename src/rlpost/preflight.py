@@ -88,6 +88,7 @@ DEVICE_KWARGS = frozenset({"fused", "foreach", "capturable"})
 def preflight_checks(master: MasterConfig, run_dir: Optional[Path] = None) -> None:
     """Raise ConfigError or DataError for anything that would fail after Ray starts. Loads no model."""
     check_model_dir(master)
+    check_vocab_shards(master)
     check_optimizer(master)
     check_precision(master)
     check_metric_name(master)
@@ -144,6 +145,27 @@ def check_model_dir(master: MasterConfig) -> None:
         raise ConfigError(tok_key, tok, "no such directory; the tokenizer is loaded from a local directory")
     if not any((t / f).is_file() for f in TOKENIZER_FILES):
         raise ConfigError(tok_key, tok, f"has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+
+
+def check_vocab_shards(master: MasterConfig) -> None:
+    """DTensor TP shards the vocabulary in equal slices (vocab-parallel logprobs): TP must divide it.
+
+    Megatron pads its vocabulary itself (make_vocab_size_divisible_by), so only DTensor is checked.
+    A tiny model's vocabulary is padded to a multiple of 64 when it is built.
+    """
+    p = master.policy
+    tp = p.parallel_sizes()["tp"]
+    if p.megatron_cfg is not None or tp == 1 or master.model.tiny is not None:
+        return
+    key = model_dir_key(master)
+    hf = read_hf_config(str(p.model_name), key) or {}
+    vocab = hf.get("vocab_size")
+    if isinstance(vocab, int) and vocab % tp != 0:
+        raise ConfigError(
+            "policy.dtensor_cfg.tensor_parallel_size", tp,
+            f"must divide the model's vocab_size ({vocab}, {p.model_name}/config.json): the vocabulary is "
+            "sharded in equal slices over the TP ranks", hint="pick a TP size that divides it, or policy=megatron",
+        )
 
 
 # ---- optimizer and scheduler ------------------------------------------------------------------

@@ -249,3 +249,16 @@ def test_incomplete_model_dir(tmp_path: Path, remove: str | None, rule: str) -> 
 def test_missing_model_dir(tmp_path: Path) -> None:
     err = refused(master("model.tiny=null", f"model.path={tmp_path / 'absent'}"))
     assert err.key == "model.path" and err.rule.startswith("no such directory")
+
+
+def test_tp_must_divide_the_vocabulary(tmp_path: Path) -> None:
+    d = model_dir(tmp_path / "m")
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_attention_heads": 2,
+                                                "num_key_value_heads": 2, "vocab_size": 385}))
+    overrides = ("model.tiny=null", f"model.path={d}", "cluster.gpus_per_node=2",
+                 "policy.dtensor_cfg.tensor_parallel_size=2")
+    err = refused(master(*overrides), tmp_path)
+    assert err.key == "policy.dtensor_cfg.tensor_parallel_size" and "vocab_size (385" in err.rule
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_attention_heads": 2,
+                                                "num_key_value_heads": 2, "vocab_size": 384}))
+    preflight_checks(master(*overrides), tmp_path)

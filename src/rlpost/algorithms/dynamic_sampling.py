@@ -19,11 +19,16 @@ class DynamicSamplingExhausted(RuntimeError):
 
 
 def varied_groups(batch: RolloutBatch, std: torch.Tensor) -> List[int]:
-    """Indices of the samples whose group has non-zero reward std."""
+    """Indices of the samples whose group has non-zero std of the rewards the advantages use.
+
+    `std` [B] is the per-sample std from the advantage baseline, computed on the scaled and shaped
+    rewards; a group is kept when any of its samples sees a non-zero std (a leave-one-out std can
+    be 0 for one sample of a varied group).
+    """
     keep = []
     for g in torch.unique(batch.group_ids).tolist():
         idx = (batch.group_ids == g).nonzero().flatten().tolist()
-        if float(batch.rewards[idx].std(unbiased=False)) > 0:
+        if float(std[idx].abs().max()) > 0:
             keep.extend(idx)
     return keep
 

@@ -73,13 +73,25 @@ def _rollout_rows(c: GRPOComponents, rows: List[Dict[str, Any]]) -> tuple[List[D
     return repeated, group_ids
 
 
-def _advantages(c: GRPOComponents, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def _shaped_rewards(c: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:
     g = c.cfg.grpo
     rewards = scale_rewards(batch.rewards, g.reward_scaling)
-    rewards = apply_overlong_reward_shaping(rewards, batch.gen["generation_lengths"].float(), g.reward_shaping)
+    return apply_overlong_reward_shaping(rewards, batch.gen["generation_lengths"].float(), g.reward_shaping)
+
+
+def _advantages(c: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:
+    g = c.cfg.grpo
+    rewards = _shaped_rewards(c, batch)
     valid = torch.ones_like(rewards)
     baseline, std = calculate_baseline_and_std_per_prompt(batch.group_ids, rewards, valid, g.use_leave_one_out_baseline)
-    return compute_advantages(rewards, baseline, std, g.normalize_rewards), std
+    return compute_advantages(rewards, baseline, std, g.normalize_rewards)
+
+
+def _group_std(c: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:
+    """Per-sample std of its whole group's scaled and shaped rewards: what dynamic sampling decides on."""
+    rewards = _shaped_rewards(c, batch)
+    _, std = calculate_baseline_and_std_per_prompt(batch.group_ids, rewards, torch.ones_like(rewards), False)
+    return std
 
 
 def validate(c: GRPOComponents, step: int) -> Dict[str, float]:
@@ -112,8 +124,11 @@ def save_checkpoint(c: GRPOComponents, step: int, metrics: Dict[str, float]) -> 
     s = c.save_state
     name = c.cfg.checkpointing.metric_name
     if name:
+        # Only a value measured at this step ranks this checkpoint; an unmeasured one ranks below
+        # every measured one in keep_top_k (a stale value from an earlier step would misrank it).
         kind, key = name.split(":", 1)
         value = metrics.get(f"{'validation' if kind == 'val' else 'train'}/{key}")
+        s.extra.pop(name, None)
         if value is not None:
             s.extra[name] = value
     tmp = c.checkpointer.begin(step)
@@ -183,6 +198,9 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
     stale = True
     gen_dtype = generation_dtype(cfg)
     if g.val_at_start and s.total_steps == 0:
+        # Validate what the engine really serves: refit (with its fingerprint check) first.
+        refit_policy_generation(c.policy, c.generation, c.colocated, gen_dtype, cfg.policy.refit_buffer_size_gb)
+        stale = False
         c.logger.log(validate(c, 0), 0)
     loader = c.dataloader
     while loader.epochs_done() < g.max_num_epochs and s.total_steps < g.max_num_steps:
@@ -195,6 +213,7 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
                                      g.dynamic_sampling_max_gen_batches) if g.use_dynamic_sampling else None
             batch: Optional[RolloutBatch] = None
             rows = prompt_rows
+            generated_rewards: List[torch.Tensor] = []
             while batch is None:
                 repeated, group_ids = _rollout_rows(c, rows)
                 if stale:
@@ -208,16 +227,16 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
                                       timer=timer, label=f"step {step}")
                 with timer.time("generation"):
                     c.generation.finish_generation()
-                metrics["train/reward"] = float(rollout.rewards.mean())
+                generated_rewards.append(rollout.rewards)
                 if sampler is None:
                     batch = rollout
                 else:
-                    _, std = _advantages(c, rollout)
-                    batch = sampler.add(rollout, std)
+                    batch = sampler.add(rollout, _group_std(c, rollout))
                     if batch is None:
                         rows = loader.next_batch()
+            metrics["train/reward"] = float(torch.cat(generated_rewards).mean())  # every sample generated this step
             with timer.time("reward_calculation"):
-                adv, _ = _advantages(c, batch)
+                adv = _advantages(c, batch)
             with timer.time("data_processing"):
                 mask = torch.tensor([r["loss_multiplier"] for r in batch.rows])
                 if g.overlong_filtering:
@@ -248,7 +267,7 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
             s.current_epoch, s.current_step = loader.epoch, loader.index
             s.total_steps = step
             s.consumed_samples += g.num_prompts_per_step
-            s.total_valid_tokens += int(train_data["token_mask"].sum())
+            s.total_valid_tokens += int((train_data["token_mask"] * train_data["sample_mask"][:, None]).sum())
             _health_gate(c, metrics, step)
             last = step >= g.max_num_steps
             if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last):
@@ -275,7 +294,7 @@ def _step_metrics(
     m["train/grad_norm"] = float(results["grad_norm"])
     m["train/lr"] = float(results["lr"])
     m["train/params_finite"] = float(results.get("params_finite", True))
-    resp = train_data["token_mask"].sum(-1)
+    resp = (train_data["token_mask"] * train_data["sample_mask"][:, None]).sum(-1)
     m["train/mean_gen_length"] = float(batch.gen["generation_lengths"].float().mean())
     m["train/mean_prompt_length"] = float(batch.input_lengths.float().mean())
     m["train/total_num_tokens"] = float(train_data["input_lengths"].sum())

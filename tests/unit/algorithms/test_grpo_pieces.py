@@ -8,6 +8,7 @@ from typing import List
 import pytest
 import torch
 
+from rlpost.algorithms.advantages import calculate_baseline_and_std_per_prompt
 from rlpost.algorithms.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted
 from rlpost.algorithms.grpo import HealthCheckError, _health_gate, _sample_seeds
 from rlpost.algorithms.rollouts import RolloutBatch
@@ -67,18 +68,36 @@ def batch(rewards: List[float], group: int) -> RolloutBatch:
     )
 
 
+def _std(b: RolloutBatch) -> torch.Tensor:
+    _, std = calculate_baseline_and_std_per_prompt(b.group_ids, b.rewards, torch.ones_like(b.rewards), False)
+    return std
+
+
 def test_dynamic_sampling_keeps_varied_groups_across_batches() -> None:
     s = DynamicSampler(target=4, max_gen_batches=3)
     b1 = batch([1, 1, 0, 1, 0, 0], group=2)  # groups: (1,1) same, (0,1) varied, (0,0) same
-    assert s.add(b1, torch.zeros(6)) is None and s.discarded == 4
-    full = s.add(batch([0, 1, 1, 1], group=2), torch.zeros(4))
+    assert s.add(b1, _std(b1)) is None and s.discarded == 4
+    b2 = batch([0, 1, 1, 1], group=2)
+    full = s.add(b2, _std(b2))
     assert full is not None and full.size == 4
     assert full.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
     assert len(set(full.group_ids.tolist())) == 2  # group ids stay distinct across batches
     s2 = DynamicSampler(target=4, max_gen_batches=2)
-    s2.add(batch([1, 1], group=2), torch.zeros(2))
+    b3 = batch([1, 1], group=2)
+    s2.add(b3, _std(b3))
+    b4 = batch([0, 0], group=2)
     with pytest.raises(DynamicSamplingExhausted, match="after 2 generation batches"):
-        s2.add(batch([0, 0], group=2), torch.zeros(2))
+        s2.add(b4, _std(b4))
+
+
+def test_dynamic_sampling_decides_on_the_std_the_advantages_use() -> None:
+    """Scaled or shaped rewards decide: raw rewards that differ but shape to equal values are dropped,
+    and a group whose shaped rewards differ is kept even if the raw ones are equal."""
+    b = batch([1, 0, 1, 1], group=2)
+    shaped_std = torch.tensor([0.0, 0.0, 0.3, 0.3])  # e.g. the overlong penalty split group 2, flattened group 1
+    s = DynamicSampler(target=2, max_gen_batches=1)
+    full = s.add(b, shaped_std)
+    assert full is not None and full.rewards.tolist() == [1.0, 1.0] and s.discarded == 2
 
 
 def test_train_data_masks_only_response_tokens() -> None:
@@ -95,3 +114,37 @@ def test_sample_seeds_depend_only_on_step() -> None:
     assert _sample_seeds(42, 3, 4) == _sample_seeds(42, 3, 4)
     assert _sample_seeds(42, 3, 4) != _sample_seeds(42, 4, 4)
     assert len(set(_sample_seeds(42, 3, 64))) == 64
+
+
+class _SavingPolicy:
+    """Writes a weights file where a real Policy would write its checkpoint."""
+
+    def save_checkpoint(self, weights: str, optimizer: str) -> None:
+        from pathlib import Path
+
+        Path(weights).mkdir(parents=True)
+        (Path(weights) / "w.bin").write_bytes(b"w")
+
+
+def test_keep_top_k_ranks_only_metrics_measured_at_that_step(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from rlpost.algorithms.grpo import save_checkpoint
+    from rlpost.checkpointing import CheckpointManager
+    from rlpost.config.schema.checkpoint import CheckpointingConfig
+    from rlpost.config.schema.grpo import GRPOSaveState
+
+    ck = CheckpointingConfig(metric_name="val:accuracy", keep_top_k=1)
+    c = SimpleNamespace(
+        cfg=SimpleNamespace(checkpointing=ck), save_state=GRPOSaveState(), policy=_SavingPolicy(),
+        checkpointer=CheckpointManager(ck, tmp_path), dataloader=SimpleNamespace(state_dict=lambda: {}),
+        config_dict={}, model_fp="fp",
+    )
+    save_checkpoint(c, 10, {"validation/accuracy": 0.5})  # type: ignore[arg-type]
+    save_checkpoint(c, 20, {"validation/accuracy": 0.9})  # type: ignore[arg-type]
+    save_checkpoint(c, 30, {})  # type: ignore[arg-type]  # no validation at step 30
+    info30 = json.loads((tmp_path / "checkpoints" / "step_30" / "training_info.json").read_text())
+    assert "val:accuracy" not in info30  # step 20's 0.9 is not inherited
+    save_checkpoint(c, 40, {})  # type: ignore[arg-type]
+    # top-1 by a measured metric is step 20; the latest (40) is always kept; 30 (unmeasured) goes.
+    assert c.checkpointer.steps() == [20, 40]
