@@ -65,6 +65,9 @@ def run_job(cfg: DictConfig) -> Optional[Any]:
         failures.log_traceback(exc)
         say.error(failures.describe(exc, _log_file()))
         sys.exit(failures.exit_status(exc))
+    from rlpost.run_log import capture_driver_output
+
+    capture_driver_output(_log_file() or run_dir / "train.log")
     (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(master), resolve=True))
     print_plan(master)
     from rlpost.runner import run

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -157,11 +158,18 @@ def test_multirun_trains_three_jobs_and_prints_the_table(cache: Path, tmp_path: 
 
 def test_default_job_learns_with_a_reduced_budget(cache: Path, tmp_path: Path) -> None:
     run = tmp_path / "default"
-    train(run, cache, "grpo.max_num_steps=45", "grpo.val_period=0", "checkpointing=disabled")
+    out = train(run, cache, "grpo.max_num_steps=45", "grpo.val_period=0", "checkpointing=disabled")
     rewards = [m["train/reward"] for m in metrics(run)]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.1
     assert last > first + 0.25, rewards
+    # The console holds the plan, one progress bar, rlpost's own lines and the summary; vLLM, Ray,
+    # transformers and C-library output (tcmalloc, NUMA, Triton) went to train.log.
+    console = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    ours = re.compile(r"^(\s*rlpost plan\s*|[┌│├└].*|GRPO .*|done: .*|  (metrics|tensorboard|checkpoints): .*|rlpost: .*)$")
+    assert [line for line in console if not ours.match(line)] == []
+    log = (run / "train.log").read_text()
+    assert "VllmEngineWorker" in log and "Loading weights" in log
 
 
 def test_megatron_backend_learns_and_stays_on_policy(cache: Path, tmp_path: Path) -> None:

@@ -83,11 +83,19 @@ def init_ray(cfg: ClusterConfig) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    runtime_env = {"env_vars": dict(WORKER_ENV)}
+    from rlpost.run_log import ENV_VAR, SETUP_HOOK, run_log
+
+    runtime_env: Dict[str, Any] = {"env_vars": dict(WORKER_ENV)}
+    log_file = run_log()
+    if log_file:  # a run: worker output goes to its train.log, not through the driver to the console
+        runtime_env["env_vars"][ENV_VAR] = log_file
+        runtime_env["worker_process_setup_hook"] = SETUP_HOOK
+    to_console = log_file is None
     if cfg.address:
         _probe_head(cfg.address)
         try:
-            ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=True)
+            ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=to_console,
+                     configure_logging=to_console)
         except ConnectionError as exc:
             raise ClusterUnavailable(
                 f"cluster.address={cfg.address}: no Ray cluster answers there ({str(exc).splitlines()[0]}); "
@@ -100,8 +108,8 @@ def init_ray(cfg: ClusterConfig) -> None:
         include_dashboard=False,
         object_store_memory=cfg.object_store_memory_mb * 2**20,
         runtime_env=runtime_env,
-        log_to_driver=True,
-        configure_logging=True,
+        log_to_driver=to_console,
+        configure_logging=to_console,
         logging_level="WARNING",
     )
 
