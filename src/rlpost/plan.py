@@ -5,8 +5,15 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from rlpost.config.layout import Layout, compute_layout
+from rlpost.config.layout import Layout, compute_layout, prev_logprobs_pass
 from rlpost.config.schema.master import MasterConfig
+
+_PREV_PASS = {
+    "on-policy": "skipped: one optimizer step per rollout batch, so the ratio is exactly 1",
+    "forced": "skipped: loss_fn.force_on_policy_ratio=true (ratio taken as 1)",
+    "computed": "computed: several optimizer steps per rollout batch",
+    "not needed": "not needed by this loss",
+}
 
 
 def plan_rows(cfg: MasterConfig) -> list[tuple[str, str]]:
@@ -40,6 +47,7 @@ def plan_rows(cfg: MasterConfig) -> list[tuple[str, str]]:
         ("training layout", f"DP={lay.dp} TP={lay.tp} PP={lay.pp} CP={lay.cp} ({lay.train_world} workers)"),
         ("engine layout", f"{lay.gen_replicas} replica(s) x TP*PP={lay.gen_tp} ({lay.gen_world} workers)"),
         ("placement", placement),
+        ("prev-logprobs pass", _PREV_PASS[prev_logprobs_pass(cfg)]),
         ("steps", f"max {g.max_num_steps} steps / {g.max_num_epochs} epoch(s); validate every {g.val_period}"),
     ]
 

@@ -243,14 +243,14 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
                     mask = mask * (~batch.gen["truncated"].bool()).float()
                 train_data = build_train_data(batch, adv, mask, c.tokenizer.pad_token_id,
                                               cfg.policy.make_sequence_length_divisible_by)
-            with timer.time("policy_and_reference_logprobs"):
-                c.policy.prepare_for_lp_inference()
-                train_data["prev_logprobs"] = c.policy.get_logprobs(train_data)["logprobs"]
-                if getattr(c.loss_fn, "reference_policy_kl_penalty", 0.0) != 0.0:
-                    ref = c.policy.get_reference_policy_logprobs(train_data)["reference_logprobs"]
-                    train_data["reference_policy_logprobs"] = ref
-                else:
-                    train_data["reference_policy_logprobs"] = train_data["prev_logprobs"]
+            if c.loss_fn.needs_prev_logprobs or c.loss_fn.needs_reference_logprobs:
+                with timer.time("policy_and_reference_logprobs"):
+                    c.policy.prepare_for_lp_inference()
+                    if c.loss_fn.needs_prev_logprobs:
+                        train_data["prev_logprobs"] = c.policy.get_logprobs(train_data)["logprobs"]
+                    if c.loss_fn.needs_reference_logprobs:
+                        ref = c.policy.get_reference_policy_logprobs(train_data)["reference_logprobs"]
+                        train_data["reference_policy_logprobs"] = ref
             with timer.time("policy_training"):
                 c.policy.prepare_for_training()
                 results = c.policy.train(train_data, c.loss_fn)

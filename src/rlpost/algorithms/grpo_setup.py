@@ -3,6 +3,7 @@ the resumable dataloader, the cluster(s), the engine, the policy, the refit info
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from dataclasses import dataclass, field
@@ -154,11 +155,12 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         weights = optim = None
         if last is not None:
             weights, optim = str(last / "policy" / "weights"), str(last / "policy" / "optimizer")
-        beta = getattr(cfg.loss_fn, "reference_policy_kl_penalty", 0.0)
+        comps.loss_fn = build(_loss_config(cfg), key="loss_fn._target_")
         try:  # the workers load the checkpoint in their constructor; a failure shows on the first call
             comps.policy = Policy(
                 train_cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
-                init_reference_model=beta > 0, device=device, timeout_s=cfg.cluster.call_timeout_s,
+                init_reference_model=comps.loss_fn.needs_reference_logprobs, device=device,
+                timeout_s=cfg.cluster.call_timeout_s,
             )
             if not colocated:
                 from rlpost.algorithms.refit import init_refit_collective
@@ -171,7 +173,6 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
             if why is not None:
                 raise CheckpointError(f"cannot load checkpoint {last}: {why}") from exc
             raise
-        comps.loss_fn = build(cfg.loss_fn, key="loss_fn._target_")
     except BaseException:
         comps.close()
         raise
@@ -191,6 +192,15 @@ def _checkpoint_load_failure(exc: BaseException) -> Optional[str]:
             return (first_sentence.group(1) if first_sentence else last)[:300]
         e, seen = e.__cause__ or e.__context__, seen + 1
     return None
+
+
+def _loss_config(cfg: MasterConfig) -> Any:
+    """The loss config, with force_on_policy_ratio on when the step is on-policy (exact, skips a pass)."""
+    from rlpost.config.layout import prev_logprobs_pass
+
+    if prev_logprobs_pass(cfg) == "on-policy":
+        return dataclasses.replace(cfg.loss_fn, force_on_policy_ratio=True)
+    return cfg.loss_fn
 
 
 def generation_dtype(cfg: MasterConfig) -> str:

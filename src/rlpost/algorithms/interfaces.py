@@ -29,6 +29,10 @@ class LossFunction(Protocol):
     """
 
     loss_type: LossType
+    needs_prev_logprobs: bool
+    """The loop computes prev_logprobs (the pre-update policy's) only when the loss reads them."""
+    needs_reference_logprobs: bool
+    """The loop runs the reference model only when the loss reads reference_policy_logprobs."""
 
     def __call__(
         self,

@@ -15,7 +15,7 @@ ClippedPGLossFn (reference §3.3, v0.4; KL estimator types and clamps from HEAD)
      kl_t = beta * clamp(w_kl * k, +-kl_output_clamp_value); KL = R(kl_t).
      Reading: HEAD multiplies the estimator by the weights and then clamps the output; we keep that order and
      v0.4's detached weights (HEAD's non-detached variant is not implemented).
-  2. Ratio: log rho = lp - lp_old; rho = exp(log rho) per token, or for GSPO
+  2. Ratio: log rho = lp - lp_old (lp_old = sg(lp) under force_on_policy_ratio: rho = 1, same gradient); rho = exp(log rho) per token, or for GSPO
      (sequence_level_importance_ratios) rho_i = exp(masked_mean_t(log rho, tm)) broadcast over tokens;
      rho_hat = clamp(rho, 1 - ratio_clip_min, 1 + ratio_clip_max). disable_ppo_ratio: rho = rho_hat = lp.
   3. l = max(-A * rho, -A * rho_hat); dual clip (ratio_clip_c = c): where A < 0, l = min(l, -c * A).
@@ -168,7 +168,18 @@ class ClippedPGLossFn:
         self.truncated_importance_sampling_ratio = c.truncated_importance_sampling_ratio
         self.sequence_level_importance_ratios = bool(c.sequence_level_importance_ratios)
         self.disable_ppo_ratio = bool(c.disable_ppo_ratio)
+        self.force_on_policy_ratio = bool(c.force_on_policy_ratio)
         self.loss_type = LossType.TOKEN_LEVEL if c.token_level_loss else LossType.SEQUENCE_LEVEL
+
+    @property
+    def needs_prev_logprobs(self) -> bool:
+        """False when lp_old is the training pass's own detached logprobs (force_on_policy_ratio)."""
+        return not self.force_on_policy_ratio
+
+    @property
+    def needs_reference_logprobs(self) -> bool:
+        """True when the KL penalty needs the reference model's logprobs."""
+        return self.reference_policy_kl_penalty != 0.0
 
     def _reduce(
         self,
@@ -197,7 +208,10 @@ class ClippedPGLossFn:
             next_token_logits, data, vocab_parallel_group, vocab_parallel_rank
         )
         adv = data["advantages"][:, 1:].to(lp.dtype)  # [B, S-1]
-        lp_old = data["prev_logprobs"][:, 1:].to(lp.dtype)  # [B, S-1]
+        if self.force_on_policy_ratio:  # the weights that generated lp_old are the ones computing lp
+            lp_old = lp.detach()  # [B, S-1]
+        else:
+            lp_old = data["prev_logprobs"][:, 1:].to(lp.dtype)  # [B, S-1]
         lp_gen = data["generation_logprobs"][:, 1:].to(lp.dtype)  # [B, S-1]
         gvt = global_valid_toks
 
@@ -303,6 +317,8 @@ class NLLLoss:
     """
 
     loss_type = LossType.TOKEN_LEVEL
+    needs_prev_logprobs = False
+    needs_reference_logprobs = False
 
     def __init__(self, cfg: NLLLossConfig | Mapping[str, Any] | Any | None = None) -> None:
         self.cfg: NLLLossConfig = NLLLossConfig() if cfg is None else _coerce_config(cfg, NLLLossConfig)

@@ -189,3 +189,20 @@ def compute_layout(cfg: MasterConfig) -> Layout:
         optimizer_steps_per_grpo_step=completions // gbs,
         micro_batches_per_optimizer_step=gbs // (p.train_micro_batch_size * dp),
     )
+
+
+def prev_logprobs_pass(cfg: MasterConfig) -> str:
+    """Why the prev-logprobs forward pass runs or is skipped: 'computed', 'on-policy' or 'forced'.
+
+    With one optimizer step per rollout batch the weights that compute the training pass are the
+    ones the prev pass would use, so rho = exp(lp - sg(lp)) exactly (NeMo RL's force_on_policy_ratio).
+    """
+    loss = cfg.loss_fn
+    if getattr(loss, "force_on_policy_ratio", None) is None:  # a loss without a ratio (NLL)
+        return "not needed"
+    if loss.force_on_policy_ratio:
+        return "forced"
+    g = cfg.grpo
+    if g.num_prompts_per_step * g.num_generations_per_prompt == cfg.policy.train_global_batch_size:
+        return "on-policy"
+    return "computed"

@@ -49,6 +49,9 @@ class ClippedPGLossConfig(LossConfig):
     """GSPO: one ratio per sequence, exp(mean token log-ratio); requires token_level_loss=false."""
     disable_ppo_ratio: bool = False
     """REINFORCE/RLOO: use -A * logprob instead of the clipped ratio."""
+    force_on_policy_ratio: bool = False
+    """rho = exp(lp - sg(lp)) = 1 and no prev-logprobs forward pass. Automatic (and exact) when the
+    rollout batch is one optimizer step; set it to force the approximation with several steps."""
 
     def check(self, path: str) -> None:
         non_negative(f"{path}.reference_policy_kl_penalty", self.reference_policy_kl_penalty)
