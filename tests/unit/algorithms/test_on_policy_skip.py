@@ -87,7 +87,7 @@ def test_skipped_pass_gives_the_same_loss_and_gradients(extra: dict) -> None:
     skipped = BatchedDataDict({k: v for k, v in data.items() if k != "prev_logprobs"})
     loss_b, grads_b = _loss_and_grads(forced, model, skipped)  # no prev_logprobs in the data at all
     assert abs(loss_a - loss_b) <= 1e-6
-    for ga, gb in zip(grads_a, grads_b):
+    for ga, gb in zip(grads_a, grads_b, strict=True):
         torch.testing.assert_close(ga, gb, rtol=0, atol=1e-6)
 
 
