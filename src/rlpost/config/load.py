@@ -6,13 +6,14 @@ pre-flight check and tests). `to_master_config` is shared with the @hydra.main t
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
 from pathlib import Path
 from typing import Any, Iterable, List, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from rlpost.config.errors import ConfigError
@@ -48,6 +49,61 @@ def groups() -> List[str]:
 def _did_you_mean(word: str, choices: Iterable[str]) -> Optional[str]:
     m = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
     return f"did you mean '{m[0]}'?" if m else None
+
+
+def _schema_fields(node: Any) -> Optional[List[str]]:
+    """Field names of the dataclass schema typing `node`; None for an open (untyped) mapping."""
+    t = OmegaConf.get_type(node) if isinstance(node, DictConfig) else node
+    if isinstance(t, type) and dataclasses.is_dataclass(t):
+        return [f.name for f in dataclasses.fields(t)]
+    return None
+
+
+def _err_candidates(err: BaseException) -> List[str]:
+    """Sibling keys of the key an OmegaConf error names: its schema's fields, else its parent's keys."""
+    fields = _schema_fields(getattr(err, "object_type", None))
+    if fields is not None:
+        return fields
+    parent = getattr(err, "parent_node", None)
+    if isinstance(parent, DictConfig):
+        try:
+            return [str(k) for k in parent.keys()]
+        except Exception:  # noqa: BLE001 - a hint is best effort
+            return []
+    return []
+
+
+def _raw(node: DictConfig, key: Any) -> Any:
+    """The value under `key` as written (no interpolation resolved), for error messages."""
+    try:
+        child = node._get_node(key)
+        if isinstance(child, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(child, resolve=False)
+        return child._value() if child is not None else None
+    except Exception:  # noqa: BLE001 - the value only decorates the message
+        return None
+
+
+def check_unknown_keys(node: Any, path: str = "") -> None:
+    """Refuse every key the schema does not have, however it got in (`+key=...`, an experiment file,
+    a YAML option). A mapping typed by a dataclass admits only that dataclass's fields (a polymorphic
+    block is checked against the option's own schema, the node's object type); untyped mappings
+    (Dict[str, Any] fields such as optimizer kwargs, vllm_kwargs, env_vars) stay open, and typed
+    values inside them (env entries) are checked in turn."""
+    if isinstance(node, DictConfig):
+        if node._is_none() or node._is_missing() or node._is_interpolation():
+            return
+        fields = _schema_fields(node)
+        for key in list(node.keys()):
+            full = f"{path}.{key}" if path else str(key)
+            if fields is not None and key not in fields:
+                raise ConfigError(full, _raw(node, key), "unknown config key", _did_you_mean(str(key), fields))
+            check_unknown_keys(node._get_node(key), full)
+    elif isinstance(node, ListConfig):
+        if node._is_none() or node._is_missing() or node._is_interpolation():
+            return
+        for i in range(len(node)):
+            check_unknown_keys(node._get_node(i), f"{path}[{i}]")
 
 
 def _key_candidates(cfg: Optional[DictConfig], full_key: str) -> List[str]:
@@ -93,7 +149,8 @@ def translate_exception(exc: BaseException, cfg: Optional[DictConfig] = None) ->
             msg = getattr(err, "msg", None) or str(err).split("\n")[0]
             km = re.search(r"Key '([^']+)' (?:not in|is not in)", msg)
             if km:
-                hint = _did_you_mean(key.rsplit(".", 1)[-1], _key_candidates(cfg, key))
+                word = key.rsplit(".", 1)[-1]
+                hint = _did_you_mean(word, _key_candidates(cfg, key)) or _did_you_mean(word, _err_candidates(err))
                 if key.endswith(".enabled") and ("dtensor_cfg" in key or "megatron_cfg" in key):
                     hint = "rlpost picks the backend with policy=dtensor|dtensor_v2|megatron"
                 return ConfigError(key, None, "unknown config key", hint)
@@ -119,6 +176,8 @@ def to_master_config(cfg: DictConfig) -> MasterConfig:
         OmegaConf.set_struct(node, False)
         node.pop("hydra")
         OmegaConf.set_struct(node, with_struct)
+    # to_object would keep a key the schema lacks as a stray attribute, and use it or not: refuse it first.
+    check_unknown_keys(node)
     try:
         obj = OmegaConf.to_object(node)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a ConfigError
