@@ -199,9 +199,10 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
     gen_dtype = generation_dtype(cfg)
     if g.val_at_start and s.total_steps == 0:
         # Validate what the engine really serves: refit (with its fingerprint check) first.
-        refit_policy_generation(c.policy, c.generation, c.colocated, gen_dtype, cfg.policy.refit_buffer_size_gb)
+        took = refit_policy_generation(c.policy, c.generation, c.colocated, gen_dtype,
+                                       cfg.policy.refit_buffer_size_gb)
         stale = False
-        c.logger.log(validate(c, 0), 0)
+        c.logger.log({**validate(c, 0), "timing/validation/refit": took}, 0)
     loader = c.dataloader
     while loader.epochs_done() < g.max_num_epochs and s.total_steps < g.max_num_steps:
         prompt_rows = loader.next_batch()
