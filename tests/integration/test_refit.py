@@ -97,6 +97,73 @@ def test_refit_keeps_engine_on_policy_with_tp2(ray_local: None, tiny_model_dir: 
             gen_cluster.shutdown()
 
 
+def _payload_bytes(obj: Any) -> int:
+    """Bytes of tensor data inside a value the driver received."""
+    import numpy as np
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes)
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(_payload_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_payload_bytes(v) for v in obj)
+    return 0
+
+
+@pytest.mark.parametrize("engine_kind", ["vllm", "hf"])
+def test_refit_in_small_buckets_never_passes_through_the_driver(
+    ray_local: None, tiny_model_dir: Path, engine_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """refit_buffer_size_gb below the model size: several buckets, still exact, and the driver
+    receives no weight bytes (every ray.get here is counted)."""
+    import ray
+
+    from rlpost.models.generation.hf_generation import HFGeneration
+
+    overrides = ["generation=hf"] if engine_kind == "hf" else []
+    pcfg, gcfg = configs(tiny_model_dir, *overrides)
+    cluster = RayVirtualCluster("refit-buckets", 1, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
+    policy = Policy(cluster, pcfg)
+    engine = VllmGeneration(gcfg, cluster) if engine_kind == "vllm" else HFGeneration(gcfg, cluster)
+    try:
+        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
+        out0 = engine.generate(prompts())
+        train_once(policy, out0)
+        model_bytes = sum(t.numel() * t.element_size() for t in policy.full_weights().values())
+        received: list[int] = []
+        real_get = ray.get
+
+        def counting_get(*args: Any, **kwargs: Any) -> Any:
+            out = real_get(*args, **kwargs)
+            received.append(_payload_bytes(out))
+            return out
+
+        monkeypatch.setattr(ray, "get", counting_get)
+        exported: list[Any] = []
+        real_export = policy.export_weight_buckets
+
+        def export(dtype: str, max_bytes: int) -> Any:
+            exported.append(real_export(dtype, max_bytes))
+            return exported[-1]
+
+        monkeypatch.setattr(policy, "export_weight_buckets", export)
+        bucket_gb = model_bytes / 5 / 2**30  # about five buckets
+        refit_policy_generation(policy, engine, True, "float32", refit_buffer_size_gb=bucket_gb)
+        monkeypatch.setattr(ray, "get", real_get)
+        assert exported[0].count >= 3  # the buffer bound really split the model
+        assert sum(received) < 0.01 * model_bytes, (sum(received), model_bytes)
+        err = mult_prob_error(policy, engine.generate(prompts()))
+        assert err <= 1.0001, err
+    finally:
+        engine.shutdown()
+        policy.shutdown()
+        cluster.shutdown()
+
+
 def test_unsatisfiable_cluster_fails_fast_with_a_clear_message(ray_local: None) -> None:
     cl = RayVirtualCluster("too-big", workers_per_node=4, cpus_per_bundle=1.0, placement_timeout_s=3)
     with pytest.raises(ClusterResourceError, match=r"could not reserve 4 bundle\(s\) of \{'CPU': 1.0\}.*CPU: 2"):

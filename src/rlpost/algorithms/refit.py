@@ -1,7 +1,8 @@
 """refit_policy_generation: the policy's current weights into the rollout engine, verified.
 
-Colocated: full weights stream from the policy's rank 0 through the Ray object store (shared
-memory on one node; IPC) in chunks of at most refit_buffer_size_gb. Non-colocated: rank 0
+Colocated: the policy's rank 0 puts one bucket of at most refit_buffer_size_gb at a time into the
+Ray object store (shared memory on its node) and the engines load it from there; the driver only
+forwards references (rlpost.distributed.weight_buckets). Non-colocated: rank 0
 broadcasts over a torch.distributed group it shares with the engine workers (gloo on CPU, NCCL on
 GPU). Either way both sides compute a weight fingerprint and a mismatch aborts: a silently stale
 engine is the bug this prevents.
@@ -30,10 +31,10 @@ def refit_policy_generation(
     policy.offload_before_refit()
     policy_generation.prepare_for_generation(tags=["weights"])
     if colocated_inference:
-        chunk = int(refit_buffer_size_gb * 2**30) if refit_buffer_size_gb else DEFAULT_CHUNK_BYTES
-        stream = policy.export_weights(dtype, chunk)
-        engine_fp = policy_generation.update_weights(t for part in stream for t in part)
-        policy_fp = stream.fingerprint
+        bucket = int(refit_buffer_size_gb * 2**30) if refit_buffer_size_gb else DEFAULT_CHUNK_BYTES
+        buckets = policy.export_weight_buckets(dtype, bucket)
+        engine_fp = policy_generation.update_weights_from_buckets(buckets)
+        policy_fp = buckets.fingerprint
     else:
         futures = policy_generation.update_weights_from_collective_async()
         sent = policy.worker_group.get(policy.broadcast_weights_collective_async(dtype))

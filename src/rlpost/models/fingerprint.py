@@ -103,10 +103,19 @@ class FingerprintBuilder:
 
     def hexdigest(self) -> str:
         """Fingerprint of everything added: a 32-character hex string."""
-        h = hashlib.blake2b(digest_size=16)
-        for name in sorted(self._digests):
-            h.update(self._digests[name])
-        return h.hexdigest()
+        return fingerprint_of_digests({n: d.hex() for n, d in self._digests.items()})
+
+    def digests(self) -> dict[str, str]:
+        """Per-tensor digests (hex): parts loaded in several calls combine with fingerprint_of_digests."""
+        return {n: d.hex() for n, d in self._digests.items()}
+
+
+def fingerprint_of_digests(digests: Mapping[str, str]) -> str:
+    """The fingerprint of tensors whose per-tensor digests were gathered, possibly in several parts."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(digests):
+        h.update(bytes.fromhex(digests[name]))
+    return h.hexdigest()
 
 
 def weight_fingerprint(named_tensors: NamedTensors, samples_per_tensor: int = DEFAULT_SAMPLES_PER_TENSOR) -> str:

@@ -36,7 +36,7 @@ import torch
 from rlpost.config.schema.generation import HFGenerationConfig
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
-from rlpost.models.fingerprint import check_fingerprints, weight_fingerprint
+from rlpost.models.fingerprint import FingerprintBuilder, check_fingerprints, fingerprint_of_digests, weight_fingerprint
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
 from rlpost.models.generation.outputs import GeneratedSample, assemble_outputs, contiguous_splits, unpack_prompts
 from rlpost.models.generation.vllm_extension import FAULT_ENV, check_against_info
@@ -186,6 +186,23 @@ class HFGenerationWorker:
         own = self.model.state_dict()
         return weight_fingerprint((n, own[n]) for n in sd)
 
+    def load_bucket(self, box: list[Any], corrupt: Optional[str] = None) -> dict[str, str]:
+        """Load one refit bucket read from the object store (`box` = [ref]); per-tensor digests."""
+        from rlpost.distributed.weight_buckets import decode
+
+        named = decode(ray.get(box[0]))
+        check_against_info(named, self.refit_info, partial=True)
+        corrupt = corrupt or os.environ.get(FAULT_ENV) or None
+        sd = {n: (t.detach().clone().add_(1.0) if n == corrupt else t) for n, t in named}
+        result = self.model.load_state_dict(sd, strict=False)
+        if result.unexpected_keys:
+            raise ValueError(f"refit: unexpected {result.unexpected_keys[:5]}")
+        own = self.model.state_dict()
+        fp = FingerprintBuilder()
+        for n in sd:
+            fp.add(n, own[n])
+        return fp.digests()
+
     def init_collective(self, host: str, port: int, rank_offset: int, world_size: int, timeout_s: float) -> int:
         """Join the trainer's refit group as rank rank_offset + RANK."""
         from rlpost.distributed.collective import StatelessGroup
@@ -225,6 +242,7 @@ class HFGeneration(GenerationInterface):
         self.model_path = model_path or cfg.model_name
         if not self.model_path:
             raise ValueError("HFGeneration needs model_path or cfg.model_name")
+        self._refit_info: Optional[dict[str, tuple[tuple[int, ...], str]]] = None
         self.group = RayWorkerGroup(
             cluster,
             HFGenerationWorker,
@@ -277,6 +295,7 @@ class HFGeneration(GenerationInterface):
     def prepare_refit_info(self, state_dict_info: StateDictInfo) -> None:
         """Every later refit must carry exactly these names, shapes and dtypes."""
         info = {n: (tuple(int(d) for d in s), str(dt)) for n, (s, dt) in state_dict_info.items()}
+        self._refit_info = info
         self.group.run_all("prepare_refit_info", info)
 
     def _expected(self, items: list[tuple[str, torch.Tensor]]) -> str:
@@ -292,6 +311,21 @@ class HFGeneration(GenerationInterface):
         corrupt = os.environ.get(FAULT_ENV) or None
         fps = self.group.run_all("update_weights", ray.put(items), corrupt)
         return self._check(fps, self._expected(items))
+
+    def update_weights_from_buckets(self, buckets: Iterable[list[Any]]) -> str:
+        """Every worker loads each bucket straight from the object store; the checked fingerprint."""
+        corrupt = os.environ.get(FAULT_ENV) or None
+        digests: list[dict[str, str]] = [{} for _ in range(self.group.world_size)]
+        for box in buckets:
+            for r, part in enumerate(self.group.run_all("load_bucket", box, corrupt)):
+                digests[r].update(part)
+        fps = []
+        for d in digests:
+            missing = sorted(set(self._refit_info or {}) - set(d))
+            if missing:
+                raise RuntimeError(f"refit did not carry {missing[:5]} (prepare_refit_info announced them)")
+            fps.append(fingerprint_of_digests(d))
+        return self._check(fps, None)
 
     def init_collective_async(
         self, master_addr: str, master_port: int, rank_offset: int, world_size: int, timeout_s: float = 300.0

@@ -63,6 +63,11 @@ class GenerationInterface(ABC):
         """Load new weights (HF names, full tensors); returns the engine-side fingerprint."""
 
     @abstractmethod
+    def update_weights_from_buckets(self, buckets: Iterable[list[Any]]) -> str:
+        """Load refit buckets ([object ref] boxes from the trainer's rank 0, never read by the driver);
+        returns the fingerprint of everything loaded, checked across the engine's workers."""
+
+    @abstractmethod
     def init_collective(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> None:
         """Join the refit group (rlpost.distributed.collective) whose rank 0 is the trainer.
 

@@ -50,12 +50,14 @@ def unpack_rpc(records: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def check_against_info(named: list[tuple[str, torch.Tensor]], info: Optional[RefitInfo]) -> None:
-    """Raise ValueError if the tensors don't match the prepared refit info (names, shapes, dtypes)."""
+def check_against_info(named: list[tuple[str, torch.Tensor]], info: Optional[RefitInfo], partial: bool = False) -> None:
+    """Raise ValueError if the tensors don't match the prepared refit info (names, shapes, dtypes).
+
+    `partial`: one bucket of a refit, so names may be missing (the caller checks completeness)."""
     if not info:
         return
     got = {n: (tuple(t.shape), str(t.dtype)) for n, t in named}
-    missing = sorted(set(info) - set(got))
+    missing = [] if partial else sorted(set(info) - set(got))
     extra = sorted(set(got) - set(info))
     wrong = sorted(n for n in set(got) & set(info) if tuple(info[n][0]) != got[n][0] or info[n][1] != got[n][1])
     if missing or extra or wrong:
@@ -88,8 +90,19 @@ class RlpostWorkerExtension:
 
     def rlpost_load(self, named: list[tuple[str, torch.Tensor]], corrupt: Optional[str] = None) -> str:
         """Load `named` (HF names, full tensors) in place; returns the fingerprint of what was consumed."""
+        return self._rlpost_load(named, corrupt, partial=False).hexdigest()
+
+    def rlpost_load_bucket(self, named: list[tuple[str, torch.Tensor]], corrupt: Optional[str] = None) -> dict[str, str]:
+        """Load one refit bucket (whole layers) in place; per-tensor digests of what was consumed."""
+        return self._rlpost_load(named, corrupt, partial=True).digests()
+
+    def rlpost_load_bucket_packed(self, records: list[Any], corrupt: Optional[str] = None) -> dict[str, str]:
+        """rlpost_load_bucket for tensors sent as pack_for_rpc records (engine core in another process)."""
+        return self.rlpost_load_bucket(unpack_rpc(records), corrupt)
+
+    def _rlpost_load(self, named: list[tuple[str, torch.Tensor]], corrupt: Optional[str], partial: bool) -> FingerprintBuilder:
         named = list(named)
-        check_against_info(named, self._rlpost_refit_info)
+        check_against_info(named, self._rlpost_refit_info, partial=partial)
         corrupt = corrupt or os.environ.get(FAULT_ENV) or None
         names = {n for n, _ in named}
         # A tied model needs lm_head.weight in the stream, or vLLM keeps a stale head (see cpu-stack §4).
@@ -108,7 +121,7 @@ class RlpostWorkerExtension:
         consumed = set(fp.names)
         if consumed != {n for n, _ in named}:
             raise RuntimeError(f"vLLM did not consume {sorted({n for n, _ in named} - consumed)[:5]}")
-        return fp.hexdigest()
+        return fp
 
     def rlpost_load_packed(self, records: list[Any], corrupt: Optional[str] = None) -> str:
         """rlpost_load for tensors sent as pack_for_rpc records (engine core in another process)."""

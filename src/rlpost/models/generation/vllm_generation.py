@@ -48,7 +48,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from rlpost.config.schema.generation import VllmConfig
 from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
 from rlpost.distributed.worker_groups import WorkerGroupError
-from rlpost.models.fingerprint import check_fingerprints, weight_fingerprint
+from rlpost.models.fingerprint import check_fingerprints, fingerprint_of_digests, weight_fingerprint
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
 from rlpost.models.generation.outputs import assemble_outputs, contiguous_splits, unpack_prompts
 from rlpost.models.generation.vllm_extension import FAULT_ENV
@@ -248,6 +248,23 @@ class VllmGeneration(GenerationInterface):
             [w.update_weights.remote(ref, self._fault(r)) for r, w in enumerate(self.workers)], "update_weights"
         )
         return self._check_fingerprints(fps, expected)
+
+    def update_weights_from_buckets(self, buckets: Iterable[list[Any]]) -> str:
+        """Every replica loads each bucket straight from the object store; the checked fingerprint."""
+        digests: list[dict[str, str]] = [{} for _ in self.workers]
+        for box in buckets:
+            parts = self._get([w.load_bucket.remote(box, self._fault(r)) for r, w in enumerate(self.workers)],
+                              "load_bucket")
+            for r, part in enumerate(parts):
+                digests[r].update(part)
+        self._get([w.end_refit.remote() for w in self.workers], "end_refit")
+        return self._check_fingerprints([self._complete_fingerprint(d) for d in digests], None)
+
+    def _complete_fingerprint(self, digests: dict[str, str]) -> str:
+        missing = sorted(set(self._refit_info or {}) - set(digests))
+        if missing:
+            raise RuntimeError(f"refit did not carry {missing[:5]} (prepare_refit_info announced them)")
+        return fingerprint_of_digests(digests)
 
     def init_collective_async(
         self, master_addr: str, master_port: int, rank_offset: int, world_size: int, timeout_s: float = 300.0

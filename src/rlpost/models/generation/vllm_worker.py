@@ -202,6 +202,29 @@ class VllmEngineWorker:
             fps = self._rpc("rlpost_load_packed", pack_for_rpc(named), corrupt)
         return self._after_refit(fps)
 
+    def load_bucket(self, box: list[Any], corrupt: Optional[str] = None) -> dict[str, str]:
+        """Load one refit bucket read from the object store (`box` = [ref]); per-tensor digests."""
+        import ray
+
+        from rlpost.distributed.weight_buckets import decode
+
+        self._before_refit()
+        named = decode(ray.get(box[0]))
+        if self._in_process:
+            digests = self._rpc("rlpost_load_bucket", named, corrupt)
+        else:
+            from rlpost.models.generation.vllm_extension import pack_for_rpc
+
+            digests = self._rpc("rlpost_load_bucket_packed", pack_for_rpc(named), corrupt)
+        if any(d != digests[0] for d in digests[1:]):
+            raise RuntimeError(f"replica {self.replica}: its TP/PP workers loaded different weights")
+        return digests[0]
+
+    def end_refit(self) -> bool:
+        """After the last bucket: cached prefixes hold activations of the old weights."""
+        self.reset_prefix_cache()
+        return True
+
     def init_collective(self, host: str, port: int, rank_offset: int, world_size: int, timeout_s: float) -> list[int]:
         """Join the trainer's refit group; returns the ranks taken by this replica's workers."""
         backend = "nccl" if self.device == "cuda" else "gloo"

@@ -54,12 +54,34 @@ class ColocatablePolicyInterface(PolicyInterface):
         """Full weights under HF names, cast to `dtype`, in chunks of at most max_chunk_bytes."""
 
     @abstractmethod
+    def export_weight_buckets(self, dtype: str, max_bucket_bytes: int) -> WeightBuckets:
+        """Full weights under HF names, cast to `dtype`, as object-store buckets of at most max_bucket_bytes."""
+
+    @abstractmethod
     def offload_before_refit(self) -> None:
         """Free optimizer state / grads from the device before the engine takes it."""
 
     @abstractmethod
     def offload_after_refit(self) -> None:
         """Move the model off the device so the engine has it (GPU); no-op on CPU."""
+
+
+class WeightBuckets(ABC):
+    """Iterates refit buckets as [object ref] boxes (the driver never reads them); `fingerprint` and
+    `count` once exhausted."""
+
+    @abstractmethod
+    def __iter__(self) -> Any: ...
+
+    @property
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """weight_fingerprint of everything exported (valid once the iteration is over)."""
+
+    @property
+    @abstractmethod
+    def count(self) -> int:
+        """Buckets sent."""
 
 
 class WeightStream(ABC):

@@ -17,7 +17,7 @@ from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
-from rlpost.models.policy.interfaces import ColocatablePolicyInterface, WeightStream
+from rlpost.models.policy.interfaces import ColocatablePolicyInterface, WeightBuckets, WeightStream
 
 # Metrics that are averaged, not summed, over micro-batches.
 MEAN_METRICS = {"lr", "wd", "reward", "global_valid_seqs", "global_valid_toks", "mean_prompt_length"}
@@ -141,6 +141,10 @@ class Policy(ColocatablePolicyInterface):
         self.worker_group.run_all("prepare_weights_for_export", dtype)
         return _RankZeroStream(self.worker_group, max_chunk_bytes)
 
+    def export_weight_buckets(self, dtype: str, max_bucket_bytes: int = 256 * 2**20) -> WeightBuckets:
+        self.worker_group.run_all("prepare_weights_for_export", dtype)
+        return _RankZeroBuckets(self.worker_group, max_bucket_bytes)
+
     def init_refit_collective_async(self, host: str, port: int, world_size: int) -> List[Any]:
         """Start rank 0 joining the refit group (it blocks until the engines join too)."""
         return [w.init_refit_collective.remote(host, port, world_size) for w in self.worker_group.workers]
@@ -186,3 +190,32 @@ class _RankZeroStream(WeightStream):
         if self._fp is None:
             raise RuntimeError("the weight stream has not been consumed yet")
         return self._fp
+
+
+class _RankZeroBuckets(WeightBuckets):
+    """Rank 0 puts one bucket at a time into the object store; the driver only forwards references."""
+
+    def __init__(self, group: RayWorkerGroup, max_bytes: int) -> None:
+        self.group = group
+        self.max_bytes = max_bytes
+        self._fp: Optional[str] = None
+        self._count = 0
+
+    def __iter__(self) -> Iterator[List[Any]]:
+        try:
+            for indices in self.group.run_rank0("plan_export_buckets", self.max_bytes):
+                yield self.group.run_rank0("put_export_bucket", indices)
+                self._count += 1
+            self._fp = self.group.run_rank0("export_fingerprint")
+        finally:
+            self.group.run_all("clear_export")
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fp is None:
+            raise RuntimeError("the weight buckets have not been consumed yet")
+        return self._fp
+
+    @property
+    def count(self) -> int:
+        return self._count

@@ -43,6 +43,20 @@ class WeightExportMixin:
             i += 1
         return out, i
 
+    def plan_export_buckets(self, max_bytes: int) -> List[List[int]]:
+        """Rank 0: the prepared export split into layer-aligned buckets of at most max_bytes."""
+        from rlpost.distributed.weight_buckets import plan_buckets
+
+        return plan_buckets(self._export, max_bytes) if self.rank == 0 else []
+
+    def put_export_bucket(self, indices: List[int]) -> List[Any]:
+        """Rank 0: one bucket into the object store; returns [ref] so the caller forwards it unread."""
+        import ray
+
+        from rlpost.distributed.weight_buckets import encode
+
+        return [ray.put(encode([self._export[i] for i in indices]))]
+
     def export_fingerprint(self) -> str:
         from rlpost.models.fingerprint import weight_fingerprint
 
