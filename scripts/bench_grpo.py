@@ -1,12 +1,18 @@
 #!/usr/bin/env python
-"""Benchmark N GRPO steps of a fixed workload; print and save per-phase times, tokens/s and peak memory.
+"""Benchmark N GRPO steps of a fixed workload; print and save per-phase times, tokens/s and peak
+memory, each beside its limit measured in the same run (bench_limits.py): the bare engine
+generating the same prompts in-process, bare torch training on the same batch, and a memcpy of the
+model's bytes.
 
     .venv/bin/python scripts/bench_grpo.py                       # default job, 20 steps
     .venv/bin/python scripts/bench_grpo.py --steps 10 generation=hf policy=dtensor_v2
+    .venv/bin/python scripts/bench_grpo.py --steps 10 model.tiny.hidden_size=512 model.tiny.num_layers=6 \
+        model.tiny.num_attention_heads=8 model.tiny.num_key_value_heads=4 model.tiny.intermediate_size=1408
 
 Extra arguments are Hydra overrides. Results go to results/bench_grpo.json (one entry per run).
 Peak memory is the largest sum of RSS over the driver and all its descendant processes (Ray's
 GCS/raylet, policy workers, engines, verifiers), sampled every 0.2 s.
+Printed ratios: step / (bare generation + bare training) (target <= 1.15), refit GB/s beside memcpy GB/s.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2, help="steps excluded from the averages")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_grpo.json"))
+    ap.add_argument("--no-limits", action="store_true", help="skip the bare-engine / bare-torch / memcpy limits")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
@@ -85,6 +92,12 @@ def main() -> int:
             ray.shutdown()
     wall = time.perf_counter() - t0
     measured = steps[args.warmup:] or steps
+    limits: Dict[str, float] = {}
+    if not args.no_limits:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_limits import measure_limits
+
+        limits = measure_limits(cfg)
     phases = sorted({k for m in measured for k in m if k.startswith("timing/train/")})
     result = {
         "overrides": overrides,
@@ -97,11 +110,24 @@ def main() -> int:
         "generation_tokens_per_sec": round(
             statistics.mean(m["performance/generation_tokens_per_sec"] for m in measured), 1),
         "peak_memory_gib": round(mem.peak / 2**30, 3),
+        "time_to_first_step_s": round(t_setup + (steps[0].get("timing/train/total_step_time", 0.0) if steps else 0.0), 2),
         "final_reward": steps[-1].get("train/reward") if steps else None,
         "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    if limits:
+        step_s = statistics.mean(m["timing/train/total_step_time"] for m in measured)
+        refit_s = statistics.mean(m.get("timing/train/refit", 0.0) for m in measured) or float("nan")
+        bare = limits["bare_generation_s"] + limits["bare_training_s"]
+        result["limits"] = {k: round(v, 4) for k, v in limits.items()}
+        result["step_over_bare"] = round(step_s / bare, 3)
+        result["refit_gbps"] = round(limits["model_bytes"] / refit_s / 1e9, 3)
     print(json.dumps(result, indent=1))
+    if limits:
+        print(f"step {step_s:.3f}s vs bare generation {limits['bare_generation_s']:.3f}s + bare training "
+              f"{limits['bare_training_s']:.3f}s: ratio {result['step_over_bare']:.2f} (target <= 1.15)")
+        print(f"refit {result['refit_gbps']:.2f} GB/s vs memcpy {limits['memcpy_gbps']:.2f} GB/s "
+              f"({limits['model_bytes'] / 1e6:.1f} MB)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     history = json.loads(out.read_text()) if out.is_file() else []

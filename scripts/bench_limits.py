@@ -1,0 +1,123 @@
+"""The limits a GRPO step is measured against, on the same model and the same batch, in one process:
+
+- bare generation: rlpost's engine class (vLLM or HF) driven in-process, no Ray, same prompts and
+  sampling settings as one GRPO step;
+- bare training: plain torch forward + backward + AdamW on the generated batch, the same
+  micro-batch size, one process;
+- memcpy: copying the model's bytes once (the floor for a refit).
+
+Used by bench_grpo.py; `measure_limits(cfg)` returns seconds and GB/s.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List
+
+import torch
+
+
+def _threads() -> None:
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+
+
+def step_prompts(cfg: Any) -> List[List[int]]:
+    """The token ids of one GRPO step's prompts (num_prompts_per_step x num_generations_per_prompt)."""
+    from rlpost.data.datasets import load_rows
+    from rlpost.data.prompts import PromptProcessor, load_tokenizer
+
+    tok = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
+    proc = PromptProcessor(cfg.data, tok, cfg.policy.tokenizer.chat_template_kwargs)
+    rows = load_rows(cfg.data, "train")[: cfg.grpo.num_prompts_per_step]
+    ids = [list(proc(r)["prompt_ids"]) for r in rows]
+    return [p for p in ids for _ in range(cfg.grpo.num_generations_per_prompt)]
+
+
+def bare_generation(cfg: Any, prompts: List[List[int]], repeats: int = 3) -> tuple[float, List[List[int]]]:
+    """Best wall time of generating for `prompts` with the engine class in this process, and the sequences."""
+    gen = cfg.policy.generation
+    model = str(cfg.policy.model_name)
+    seeds: Any = list(range(len(prompts)))
+    if "Vllm" in gen._target_:
+        from rlpost.models.generation import vllm_generation as vg
+        from rlpost.models.generation.vllm_worker import VllmEngineWorker
+
+        os.environ.update(vg.VLLM_ENGINE_ENV)
+        worker: Any = VllmEngineWorker(model, vg.engine_kwargs(gen, 0, False))
+        spec = vg.sampling_spec(gen, False, worker.tokenizer.eos_token_id)
+    else:
+        from rlpost.models.generation import hf_generation as hg
+
+        worker = hg.HFGenerationWorker(model, gen.precision, gen.generation_batch_size)
+        spec = hg.hf_sampling_spec(gen, False, worker.tokenizer.eos_token_id)
+        seeds = 0  # the HF worker takes one seed per call
+    best, outs = float("inf"), []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = worker.generate(prompts, spec, seeds)
+        best = min(best, time.perf_counter() - t0)
+    if hasattr(worker, "shutdown"):
+        worker.shutdown()
+    return best, [list(p) + list(o.token_ids) for p, o in zip(prompts, outs, strict=True)]
+
+
+def bare_training(cfg: Any, sequences: List[List[int]], prompt_lens: List[int], repeats: int = 3) -> float:
+    """Best wall time of one optimizer step (forward + backward + AdamW, micro-batched) on `sequences`."""
+    from transformers import AutoModelForCausalLM
+
+    _threads()
+    model = AutoModelForCausalLM.from_pretrained(str(cfg.policy.model_name), dtype=torch.float32)
+    model.train()
+    lr = (getattr(cfg.policy.optimizer, "kwargs", None) or {}).get("lr", 1e-5)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False, fused=False)
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width)
+    for i, (s, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, p : len(s)] = 1.0
+    adv = torch.randn(len(sequences), 1)
+    mbs = cfg.policy.train_micro_batch_size
+    n_tok = mask[:, 1:].sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        for a in range(0, len(sequences), mbs):
+            logits = model(input_ids=ids[a : a + mbs]).logits[:, :-1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[a : a + mbs, 1:, None]).squeeze(-1)
+            loss = -(adv[a : a + mbs] * lp * mask[a : a + mbs, 1:]).sum() / n_tok
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def memcpy_gbps(cfg: Any, repeats: int = 5) -> tuple[float, int]:
+    """Best GB/s of copying every weight of the model once, and the model's bytes."""
+    from safetensors.torch import load_file
+
+    path = str(cfg.policy.model_name)
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    tensors = [t for f in files for t in load_file(os.path.join(path, f)).values()]
+    dst = [torch.empty_like(t) for t in tensors]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for d, s in zip(dst, tensors, strict=True):
+            d.copy_(s)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9, nbytes
+
+
+def measure_limits(cfg: Any) -> Dict[str, float]:
+    """Seconds of bare generation and bare training for one step's batch, and memcpy GB/s."""
+    _threads()
+    prompts = step_prompts(cfg)
+    gen_s, sequences = bare_generation(cfg, prompts)
+    train_s = bare_training(cfg, sequences, [len(p) for p in prompts])
+    gbps, nbytes = memcpy_gbps(cfg)
+    return {"bare_generation_s": gen_s, "bare_training_s": train_s, "memcpy_gbps": gbps, "model_bytes": nbytes}
