@@ -6,7 +6,7 @@ numbers, `--help` / `--version` answer at once.
 from __future__ import annotations
 
 import sys
-from typing import List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from rlpost import __version__
 from rlpost.config.errors import report_config_error
@@ -35,7 +35,7 @@ _VALUE_FLAGS = {
     "--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
     "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc", "--info", "-i",
 }
-_NO_JOB_FLAGS = {"--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc", "--experimental-rerun"}
+_NO_JOB_FLAGS = {"--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc"}
 
 
 def split_hydra_argv(argv: List[str]) -> Tuple[List[str], List[str], bool]:
@@ -71,14 +71,19 @@ def _expand_sweeps(overrides: List[str]) -> List[List[str]]:
     return [job for batch in batches for job in batch]
 
 
-def preflight(overrides: List[str], multirun: bool) -> int:
+def preflight(overrides: List[str], multirun: bool, flags: Sequence[str] = ()) -> int:
     """Compose and validate every job before Hydra starts anything; print the first error, return 2 on error."""
-    from rlpost.build import check_targets
+    from rlpost.build import check_targets, verify_targets
     from rlpost.config.errors import ConfigError
     from rlpost.config.load import load_master_config, translate_exception
 
     try:
+        check_flags(flags)
+        check_hydra_overrides(overrides)
         jobs = _expand_sweeps(overrides) if multirun else [overrides]
+    except ConfigError as err:
+        report_config_error(err)
+        return 2
     except Exception as exc:  # noqa: BLE001 - a bad override string
         report_config_error(translate_exception(exc))
         return 2
@@ -88,7 +93,9 @@ def preflight(overrides: List[str], multirun: bool) -> int:
     for job in jobs:
         try:
             _, master = load_master_config(job)
+            check_hydra_node(compose_hydra_node(job))
             check_targets(master)
+            verify_targets(master)
             preflight_checks(master)
             check_output_dir(job, multirun)
         except ConfigError as err:
@@ -98,6 +105,129 @@ def preflight(overrides: List[str], multirun: bool) -> int:
             print(f"rlpost: data error: {err}", file=sys.stderr)
             return 2
     return 0
+
+
+# Hydra imports and runs what its own config names (callbacks, launcher, sweeper, logging classes,
+# pkg:// search paths) before rlpost's task starts: only Hydra's defaults and rlpost's callback pass.
+_FLAGS_REFUSED = {
+    "--config-path": "rlpost composes conf/ (set RLPOST_CONF_DIR to use another config directory)",
+    "-cp": "rlpost composes conf/ (set RLPOST_CONF_DIR to use another config directory)",
+    "--config-dir": "rlpost composes conf/ (set RLPOST_CONF_DIR to use another config directory)",
+    "-cd": "rlpost composes conf/ (set RLPOST_CONF_DIR to use another config directory)",
+    "--config-name": "rlpost composes conf/config.yaml; pick presets with experiment=<name>",
+    "-cn": "rlpost composes conf/config.yaml; pick presets with experiment=<name>",
+    "--experimental-rerun": "a rerun loads a pickle, which can run any code; rerun with the saved overrides",
+}
+_HYDRA_TARGETS = {
+    "hydra.launcher._target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher",
+    "hydra.sweeper._target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+}
+_RLPOST_CALLBACKS = {"sweep_summary": {"_target_": "rlpost.sweep_summary.SweepSummary"}}
+_LOGGING_CLASSES = {"logging.StreamHandler", "logging.FileHandler", "logging.NullHandler", "logging.Formatter"}
+_LOGGING_STREAMS = {"ext://sys.stdout", "ext://sys.stderr"}
+
+
+def check_flags(flags: Sequence[str]) -> None:
+    """Refuse Hydra flags that would run a config the pre-flight check never saw."""
+    from rlpost.config.errors import ConfigError
+
+    for i, f in enumerate(flags):
+        name, eq, value = f.partition("=")
+        if name in _FLAGS_REFUSED:
+            if not eq and i + 1 < len(flags) and not flags[i + 1].startswith("-"):
+                value = flags[i + 1]
+            raise ConfigError(name, value or None, "is not supported by rlpost train", _FLAGS_REFUSED[name])
+
+
+def check_hydra_overrides(overrides: List[str]) -> None:
+    """Before composing: `hydra.searchpath` may hold only literal file:// entries (Hydra imports pkg:// ones)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from rlpost.config.errors import ConfigError
+    from rlpost.config.load import translate_exception
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as exc:  # noqa: BLE001 - a bad override string
+        raise translate_exception(exc) from None
+    for ov in parsed:
+        key = ov.key_or_group
+        if key != "hydra.searchpath" and not key.startswith(("hydra.searchpath.", "hydra.searchpath[")):
+            continue
+        if ov.is_sweep_override():
+            raise ConfigError(key, ov.input_line, "may not be swept")
+        value = ov.value()
+        for entry in value if isinstance(value, list) else [value]:
+            if not (isinstance(entry, str) and entry.startswith("file://") and "${" not in entry):
+                raise ConfigError(key, entry, "may list only file:// directories (Hydra imports pkg:// packages)")
+
+
+def compose_hydra_node(overrides: List[str]) -> Dict[str, Any]:
+    """The `hydra` node one job composes to, as plain unresolved data (ConfigError on failure)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from rlpost.config.load import CONFIG_NAME, conf_dir, translate_exception
+    from rlpost.config.store import register_configs
+
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+            cfg = compose(config_name=CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)
+    except Exception as exc:  # noqa: BLE001
+        raise translate_exception(exc) from None
+    node = OmegaConf.to_container(cfg.hydra, resolve=False)
+    assert isinstance(node, dict)
+    return node
+
+
+def check_hydra_node(hydra: Dict[str, Any]) -> None:
+    """Refuse any import path in the hydra node that is not Hydra's default or rlpost's own callback."""
+    from rlpost.config.errors import ConfigError
+
+    for name, entry in (hydra.get("callbacks") or {}).items():
+        if entry != _RLPOST_CALLBACKS.get(name):
+            has_target = isinstance(entry, dict) and "_target_" in entry
+            key = f"hydra.callbacks.{name}" + ("._target_" if has_target else "")
+            raise ConfigError(key, entry.get("_target_") if has_target else entry,
+                              "Hydra callbacks run before rlpost validates anything; only rlpost's own "
+                              "hydra.callbacks.sweep_summary is allowed")
+    for entry in hydra.get("searchpath") or []:
+        if not (isinstance(entry, str) and entry.startswith("file://")):
+            raise ConfigError("hydra.searchpath", entry, "may list only file:// directories")
+    for key, value in _hydra_leaves(hydra, "hydra"):
+        leaf = key.rsplit(".", 1)[-1]
+        in_logging = key.startswith(("hydra.job_logging.", "hydra.hydra_logging."))
+        if leaf == "_target_" and not key.startswith("hydra.callbacks."):
+            if key in _HYDRA_TARGETS and value == _HYDRA_TARGETS[key]:
+                continue
+            hint = "rlpost runs sweeps with Hydra's basic launcher and sweeper (hydra/launcher=basic)"
+            raise ConfigError(key, value, "only Hydra's own basic launcher and sweeper may be imported", hint)
+        if leaf == "()":
+            raise ConfigError(key, value, "logging factories ('()') import code; use a logging class")
+        if in_logging and leaf == "class" and value not in _LOGGING_CLASSES:
+            raise ConfigError(key, value, f"logging classes are limited to {sorted(_LOGGING_CLASSES)}")
+        if in_logging and leaf in ("listener", "queue") and isinstance(value, str) and not value.startswith("cfg://"):
+            raise ConfigError(key, value, "an import path in the logging config is not allowed")
+        if in_logging and isinstance(value, str) and value.startswith("ext://") and value not in _LOGGING_STREAMS:
+            raise ConfigError(key, value, f"ext:// references are limited to {sorted(_LOGGING_STREAMS)}")
+
+
+def _hydra_leaves(node: Any, path: str) -> Iterator[Tuple[str, Any]]:
+    """(dotted key, value) of every leaf under `node` (list items as [i]); `hydra.overrides` is skipped."""
+    if path == "hydra.overrides":
+        return
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _hydra_leaves(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _hydra_leaves(v, f"{path}[{i}]")
+    else:
+        yield path, node
 
 
 def check_output_dir(overrides: List[str], multirun: bool) -> None:
@@ -122,7 +252,7 @@ def check_output_dir(overrides: List[str], multirun: bool) -> None:
 
 
 def _plan(argv: List[str]) -> int:
-    from rlpost.build import check_targets
+    from rlpost.build import check_targets, verify_targets
     from rlpost.config.errors import ConfigError
     from rlpost.config.load import load_master_config
     from rlpost.plan import print_plan
@@ -131,8 +261,11 @@ def _plan(argv: List[str]) -> int:
         print("usage: rlpost plan [hydra overrides]  (composes, validates and prints the derived numbers)")
         return 0
     try:
+        check_hydra_overrides(argv)
         _, master = load_master_config(argv)
+        check_hydra_node(compose_hydra_node(argv))
         check_targets(master)
+        verify_targets(master)
     except ConfigError as err:
         report_config_error(err)
         return 2
@@ -143,7 +276,7 @@ def _plan(argv: List[str]) -> int:
 def _train(argv: List[str]) -> int:
     flags, overrides, multirun = split_hydra_argv(argv)
     if not any(f in _NO_JOB_FLAGS for f in flags):
-        rc = preflight(overrides, multirun)
+        rc = preflight(overrides, multirun, flags)
         if rc:
             return rc
     from rlpost import train

@@ -46,7 +46,7 @@ def run_job(cfg: DictConfig) -> Optional[Any]:
     """
     from rlpost import console as say
     from rlpost import failures
-    from rlpost.build import check_targets
+    from rlpost.build import check_targets, verify_targets
     from rlpost.config.errors import ConfigError, report_config_error
     from rlpost.config.load import to_master_config
     from rlpost.plan import print_plan
@@ -56,6 +56,7 @@ def run_job(cfg: DictConfig) -> Optional[Any]:
     try:
         master = to_master_config(cfg)
         check_targets(master)
+        verify_targets(master)
         preflight_checks(master, run_dir)
         _make_run_dir(run_dir)
     except ConfigError as err:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from rlpost.config.errors import non_negative, one_of, positive, require
+from rlpost.config.errors import ConfigError, non_negative, one_of, positive, require
 
 
 @dataclass
@@ -119,18 +119,52 @@ class VllmSpecificArgs:
         positive(f"{path}.kv_cache_space_gb", self.kv_cache_space_gb)
 
 
+VLLM_RLPOST_KWARGS: Dict[str, str] = {
+    "model": "policy.model_name",
+    "tokenizer": "policy.tokenizer.name",
+    "trust_remote_code": "policy.trust_remote_code",
+    "revision": "policy.model_name (a local directory)",
+    "code_revision": "policy.model_name (a local directory)",
+    "tokenizer_revision": "policy.tokenizer.name (a local directory)",
+    "hf_overrides": "policy.hf_config_overrides",
+    "worker_cls": "vLLM's own worker, extended for refit",
+    "worker_extension_cls": "its refit extension, rlpost.models.generation.vllm_extension",
+    "load_format": "policy.generation.vllm_cfg.load_format",
+    "model_loader_extra_config": "weights come from policy.model_name and refit",
+    "dtype": "policy.generation.vllm_cfg.precision",
+    "seed": "policy.generation.vllm_cfg.seed",
+    "tensor_parallel_size": "policy.generation.vllm_cfg.tensor_parallel_size",
+    "pipeline_parallel_size": "policy.generation.vllm_cfg.pipeline_parallel_size",
+    "distributed_executor_backend": "from the parallel sizes and the device",
+    "enforce_eager": "policy.generation.vllm_cfg.enforce_eager",
+    "max_model_len": "policy.generation.vllm_cfg.max_model_len",
+    "gpu_memory_utilization": "policy.generation.vllm_cfg.gpu_memory_utilization",
+    "kv_cache_memory_bytes": "policy.generation.vllm_cfg.kv_cache_space_gb",
+    "enable_sleep_mode": "colocated refit needs it",
+    "logprobs_mode": "training needs the processed logprobs",
+    "max_logprobs": "one logprob per sampled token",
+}
+"""vLLM engine arguments that `policy.generation.vllm_kwargs` may not set: where each comes from."""
+
+
 @dataclass
 class VllmConfig(GenerationConfig):
     """`generation=vllm`: vLLM engines in Ray actors."""
 
     vllm_cfg: VllmSpecificArgs = field(default_factory=VllmSpecificArgs)
     """vLLM engine arguments."""
-    vllm_kwargs: Dict[str, Any] = field(default_factory=dict)
-    """Raw keyword arguments passed through to vllm.LLM."""
+    vllm_kwargs: Dict[str, Any] = field(default_factory=dict, metadata={"import_path": "dotted_strings"})
+    """Raw keyword arguments passed through to vllm.LLM, except those rlpost sets (VLLM_RLPOST_KWARGS);
+    a dotted-name string anywhere in it must pass the _target_ allow-list (vLLM imports such names)."""
 
     def check(self, path: str) -> None:
         super().check(path)
         self.vllm_cfg.check(f"{path}.vllm_cfg")
+        for key in self.vllm_kwargs:
+            if key in VLLM_RLPOST_KWARGS:
+                where = VLLM_RLPOST_KWARGS[key]
+                rule = f"is set by rlpost; use {where} instead" if where.startswith("policy.") else f"is set by rlpost itself ({where})"
+                raise ConfigError(f"{path}.vllm_kwargs.{key}", self.vllm_kwargs[key], rule)
 
 
 @dataclass
