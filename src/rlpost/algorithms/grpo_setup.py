@@ -146,10 +146,6 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         colocated=colocated,
     )
     try:
-        comps.generation = build(gen_cfg, gen_cluster, model_path=cfg.policy.model_name,
-                                 timeout_s=cfg.cluster.call_timeout_s,
-                                 key="policy.generation._target_")
-        comps.generation.finish_generation()
         from rlpost.models.policy.lm_policy import Policy
 
         weights = optim = None
@@ -157,11 +153,15 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
             weights, optim = str(last / "policy" / "weights"), str(last / "policy" / "optimizer")
         comps.loss_fn = build(_loss_config(cfg), key="loss_fn._target_")
         try:  # the workers load the checkpoint in their constructor; a failure shows on the first call
+            # Policy actors start without waiting; the engine's start-up below overlaps with theirs.
             comps.policy = Policy(
                 train_cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
                 init_reference_model=comps.loss_fn.needs_reference_logprobs, device=device,
                 timeout_s=cfg.cluster.call_timeout_s,
             )
+            comps.generation = build(gen_cfg, gen_cluster, model_path=cfg.policy.model_name,
+                                     timeout_s=cfg.cluster.call_timeout_s, key="policy.generation._target_")
+            comps.generation.finish_generation()
             if not colocated:
                 from rlpost.algorithms.refit import init_refit_collective
 
