@@ -1,22 +1,36 @@
-"""Checkpoints of a DTensor policy: torch.distributed.checkpoint (DCP) for the sharded model and
-optimizer, a small torch file for the scheduler, and a consolidated HF safetensors export that
-`AutoModelForCausalLM.from_pretrained` loads.
+"""Checkpoints of a DTensor policy, pickle-free: tensors in safetensors, everything else in JSON, plus a
+consolidated HF safetensors export that `AutoModelForCausalLM.from_pretrained` loads.
 
-Layout under `weights_path`:  dcp/ (model shards), hf/ (config.json, model.safetensors, tokenizer);
-under `optimizer_path`:        dcp/ (optimizer shards), scheduler.pt.
-Loading never runs code from the checkpoint: DCP, safetensors, and torch.load(weights_only=True).
+Layout under `weights_path`:   checkpoint.json (format, tied-parameter aliases), model/ (sharded model tensors),
+                               hf/ (config.json, model.safetensors, tokenizer files);
+under `optimizer_path`:        optimizer.json (param groups and the shape of the state, with tensor references),
+                               optim/ (sharded optimizer tensors), scheduler.json (LR scheduler state).
+
+model/ and optim/ are written by torch.distributed.checkpoint (DCP) with its HuggingFace storage writer: each rank
+writes `shard-<rank+1>-model-00001-of-00001.safetensors` holding its local shards under their global names, with
+their offsets in the safetensors header, so a checkpoint restores into another DP x TP layout too. They are read
+back with DCP's HuggingFace storage reader, which takes the tensor metadata from those headers (never DCP's pickled
+`.metadata`). Loading runs no pickle and no torch.load: only `safetensors` and `json`. Files the layout does not
+name (`.metadata`, `*.pt`, `*.bin`, ...) are never opened. A checkpoint of the older DCP format (a `dcp/` folder)
+is refused with a CheckpointError; resume from a newer checkpoint or start from its `hf/` export.
+
+The storage helpers here (`save_tensors`, `load_tensors`, `read_tensor_metadata`, `encode_state`,
+`decode_state`, `refuse_legacy`) are shared with `megatron_checkpoint`.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -24,6 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
+
+from rlpost.checkpointing import CheckpointError, checkpoint_errors, read_json
 
 if TYPE_CHECKING:
     from rlpost.models.policy.dtensor_worker_base import DTensorWorkerBase
@@ -31,21 +48,235 @@ if TYPE_CHECKING:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "vocab.json", "merges.txt")
 
+FORMAT = "rlpost-dtensor-safetensors/1"
+INFO_FILE = "checkpoint.json"
+MODEL_DIR = "model"
+OPTIM_DIR = "optim"
+OPTIM_FILE = "optimizer.json"
+SCHEDULER_FILE = "scheduler.json"
+LEGACY_DIR = "dcp"
+SUFFIX = ".safetensors"
 
+# JSON markers of `encode_state`: a tensor reference, a tuple, and a dict whose keys are not all plain strings.
+_TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
+_MARKERS = (_TENSOR, _TUPLE, _ITEMS)
+Json = Any
+
+
+# ---- pickle-free storage (shared with megatron_checkpoint) -------------------------------------------------------
+def refuse_legacy(path: Path) -> None:
+    """Raise CheckpointError when `path` holds a checkpoint of the old DCP format (pickled `.metadata`)."""
+    if (path / LEGACY_DIR).exists():
+        raise CheckpointError(
+            f"{path} holds a checkpoint in the old DCP format ({LEGACY_DIR}/.metadata is a pickle), which rlpost no "
+            "longer loads because unpickling can run code; resume from a checkpoint written by this version, or start "
+            "from its HF export (policy.model_name=<checkpoint>/policy/weights/hf)"
+        )
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return t if local.is_contiguous() else t.contiguous()
+
+
+def save_tensors(tensors: Mapping[str, torch.Tensor], directory: Path) -> None:
+    """Collective: every rank writes its shards of `tensors` (plain tensors or DTensors, the same keys on every rank
+    that holds them) to `directory` as safetensors; replicated tensors are written once."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    if _is_rank0():
+        directory.mkdir(parents=True, exist_ok=True)
+        for old in directory.glob(f"*{SUFFIX}"):  # a previous save with more ranks must not leave shards behind
+            old.unlink()
+    _barrier()
+    flat = {k: _contiguous(v.detach()) for k, v in tensors.items()}
+    dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
+
+
+_Box = Tuple[Sequence[int], Sequence[int]]  # (offsets, sizes) of a chunk
+
+
+def _overlap(a: _Box, b: _Box) -> bool:
+    """Whether two non-empty chunks share an element."""
+    if not math.prod(a[1]) or not math.prod(b[1]):
+        return False
+    return all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1], strict=True))
+
+
+def read_tensor_metadata(directory: Path) -> Dict[str, TensorStorageMetadata]:
+    """Global size, dtype and chunks of every tensor in the safetensors shards of `directory`, read from their
+    headers only. Raises CheckpointError for a file that is not safetensors, or a tensor whose chunks overlap or do
+    not cover it."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    if not directory.is_dir():
+        raise CheckpointError(f"cannot load checkpoint {directory}: no such directory")
+    try:
+        meta = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - a planted or damaged file: safetensors, JSON or key errors
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"cannot load checkpoint {directory}: not a safetensors shard set ({first})") from exc
+    out: Dict[str, TensorStorageMetadata] = {}
+    for key, md in meta.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"cannot load checkpoint {directory}: entry {key!r} is not a tensor")
+        boxes: List[_Box] = [(list(c.offsets), list(c.sizes)) for c in md.chunks]
+        covered = sum(math.prod(s) for _, s in boxes)
+        overlap = any(_overlap(boxes[i], boxes[j]) for i in range(len(boxes)) for j in range(i))
+        if overlap or covered != math.prod(md.size):
+            raise CheckpointError(
+                f"cannot load checkpoint {directory}: the shards of {key!r} cover {covered} of "
+                f"{math.prod(md.size)} elements{' and overlap' if overlap else ''} (a shard file missing or extra)"
+            )
+        out[key] = md
+    return out
+
+
+def load_tensors(dest: Mapping[str, torch.Tensor], directory: Path,
+                 meta: Optional[Dict[str, TensorStorageMetadata]] = None) -> None:
+    """Collective: fill every tensor of `dest` (plain tensors or DTensors, in place) from the shards in `directory`
+    written by `save_tensors`, whatever the saving layout. Every key must be there with the same global shape and
+    dtype."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    meta = read_tensor_metadata(directory) if meta is None else meta
+    missing = sorted(k for k in dest if k not in meta)
+    if missing:
+        raise CheckpointError(f"cannot load checkpoint {directory}: no tensor {missing[:4]} ({len(missing)} missing)")
+    for key, t in dest.items():
+        md = meta[key]
+        if tuple(md.size) != tuple(t.shape) or md.properties.dtype != t.dtype:
+            raise CheckpointError(
+                f"cannot load checkpoint {directory}: {key!r} is {md.properties.dtype} {list(md.size)} there, "
+                f"{t.dtype} {list(t.shape)} here"
+            )
+    if dest:
+        dcp.load(dict(dest), storage_reader=HuggingFaceStorageReader(str(directory)))
+
+
+def encode_state(obj: Any, tensors: Dict[str, torch.Tensor], path: Tuple[str, ...] = ()) -> Json:
+    """A JSON-able copy of a nested state (dicts, lists, tuples, numbers, strings, None) whose tensors are moved
+    into `tensors` under '/'-joined paths and replaced by {"__tensor__": path}. Other values raise TypeError."""
+    where = "/".join(path) or "<root>"
+    if isinstance(obj, torch.Tensor):
+        key = "/".join(path)
+        if key in tensors:
+            raise TypeError(f"state path {key!r} is not unique")
+        tensors[key] = obj
+        return {_TENSOR: key}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        items = [encode_state(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
+        return {_TUPLE: items} if isinstance(obj, tuple) else items
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and not any(k in _MARKERS for k in obj):
+            return {k: encode_state(v, tensors, (*path, k)) for k, v in obj.items()}
+        for k in obj:
+            if not (k is None or isinstance(k, (bool, int, float, str))):
+                raise TypeError(f"state at {where}: a key of type {type(k).__name__} cannot be stored in JSON")
+        return {_ITEMS: [[k, encode_state(v, tensors, (*path, str(k)))] for k, v in obj.items()]}
+    raise TypeError(f"state at {where}: a value of type {type(obj).__name__} cannot be stored in a checkpoint "
+                    "(tensors, numbers, strings, None, lists, tuples and dicts only)")
+
+
+def tensor_refs(obj: Json) -> List[str]:
+    """The tensor keys an `encode_state` result refers to."""
+    if isinstance(obj, dict):
+        if set(obj) == {_TENSOR}:
+            return [obj[_TENSOR]]
+        if set(obj) == {_ITEMS}:
+            return [r for _, v in obj[_ITEMS] for r in tensor_refs(v)]
+        return [r for v in obj.values() for r in tensor_refs(v)]
+    if isinstance(obj, list):
+        return [r for v in obj for r in tensor_refs(v)]
+    return []
+
+
+def decode_state(obj: Json, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of `encode_state`: tuples and non-string keys restored, tensor references looked up in `tensors`."""
+    if isinstance(obj, list):
+        return [decode_state(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if set(obj) == {_TENSOR}:
+            return tensors[obj[_TENSOR]]
+        if set(obj) == {_TUPLE}:
+            return tuple(decode_state(v, tensors) for v in obj[_TUPLE])
+        if set(obj) == {_ITEMS}:
+            return {k: decode_state(v, tensors) for k, v in obj[_ITEMS]}
+        return {k: decode_state(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def write_json(path: Path, obj: Json) -> None:
+    """Write `obj` as JSON (floats round-trip exactly; inf/nan allowed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1))
+
+
+def read_format(path: Path, fmt: str, *required: str) -> Dict[str, Any]:
+    """The JSON object at `path`; CheckpointError unless it is a dict whose "format" is `fmt` and that has the
+    `required` keys."""
+    data = read_json(path)
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise CheckpointError(f"cannot load checkpoint file {path}: format {found!r}, expected {fmt!r}")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise CheckpointError(f"cannot load checkpoint file {path}: no {missing}")
+    return data
+
+
+# ---- the DTensor policy ------------------------------------------------------------------------------------------
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Collective over all ranks: rank 0 gets full fp32 CPU tensors under HF names, others {}."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def tied_aliases(model: nn.Module) -> Dict[str, str]:
+    """Parameter names that are another parameter (tied embeddings) -> the first name of that parameter."""
+    first: Dict[int, str] = {}
+    aliases: Dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
 def save(worker: DTensorWorkerBase, weights_path: str, optimizer_path: Optional[str], hf_export: bool = True) -> None:
-    """Collective: every rank writes its shards; rank 0 writes the scheduler and the HF export."""
+    """Collective: every rank writes its model (and optimizer) shards; rank 0 the JSON files and the HF export."""
     wp = Path(weights_path)
-    dcp.save({"model": get_model_state_dict(worker.model)}, checkpoint_id=str(wp / "dcp"))
+    aliases = tied_aliases(worker.model)
+    model_sd = get_model_state_dict(worker.model)
+    save_tensors({k: v for k, v in model_sd.items() if k not in aliases}, wp / MODEL_DIR)
+    if worker.rank == 0:
+        write_json(wp / INFO_FILE, {"format": FORMAT, "aliases": aliases})
     if optimizer_path and worker.optimizer is not None:
         op = Path(optimizer_path)
-        dcp.save({"optim": get_optimizer_state_dict(worker.model, worker.optimizer)}, checkpoint_id=str(op / "dcp"))
-        if worker.rank == 0 and worker.scheduler is not None:
-            torch.save({"scheduler": worker.scheduler.state_dict()}, op / "scheduler.pt")
+        tensors: Dict[str, torch.Tensor] = {}
+        skeleton = encode_state(get_optimizer_state_dict(worker.model, worker.optimizer), tensors)
+        sched: Json = None
+        if worker.scheduler is not None:
+            extra: Dict[str, torch.Tensor] = {}
+            sched = encode_state(worker.scheduler.state_dict(), extra, ("scheduler",))
+            if extra:
+                raise TypeError(f"LR scheduler state holds tensors ({sorted(extra)[:3]}); only JSON values are saved")
+        save_tensors(tensors, op / OPTIM_DIR)
+        if worker.rank == 0:
+            write_json(op / OPTIM_FILE, {"format": FORMAT, "state": skeleton})
+            if sched is not None:
+                write_json(op / SCHEDULER_FILE, {"format": FORMAT, "state": sched})
     if hf_export:
         full = full_state_dict(worker.model)
         if worker.rank == 0:
@@ -69,16 +300,39 @@ def export_hf(model: nn.Module, full: Dict[str, torch.Tensor], source_dir: str, 
 
 
 def load(worker: DTensorWorkerBase, weights_path: str, optimizer_path: Optional[str]) -> None:
-    """Collective: restore model shards (and optimizer + scheduler when given) written by `save`."""
+    """Collective: restore the model (and the optimizer + scheduler when given and saved) written by `save`."""
     wp = Path(weights_path)
-    model_sd = {"model": get_model_state_dict(worker.model)}
-    dcp.load(model_sd, checkpoint_id=str(wp / "dcp"))
-    set_model_state_dict(worker.model, model_sd["model"])
-    if optimizer_path and worker.optimizer is not None and (Path(optimizer_path) / "dcp").exists():
-        op = Path(optimizer_path)
-        optim_sd = {"optim": get_optimizer_state_dict(worker.model, worker.optimizer)}
-        dcp.load(optim_sd, checkpoint_id=str(op / "dcp"))
-        set_optimizer_state_dict(worker.model, worker.optimizer, optim_sd["optim"])
-        sched = op / "scheduler.pt"
-        if worker.scheduler is not None and sched.is_file():
-            worker.scheduler.load_state_dict(torch.load(sched, weights_only=True)["scheduler"])
+    refuse_legacy(wp)
+    info = read_format(wp / INFO_FILE, FORMAT, "aliases")
+    aliases = tied_aliases(worker.model)
+    if info.get("aliases") != aliases:
+        raise CheckpointError(f"cannot load checkpoint {wp}: tied parameters {info.get('aliases')} there, "
+                              f"{aliases} in this model")
+    model_sd = get_model_state_dict(worker.model)
+    load_tensors({k: v for k, v in model_sd.items() if k not in aliases}, wp / MODEL_DIR)
+    set_model_state_dict(worker.model, model_sd)  # aliases share the loaded storage
+    if not optimizer_path or worker.optimizer is None:
+        return
+    op = Path(optimizer_path)
+    refuse_legacy(op)
+    if not (op / OPTIM_FILE).is_file():
+        if (op / OPTIM_DIR).exists():
+            raise CheckpointError(f"cannot load checkpoint {op}: {OPTIM_DIR}/ is there but {OPTIM_FILE} is not")
+        return  # a weights-only checkpoint
+    skeleton = read_format(op / OPTIM_FILE, FORMAT, "state")["state"]
+    current: Dict[str, torch.Tensor] = {}  # the live optimizer's tensors (their DTensor layout) as destinations
+    encode_state(get_optimizer_state_dict(worker.model, worker.optimizer), current)
+    with checkpoint_errors(op / OPTIM_FILE):
+        refs = tensor_refs(skeleton)
+        unknown = sorted(set(refs) - set(current))
+    if unknown:
+        raise CheckpointError(f"cannot load checkpoint {op}: optimizer state {unknown[:4]} does not exist in "
+                              f"{type(worker.optimizer).__name__} here (another optimizer?)")
+    dest = {k: current[k] for k in refs}
+    load_tensors(dest, op / OPTIM_DIR)
+    with checkpoint_errors(op / OPTIM_FILE):
+        set_optimizer_state_dict(worker.model, worker.optimizer, decode_state(skeleton, dest))
+    if worker.scheduler is not None:
+        sched = read_format(op / SCHEDULER_FILE, FORMAT, "state")["state"]
+        with checkpoint_errors(op / SCHEDULER_FILE):
+            worker.scheduler.load_state_dict(decode_state(sched, {}))

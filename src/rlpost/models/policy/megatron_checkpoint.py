@@ -1,23 +1,27 @@
-"""Checkpoints of a Megatron policy: torch.distributed.checkpoint (DCP) of the sharded state, plus an HF export.
+"""Checkpoints of a Megatron policy, pickle-free: this rank's tensors in safetensors shards, the rest in JSON, plus an
+HF export.
 
-Layout under `weights_path`:   dcp/ (model shards), megatron_layout.json, hf/ (config.json, model.safetensors and the
-                               tokenizer files of policy.model_name; `AutoModelForCausalLM.from_pretrained` loads it);
-under `optimizer_path`:        dcp/ (optimizer state), scheduler.json (megatron OptimizerParamScheduler state).
+Layout under `weights_path`:   model/ (model shards), megatron_layout.json, hf/ (config.json, model.safetensors and
+                               the tokenizer files of policy.model_name; `from_pretrained` loads it);
+under `optimizer_path`:        optim/ (optimizer state shards), scheduler.json (megatron OptimizerParamScheduler state).
 
 Keys. Every rank saves its own shard under a layout tag, `tp{t}-pp{p}/<megatron parameter name>` for the model and
 `tp{t}-pp{p}/c{chained optimizer}/p{parameter index}/<state name>` for the optimizer (`-dp{d}` is added to the
 tag for the distributed optimizer, whose state differs per data-parallel rank). Data-parallel replicas hold the
-same keys with the same values, and DCP's save planner writes each of them once. The optimizer entries are the
-torch-level state of megatron's optimizer (exp_avg, exp_avg_sq, step, momentum_buffer, ...), plus its parameters
-when they are not the model's own (fp32 main params of the mixed-precision optimizer), plus a numeric `step` kept
-in a param group (fused Adam). Loading allocates the destination tensors from the checkpoint's DCP metadata, so
-the restored state is bit-identical and a resumed run continues exactly like the original.
+same keys with the same values, and the save planner of torch.distributed.checkpoint (DCP) writes each of them once.
+The optimizer entries are the torch-level state of megatron's optimizer (exp_avg, exp_avg_sq, step,
+momentum_buffer, ...), plus its parameters when they are not the model's own (fp32 main params of the
+mixed-precision optimizer), plus a numeric `step` kept in a param group (fused Adam). The shards are written with
+DCP's HuggingFace storage writer (`shard-*.safetensors`, see `dtensor_checkpoint.save_tensors`) and read back with
+its reader, which takes shapes and dtypes from the safetensors headers: loading allocates the destination tensors
+from them, so the restored state is bit-identical and a resumed run continues exactly like the original.
 
 Why not megatron dist-checkpointing: megatron-core 0.16.1's torch_dist save path calls `torch.cuda.synchronize()`
-unconditionally (FileSystemWriterAsync.preload_tensors), so it cannot run on CPU; one DCP format for both devices
-keeps CPU tests meaningful. The price: no resharding. A checkpoint restores only into the same TP x PP layout
-(megatron_layout.json is checked and a mismatch raises a clear error); to change layout, start from hf/.
-Loading never runs code from the checkpoint: DCP, JSON and safetensors only.
+unconditionally (FileSystemWriterAsync.preload_tensors), so it cannot run on CPU, and it reads pickled metadata.
+The price: no resharding. A checkpoint restores only into the same TP x PP layout (megatron_layout.json is checked
+and a mismatch raises a clear error); to change layout, start from hf/.
+Loading never runs code from the checkpoint: no pickle, no torch.load; JSON and safetensors only. A checkpoint of
+the older DCP format (a `dcp/` folder, pickled `.metadata`) is refused with a CheckpointError.
 
 Also here: the full-HF-weights gather shared by the HF export and refit.
 """
@@ -31,14 +35,22 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
-from rlpost.models.policy.dtensor_checkpoint import TOKENIZER_FILES
+from rlpost.checkpointing import CheckpointError, checkpoint_errors, read_json
+from rlpost.models.policy.dtensor_checkpoint import (
+    MODEL_DIR,
+    OPTIM_DIR,
+    TOKENIZER_FILES,
+    load_tensors,
+    read_tensor_metadata,
+    refuse_legacy,
+    save_tensors,
+)
 
 if TYPE_CHECKING:
     from rlpost.models.policy.megatron_policy_worker import MegatronPolicyWorker
 
-FORMAT = "rlpost-megatron-dcp/1"
+FORMAT = "rlpost-megatron-safetensors/1"
 LAYOUT_FILE = "megatron_layout.json"
 SCHEDULER_FILE = "scheduler.json"
 
@@ -132,16 +144,10 @@ def _restore_optimizer(worker: MegatronPolicyWorker, tag: str, loaded: Dict[str,
 
 
 def _load_own_keys(path: Path, prefix: str) -> Dict[str, torch.Tensor]:
-    """Collective: every key of the DCP checkpoint at `path` that starts with prefix, freshly allocated and loaded."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    dest: Dict[str, torch.Tensor] = {}
-    for key, m in meta.items():
-        if key.startswith(prefix):
-            size = getattr(m, "size", None)
-            if size is None:
-                raise ValueError(f"{path}: entry {key!r} is not a tensor")
-            dest[key] = torch.empty(tuple(size), dtype=m.properties.dtype)
-    dcp.load(dest, checkpoint_id=str(path))
+    """Collective: every key of the shards at `path` that starts with prefix, freshly allocated and loaded."""
+    meta = read_tensor_metadata(path)
+    dest = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
+    load_tensors(dest, path, meta)
     return dest
 
 
@@ -171,14 +177,14 @@ def save(worker: MegatronPolicyWorker, weights_path: str, optimizer_path: Option
     wp = Path(weights_path)
     tag = _tag(worker)
     model_sd = {f"{tag}/{k}": v.detach() for k, v in worker.local_state().items()}
-    dcp.save(model_sd, checkpoint_id=str(wp / "dcp"))
+    save_tensors(model_sd, wp / MODEL_DIR)
     if worker.rank == 0:
         (wp / LAYOUT_FILE).write_text(json.dumps(_layout(worker), indent=2))
     state = worker.train_state
     if optimizer_path and state is not None:
         op = Path(optimizer_path)
         with_dp = bool(worker.cfg.megatron_cfg and worker.cfg.megatron_cfg.optimizer.use_distributed_optimizer)
-        dcp.save(_optimizer_tensors(worker, _tag(worker, with_dp)), checkpoint_id=str(op / "dcp"))
+        save_tensors(_optimizer_tensors(worker, _tag(worker, with_dp)), op / OPTIM_DIR)
         if worker.rank == 0:
             (op / SCHEDULER_FILE).write_text(json.dumps(state.scheduler.state_dict(), indent=2))
     if hf_export:
@@ -207,7 +213,9 @@ def _check_layout(worker: MegatronPolicyWorker, weights_path: Path) -> None:
     path = weights_path / LAYOUT_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{weights_path}: no {LAYOUT_FILE}; not a Megatron policy checkpoint")
-    saved = json.loads(path.read_text())
+    saved = read_json(path)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"cannot load checkpoint file {path}: not a JSON object")
     mine = _layout(worker)
     keys = ["format", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"]
@@ -225,9 +233,10 @@ def _check_layout(worker: MegatronPolicyWorker, weights_path: Path) -> None:
 def load(worker: MegatronPolicyWorker, weights_path: str, optimizer_path: Optional[str]) -> None:
     """Collective: restore the model shards (and optimizer + scheduler when given) written by `save`."""
     wp = Path(weights_path)
+    refuse_legacy(wp)
     _check_layout(worker, wp)
     tag = _tag(worker)
-    loaded = _load_own_keys(wp / "dcp", f"{tag}/")
+    loaded = _load_own_keys(wp / MODEL_DIR, f"{tag}/")
     local = worker.local_state()
     missing = sorted(k for k in local if f"{tag}/{k}" not in loaded)
     if missing:
@@ -236,12 +245,15 @@ def load(worker: MegatronPolicyWorker, weights_path: str, optimizer_path: Option
         for k, v in local.items():
             v.copy_(loaded[f"{tag}/{k}"].to(v.device))
     state = worker.train_state
-    if optimizer_path and state is not None and (Path(optimizer_path) / "dcp").exists():
-        op = Path(optimizer_path)
+    op = Path(optimizer_path) if optimizer_path else None
+    if op is not None and state is not None:
+        refuse_legacy(op)
+    if op is not None and state is not None and (op / OPTIM_DIR).is_dir():
         with_dp = bool(worker.cfg.megatron_cfg and worker.cfg.megatron_cfg.optimizer.use_distributed_optimizer)
         otag = _tag(worker, with_dp)
-        _restore_optimizer(worker, otag, _load_own_keys(op / "dcp", f"{otag}/"))
+        _restore_optimizer(worker, otag, _load_own_keys(op / OPTIM_DIR, f"{otag}/"))
         sched = op / SCHEDULER_FILE
         if sched.is_file():
-            state.scheduler.load_state_dict(json.loads(sched.read_text()))
+            with checkpoint_errors(sched):
+                state.scheduler.load_state_dict(read_json(sched))
     dist.barrier()

@@ -1,0 +1,210 @@
+"""Resume never unpickles: a policy checkpoint (2 Ray ranks; DTensor TP2, DTensor v2 DP2, Megatron PP2) with a
+malicious pickle planted under every name a loader might open is restored bit-exactly and the payload never runs; a
+pickle written over a file the resume does read is refused with a one-line CheckpointError. Then the same through
+`rlpost train`: planted pickles next to a checkpoint are ignored on resume, and a shard replaced by a pickle (the
+manifest rewritten to match, as an attacker with write access would) is refused with exit status 2.
+
+The per-file sweep over every saved file, and the round trip with pickle patched out, are in
+tests/unit/models/test_pickle_free_checkpoint.py (one rank, in-process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Tuple
+
+import pytest
+import torch
+
+from rlpost.algorithms.grpo_setup import _checkpoint_load_failure
+from rlpost.algorithms.loss_functions import ClippedPGLossFn
+from rlpost.checkpointing import write_manifest
+from rlpost.config.load import load_master_config
+from rlpost.config.schema.loss import ClippedPGLossConfig
+from rlpost.config.schema.policy import PolicyConfig
+from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.virtual_cluster import RayVirtualCluster
+from rlpost.distributed.worker_groups import WorkerGroupError
+from rlpost.models.policy.lm_policy import Policy
+
+pytestmark = pytest.mark.slow
+
+B, S = 16, 20
+LOSS = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0))
+COMMON = ["grpo.num_prompts_per_step=2", "policy.train_global_batch_size=16", "policy.train_micro_batch_size=4",
+          "policy.logprob_batch_size=4", "cluster.gpus_per_node=2"]
+BACKENDS = {
+    "dtensor_tp2": ["policy.dtensor_cfg.tensor_parallel_size=2"],
+    "dtensor_v2_dp2": ["policy=dtensor_v2"],
+    "megatron_pp2": ["policy=megatron", "policy.megatron_cfg.pipeline_model_parallel_size=2"],
+}
+# Names a loader might open: DCP's pickled metadata, torch files, pickles.
+PLANTED = [".metadata", "model/.metadata", "model/__0_0.distcp", "__0_0.distcp", "model.pt", "pytorch_model.bin",
+           "state.pkl", "optim/.metadata", "optim/__1_0.distcp", "scheduler.pt", "optimizer.pt", "rng_state.pth"]
+
+
+class Payload:
+    """Unpickling this creates the file `canary`."""
+
+    def __init__(self, canary: Path) -> None:
+        self.canary = canary
+
+    def __reduce__(self) -> Tuple[Any, Tuple[str, str]]:
+        return (open, (str(self.canary), "w"))
+
+
+def plant(path: Path, canary: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix in (".pt", ".bin", ".pth", ".distcp"):
+        torch.save(Payload(canary), path)
+    else:
+        path.write_bytes(pickle.dumps(Payload(canary)))
+
+
+def policy_cfg(model_dir: Path, *overrides: str) -> PolicyConfig:
+    _, cfg = load_master_config([*COMMON, *overrides])
+    p = dataclasses.replace(cfg.policy, model_name=str(model_dir))
+    p.tokenizer.name = str(model_dir)
+    return p
+
+
+def make_batch(seed: int) -> BatchedDataDict:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, S + 1, (B,), generator=g)
+    pos = torch.arange(S)[None, :]
+    valid = pos < lengths[:, None]
+    ids = torch.where(valid, torch.randint(3, 380, (B, S), generator=g), 0)
+    return BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=(valid & (pos >= 4)).float(),
+                           sample_mask=torch.ones(B), advantages=torch.randn(B, 1, generator=g).expand(B, S).clone(),
+                           generation_logprobs=torch.zeros(B, S))
+
+
+class Built:
+    def __init__(self, cfg: PolicyConfig, **kw: Any) -> None:
+        self.cluster = RayVirtualCluster(f"nopickle-{id(self)}", 2, cpus_per_bundle=0.5)
+        self.policy = Policy(self.cluster, cfg, timeout_s=300.0, **kw)
+
+    def close(self) -> None:
+        self.policy.shutdown()
+        self.cluster.shutdown()
+
+
+@pytest.fixture
+def built() -> Iterator[List[Built]]:
+    made: List[Built] = []
+    yield made
+    for b in made:
+        b.close()
+
+
+def _build(made: List[Built], cfg: PolicyConfig, **kw: Any) -> Built:
+    b = Built(cfg, **kw)
+    made.append(b)
+    return b
+
+
+def _close(made: List[Built], b: Built) -> None:
+    made.remove(b)
+    b.close()
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_planted_pickles_never_run_and_replaced_files_are_refused(
+    backend: str, ray_local: None, tiny_model_dir: Path, built: List[Built], tmp_path: Path
+) -> None:
+    cfg = policy_cfg(tiny_model_dir, *BACKENDS[backend])  # Adam: optimizer state and a scheduler to restore
+    ckpt, canary = tmp_path / "ckpt", tmp_path / "PWNED"
+    a = _build(built, cfg)
+    first, later = make_batch(0), make_batch(11)
+    first["prev_logprobs"] = a.policy.get_logprobs(first)["logprobs"]
+    a.policy.train(first, LOSS)
+    a.policy.save_checkpoint(str(ckpt / "weights"), str(ckpt / "optimizer"))
+    lp_saved = a.policy.get_logprobs(later)["logprobs"]
+    fp_saved = a.policy.state_fingerprints()
+    w_saved = a.policy.full_weights()
+    _close(built, a)
+
+    ours = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")
+                  if p.is_file() and "/hf/" not in p.as_posix())
+    assert all(f.endswith((".json", ".safetensors")) for f in ours), ours
+    shards = [f for f in ours if f.endswith(".safetensors")]
+    assert len([f for f in shards if f.startswith("weights/model/")]) == 2, ours  # one per rank
+
+    for sub in ("weights", "optimizer", "weights/hf"):
+        for rel in PLANTED:
+            plant(ckpt / sub / rel, canary)
+    b = _build(built, cfg, weights_path=str(ckpt / "weights"), optimizer_path=str(ckpt / "optimizer"))
+    assert torch.equal(b.policy.get_logprobs(later)["logprobs"], lp_saved)
+    assert b.policy.state_fingerprints() == fp_saved
+    _close(built, b)
+    assert not canary.exists()
+    if backend == "dtensor_tp2":  # the shards carry their offsets: a TP2 checkpoint restores into DP2 x TP1
+        c = _build(built, policy_cfg(tiny_model_dir), weights_path=str(ckpt / "weights"),
+                   optimizer_path=str(ckpt / "optimizer"))
+        w = c.policy.full_weights()
+        assert w.keys() == w_saved.keys() and all(torch.equal(w[k], w_saved[k]) for k in w)
+        _close(built, c)
+
+    # the second rank's model shard, the optimizer's JSON (or megatron's layout file), the scheduler
+    json_file = "optimizer/optimizer.json" if backend.startswith("dtensor") else "weights/megatron_layout.json"
+    for rel in (sorted(f for f in shards if f.startswith("weights/model/"))[-1], json_file,
+                "optimizer/scheduler.json"):
+        original = (ckpt / rel).read_bytes()
+        plant(ckpt / rel, canary)
+        b = _build(built, cfg, weights_path=str(ckpt / "weights"), optimizer_path=str(ckpt / "optimizer"))
+        with pytest.raises(WorkerGroupError) as info:
+            b.policy.get_logprobs(later)
+        why = _checkpoint_load_failure(info.value)  # what `rlpost train` reports (exit status 2)
+        assert why is not None and re.search(r"CheckpointError: cannot load checkpoint( file)? /", why), why
+        _close(built, b)
+        assert not canary.exists(), rel
+        (ckpt / rel).write_bytes(original)
+
+
+# ---- through `rlpost train` ----------------------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[2]
+RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
+SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=32",
+         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16", "generation=hf", "grpo.val_period=0",
+         "checkpointing.metric_name=null"]
+
+
+def _train(run: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    env: Dict[str, str] = {**os.environ, "RLPOST_CACHE_DIR": str(cache), "RAY_AUTH_MODE": "disabled"}
+    return subprocess.run([RLPOST, "train", f"hydra.run.dir={run}", *SMALL, *overrides], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_resume_ignores_planted_pickles_and_refuses_a_replaced_shard(tmp_path: Path) -> None:
+    cache, run, canary = tmp_path / "cache", tmp_path / "run", tmp_path / "PWNED"
+    out = _train(run, cache, "grpo.max_num_steps=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    step1 = run / "checkpoints" / "step_1"
+    for d in [step1, *(p for p in step1.rglob("*") if p.is_dir())]:
+        for rel in ("pickle.pkl", ".metadata", "state.pt", "pytorch_model.bin"):
+            plant(d / rel, canary)
+    write_manifest(step1)  # the planted files are listed and verify: only the loaders stand in the way
+
+    shard = next((step1 / "policy" / "weights" / "model").glob("*.safetensors"))
+    original = shard.read_bytes()
+    plant(shard, canary)
+    write_manifest(step1)
+    out = _train(run, cache, "grpo.max_num_steps=2")
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [ln for ln in out.stderr.splitlines() if "cannot load checkpoint" in ln]
+    assert lines and str(step1) in lines[0] and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert not canary.exists()
+
+    shard.write_bytes(original)
+    write_manifest(step1)
+    out = _train(run, cache, "grpo.max_num_steps=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming from step 1" in out.stderr
+    assert (run / "checkpoints" / "step_2" / "training_info.json").is_file()
+    assert not canary.exists()
