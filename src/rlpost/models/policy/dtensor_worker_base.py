@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.models.policy import dtensor_checkpoint
+from rlpost.models.policy.memory_phases import OffloadState, cuda_memory_stats
 from rlpost.models.policy.optim import build_optimizer, build_scheduler
 from rlpost.models.policy.weight_export import WeightExportMixin, params_finite
 
@@ -83,6 +84,8 @@ class DTensorWorkerBase(WeightExportMixin):
         if weights_path:
             dtensor_checkpoint.load(self, weights_path, optimizer_path)
         self._export: List[Tuple[str, torch.Tensor]] = []
+        self._mem = OffloadState(self.device, params_on_cpu_by_fsdp=cfg.dtensor_cfg.cpu_offload)
+        self._train_micro_batches = 0
 
     # ---- subclass hook -----------------------------------------------------------------
     def _build_model(self) -> nn.Module:
@@ -137,6 +140,7 @@ class DTensorWorkerBase(WeightExportMixin):
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         from rlpost.algorithms.logprobs import next_token_logprobs
 
+        self._onload()
         self.model.eval()
         full_len = int(data["input_ids"].shape[1])
         outs: List[torch.Tensor] = []
@@ -163,6 +167,7 @@ class DTensorWorkerBase(WeightExportMixin):
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         if self.reference is None:
             raise RuntimeError("the policy was built without a reference model (init_reference_model=False)")
+        self._onload()
         current = self._swap_weights(self.reference)
         try:
             out = self.get_logprobs(data)
@@ -172,9 +177,16 @@ class DTensorWorkerBase(WeightExportMixin):
 
     @torch.no_grad()
     def _swap_weights(self, new: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Copy `new` into the model; returns what was there. Tied tensors (one storage under two
+        names, e.g. embed_tokens / lm_head) are visited once, or the restore would write the
+        swapped-in value back through the second name."""
         old: Dict[str, torch.Tensor] = {}
+        seen = set()
         for k, v in self.model.state_dict().items():
             local = _local(v)
+            if local.data_ptr() in seen:
+                continue
+            seen.add(local.data_ptr())
             old[k] = local.detach().to("cpu", copy=True)
             local.copy_(new[k].to(local.device))
         return old
@@ -183,6 +195,7 @@ class DTensorWorkerBase(WeightExportMixin):
     def train(self, data: BatchedDataDict, loss_fn: Any, gbs: Optional[int] = None) -> Dict[str, Any]:
         if self.optimizer is None:
             raise RuntimeError("the policy was built without an optimizer (init_optimizer=False)")
+        self._onload(with_optimizer=True)
         self.model.train()
         gbs = gbs or self.cfg.train_global_batch_size
         local_gbs = gbs // self.dp_size
@@ -213,6 +226,7 @@ class DTensorWorkerBase(WeightExportMixin):
                 gb_loss += loss.detach()
                 for k, v in metrics.items():
                     mb_metrics.setdefault(k, []).append(float(v))
+                self._maybe_clear_cache()
             grad_norm = self._clip_grad_norm()
             self.optimizer.step()
             dist.all_reduce(gb_loss, group=self.dp_group)
@@ -257,24 +271,45 @@ class DTensorWorkerBase(WeightExportMixin):
                     g.mul_(coef)
         return total
 
-    # ---- memory phases (no-ops on CPU) ------------------------------------------------------
+    # ---- memory phases (GPU; no-ops on CPU, see memory_phases) -------------------------------
+    def _onload(self, with_optimizer: bool = False) -> None:
+        """Bring what offload_* moved to the CPU back before the model (or the optimizer) is used."""
+        self._mem.onload(self.model, self.optimizer, with_optimizer)
+
+    def _maybe_clear_cache(self) -> None:
+        """dtensor_cfg.clear_cache_every_n_steps: empty the CUDA cache every N training micro-batches."""
+        self._train_micro_batches += 1
+        n = self.cfg.dtensor_cfg.clear_cache_every_n_steps if self.cfg.dtensor_cfg is not None else None
+        if n and self.device.type == "cuda" and self._train_micro_batches % n == 0:
+            torch.cuda.empty_cache()
+
     def prepare_for_training(self) -> None:
+        self._onload(with_optimizer=True)
         self.model.train()
 
     def prepare_for_lp_inference(self) -> None:
+        self._onload()
         self.model.eval()
+        if self.cfg.offload_optimizer_for_logprob:
+            self._mem.offload_optimizer(self.optimizer)
 
     def offload_before_refit(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """Optimizer state to the CPU and gradients dropped before the engine wakes its weights."""
+        self._mem.offload_optimizer(self.optimizer)
 
     def offload_after_refit(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """The model to the CPU too, so the engine has the GPU for generation."""
+        self._mem.offload_optimizer(self.optimizer)
+        self._mem.offload_model(self.model)
+
+    def gpu_memory_stats(self) -> Dict[str, float]:
+        """logger.monitor_gpus: this rank's CUDA memory ({} on CPU)."""
+        return cuda_memory_stats(self.device)
 
     # ---- refit export ----------------------------------------------------------------------
     def prepare_weights_for_export(self, dtype: str) -> Dict[str, Tuple[Tuple[int, ...], str]]:
         """All ranks: gather full weights (collective); rank 0 keeps them cast to `dtype` under HF names."""
+        self._onload()
         full = dtensor_checkpoint.full_state_dict(self.model)
         if "lm_head.weight" not in full and getattr(self.model.config, "tie_word_embeddings", False):
             full["lm_head.weight"] = full.get("model.embed_tokens.weight")
@@ -294,10 +329,12 @@ class DTensorWorkerBase(WeightExportMixin):
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None, hf_export: bool = True) -> None:
+        self._onload(with_optimizer=True)
         dtensor_checkpoint.save(self, weights_path, optimizer_path, hf_export=hf_export)
 
     def state_fingerprint(self) -> Dict[str, float]:
         """Debug/test helper: sum of |w| and of optimizer state per rank (local shards)."""
+        self._onload(with_optimizer=True)
         w = sum(float(_local(p).detach().double().abs().sum()) for p in self.model.parameters())
         o = 0.0
         if self.optimizer is not None:
@@ -309,6 +346,7 @@ class DTensorWorkerBase(WeightExportMixin):
 
     def full_weights(self) -> Dict[str, torch.Tensor]:
         """All ranks call; rank 0 gets the full fp32 state dict (tests, exports)."""
+        self._onload()
         return dtensor_checkpoint.full_state_dict(self.model)
 
     def shutdown(self) -> bool:

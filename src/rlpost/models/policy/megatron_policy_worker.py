@@ -190,7 +190,7 @@ class MegatronPolicyWorker(WeightExportMixin):
         from megatron.core import parallel_state as ps
 
         from rlpost.models.megatron.cpu_compat import seed_model_parallel_rng
-        from rlpost.models.megatron.model import build_gpt_model, load_hf_checkpoint
+        from rlpost.models.megatron.model import build_gpt_model, freeze_moe_routers, load_hf_checkpoint
         from rlpost.models.megatron.train_step import setup_training
         from rlpost.models.policy import megatron_checkpoint
 
@@ -218,6 +218,8 @@ class MegatronPolicyWorker(WeightExportMixin):
         self.hf_config = hf_config
         model = build_gpt_model(hf_config, m, self.cfg.precision, hf_state_dict=hf_state)
         del hf_state
+        if m.freeze_moe_router:
+            freeze_moe_routers(model)
         self.model: Any = model
         self.reference: Optional[Dict[str, torch.Tensor]] = None
         if init_ref:
@@ -326,8 +328,13 @@ class MegatronPolicyWorker(WeightExportMixin):
 
     @torch.no_grad()
     def _swap_weights(self, new: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Copy `new` into the model; returns what was there (a storage shared by two names once)."""
         old: Dict[str, torch.Tensor] = {}
+        seen = set()
         for k, v in self.local_state().items():
+            if v.data_ptr() in seen:
+                continue
+            seen.add(v.data_ptr())
             old[k] = v.detach().to("cpu", copy=True)
             v.copy_(new[k].to(v.device))
         return old
@@ -423,6 +430,12 @@ class MegatronPolicyWorker(WeightExportMixin):
     def offload_after_refit(self) -> None:
         """GPU: the optimizer state goes to the CPU; the weights stay on the GPU (megatron's DDP buffers)."""
         self._offload_optimizer_state()
+
+    def gpu_memory_stats(self) -> Dict[str, float]:
+        """logger.monitor_gpus: this rank's CUDA memory ({} on CPU)."""
+        from rlpost.models.policy.memory_phases import cuda_memory_stats
+
+        return cuda_memory_stats(self.device)
 
     # ---- refit export ----------------------------------------------------------------------
     def gather_full_weights(self, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
