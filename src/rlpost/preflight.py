@@ -88,9 +88,11 @@ DEVICE_KWARGS = frozenset({"fused", "foreach", "capturable"})
 def preflight_checks(master: MasterConfig, run_dir: Optional[Path] = None) -> None:
     """Raise ConfigError or DataError for anything that would fail after Ray starts. Loads no model."""
     check_model_dir(master)
+    check_hf_config_overrides(master)
     check_vocab_shards(master)
     check_optimizer(master)
     check_precision(master)
+    check_gpu_only_keys(master)
     check_metric_name(master)
     check_output_dirs(master, run_dir)
     check_prompt_files(master)
@@ -145,6 +147,33 @@ def check_model_dir(master: MasterConfig) -> None:
         raise ConfigError(tok_key, tok, "no such directory; the tokenizer is loaded from a local directory")
     if not any((t / f).is_file() for f in TOKENIZER_FILES):
         raise ConfigError(tok_key, tok, f"has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+
+
+def check_hf_config_overrides(master: MasterConfig) -> None:
+    """Every policy.hf_config_overrides key must be a field of the model's HF config. The trainer, the HF engine
+    and vLLM (`hf_overrides`) all apply the same dict; transformers would silently drop an unknown key (e.g.
+    `rope_theta`, which transformers 5 keeps inside `rope_parameters`) while vLLM sets it, so the engine and
+    the trainer could run different models."""
+    overrides = master.policy.hf_config_overrides
+    if not overrides:
+        return
+    if master.model.tiny is not None:
+        model_type, fields = master.model.tiny.architecture, set()
+    else:
+        hf = read_hf_config(str(master.policy.model_name), model_dir_key(master)) or {}
+        model_type, fields = str(hf.get("model_type", "")), set(hf)
+    try:
+        from transformers import AutoConfig
+
+        fields |= set(vars(AutoConfig.for_model(model_type)))
+    except (ImportError, ValueError, KeyError):
+        pass  # a model type transformers does not know (remote code): its config.json fields only
+    for key, value in overrides.items():
+        if key not in fields:
+            hint = _did_you_mean(key, sorted(f for f in fields if not f.startswith("_")))
+            raise ConfigError(f"policy.hf_config_overrides.{key}", value,
+                              f"is not a field of the {model_type or 'model'} config ({master.policy.model_name}); "
+                              "transformers would ignore it while vLLM would set it", hint)
 
 
 def check_vocab_shards(master: MasterConfig) -> None:
@@ -270,11 +299,10 @@ def check_precision(master: MasterConfig) -> None:
         return
     device = run_device(master)
     if device == "cpu" and p.precision != "float32":
-        why = "cluster.device=cpu" if master.cluster.device == "cpu" else "cluster.device=auto and no CUDA device"
         raise ConfigError(
             "policy.precision",
             p.precision,
-            f"{p.precision} training needs a GPU; this run is on CPU ({why})",
+            f"{p.precision} training needs a GPU; this run is on CPU ({_cpu_reason(master)})",
             "use policy.precision=float32 on CPU",
         )
     if p.megatron_cfg is not None:
@@ -285,6 +313,51 @@ def check_precision(master: MasterConfig) -> None:
         except NotImplementedError as exc:
             key, _, rule = str(exc).partition(": ")
             raise ConfigError(key, True, rule) from None
+
+
+def _cpu_reason(master: MasterConfig) -> str:
+    return "cluster.device=cpu" if master.cluster.device == "cpu" else "cluster.device=auto and no CUDA device"
+
+
+MOE_CONFIG_KEYS: Tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
+"""config.json keys that give an HF model's expert count."""
+
+
+def check_gpu_only_keys(master: MasterConfig) -> None:
+    """Keys that act on GPU memory or GPU engines: on a CPU run they would do nothing, so a non-default value is
+    refused naming the key. On GPU, vLLM expert parallelism also needs a mixture-of-experts model."""
+    p, d = master.policy, master.policy.dtensor_cfg
+    vllm_cfg = getattr(p.generation, "vllm_cfg", None)
+    ep = vllm_cfg.expert_parallel_size if vllm_cfg is not None else 1
+    keys: List[Tuple[str, Any, str]] = [
+        ("logger.monitor_gpus", master.logger.monitor_gpus, "it logs the workers' CUDA memory"),
+        ("policy.offload_optimizer_for_logprob", p.offload_optimizer_for_logprob,
+         "it moves the optimizer state from the GPU to the CPU during logprob passes"),
+        ("policy.generation.vllm_cfg.expert_parallel_size", ep if ep > 1 else None,
+         "vLLM's expert parallelism shards MoE experts over GPUs"),
+    ]
+    if d is not None:
+        keys += [
+            ("policy.dtensor_cfg.cpu_offload", d.cpu_offload,
+             "FSDP2 CPU offload keeps parameters, gradients and optimizer state off the GPU"),
+            ("policy.dtensor_cfg.clear_cache_every_n_steps", d.clear_cache_every_n_steps,
+             "it empties the CUDA allocator cache"),
+        ]
+    if not any(value for _, value, _ in keys):
+        return
+    if run_device(master) == "cpu":
+        for key, value, what in keys:
+            if value:
+                raise ConfigError(key, value, f"GPU only: {what}; this run is on CPU ({_cpu_reason(master)})",
+                                  "leave it at its default on CPU")
+    if ep > 1:
+        experts = 0 if master.model.tiny is not None else max(
+            int((read_hf_config(str(p.model_name), model_dir_key(master)) or {}).get(k) or 0) for k in MOE_CONFIG_KEYS
+        )
+        if experts <= 1:
+            raise ConfigError("policy.generation.vllm_cfg.expert_parallel_size", ep,
+                              f"expert parallelism needs a mixture-of-experts model; {p.model_name} has no experts "
+                              f"(none of {', '.join(MOE_CONFIG_KEYS)} in its config.json)")
 
 
 # ---- checkpoint metric ------------------------------------------------------------------------

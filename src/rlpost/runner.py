@@ -157,6 +157,7 @@ def run(cfg: MasterConfig, run_dir: Path) -> Dict[str, Any]:
     console.print(
         f"[bold green]done[/]: {summary['steps']} steps in {summary['wall_s']:.0f}s, {result}\n"
         f"  metrics:     {summary['metrics']}\n  tensorboard: {summary['tensorboard']}\n"
-        f"  checkpoints: {comps.checkpointer.dir if cfg.checkpointing.enabled else '(disabled)'}"
+        f"  checkpoints: {comps.checkpointer.dir if cfg.checkpointing.enabled else '(disabled)'}",
+        soft_wrap=True,  # a long path stays on its line
     )
     return summary

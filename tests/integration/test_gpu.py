@@ -67,3 +67,39 @@ def test_grpo_on_gpu_with_cuda_vllm(tmp_path: Path) -> None:
 
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 3 and all(m["train/token_mult_prob_error"] <= 1.001 for m in lines)
+
+
+def test_dtensor_memory_phases_free_the_gpu_and_restore_it(ray_local: None, tiny_model_dir: Path) -> None:
+    """offload_before_refit / offload_after_refit move the optimizer state and then the model off the GPU; the
+    next logprob pass and training step bring them back with the same numbers (issue #11 §4)."""
+    from rlpost.algorithms.loss_functions import ClippedPGLossFn
+    from rlpost.config.schema.loss import ClippedPGLossConfig
+    from rlpost.distributed.batched_data_dict import BatchedDataDict
+    from rlpost.distributed.virtual_cluster import RayVirtualCluster
+    from rlpost.models.policy.lm_policy import Policy
+
+    cluster = RayVirtualCluster("gpu-mem", 1, use_gpus=True, cpus_per_bundle=1.0)
+    policy = Policy(cluster, _policy(tiny_model_dir, "policy.offload_optimizer_for_logprob=true"), device="cuda")
+    try:
+        n, s = 16, 12
+        ids = torch.randint(3, 300, (n, s))
+        data = BatchedDataDict(input_ids=ids, input_lengths=torch.full((n,), s), token_mask=torch.ones(n, s),
+                               sample_mask=torch.ones(n), advantages=torch.randn(n, 1).expand(n, s).clone(),
+                               generation_logprobs=torch.zeros(n, s))
+        loss_fn = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0))
+        data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
+        policy.train(data, loss_fn)
+        before = policy.get_logprobs(data)["logprobs"]
+        trained = policy.gpu_memory_metrics()["gpu/rank0/memory_allocated_gb"]
+        policy.offload_before_refit()
+        policy.offload_after_refit()
+        offloaded = policy.gpu_memory_metrics()["gpu/rank0/memory_allocated_gb"]
+        assert offloaded < trained, (offloaded, trained)
+        policy.prepare_for_lp_inference()
+        torch.testing.assert_close(policy.get_logprobs(data)["logprobs"], before)
+        policy.prepare_for_training()
+        out = policy.train(data, loss_fn)
+        assert torch.isfinite(torch.tensor(out["loss"]))
+    finally:
+        policy.shutdown()
+        cluster.shutdown()

@@ -22,6 +22,7 @@ from rlpost.algorithms.advantages import (
     compute_advantages,
     scale_rewards,
 )
+from rlpost.algorithms.deadline import SaveDeadline
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
 from rlpost.algorithms.grpo_setup import GRPOComponents, generation_dtype, save_rng_state, setup
 from rlpost.algorithms.refit import refit_policy_generation
@@ -102,6 +103,7 @@ def validate(c: GRPOComponents, step: int) -> Dict[str, float]:
         return {}
     t0 = time.perf_counter()
     rewards, lengths = [], []
+    to_print = c.cfg.logger.num_val_samples_to_print
     for start in range(0, len(rows), g.val_batch_size):
         part = [c.processor(r) for r in rows[start : start + g.val_batch_size]]
         seeds = _sample_seeds(g.seed, step, len(part), salt=1 + start)
@@ -109,6 +111,8 @@ def validate(c: GRPOComponents, step: int) -> Dict[str, float]:
                             label=f"validation at step {step}")
         rewards.append(batch.rewards)
         lengths.append(batch.gen["generation_lengths"].float())
+        for i in range(min(batch.size, max(to_print - start, 0))):  # logger.num_val_samples_to_print
+            say.info(val_sample_line(c.tokenizer, batch, i, step, start + i + 1, min(to_print, len(rows))))
     r = torch.cat(rewards)
     c.generation.finish_generation()
     return {
@@ -117,6 +121,20 @@ def validate(c: GRPOComponents, step: int) -> Dict[str, float]:
         "validation/reward": float(r.mean()),
         "timing/validation/total_validation_time": time.perf_counter() - t0,
     }
+
+
+def val_sample_line(tokenizer: Any, batch: RolloutBatch, i: int, step: int, k: int, n: int, width: int = 200) -> str:
+    """One console line for validation sample i: prompt -> response, reward (each part shortened to fit `width`)."""
+
+    def short(text: str, limit: int) -> str:
+        text = repr(text)[1:-1]  # newlines and tabs escaped: one line
+        return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."
+
+    prompt = tokenizer.decode(batch.rows[i]["prompt_ids"], skip_special_tokens=True)
+    head = f"validation sample {k}/{n} at step {step}: "
+    tail = f" (reward {float(batch.rewards[i]):.3f})"
+    room = max(width - len(head) - len(tail) - len(" -> "), 20)
+    return f"{head}{short(prompt, room // 2)} -> {short(batch.responses[i], room - room // 2)}{tail}"
 
 
 def save_checkpoint(c: GRPOComponents, step: int, metrics: Dict[str, float]) -> None:
@@ -132,7 +150,8 @@ def save_checkpoint(c: GRPOComponents, step: int, metrics: Dict[str, float]) -> 
         if value is not None:
             s.extra[name] = value
     tmp = c.checkpointer.begin(step)
-    c.policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"))
+    c.policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"),
+                             hf_export=c.cfg.checkpointing.save_consolidated)
     (tmp / "train_dataloader.json").write_text(json.dumps(c.dataloader.state_dict()))
     (tmp / "rng_state.json").write_text(json.dumps(save_rng_state()))
     (tmp / "config.yaml").write_text(json.dumps(c.config_dict, indent=1, default=str))
@@ -191,10 +210,12 @@ def _lr(c: GRPOComponents) -> object:
 
 
 def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> GRPOSaveState:
-    """Run GRPO until grpo.max_num_steps or grpo.max_num_epochs; returns the final save state."""
+    """Run GRPO until grpo.max_num_steps or grpo.max_num_epochs (or, with checkpointing.checkpoint_must_save_by,
+    until the next step would pass the wall-clock budget: then it saves and returns); the final save state."""
     cfg, g, s = c.cfg, c.cfg.grpo, c.save_state
     timer = Timer()
     slowest = 0.0
+    deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, c.started_at)
     stale = True
     gen_dtype = generation_dtype(cfg)
     if g.val_at_start and s.total_steps == 0:
@@ -208,6 +229,7 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
         prompt_rows = loader.next_batch()
         step = s.total_steps + 1
         timer.reset()
+        step_t0 = time.perf_counter()
         with timer.time("total_step_time"):
             metrics: Dict[str, float] = {}
             sampler = DynamicSampler(g.num_prompts_per_step * g.num_generations_per_prompt,
@@ -271,9 +293,15 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
             s.total_valid_tokens += int((train_data["token_mask"] * train_data["sample_mask"][:, None]).sum())
             _health_gate(c, metrics, step)
             last = step >= g.max_num_steps
-            if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last):
+            deadline.step_took(time.perf_counter() - step_t0)
+            out_of_time = deadline.due() and not last
+            if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last or out_of_time):
+                save_t0 = time.perf_counter()
                 with timer.time("checkpointing"):
                     save_checkpoint(c, step, metrics)
+                deadline.save_took(time.perf_counter() - save_t0)
+            if cfg.logger.monitor_gpus:
+                metrics.update(c.policy.gpu_memory_metrics())
         metrics.update(timer.metrics("timing/train"))
         n_tok = float(train_data["input_lengths"].sum())
         metrics["performance/tokens_per_sec"] = n_tok / max(timer.times["total_step_time"], 1e-9)
@@ -284,6 +312,9 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
         _tighten_call_timeouts(c, slowest)
         if on_step is not None:
             on_step(step, metrics)
+        if out_of_time:
+            say.info(deadline.message(step))
+            break
     return s
 
 

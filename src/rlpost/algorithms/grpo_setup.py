@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -47,6 +48,8 @@ class GRPOComponents:
     config_dict: Dict[str, Any]
     colocated: bool = True
     extras: Dict[str, Any] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
+    """time.monotonic() when setup began: checkpointing.checkpoint_must_save_by counts from here."""
 
     def close(self) -> None:
         """Release engines, workers, clusters, verifier processes and the logger (idempotent)."""
@@ -79,6 +82,7 @@ def _prepare_model(cfg: MasterConfig) -> None:
 
 def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     """Build every component of a GRPO run (resuming from the latest checkpoint if one exists)."""
+    started_at = time.monotonic()
     set_seed(cfg.grpo.seed)
     _prepare_model(cfg)
     logger = MetricsLogger(cfg.logger, run_dir)
@@ -143,7 +147,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         cfg=cfg, run_dir=run_dir, policy=None, generation=None, clusters=clusters, dataloader=dataloader,
         val_rows=val_rows, loss_fn=None, logger=logger, checkpointer=checkpointer, save_state=save_state,
         tokenizer=tokenizer, processor=processor, envs=envs, model_fp=model_fp, config_dict=config_dict,
-        colocated=colocated,
+        colocated=colocated, started_at=started_at,
     )
     try:
         from rlpost.models.policy.lm_policy import Policy
@@ -160,7 +164,8 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
                 timeout_s=cfg.cluster.call_timeout_s,
             )
             comps.generation = build(gen_cfg, gen_cluster, model_path=cfg.policy.model_name,
-                                     timeout_s=cfg.cluster.call_timeout_s, key="policy.generation._target_")
+                                     timeout_s=cfg.cluster.call_timeout_s, key="policy.generation._target_",
+                                     hf_overrides=dict(cfg.policy.hf_config_overrides))
             comps.generation.finish_generation()
             if not colocated:
                 from rlpost.algorithms.refit import init_refit_collective

@@ -28,7 +28,8 @@ def refit_policy_generation(
 ) -> float:
     """Refit and check; returns the seconds it took."""
     t0 = time.perf_counter()
-    policy.offload_before_refit()
+    if colocated_inference:  # the engine shares the device: free the optimizer's share before it wakes
+        policy.offload_before_refit()
     policy_generation.prepare_for_generation(tags=["weights"])
     if colocated_inference:
         bucket = int(refit_buffer_size_gb * 2**30) if refit_buffer_size_gb else DEFAULT_CHUNK_BYTES
@@ -45,7 +46,8 @@ def refit_policy_generation(
             f"refit check failed: the engine loaded weights with fingerprint {engine_fp}, "
             f"the policy sent {policy_fp}"
         )
-    policy.offload_after_refit()
+    if colocated_inference:  # and the model's, before the engine allocates its KV cache
+        policy.offload_after_refit()
     policy_generation.prepare_for_generation(tags=["kv_cache"])
     return time.perf_counter() - t0
 

@@ -119,7 +119,7 @@ def test_sample_seeds_depend_only_on_step() -> None:
 class _SavingPolicy:
     """Writes a weights file where a real Policy would write its checkpoint."""
 
-    def save_checkpoint(self, weights: str, optimizer: str) -> None:
+    def save_checkpoint(self, weights: str, optimizer: str, hf_export: bool = True) -> None:
         from pathlib import Path
 
         Path(weights).mkdir(parents=True)

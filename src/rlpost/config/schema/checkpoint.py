@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from rlpost.config.errors import one_of, positive, require
+from rlpost.config.errors import positive, require
 
 
 @dataclass
@@ -26,11 +26,12 @@ class CheckpointingConfig:
     save_period: int = 10
     """Save every this many steps (and at the last step)."""
     checkpoint_must_save_by: Optional[str] = None
-    """Wall-clock budget 'DD:HH:MM:SS' after which the run saves and exits."""
+    """Wall-clock budget 'DD:HH:MM:SS' from the run's start: when the next step (plus a save) would pass it,
+    the run saves a checkpoint and stops with exit 0; re-running the command resumes."""
     model_save_format: str = "safetensors"
-    """'safetensors' or 'torch_save' for the consolidated export."""
-    save_consolidated: bool = False
-    """Also write a consolidated HF model directory."""
+    """Tensor file format of checkpoints: only 'safetensors' ('torch_save' pickles, which can run code when loaded)."""
+    save_consolidated: bool = True
+    """Write the consolidated HF export (policy/weights/hf, loadable with from_pretrained) in every checkpoint."""
     force_resume: bool = False
     """Resume even if the checkpoint's model or config fingerprint differs."""
     save_on_interrupt: bool = False
@@ -39,7 +40,14 @@ class CheckpointingConfig:
     def check(self, path: str) -> None:
         positive(f"{path}.save_period", self.save_period)
         positive(f"{path}.keep_top_k", self.keep_top_k, allow_none=True)
-        one_of(f"{path}.model_save_format", self.model_save_format, ("safetensors", "torch_save"))
+        require(
+            self.model_save_format == "safetensors",
+            f"{path}.model_save_format",
+            self.model_save_format,
+            "rlpost writes checkpoints as safetensors only: torch_save writes pickles, and loading a pickle can "
+            "run code",
+            "use checkpointing.model_save_format=safetensors",
+        )
         if self.metric_name is not None:
             require(
                 self.metric_name.startswith(("val:", "train:")),
@@ -48,9 +56,20 @@ class CheckpointingConfig:
                 "must start with 'val:' or 'train:'",
             )
         if self.checkpoint_must_save_by is not None:
-            require(
-                re.fullmatch(r"\d+:\d\d:\d\d:\d\d", self.checkpoint_must_save_by) is not None,
-                f"{path}.checkpoint_must_save_by",
-                self.checkpoint_must_save_by,
-                "must be 'DD:HH:MM:SS'",
-            )
+            key = f"{path}.checkpoint_must_save_by"
+            require(wall_budget_s(self.checkpoint_must_save_by) is not None, key, self.checkpoint_must_save_by,
+                    "must be 'DD:HH:MM:SS' (hours < 24, minutes and seconds < 60) and more than 0 seconds")
+            require(self.enabled, key, self.checkpoint_must_save_by,
+                    "saving before the deadline needs checkpointing.enabled=true")
+
+
+def wall_budget_s(text: str) -> Optional[float]:
+    """Seconds of a 'DD:HH:MM:SS' budget; None when malformed or zero."""
+    m = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", str(text))
+    if m is None:
+        return None
+    d, h, mi, s = (int(x) for x in m.groups())
+    if h >= 24 or mi >= 60 or s >= 60:
+        return None
+    total = float(((d * 24 + h) * 60 + mi) * 60 + s)
+    return total if total > 0 else None

@@ -60,7 +60,7 @@ class DataConfig:
     seed: int = 42
     """Shuffle seed."""
     num_workers: int = 0
-    """Dataloader worker processes."""
+    """Dataloader worker processes: only 0 (rows are read once and tokenized in the driver, a few per step)."""
 
     def check(self, path: str) -> None:
         one_of(f"{path}.dataset_name", self.dataset_name, ("synthetic", "jsonl", "parquet"))
@@ -74,4 +74,11 @@ class DataConfig:
                 f"dataset_name={self.dataset_name} needs a local train_data_path",
             )
         positive(f"{path}.max_input_seq_length", self.max_input_seq_length)
-        require(self.num_workers >= 0, f"{path}.num_workers", self.num_workers, "must be >= 0")
+        require(
+            self.num_workers == 0,
+            f"{path}.num_workers",
+            self.num_workers,
+            "rlpost's prompt loader has no worker processes: the rows are read once at start and each step's "
+            "prompts are tokenized in the driver",
+            "leave it at 0; env.<name>.num_workers sets the reward workers",
+        )

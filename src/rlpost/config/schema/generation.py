@@ -32,6 +32,13 @@ class ColocationConfig:
     """Generation resources when not colocated."""
 
 
+ENGINE_BACKENDS: Dict[str, str] = {
+    "rlpost.models.generation.vllm_generation.VllmGeneration": "vllm",
+    "rlpost.models.generation.hf_generation.HFGeneration": "hf",
+}
+"""`backend` of each built-in engine class (`_target_`)."""
+
+
 @dataclass
 class GenerationConfig:
     """What every rollout engine honours (NeMo RL GenerationConfig)."""
@@ -39,7 +46,7 @@ class GenerationConfig:
     _target_: str = "rlpost.models.generation.vllm_generation.VllmGeneration"
     """Engine class, built by rlpost.build."""
     backend: str = "vllm"
-    """Engine name, for logs and `_should_use_async_rollouts`: 'vllm' or 'hf'."""
+    """Engine name, for logs and `_should_use_async_rollouts`: 'vllm' or 'hf'; must name the engine `_target_` builds."""
     max_new_tokens: int = 512
     """Most tokens generated per sample."""
     temperature: float = 1.0
@@ -58,7 +65,22 @@ class GenerationConfig:
     """Colocation with the training workers."""
 
     def check(self, path: str) -> None:
-        one_of(f"{path}.backend", self.backend, ("vllm", "hf", "megatron"))
+        require(
+            self.backend != "megatron",
+            f"{path}.backend",
+            self.backend,
+            "rlpost has no Megatron generation engine (the policy workers do not generate)",
+            "use generation=vllm or generation=hf",
+        )
+        one_of(f"{path}.backend", self.backend, tuple(sorted(set(ENGINE_BACKENDS.values()))))
+        built = ENGINE_BACKENDS.get(self._target_)
+        require(
+            built is None or built == self.backend,
+            f"{path}.backend",
+            self.backend,
+            f"disagrees with {path}._target_={self._target_}, which builds the {built!r} engine",
+            "choose the engine with generation=vllm|hf; backend follows it",
+        )
         positive(f"{path}.max_new_tokens", self.max_new_tokens)
         positive(f"{path}.temperature", self.temperature)
         require(0.0 < self.top_p <= 1.0, f"{path}.top_p", self.top_p, "must be in (0, 1]")
@@ -87,7 +109,8 @@ class VllmSpecificArgs:
     pipeline_parallel_size: int = 1
     """Pipeline-parallel size of each engine replica."""
     expert_parallel_size: int = 1
-    """Expert-parallel size of each engine replica."""
+    """Expert-parallel size of each engine replica: 1, or tensor_parallel_size (vLLM's enable_expert_parallel
+    shards the experts over the replica's TP ranks); GPU only, MoE models only."""
     gpu_memory_utilization: float = 0.6
     """Share of GPU memory vLLM may take (GPU only)."""
     max_model_len: Optional[int] = None
@@ -108,6 +131,13 @@ class VllmSpecificArgs:
     def check(self, path: str) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             positive(f"{path}.{name}", getattr(self, name))
+        require(
+            self.expert_parallel_size in (1, self.tensor_parallel_size),
+            f"{path}.expert_parallel_size",
+            self.expert_parallel_size,
+            f"must be 1 or tensor_parallel_size ({self.tensor_parallel_size}): vLLM's expert parallelism spans the "
+            "tensor-parallel ranks of one replica",
+        )
         require(
             0.0 < self.gpu_memory_utilization <= 1.0,
             f"{path}.gpu_memory_utilization",
@@ -135,6 +165,7 @@ VLLM_RLPOST_KWARGS: Dict[str, str] = {
     "seed": "policy.generation.vllm_cfg.seed",
     "tensor_parallel_size": "policy.generation.vllm_cfg.tensor_parallel_size",
     "pipeline_parallel_size": "policy.generation.vllm_cfg.pipeline_parallel_size",
+    "enable_expert_parallel": "policy.generation.vllm_cfg.expert_parallel_size",
     "distributed_executor_backend": "from the parallel sizes and the device",
     "enforce_eager": "policy.generation.vllm_cfg.enforce_eager",
     "max_model_len": "policy.generation.vllm_cfg.max_model_len",

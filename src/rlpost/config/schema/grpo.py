@@ -15,11 +15,11 @@ class AsyncGRPOConfig:
     enabled: bool = False
     """Turn async GRPO on (not implemented yet in rlpost: must stay false)."""
     max_trajectory_age_steps: int = 1
-    """How many policy versions old a trajectory may be."""
+    """How many policy versions old a trajectory may be (async GRPO only: only the default is accepted)."""
     in_flight_weight_updates: bool = False
-    """Swap weights mid-generation."""
+    """Swap weights mid-generation (async GRPO only: only the default is accepted)."""
     recompute_kv_cache_after_weight_updates: bool = False
-    """Recompute the KV cache after an in-flight update."""
+    """Recompute the KV cache after an in-flight update (async GRPO only: only the default is accepted)."""
 
 
 @dataclass
@@ -132,6 +132,16 @@ class GRPOConfig:
             "asynchronous GRPO is not implemented in rlpost yet",
             "async rollouts inside the synchronous loop: policy.generation.vllm_cfg.async_engine=true",
         )
+        defaults = AsyncGRPOConfig()
+        for name in ("max_trajectory_age_steps", "in_flight_weight_updates", "recompute_kv_cache_after_weight_updates"):
+            require(
+                getattr(self.async_grpo, name) == getattr(defaults, name),
+                f"{path}.async_grpo.{name}",
+                getattr(self.async_grpo, name),
+                "is an option of asynchronous GRPO, which rlpost does not implement (async_grpo.enabled is refused); "
+                "it would have no effect",
+                f"leave it at {getattr(defaults, name)}",
+            )
         rs = self.reward_scaling
         require(rs.source_min < rs.source_max, f"{path}.reward_scaling.source_min", rs.source_min, "must be < source_max")
         sh = self.reward_shaping

@@ -43,7 +43,8 @@ class LoggerConfig:
     swanlab_enabled: bool = False
     """SwanLab (not available in rlpost)."""
     monitor_gpus: bool = False
-    """Log GPU utilisation and memory (GPU only)."""
+    """Log each policy rank's CUDA memory (and utilisation when NVML is installed) every step as gpu/rank<r>/*
+    (GPU only)."""
     console_progress: bool = True
     """Show a rich progress bar with step, reward and step time."""
     tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig)
@@ -67,7 +68,7 @@ class GRPOLoggerConfig(LoggerConfig):
     """LoggerConfig plus GRPO's sample printing."""
 
     num_val_samples_to_print: int = 0
-    """Validation samples printed to the console after each validation."""
+    """Validation samples printed to the console at each validation, one line each: prompt -> response (reward)."""
 
     def check(self, path: str) -> None:
         super().check(path)

@@ -79,13 +79,6 @@ class MasterConfig:
             p.generation.max_new_tokens,
             f"must be <= policy.max_total_sequence_length ({p.max_total_sequence_length})",
         )
-        if p.generation.backend == "megatron":
-            require(
-                p.megatron_cfg is not None,
-                "policy.generation.backend",
-                "megatron",
-                "generation by the policy itself needs policy=megatron",
-            )
         if self.checkpointing.enabled and (self.checkpointing.metric_name or "").startswith("val:"):
             require(
                 g.val_period > 0,

@@ -133,13 +133,13 @@ class MegatronConfig:
     sequence_parallel: bool = False
     """Shard norm/dropout activations over the TP group (requires TP > 1)."""
     freeze_moe_router: bool = True
-    """Do not train MoE routers."""
+    """Do not train MoE routers (their parameters get requires_grad=False; a dense model has none)."""
     expert_tensor_parallel_size: int = 1
     """Tensor-parallel size inside experts."""
     expert_model_parallel_size: int = 1
     """Expert-parallel size."""
     defer_fp32_logits: bool = False
-    """Cast logits to fp32 lazily (required with logprob_chunk_size)."""
+    """Cast logits to fp32 lazily: not implemented (logits reach the chunked logprob pass in fp32), must stay false."""
     apply_rope_fusion: bool = False
     """Fused RoPE kernel (GPU only)."""
     optimizer: MegatronOptimizerConfig = field(default_factory=MegatronOptimizerConfig)
@@ -169,6 +169,14 @@ class MegatronConfig:
             f"{path}.sequence_parallel",
             self.sequence_parallel,
             "sequence parallelism needs tensor_model_parallel_size > 1",
+        )
+        require(
+            not self.defer_fp32_logits,
+            f"{path}.defer_fp32_logits",
+            self.defer_fp32_logits,
+            "lazy fp32 logits are not implemented by rlpost's Megatron worker: its logits reach the logprob pass in "
+            "fp32 (policy.logprob_chunk_size works without it)",
+            "leave it false",
         )
         self.optimizer.check(f"{path}.optimizer")
         self.scheduler.check(f"{path}.scheduler")

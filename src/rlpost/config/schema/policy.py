@@ -105,7 +105,7 @@ class DTensorConfig:
     env_vars: Dict[str, str] = field(default_factory=dict)
     """Extra environment variables for each worker process."""
     cpu_offload: bool = False
-    """FSDP2 CPUOffloadPolicy for params, grads and optimizer state."""
+    """FSDP2 CPUOffloadPolicy for params, grads and optimizer state (GPU only)."""
     sequence_parallel: bool = False
     """Shard norm activations over the TP group (requires tensor_parallel_size > 1)."""
     activation_checkpointing: bool = False
@@ -117,9 +117,10 @@ class DTensorConfig:
     custom_parallel_plan: Optional[str] = None
     """Import path of a TP plan (dict or callable) replacing the built-in per-architecture plan."""
     clear_cache_every_n_steps: Optional[int] = None
-    """Empty the allocator cache every N micro-batches."""
+    """Empty the CUDA allocator cache every N training micro-batches (GPU only); None = never."""
 
     def check(self, path: str) -> None:
+        positive(f"{path}.clear_cache_every_n_steps", self.clear_cache_every_n_steps, allow_none=True)
         positive(f"{path}.tensor_parallel_size", self.tensor_parallel_size)
         positive(f"{path}.context_parallel_size", self.context_parallel_size)
         require(
@@ -190,13 +191,19 @@ class RewardModelConfig:
     """Use the policy worker as a reward model instead of a causal LM."""
 
     enabled: bool = False
-    """Turn the reward-model mode on."""
+    """Turn the reward-model mode on (not implemented by rlpost's policy workers: must stay false)."""
     reward_model_type: str = "bradley_terry"
     """Only 'bradley_terry' (sequence classification, one label)."""
 
     def check(self, path: str) -> None:
-        if self.enabled:
-            one_of(f"{path}.reward_model_type", self.reward_model_type, ("bradley_terry",))
+        one_of(f"{path}.reward_model_type", self.reward_model_type, ("bradley_terry",))
+        require(
+            not self.enabled,
+            f"{path}.enabled",
+            self.enabled,
+            "reward-model training is not implemented by rlpost's policy workers (they train causal LMs)",
+            "rewards come from the environments (env=...)",
+        )
 
 
 @dataclass
@@ -220,7 +227,8 @@ class PolicyConfig:
     generation: GenerationConfig = field(default_factory=VllmConfig)
     """Rollout engine (`generation=vllm|hf`)."""
     generation_batch_size: int = 32
-    """Prompts per batch when the policy itself generates."""
+    """Prompts per `generate` call of the HF engine (generation=hf fills policy.generation.generation_batch_size
+    from it); vLLM schedules whole batches itself, so with generation=vllm only the default is accepted."""
     precision: str = "float32"
     """Compute dtype: 'float32', 'bfloat16' or 'float16' (master weights stay fp32)."""
     reward_model_cfg: RewardModelConfig = field(default_factory=RewardModelConfig)
@@ -250,7 +258,7 @@ class PolicyConfig:
     trust_remote_code: bool = False
     """Allow HF checkpoints to run their own Python code. Off: loading never executes model code."""
     offload_optimizer_for_logprob: bool = False
-    """Move optimizer state off the device during logprob passes."""
+    """Move the optimizer state to the CPU during logprob passes (GPU only)."""
 
     def check(self, path: str) -> None:
         require(bool(self.model_name), f"{path}.model_name", self.model_name, "must name a local model directory")
@@ -272,6 +280,7 @@ class PolicyConfig:
         self._check_backend(path)
         self.generation.check(f"{path}.generation")
         self.reward_model_cfg.check(f"{path}.reward_model_cfg")
+        self._check_generation_batch_size(path)
         self.dynamic_batching.check(f"{path}.dynamic_batching")
         self.sequence_packing.check(f"{path}.sequence_packing")
         require(
@@ -287,6 +296,28 @@ class PolicyConfig:
                 f"{path}.optimizer.kwargs.lr",
                 self.optimizer.kwargs.get("lr"),
                 "must be a number > 0",
+            )
+
+    def _check_generation_batch_size(self, path: str) -> None:
+        """The policy-level batch is the HF engine's; no other engine reads it."""
+        key = f"{path}.generation_batch_size"
+        engine_batch = getattr(self.generation, "generation_batch_size", None)
+        if engine_batch is None:
+            require(
+                self.generation_batch_size == PolicyConfig.generation_batch_size,
+                key,
+                self.generation_batch_size,
+                f"only the HF engine batches prompts; {type(self.generation).__name__} schedules whole batches "
+                "itself, so this would have no effect",
+                f"leave it at {PolicyConfig.generation_batch_size}, or use generation=hf",
+            )
+        else:
+            require(
+                self.generation_batch_size == engine_batch,
+                key,
+                self.generation_batch_size,
+                f"differs from {path}.generation.generation_batch_size ({engine_batch}), which the HF engine uses",
+                "set one of them (the engine's defaults to this one)",
             )
 
     def _check_backend(self, path: str) -> None:

@@ -86,15 +86,21 @@ def _stop_recorder(prompt_width: int, batch: int, stop_ids: list[int], string_cr
 class HFGenerationWorker:
     """One transformers model in a Ray actor."""
 
-    def __init__(self, model_path: str, precision: str = "float32", batch_size: int = 32, seed: int = 0) -> None:
+    def __init__(
+        self, model_path: str, precision: str = "float32", batch_size: int = 32, seed: int = 0,
+        hf_overrides: Optional[dict[str, Any]] = None,
+    ) -> None:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = _DTYPES[precision]
         self.batch_size = batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
+        config = AutoConfig.from_pretrained(model_path, **(hf_overrides or {}))  # policy.hf_config_overrides
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, config=config, dtype=self.dtype, use_safetensors=True
+        ).to(self.device).eval()
         gc = self.model.generation_config
         gc.eos_token_id = None  # stops come only from the rlpost config
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -236,6 +242,7 @@ class HFGeneration(GenerationInterface):
         model_path: Optional[str] = None,
         timeout_s: float = 900.0,
         seed: int = 0,
+        hf_overrides: Optional[Mapping[str, Any]] = None,
     ) -> None:
         self.cfg = cfg
         self.cluster = cluster
@@ -250,6 +257,7 @@ class HFGeneration(GenerationInterface):
             cfg.precision,
             cfg.generation_batch_size,
             seed,
+            dict(hf_overrides or {}),
             dims=ParallelDims(dp=cluster.world_size),
             name_prefix="hf-generation",
             timeout_s=timeout_s,

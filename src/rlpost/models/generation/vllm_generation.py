@@ -65,8 +65,11 @@ VLLM_ENGINE_ENV: dict[str, str] = {
 """Environment of every engine actor (on top of WORKER_ENV); the driver's own values win."""
 
 
-def engine_kwargs(cfg: VllmConfig, replica: int, use_gpus: bool) -> dict[str, Any]:
-    """The vllm.LLM / AsyncEngineArgs keyword arguments for replica `replica`."""
+def engine_kwargs(
+    cfg: VllmConfig, replica: int, use_gpus: bool, hf_overrides: Optional[Mapping[str, Any]] = None
+) -> dict[str, Any]:
+    """The vllm.LLM / AsyncEngineArgs keyword arguments for replica `replica`; `hf_overrides` is
+    policy.hf_config_overrides, so the engine runs the model config the trainer runs."""
     v = cfg.vllm_cfg
     kw: dict[str, Any] = {
         "dtype": v.precision,
@@ -81,6 +84,10 @@ def engine_kwargs(cfg: VllmConfig, replica: int, use_gpus: bool) -> dict[str, An
     }
     if v.max_model_len is not None:
         kw["max_model_len"] = v.max_model_len
+    if hf_overrides:
+        kw["hf_overrides"] = dict(hf_overrides)
+    if v.expert_parallel_size > 1:  # experts sharded over the replica's TP ranks (the schema requires EP == TP)
+        kw["enable_expert_parallel"] = True
     if use_gpus:
         kw["gpu_memory_utilization"] = v.gpu_memory_utilization
         kw["enable_sleep_mode"] = True
@@ -119,6 +126,7 @@ class VllmGeneration(GenerationInterface):
         model_path: Optional[str] = None,
         timeout_s: float = 900.0,
         name_prefix: str = "vllm",
+        hf_overrides: Optional[Mapping[str, Any]] = None,
     ) -> None:
         self.cfg = cfg
         self.cluster = cluster
@@ -155,7 +163,7 @@ class VllmGeneration(GenerationInterface):
             self.workers.append(
                 remote_cls.options(**opts).remote(
                     self.model_path,
-                    engine_kwargs(cfg, r, self.use_gpus),
+                    engine_kwargs(cfg, r, self.use_gpus, hf_overrides),
                     v.async_engine,
                     r,
                     "cuda" if self.use_gpus else "cpu",

@@ -121,6 +121,17 @@ def load_hf_weights(
     gpt.load_state_dict(local, strict=False)
 
 
+def freeze_moe_routers(model: torch.nn.Module) -> int:
+    """megatron_cfg.freeze_moe_router: requires_grad=False on every MoE router parameter (megatron names them
+    `...mlp.router.<param>`), before DDP and the optimizer are built, so they are never updated. How many."""
+    frozen = 0
+    for name, param in model.named_parameters():
+        if ".router." in f".{name}":
+            param.requires_grad_(False)
+            frozen += 1
+    return frozen
+
+
 def build_gpt_model(
     hf_model: str | os.PathLike[str] | Any,
     megatron_cfg: MegatronConfig,

@@ -34,8 +34,9 @@ class PolicyInterface(ABC):
         """Eval mode for logprob passes (optimizer may be offloaded)."""
 
     @abstractmethod
-    def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None) -> None:
-        """Sharded weights (and optimizer, scheduler) to disk, plus a consolidated HF export under weights_path/hf."""
+    def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None, hf_export: bool = True) -> None:
+        """Sharded weights (and optimizer, scheduler) to disk, plus (hf_export) a consolidated HF export under
+        weights_path/hf."""
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -125,8 +125,13 @@ class Policy(ColocatablePolicyInterface):
     def prepare_for_lp_inference(self) -> None:
         self.worker_group.run_all("prepare_for_lp_inference")
 
-    def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None) -> None:
-        self.worker_group.run_all("save_checkpoint", weights_path, optimizer_path)
+    def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None, hf_export: bool = True) -> None:
+        self.worker_group.run_all("save_checkpoint", weights_path, optimizer_path, hf_export)
+
+    def gpu_memory_metrics(self) -> Dict[str, float]:
+        """`logger.monitor_gpus`: each rank's CUDA memory (and utilisation when NVML is there) as gpu/rank<r>/<name>."""
+        per_rank = self.worker_group.run_all("gpu_memory_stats")
+        return {f"gpu/rank{r}/{k}": float(v) for r, stats in enumerate(per_rank) for k, v in stats.items()}
 
     def shutdown(self) -> None:
         self.worker_group.shutdown(graceful_method="shutdown")
