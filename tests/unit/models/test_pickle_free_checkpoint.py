@@ -8,14 +8,12 @@ The 2-rank Ray versions for both backends are in tests/integration/test_checkpoi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pickle
 import shutil
-import socket
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -70,39 +68,7 @@ def test_state_codec_refuses_values_json_cannot_hold() -> None:
         dc.encode_state({(1, 2): 0}, {})
 
 
-# ---- the DTensor worker, one rank ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A factory of world-size-1 DTensor workers on the tiny model (the gloo group is torn down afterwards)."""
-    import torch.distributed as dist
-
-    from rlpost.config.load import load_master_config
-    from rlpost.config.schema.model import TinyModelConfig
-    from rlpost.models.policy.dtensor_policy_worker import DTensorPolicyWorker
-    from rlpost.models.tiny import ensure_tiny_model
-
-    mp = pytest.MonkeyPatch()
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-                 "RLPOST_DEVICE": "cpu"}.items():
-        mp.setenv(k, v)
-    threads = torch.get_num_threads()
-    model_dir = ensure_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("models") / "tiny")
-    _, cfg = load_master_config(["cluster.gpus_per_node=1"])  # AdamW + the default LambdaLR scheduler
-    cfg_p = dataclasses.replace(cfg.policy, model_name=str(model_dir))
-    cfg_p.tokenizer.name = str(model_dir)
-    try:
-        yield lambda: DTensorPolicyWorker(cfg_p, init_reference_model=False)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch.set_num_threads(threads)
-        mp.undo()
+# ---- the DTensor worker, one rank (the `one_rank` fixture is in conftest.py) -----------------------------------
 
 
 def _step(worker: Any, seed: int) -> None:

@@ -1,0 +1,45 @@
+"""Fixtures for tests of one policy worker run in-process."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A factory of world-size-1 DTensor workers on the tied tiny model (keyword arguments go to the worker;
+    the gloo group is torn down after the module)."""
+    import torch.distributed as dist
+
+    from rlpost.config.load import load_master_config
+    from rlpost.config.schema.model import TinyModelConfig
+    from rlpost.models.policy.dtensor_policy_worker import DTensorPolicyWorker
+    from rlpost.models.tiny import ensure_tiny_model
+
+    mp = pytest.MonkeyPatch()
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                 "RLPOST_DEVICE": "cpu"}.items():
+        mp.setenv(k, v)
+    threads = torch.get_num_threads()
+    model_dir = ensure_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("models") / "tiny")
+    _, cfg = load_master_config(["cluster.gpus_per_node=1"])  # AdamW + the default LambdaLR scheduler
+    cfg_p = dataclasses.replace(cfg.policy, model_name=str(model_dir))
+    cfg_p.tokenizer.name = str(model_dir)
+    try:
+        yield lambda **kw: DTensorPolicyWorker(cfg_p, **{"init_reference_model": False, **kw})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(threads)
+        mp.undo()
