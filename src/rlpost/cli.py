@@ -186,7 +186,7 @@ def compose_hydra_node(overrides: List[str]) -> Dict[str, Any]:
 
 def check_hydra_node(hydra: Dict[str, Any]) -> None:
     """Refuse any import path in the hydra node that is not Hydra's default or rlpost's own callback."""
-    from rlpost.config.errors import ConfigError
+    from rlpost.config.errors import ConfigError, safe_env_vars
 
     for name, entry in (hydra.get("callbacks") or {}).items():
         if entry != _RLPOST_CALLBACKS.get(name):
@@ -198,6 +198,7 @@ def check_hydra_node(hydra: Dict[str, Any]) -> None:
     for entry in hydra.get("searchpath") or []:
         if not (isinstance(entry, str) and entry.startswith("file://")):
             raise ConfigError("hydra.searchpath", entry, "may list only file:// directories")
+    safe_env_vars("hydra.job.env_set", (hydra.get("job") or {}).get("env_set") or {})
     for key, value in _hydra_leaves(hydra, "hydra"):
         leaf = key.rsplit(".", 1)[-1]
         in_logging = key.startswith(("hydra.job_logging.", "hydra.hydra_logging."))

@@ -54,3 +54,18 @@ def report_config_error(err: ConfigError, job: list[str] | None = None) -> None:
     if err.hint:
         msg += f"\n  hint: {err.hint}"
     print(msg, file=sys.stderr)
+
+
+LOADER_ENV_VARS = frozenset({
+    "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONBREAKPOINT", "PYTHONINSPECT",
+    "PYTHONEXECUTABLE", "PYTHONSAFEPATH", "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "DYLD_INSERT_LIBRARIES",
+})
+"""Variables that make a process load code from a path: a config must not set them for workers."""
+
+
+def safe_env_vars(key: str, env: dict[str, Any]) -> None:
+    """Refuse environment variables that would make worker processes import or preload other code."""
+    for name in env:
+        require(str(name).upper() not in LOADER_ENV_VARS, f"{key}.{name}", env[name],
+                "this variable makes worker processes load code from a path; set it in the shell that "
+                "starts rlpost instead, where you own it")

@@ -264,3 +264,29 @@ def test_verifying_every_default_target_imports_nothing_heavy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("+policy.dtensor_cfg.env_vars.PYTHONPATH=/tmp/evil", "policy.dtensor_cfg.env_vars.PYTHONPATH"),
+        ("+policy.dtensor_cfg.env_vars.LD_PRELOAD=/tmp/evil.so", "policy.dtensor_cfg.env_vars.LD_PRELOAD"),
+        ("+hydra.job.env_set.PYTHONSTARTUP=/tmp/evil.py", "hydra.job.env_set.PYTHONSTARTUP"),
+    ],
+)
+def test_env_vars_that_load_code_are_refused(override: str, key: str, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import rlpost.train
+    from rlpost.cli import main
+
+    monkeypatch.setattr(rlpost.train, "main", lambda: pytest.fail("a job started"))
+    assert main(["plan" if override.startswith("+policy") else "train", override]) == 2
+    err = capsys.readouterr().err
+    assert key in err and "load code" in err
+
+
+def test_megatron_env_vars_are_checked_too(capsys: pytest.CaptureFixture[str]) -> None:
+    from rlpost.cli import main
+
+    assert main(["plan", "policy=megatron", "+policy.megatron_cfg.env_vars.PYTHONPATH=/x"]) == 2
+    assert "policy.megatron_cfg.env_vars.PYTHONPATH" in capsys.readouterr().err

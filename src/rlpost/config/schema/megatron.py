@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-from rlpost.config.errors import one_of, positive, require
+from rlpost.config.errors import one_of, positive, require, safe_env_vars
 
 
 @dataclass
@@ -154,6 +154,7 @@ class MegatronConfig:
     """Raw TransformerConfig overrides passed through to megatron-core."""
 
     def check(self, path: str) -> None:
+        safe_env_vars(f"{path}.env_vars", self.env_vars)
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",

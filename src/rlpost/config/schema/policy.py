@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from rlpost.config.errors import ConfigError, one_of, positive, require
+from rlpost.config.errors import ConfigError, one_of, positive, require, safe_env_vars
 from rlpost.config.schema.generation import GenerationConfig, VllmConfig
 from rlpost.config.schema.megatron import MegatronConfig
 
@@ -120,6 +120,7 @@ class DTensorConfig:
     """Empty the CUDA allocator cache every N training micro-batches (GPU only); None = never."""
 
     def check(self, path: str) -> None:
+        safe_env_vars(f"{path}.env_vars", self.env_vars)
         positive(f"{path}.clear_cache_every_n_steps", self.clear_cache_every_n_steps, allow_none=True)
         positive(f"{path}.tensor_parallel_size", self.tensor_parallel_size)
         positive(f"{path}.context_parallel_size", self.context_parallel_size)
