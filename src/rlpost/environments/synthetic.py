@@ -3,6 +3,8 @@
 - next_letter: "Next letter after c" -> "d" (z wraps to a)
 - copy_digit:  "Copy the digit 7"     -> "7"
 - add_mod10:   "3 + 4 mod 10 ="       -> "7"
+- arith_add1 / arith_add2 / arith_mixed: "What is 3 + 4? Put the final answer in \\boxed{}." -> "7", for real
+  models, scored by math-verify (env=math), not by the exact match below
 
 Prompts end with the token the answer depends on most, so even a 2-layer model can learn the
 mapping quickly from bandit feedback.
@@ -38,7 +40,24 @@ def make_example(task: str, rng: random.Random) -> Dict[str, str]:
     if task == "add_mod10":
         a, b = rng.randrange(10), rng.randrange(10)
         return {"problem": f"{a} + {b} mod 10 =", "expected_answer": str((a + b) % 10)}
+    if task.startswith("arith_"):
+        return _arith(task, rng)
     raise ValueError(f"unknown synthetic task {task!r}")
+
+
+def _arith(task: str, rng: random.Random) -> Dict[str, str]:
+    """Arithmetic levels for real models: the answer is asked for in \\boxed{} and math-verify scores it."""
+    if task == "arith_add1":
+        a, b, op = rng.randrange(10), rng.randrange(10), "+"
+    elif task == "arith_add2":
+        a, b, op = rng.randrange(10, 100), rng.randrange(10, 100), "+"
+    elif task == "arith_mixed":
+        op = rng.choice("+-*")
+        a, b = rng.randrange(100), rng.randrange(10) if op == "*" else rng.randrange(100)
+    else:
+        raise ValueError(f"unknown synthetic task {task!r}")
+    value = a + b if op == "+" else a - b if op == "-" else a * b
+    return {"problem": f"What is {a} {op} {b}? Put the final answer in \\boxed{{}}.", "expected_answer": str(value)}
 
 
 def make_rows(task: str, n: int, seed: int) -> List[Dict[str, str]]:

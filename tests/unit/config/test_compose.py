@@ -17,6 +17,7 @@ COMPANIONS = {
     ("experiment", "qwen2_5_1_5b_math"): ["data.train_data_path=/tmp/train.jsonl"],
     ("cluster", "ray"): ["policy.train_micro_batch_size=8"],
     ("model", "local"): ["model.path=/models/any"],
+    ("data", "arith"): ["env=math"],
 }
 ALL = [(g, o) for g in groups() for o in group_options(g)]
 

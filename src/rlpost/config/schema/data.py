@@ -7,7 +7,7 @@ from typing import List, Optional
 
 from rlpost.config.errors import one_of, positive, require
 
-SYNTHETIC_TASKS = ("next_letter", "copy_digit", "add_mod10")
+SYNTHETIC_TASKS = ("next_letter", "copy_digit", "add_mod10", "arith_add1", "arith_add2", "arith_mixed")
 
 
 @dataclass
@@ -15,7 +15,9 @@ class SyntheticTaskConfig:
     """A verifiable task generated in-process (no files, no downloads)."""
 
     task: str = "copy_digit"
-    """'copy_digit' (repeat the digit), 'next_letter' or 'add_mod10' (see rlpost.environments.synthetic)."""
+    """'copy_digit' (repeat the digit), 'next_letter', 'add_mod10' (one-token answers, env=synthetic), or the
+    arithmetic levels 'arith_add1' (single-digit addition), 'arith_add2' (two-digit), 'arith_mixed' (+, -, * on
+    one and two digits) asking for a \\boxed{} answer (env=math); see rlpost.environments.synthetic."""
     num_train: int = 4096
     """Training prompts generated."""
     num_val: int = 64
