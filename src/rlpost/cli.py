@@ -17,6 +17,7 @@ usage: rlpost <command> [hydra overrides]
 commands:
   train [overrides]   run a job (GRPO by default); `-m` sweeps, `--cfg job` prints the config
   plan  [overrides]   compose + validate the config and print the derived numbers; starts nothing
+  eval  [overrides]   score a model dir or a checkpoint (eval.checkpoint=...) on a data set: accuracy, pass@k
 
 examples:
   rlpost train                                   tiny model + synthetic task on this machine
@@ -274,6 +275,40 @@ def _plan(argv: List[str]) -> int:
     return 0
 
 
+def _eval(argv: List[str]) -> int:
+    """`rlpost eval [overrides]`: the same config as train, validated the same way, then rlpost.evaluate."""
+    from rlpost import console as say
+    from rlpost import failures
+    from rlpost.config.errors import ConfigError
+
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: rlpost eval [hydra overrides]  (e.g. model.path=DIR | eval.checkpoint=RUN/checkpoints/step_N,"
+              " data=..., eval.num_samples=8, eval.greedy=true)")
+        return 0
+    rc = preflight(argv, False)
+    if rc:
+        return rc
+    from rlpost.config.load import load_master_config
+    from rlpost.evaluate import evaluate
+
+    _, master = load_master_config(argv)
+    try:
+        report = evaluate(master)
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - one line and the documented status
+        if isinstance(exc, ConfigError):
+            report_config_error(exc)
+            return 2
+        say.error(failures.describe(exc, None))
+        return failures.exit_status(exc)
+    k = report["k"]
+    print(f"rlpost eval: {report['model']} on {report['data']} ({report['split']}, "
+          f"{int(report['num_prompts'])} prompts x {k})")
+    print(f"  accuracy {report['accuracy']:.3f}  pass@{k} {report[f'pass@{k}']:.3f}  "
+          f"mean length {report['mean_length']:.1f}  ({report['wall_s']:.0f}s)")
+    print(f"  report: {report['output']}")
+    return 0
+
+
 def _train(argv: List[str]) -> int:
     flags, overrides, multirun = split_hydra_argv(argv)
     if not any(f in _NO_JOB_FLAGS for f in flags):
@@ -300,9 +335,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _train(rest)
     if cmd == "plan":
         return _plan(rest)
+    if cmd == "eval":
+        return _eval(rest)
     import difflib
 
-    close = difflib.get_close_matches(cmd, ["train", "plan"], n=1)
+    close = difflib.get_close_matches(cmd, ["train", "plan", "eval"], n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     print(f"rlpost: unknown command {cmd!r}{hint}\n\n{USAGE}", file=sys.stderr)
     return 2

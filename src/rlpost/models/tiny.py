@@ -135,7 +135,15 @@ def build_tiny_model(cfg: TinyModelConfig, out_dir: str | os.PathLike[str]) -> P
                     p.normal_(0.0, 0.02, generator=gen)
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
-        model.save_pretrained(tmp, safe_serialization=True)
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # the console is rlpost's (plan, one progress bar, summary)
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
         tok.save_pretrained(tmp)
         (tmp / TINY_MARKER).write_text(json.dumps(tiny_spec(cfg), indent=1))
         old = None

@@ -10,6 +10,7 @@ from rlpost.config.schema.checkpoint import CheckpointingConfig
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.data import DataConfig
 from rlpost.config.schema.env import EnvConfig, SyntheticEnvConfig
+from rlpost.config.schema.eval import EvalConfig
 from rlpost.config.schema.grpo import GRPOConfig
 from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
@@ -39,6 +40,8 @@ class MasterConfig:
     """Checkpoints and resume."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The local checkpoint (or tiny model spec) behind policy.model_name."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """`rlpost eval`: which weights and prompts, how many samples."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -55,6 +58,7 @@ class MasterConfig:
         self.logger.check("logger")
         self.cluster.check("cluster")
         self.checkpointing.check("checkpointing")
+        self.eval.check("eval")
         self._cross_checks()
 
     def _cross_checks(self) -> None:

@@ -1,0 +1,115 @@
+"""`rlpost eval`: score a model directory or a checkpoint's HF export on a data set with the
+generation engine and the environments of the config: accuracy (share of samples with reward 1),
+pass@k (share of prompts with at least one such sample among k = eval.num_samples) and mean
+generated length, printed and written as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+
+from rlpost.config.errors import ConfigError
+from rlpost.config.schema.master import MasterConfig
+
+
+def weights_dir(cfg: MasterConfig) -> str:
+    """The HF directory to evaluate: eval.checkpoint's policy/weights/hf, else policy.model_name."""
+    if cfg.eval.checkpoint is None:
+        if cfg.model.tiny is not None:  # built on first use, inside model.cache_dir only
+            from rlpost.models.tiny import ensure_tiny_model
+
+            ensure_tiny_model(cfg.model.tiny, cfg.model.path)
+        return str(cfg.policy.model_name)
+    hf = Path(cfg.eval.checkpoint).expanduser() / "policy" / "weights" / "hf"
+    if not (hf / "config.json").is_file():
+        raise ConfigError("eval.checkpoint", cfg.eval.checkpoint,
+                          f"has no HF export at {hf} (a checkpoint step_N saved with checkpointing.save_consolidated=true)")
+    return str(hf)
+
+
+def default_output() -> Path:
+    return Path("outputs") / "eval" / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S") / "eval.json"
+
+
+def summarize(rewards: torch.Tensor, lengths: torch.Tensor, k: int) -> Dict[str, float]:
+    """rewards/lengths [P * k], prompt-major: accuracy, pass@k, mean length."""
+    correct = (rewards == 1.0).float().view(-1, k)
+    return {
+        "accuracy": float(correct.mean()),
+        f"pass@{k}": float(correct.max(dim=1).values.mean()),
+        "mean_reward": float(rewards.mean()),
+        "mean_length": float(lengths.float().mean()),
+        "num_prompts": float(correct.shape[0]),
+        "num_samples": float(correct.numel()),
+    }
+
+
+def evaluate(cfg: MasterConfig) -> Dict[str, Any]:
+    """Generate k samples per prompt, score them, return the report (and write it as JSON)."""
+    import ray
+
+    from rlpost.algorithms.rollouts import run_rollout
+    from rlpost.build import build
+    from rlpost.config.layout import compute_layout
+    from rlpost.data.datasets import load_rows
+    from rlpost.data.prompts import PromptProcessor, load_tokenizer
+    from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
+    from rlpost.run_log import capture_driver_output
+
+    model = weights_dir(cfg)
+    out = Path(cfg.eval.output) if cfg.eval.output else default_output()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_suffix(".log")  # third-party output (engine, Ray) goes here, not to the console
+    logging.getLogger().addHandler(logging.FileHandler(log))
+    capture_driver_output(log)
+    tok_cfg = dataclasses.replace(cfg.policy.tokenizer, name=model) if cfg.eval.checkpoint else cfg.policy.tokenizer
+    tokenizer = load_tokenizer(tok_cfg, cfg.policy.trust_remote_code)
+    processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs)
+    rows = load_rows(cfg.data, cfg.eval.split)[: cfg.eval.max_prompts]
+    k = cfg.eval.num_samples
+    prompts = [p for p in (processor(r) for r in rows) for _ in range(k)]
+    envs = {name: build(env_cfg, key=f"env.{name}._target_") for name, env_cfg in cfg.env.items()}
+    engine: Any = None
+    cluster = None
+    t0 = time.perf_counter()
+    try:
+        init_ray(cfg.cluster)
+        use_gpus = resolve_device(cfg.cluster) == "cuda"
+        cluster = RayVirtualCluster("rlpost_eval", compute_layout(cfg).gen_tp, 1, use_gpus,
+                                    cfg.cluster.worker_num_cpus, 1, cfg.cluster.placement_timeout_s)
+        gen_cfg = dataclasses.replace(cfg.policy.generation, model_name=model)
+        engine = build(gen_cfg, cluster, model_path=model, timeout_s=cfg.cluster.call_timeout_s,
+                       key="policy.generation._target_")
+        seeds = [cfg.grpo.seed * 1_000_003 + i for i in range(len(prompts))]
+        batch = run_rollout(prompts, torch.arange(len(prompts)) // k, engine, tokenizer, envs,
+                            greedy=cfg.eval.greedy, seeds=seeds)
+    finally:
+        for closer in (lambda: engine and engine.shutdown(), lambda: cluster and cluster.shutdown(),
+                       *[(lambda e=e: e.shutdown()) for e in envs.values()]):
+            try:
+                closer()
+            except Exception:  # noqa: BLE001 - keep closing the rest
+                pass
+        if ray.is_initialized():
+            ray.shutdown()
+    report: Dict[str, Any] = {
+        "model": model,
+        "data": cfg.data.dataset_name if cfg.data.dataset_name != "synthetic" else f"synthetic:{cfg.data.synthetic.task}",
+        "split": cfg.eval.split,
+        "k": k,
+        "greedy": cfg.eval.greedy,
+        **summarize(batch.rewards, batch.gen["generation_lengths"], k),
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "samples": [{"prompt": r["problem"], "response": batch.responses[i * k], "reward": float(batch.rewards[i * k])}
+                    for i, r in enumerate(rows[:5])],
+    }
+    out.write_text(json.dumps(report, indent=1))
+    report["output"] = str(out)
+    return report
