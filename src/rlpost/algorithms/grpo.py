@@ -290,7 +290,7 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
             s.current_epoch, s.current_step = loader.epoch, loader.index
             s.total_steps = step
             s.consumed_samples += g.num_prompts_per_step
-            s.total_valid_tokens += int((train_data["token_mask"] * train_data["sample_mask"][:, None]).sum())
+            s.total_valid_tokens += int(valid_response_tokens(train_data).sum())
             _health_gate(c, metrics, step)
             last = step >= g.max_num_steps
             deadline.step_took(time.perf_counter() - step_t0)
@@ -318,6 +318,11 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
     return s
 
 
+def valid_response_tokens(train_data: Any) -> torch.Tensor:
+    """[B] trained tokens per sample: the token mask where the sample is not masked out (sample_mask)."""
+    return (train_data["token_mask"] * train_data["sample_mask"][:, None]).sum(-1)
+
+
 def _step_metrics(
     batch: RolloutBatch, train_data: Any, adv: torch.Tensor, results: Dict[str, Any], sampler: Optional[DynamicSampler]
 ) -> Dict[str, float]:
@@ -326,7 +331,7 @@ def _step_metrics(
     m["train/grad_norm"] = float(results["grad_norm"])
     m["train/lr"] = float(results["lr"])
     m["train/params_finite"] = float(results.get("params_finite", True))
-    resp = (train_data["token_mask"] * train_data["sample_mask"][:, None]).sum(-1)
+    resp = valid_response_tokens(train_data)
     m["train/mean_gen_length"] = float(batch.gen["generation_lengths"].float().mean())
     m["train/mean_prompt_length"] = float(batch.input_lengths.float().mean())
     m["train/total_num_tokens"] = float(train_data["input_lengths"].sum())

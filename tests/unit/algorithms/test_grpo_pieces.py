@@ -148,3 +148,16 @@ def test_keep_top_k_ranks_only_metrics_measured_at_that_step(tmp_path) -> None: 
     save_checkpoint(c, 40, {})  # type: ignore[arg-type]
     # top-1 by a measured metric is step 20; the latest (40) is always kept; 30 (unmeasured) goes.
     assert c.checkpointer.steps() == [20, 40]
+
+
+def test_valid_tokens_leave_out_masked_samples() -> None:
+    """total_valid_tokens and train/valid_response_tokens count only samples the loss trains on."""
+    from rlpost.algorithms.grpo import _step_metrics, valid_response_tokens
+
+    b = batch([1.0, 0.0, 1.0], group=3)
+    td = {"token_mask": torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 0]], dtype=torch.float32),
+          "sample_mask": torch.tensor([1.0, 0.0, 1.0]), "input_lengths": torch.tensor([4, 4, 4])}
+    assert valid_response_tokens(td).tolist() == [2.0, 0.0, 1.0]
+    results = {"metrics": {}, "loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
+    m = _step_metrics(b, td, torch.zeros(3), results, None)  # type: ignore[arg-type]
+    assert m["train/valid_response_tokens"] == 3.0  # the masked sample's 3 tokens are not counted
