@@ -11,17 +11,16 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from rlpost import console as say
 from rlpost.algorithms.advantages import (
-    apply_overlong_reward_shaping,
     calculate_baseline_and_std_per_prompt,
     compute_advantages,
-    scale_rewards,
 )
+from rlpost.algorithms.collect import collect_batch, sample_seeds, shaped_rewards
 from rlpost.algorithms.deadline import SaveDeadline
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
 from rlpost.algorithms.grpo_setup import GRPOComponents, generation_dtype, save_rng_state, setup
@@ -61,38 +60,12 @@ def _should_use_async_rollouts(master_config: MasterConfig) -> bool:
     return gen.backend == "vllm" and vllm_cfg is not None and bool(vllm_cfg.async_engine)
 
 
-def _sample_seeds(seed: int, step: int, n: int, salt: int = 0) -> List[int]:
-    """Per-sample sampling seeds: a resumed run draws exactly what an uninterrupted one would."""
-    return [(seed * 1_000_003 + step * 10_007 + salt * 7919 + i) % (2**31 - 1) for i in range(n)]
-
-
-def _rollout_rows(c: GRPOComponents, rows: List[Dict[str, Any]]) -> tuple[List[Dict[str, Any]], torch.Tensor]:
-    g = c.cfg.grpo.num_generations_per_prompt
-    processed = [c.processor(r) for r in rows]
-    repeated = [p for p in processed for _ in range(g)]
-    group_ids = torch.arange(len(processed)).repeat_interleave(g)
-    return repeated, group_ids
-
-
-def _shaped_rewards(c: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:
-    g = c.cfg.grpo
-    rewards = scale_rewards(batch.rewards, g.reward_scaling)
-    return apply_overlong_reward_shaping(rewards, batch.gen["generation_lengths"].float(), g.reward_shaping)
-
-
 def _advantages(c: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:
     g = c.cfg.grpo
-    rewards = _shaped_rewards(c, batch)
+    rewards = shaped_rewards(g, batch)
     valid = torch.ones_like(rewards)
     baseline, std = calculate_baseline_and_std_per_prompt(batch.group_ids, rewards, valid, g.use_leave_one_out_baseline)
     return compute_advantages(rewards, baseline, std, g.normalize_rewards)
-
-
-def _group_std(c: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:
-    """Per-sample std of its whole group's scaled and shaped rewards: what dynamic sampling decides on."""
-    rewards = _shaped_rewards(c, batch)
-    _, std = calculate_baseline_and_std_per_prompt(batch.group_ids, rewards, torch.ones_like(rewards), False)
-    return std
 
 
 def validate(c: GRPOComponents, step: int) -> Dict[str, float]:
@@ -106,7 +79,7 @@ def validate(c: GRPOComponents, step: int) -> Dict[str, float]:
     to_print = c.cfg.logger.num_val_samples_to_print
     for start in range(0, len(rows), g.val_batch_size):
         part = [c.processor(r) for r in rows[start : start + g.val_batch_size]]
-        seeds = _sample_seeds(g.seed, step, len(part), salt=1 + start)
+        seeds = sample_seeds(g.seed, step, len(part), salt=1 + start)
         batch = run_rollout(part, torch.arange(len(part)), c.generation, c.tokenizer, c.envs, seeds=seeds,
                             label=f"validation at step {step}")
         rewards.append(batch.rewards)
@@ -216,13 +189,10 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
     timer = Timer()
     slowest = 0.0
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, c.started_at)
-    stale = True
-    gen_dtype = generation_dtype(cfg)
+    weights = _EngineWeights(c, timer)
     if g.val_at_start and s.total_steps == 0:
         # Validate what the engine really serves: refit (with its fingerprint check) first.
-        took = refit_policy_generation(c.policy, c.generation, c.colocated, gen_dtype,
-                                       cfg.policy.refit_buffer_size_gb)
-        stale = False
+        took = weights.refit()
         c.logger.log({**validate(c, 0), "timing/validation/refit": took}, 0)
     loader = c.dataloader
     while loader.epochs_done() < g.max_num_epochs and s.total_steps < g.max_num_steps:
@@ -232,32 +202,9 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
         step_t0 = time.perf_counter()
         with timer.time("total_step_time"):
             metrics: Dict[str, float] = {}
-            sampler = DynamicSampler(g.num_prompts_per_step * g.num_generations_per_prompt,
-                                     g.dynamic_sampling_max_gen_batches) if g.use_dynamic_sampling else None
-            batch: Optional[RolloutBatch] = None
-            rows = prompt_rows
-            generated_rewards: List[torch.Tensor] = []
-            while batch is None:
-                repeated, group_ids = _rollout_rows(c, rows)
-                if stale:
-                    with timer.time("refit"):
-                        refit_policy_generation(c.policy, c.generation, c.colocated, gen_dtype,
-                                                cfg.policy.refit_buffer_size_gb)
-                    stale = False
-                seeds = _sample_seeds(g.seed, step, len(repeated), salt=sampler.gen_batches if sampler else 0)
-                # books "generation" and "reward_calculation" (scoring) apart; warns on slow rewards
-                rollout = run_rollout(repeated, group_ids, c.generation, c.tokenizer, c.envs, seeds=seeds,
-                                      timer=timer, label=f"step {step}")
-                with timer.time("generation"):
-                    c.generation.finish_generation()
-                generated_rewards.append(rollout.rewards)
-                if sampler is None:
-                    batch = rollout
-                else:
-                    batch = sampler.add(rollout, _group_std(c, rollout))
-                    if batch is None:
-                        rows = loader.next_batch()
-            metrics["train/reward"] = float(torch.cat(generated_rewards).mean())  # every sample generated this step
+            collected = collect_batch(c, prompt_rows, loader.next_batch, step, timer, weights.sync)
+            batch, sampler = collected.batch, collected.sampler
+            metrics["train/reward"] = float(collected.generated_rewards.mean())  # every sample generated this step
             with timer.time("reward_calculation"):
                 adv = _advantages(c, batch)
             with timer.time("data_processing"):
@@ -277,13 +224,10 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
             with timer.time("policy_training"):
                 c.policy.prepare_for_training()
                 results = c.policy.train(train_data, c.loss_fn)
-                stale = True
+                weights.stale = True
             metrics.update(_step_metrics(batch, train_data, adv, results, sampler))
             if g.val_period > 0 and step % g.val_period == 0:
-                with timer.time("refit"):
-                    refit_policy_generation(c.policy, c.generation, c.colocated, gen_dtype,
-                                            cfg.policy.refit_buffer_size_gb)
-                    stale = False
+                weights.sync()
                 val = validate(c, step)
                 metrics.update(val)
                 s.val_reward = val.get("validation/accuracy", s.val_reward)
@@ -316,6 +260,25 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
             say.info(deadline.message(step))
             break
     return s
+
+
+class _EngineWeights:
+    """Whether the engine serves the policy's current weights; `sync` refits (timed) when not."""
+
+    def __init__(self, c: GRPOComponents, timer: Timer) -> None:
+        self.c, self.timer, self.stale = c, timer, True
+        self.dtype = generation_dtype(c.cfg)
+
+    def refit(self) -> float:
+        took = refit_policy_generation(self.c.policy, self.c.generation, self.c.colocated, self.dtype,
+                                       self.c.cfg.policy.refit_buffer_size_gb)
+        self.stale = False
+        return took
+
+    def sync(self) -> None:
+        if self.stale:
+            with self.timer.time("refit"):
+                self.refit()
 
 
 def valid_response_tokens(train_data: Any) -> torch.Tensor:

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from rlpost.algorithms.advantages import calculate_baseline_and_std_per_prompt
+from rlpost.algorithms.collect import sample_seeds
 from rlpost.algorithms.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted
-from rlpost.algorithms.grpo import HealthCheckError, _health_gate, _sample_seeds
+from rlpost.algorithms.grpo import HealthCheckError, _health_gate
 from rlpost.algorithms.rollouts import RolloutBatch
 from rlpost.algorithms.train_data import build_train_data
 from rlpost.config.schema.grpo import GRPOConfig
@@ -111,9 +112,9 @@ def test_train_data_masks_only_response_tokens() -> None:
 
 
 def test_sample_seeds_depend_only_on_step() -> None:
-    assert _sample_seeds(42, 3, 4) == _sample_seeds(42, 3, 4)
-    assert _sample_seeds(42, 3, 4) != _sample_seeds(42, 4, 4)
-    assert len(set(_sample_seeds(42, 3, 64))) == 64
+    assert sample_seeds(42, 3, 4) == sample_seeds(42, 3, 4)
+    assert sample_seeds(42, 3, 4) != sample_seeds(42, 4, 4)
+    assert len(set(sample_seeds(42, 3, 64))) == 64
 
 
 class _SavingPolicy:

@@ -1,0 +1,92 @@
+"""GRPO's first phase: collect the step's batch. Prompts are repeated num_generations_per_prompt
+times, the engine gets the current weights first when they are stale, the rollouts are generated
+and scored, and with dynamic sampling more prompts are drawn until enough groups vary.
+
+Also home of the reward shaping the batch is judged by (scaled and overlong-shaped rewards), which
+the advantages use too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from rlpost.algorithms.advantages import (
+    apply_overlong_reward_shaping,
+    calculate_baseline_and_std_per_prompt,
+    scale_rewards,
+)
+from rlpost.algorithms.dynamic_sampling import DynamicSampler
+from rlpost.algorithms.rollouts import RolloutBatch, run_rollout
+from rlpost.timer import Timer
+
+
+def sample_seeds(seed: int, step: int, n: int, salt: int = 0) -> List[int]:
+    """Per-sample sampling seeds: a resumed run draws exactly what an uninterrupted one would."""
+    return [(seed * 1_000_003 + step * 10_007 + salt * 7919 + i) % (2**31 - 1) for i in range(n)]
+
+
+def shaped_rewards(grpo_cfg: Any, batch: RolloutBatch) -> torch.Tensor:
+    """[B] rewards after grpo.reward_scaling and grpo.reward_shaping (overlong penalty)."""
+    rewards = scale_rewards(batch.rewards, grpo_cfg.reward_scaling)
+    return apply_overlong_reward_shaping(rewards, batch.gen["generation_lengths"].float(), grpo_cfg.reward_shaping)
+
+
+def group_std(grpo_cfg: Any, batch: RolloutBatch) -> torch.Tensor:
+    """Per-sample std of its whole group's shaped rewards: what dynamic sampling decides on."""
+    rewards = shaped_rewards(grpo_cfg, batch)
+    _, std = calculate_baseline_and_std_per_prompt(batch.group_ids, rewards, torch.ones_like(rewards), False)
+    return std
+
+
+def rollout_rows(components: Any, rows: List[Dict[str, Any]]) -> tuple[List[Dict[str, Any]], torch.Tensor]:
+    """The rows tokenized and repeated num_generations_per_prompt times, and their group ids."""
+    per_prompt = components.cfg.grpo.num_generations_per_prompt
+    processed = [components.processor(r) for r in rows]
+    repeated = [p for p in processed for _ in range(per_prompt)]
+    return repeated, torch.arange(len(processed)).repeat_interleave(per_prompt)
+
+
+@dataclass
+class Collected:
+    """The step's batch and what it took to get it."""
+
+    batch: RolloutBatch
+    """The samples the step trains on."""
+    generated_rewards: torch.Tensor
+    """[N] raw rewards of every sample generated this step (dynamic sampling may have made several batches)."""
+    sampler: Optional[DynamicSampler] = None
+    """The dynamic sampler (its counters go into the step's metrics), or None."""
+    metrics: Dict[str, float] = field(default_factory=dict)
+
+
+def collect_batch(
+    components: Any,
+    rows: List[Dict[str, Any]],
+    next_rows: Callable[[], List[Dict[str, Any]]],
+    step: int,
+    timer: Timer,
+    sync_weights: Callable[[], None],
+) -> Collected:
+    """Generate and score `rows` (and, with dynamic sampling, more from `next_rows`) until the batch
+    is full. `sync_weights` refits the engine when its weights are stale (a no-op otherwise)."""
+    grpo_cfg = components.cfg.grpo
+    sampler = (DynamicSampler(grpo_cfg.num_prompts_per_step * grpo_cfg.num_generations_per_prompt,
+                              grpo_cfg.dynamic_sampling_max_gen_batches) if grpo_cfg.use_dynamic_sampling else None)
+    generated: List[torch.Tensor] = []
+    while True:
+        repeated, group_ids = rollout_rows(components, rows)
+        sync_weights()
+        seeds = sample_seeds(grpo_cfg.seed, step, len(repeated), salt=sampler.gen_batches if sampler else 0)
+        # books "generation" and "reward_calculation" (scoring) apart; warns on slow rewards
+        rollout = run_rollout(repeated, group_ids, components.generation, components.tokenizer, components.envs,
+                              seeds=seeds, timer=timer, label=f"step {step}")
+        with timer.time("generation"):
+            components.generation.finish_generation()
+        generated.append(rollout.rewards)
+        batch = rollout if sampler is None else sampler.add(rollout, group_std(grpo_cfg, rollout))
+        if batch is not None:
+            return Collected(batch, torch.cat(generated), sampler)
+        rows = next_rows()

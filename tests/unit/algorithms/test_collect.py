@@ -1,0 +1,80 @@
+"""The collect phase: the engine is synced before it generates, dynamic sampling keeps drawing prompts
+until enough groups vary, and train/reward covers every sample generated in the step."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Dict, List
+
+import torch
+
+from rlpost.algorithms.collect import collect_batch
+from rlpost.config.schema.grpo import GRPOConfig
+from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.environments.interfaces import EnvironmentReturn
+from rlpost.timer import Timer
+
+
+class _Tokenizer:
+    pad_token_id = 0
+
+    def decode(self, ids: List[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+class _CountingEngine:
+    """Answers every prompt with one token that alternates per sample (so a group's answers vary)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        self.calls += 1
+        n, width = batch["input_ids"].shape
+        out = torch.cat([batch["input_ids"], torch.zeros(n, 1, dtype=torch.long)], dim=1)
+        out[torch.arange(n), batch["input_lengths"]] = torch.arange(n) % 2 + 1
+        return BatchedDataDict(output_ids=out, generation_lengths=torch.ones(n, dtype=torch.long))
+
+    def finish_generation(self) -> bool:
+        return True
+
+
+class _TableEnv:
+    """Reward = the row's 'base' when the answer is token 1, else 'base' + the row's 'spread'."""
+
+    def step(self, responses: List[str], metadata: List[Dict[str, Any]]) -> EnvironmentReturn:
+        return EnvironmentReturn([m["base"] + (0.0 if r == "1" else m["spread"]) for r, m in zip(responses, metadata, strict=True)])
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _rows(spread: float, n: int = 2) -> List[Dict[str, Any]]:
+    return [{"prompt_ids": [5, 6 + i], "base": 0.25, "spread": spread, "env_name": "t", "loss_multiplier": 1.0}
+            for i in range(n)]
+
+
+def test_dynamic_sampling_draws_until_groups_vary_and_reports_every_reward() -> None:
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=2, use_dynamic_sampling=True,
+                      batch_multiplier=1.0, dynamic_sampling_max_gen_batches=3)
+    engine = _CountingEngine()
+    comps = SimpleNamespace(cfg=SimpleNamespace(grpo=grpo), processor=lambda r: dict(r), generation=engine,
+                            tokenizer=_Tokenizer(), envs={"t": _TableEnv()})
+    syncs: List[int] = []
+    later = iter([_rows(spread=0.5)])  # the second draw varies within each group
+    got = collect_batch(comps, _rows(spread=0.0), lambda: next(later), step=1, timer=Timer(),
+                        sync_weights=lambda: syncs.append(engine.calls))
+    assert engine.calls == 2 and syncs == [0, 1]  # the engine is synced before each generation
+    assert got.batch.size == 4 and got.batch.rewards.tolist() == [0.25, 0.75, 0.25, 0.75]
+    # train/reward: all 8 generated samples (4 flat ones at 0.25, then 4 varied), not only the kept batch
+    assert got.generated_rewards.tolist() == [0.25] * 4 + [0.25, 0.75] * 2
+    assert float(got.generated_rewards.mean()) == 0.375 and float(got.batch.rewards.mean()) == 0.5
+    assert got.sampler is not None and got.sampler.discarded == 4 and got.sampler.gen_batches == 2
+
+
+def test_without_dynamic_sampling_one_batch_is_the_step() -> None:
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=2)
+    comps = SimpleNamespace(cfg=SimpleNamespace(grpo=grpo), processor=lambda r: dict(r),
+                            generation=_CountingEngine(), tokenizer=_Tokenizer(), envs={"t": _TableEnv()})
+    got = collect_batch(comps, _rows(spread=0.0), lambda: [], step=3, timer=Timer(), sync_weights=lambda: None)
+    assert got.sampler is None and got.batch.size == 4 and got.generated_rewards.tolist() == [0.25] * 4
