@@ -315,10 +315,16 @@ def _train(argv: List[str]) -> int:
         rc = preflight(overrides, multirun, flags)
         if rc:
             return rc
+    import os
+
     from rlpost import train
 
     sys.argv = ["rlpost train", *argv]
-    train.main()
+    os.environ[train.PREFLIGHT_DONE] = "1"  # every job was checked above; run_job need not read the data again
+    try:
+        train.main()
+    finally:
+        os.environ.pop(train.PREFLIGHT_DONE, None)
     return 0
 
 

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlpost import console as say
-from rlpost.checkpointing import CheckpointManager, read_json
+from rlpost.checkpointing import CheckpointError, CheckpointManager, read_json
 from rlpost.config.schema.master import MasterConfig
 from rlpost.failures import EXIT_INTERRUPT, EXIT_TERMINATED, Interrupted
 
@@ -84,7 +84,16 @@ def _completed_steps(cfg: MasterConfig, run_dir: Path) -> Optional[int]:
     """
     if not cfg.checkpointing.enabled:
         return None
-    last = CheckpointManager(cfg.checkpointing, run_dir).latest_verified()
+    manager = CheckpointManager(cfg.checkpointing, run_dir)
+    newest = manager.latest()
+    if newest is None:
+        return None
+    try:  # cheap first: steps only grow, so if the newest is short of the goal, none is complete
+        if int(read_json(newest / "training_info.json").get("total_steps", 0)) < cfg.grpo.max_num_steps:
+            return None  # setup verifies (hashes) the checkpoint it resumes from, once
+    except CheckpointError:
+        pass  # unreadable: the verification below decides, as setup's would
+    last = manager.latest_verified()
     if last is None:
         return None
     steps = int(read_json(last / "training_info.json").get("total_steps", 0))

@@ -6,6 +6,7 @@ launcher runs jobs one after another in this process; each job releases what it 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -18,6 +19,9 @@ from rlpost.config.load import conf_dir
 from rlpost.config.store import register_configs
 
 register_configs()
+
+PREFLIGHT_DONE = "RLPOST_PREFLIGHT_DONE"
+"""Set by the `rlpost` CLI around Hydra's run once its pre-flight checked every job of the command."""
 
 
 def _run_dir() -> Path:
@@ -50,14 +54,17 @@ def run_job(cfg: DictConfig) -> Optional[Any]:
     from rlpost.config.errors import ConfigError, report_config_error
     from rlpost.config.load import to_master_config
     from rlpost.plan import print_plan
-    from rlpost.preflight import preflight_checks
+    from rlpost.preflight import check_output_dirs, preflight_checks
 
     run_dir = _run_dir()
     try:
         master = to_master_config(cfg)
         check_targets(master)
         verify_targets(master)
-        preflight_checks(master, run_dir)
+        if os.environ.get(PREFLIGHT_DONE):  # `rlpost train` checked every job; only the run dir is new here
+            check_output_dirs(master, run_dir)
+        else:
+            preflight_checks(master, run_dir)
         _make_run_dir(run_dir)
     except ConfigError as err:
         report_config_error(err)

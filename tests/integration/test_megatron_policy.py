@@ -186,21 +186,23 @@ def test_parity_with_dtensor(
 
 
 def check_refit(policy: Policy, weights: Dict[str, torch.Tensor]) -> None:
-    """Refit exports: HF names with the tied lm_head, bounded chunks, fingerprints; streamed and collective."""
+    """Refit exports: HF names with the tied lm_head, bounded buckets, fingerprints; object store and collective."""
     import socket
 
     import ray
 
     from rlpost.distributed.collective import StatelessGroup
+    from rlpost.distributed.weight_buckets import decode
     from rlpost.models.fingerprint import weight_fingerprint
 
     info = policy.prepare_refit_info()
-    stream = policy.export_weights("float32", max_chunk_bytes=64 * 1024)
-    got = {k: v for chunk in stream for k, v in chunk}
+    buckets = policy.export_weight_buckets("float32", 64 * 1024)
+    got = {k: v.clone() for box in buckets for k, v in decode(ray.get(box[0], timeout=60))}
+    assert buckets.count > 1  # the bound split the export
     assert set(info) == set(got) == set(weights) and "lm_head.weight" in got
     assert all(info[k] == (tuple(v.shape), v.dtype) for k, v in got.items())
     assert max_diff(got, weights) == 0.0
-    assert stream.fingerprint == weight_fingerprint(got)
+    assert buckets.fingerprint == weight_fingerprint(got)
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

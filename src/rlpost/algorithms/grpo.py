@@ -133,19 +133,15 @@ def save_checkpoint(c: GRPOComponents, step: int, metrics: Dict[str, float]) -> 
 
 def _health_gate(c: GRPOComponents, metrics: Dict[str, float], step: int) -> None:
     """Stop before a broken step is checkpointed: non-finite loss or grad norm, or engine/trainer drift."""
-    for key in ("train/loss", "train/grad_norm", "train/params_finite"):
-        value = metrics.get(key)
-        if key == "train/params_finite" and value == 0.0:
-            raise HealthCheckError(
-                f"step {step}: the policy's weights are no longer finite after the update; the run stopped "
-                f"before saving this step (policy.optimizer.kwargs.lr={_lr(c)} may be too high; the last good "
-                "checkpoint is kept)"
-            )
-        if value is not None and not math.isfinite(value):
-            raise HealthCheckError(
-                f"step {step}: {key}={value} is not finite; the run stopped before saving this step "
-                f"(policy.optimizer.kwargs.lr={_lr(c)} may be too high; the last good checkpoint is kept)"
-            )
+    broken = [f"{key}={metrics[key]} is not finite" for key in ("train/loss", "train/grad_norm")
+              if key in metrics and not math.isfinite(metrics[key])]
+    if metrics.get("train/params_finite") == 0.0:
+        broken.append("the policy's weights are no longer finite after the update")
+    if broken:
+        raise HealthCheckError(
+            f"step {step}: {broken[0]}; the run stopped before saving this step "
+            f"(policy.optimizer.kwargs.lr={_lr(c)} may be too high; the last good checkpoint is kept)"
+        )
     err = metrics.get("train/token_mult_prob_error")
     if err is None:
         return

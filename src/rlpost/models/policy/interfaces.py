@@ -51,10 +51,6 @@ class ColocatablePolicyInterface(PolicyInterface):
         """{hf_name: (shape, dtype)} of the weights refit will send."""
 
     @abstractmethod
-    def export_weights(self, dtype: str, max_chunk_bytes: int) -> WeightStream:
-        """Full weights under HF names, cast to `dtype`, in chunks of at most max_chunk_bytes."""
-
-    @abstractmethod
     def export_weight_buckets(self, dtype: str, max_bucket_bytes: int) -> WeightBuckets:
         """Full weights under HF names, cast to `dtype`, as object-store buckets of at most max_bucket_bytes."""
 
@@ -83,15 +79,3 @@ class WeightBuckets(ABC):
     @abstractmethod
     def count(self) -> int:
         """Buckets sent."""
-
-
-class WeightStream(ABC):
-    """An iterator of chunks: each chunk is a list of (hf_name, tensor); `fingerprint` after exhaustion."""
-
-    @abstractmethod
-    def __iter__(self) -> Any: ...
-
-    @property
-    @abstractmethod
-    def fingerprint(self) -> str:
-        """weight_fingerprint of everything streamed (valid once the stream is exhausted)."""

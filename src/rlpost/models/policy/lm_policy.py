@@ -17,7 +17,7 @@ from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
-from rlpost.models.policy.interfaces import ColocatablePolicyInterface, WeightBuckets, WeightStream
+from rlpost.models.policy.interfaces import ColocatablePolicyInterface, WeightBuckets
 
 # Metrics that are averaged, not summed, over micro-batches.
 MEAN_METRICS = {"lr", "wd", "reward", "global_valid_seqs", "global_valid_toks", "mean_prompt_length"}
@@ -142,10 +142,6 @@ class Policy(ColocatablePolicyInterface):
         self.worker_group.run_all("clear_export")
         return info
 
-    def export_weights(self, dtype: str, max_chunk_bytes: int = 256 * 2**20) -> WeightStream:
-        self.worker_group.run_all("prepare_weights_for_export", dtype)
-        return _RankZeroStream(self.worker_group, max_chunk_bytes)
-
     def export_weight_buckets(self, dtype: str, max_bucket_bytes: int = 256 * 2**20) -> WeightBuckets:
         self.worker_group.run_all("prepare_weights_for_export", dtype)
         return _RankZeroBuckets(self.worker_group, max_bucket_bytes)
@@ -170,31 +166,6 @@ class Policy(ColocatablePolicyInterface):
 
     def state_fingerprints(self) -> List[Dict[str, float]]:
         return self.worker_group.run_all("state_fingerprint")
-
-
-class _RankZeroStream(WeightStream):
-    """Pulls the prepared export from rank 0 in bounded chunks through the object store."""
-
-    def __init__(self, group: RayWorkerGroup, max_bytes: int) -> None:
-        self.group = group
-        self.max_bytes = max_bytes
-        self._fp: Optional[str] = None
-
-    def __iter__(self) -> Iterator[List[Tuple[str, torch.Tensor]]]:
-        i = 0
-        while True:
-            chunk, i = self.group.run_rank0("get_export_chunk", i, self.max_bytes)
-            if not chunk:
-                break
-            yield chunk
-        self._fp = self.group.run_rank0("export_fingerprint")
-        self.group.run_all("clear_export")
-
-    @property
-    def fingerprint(self) -> str:
-        if self._fp is None:
-            raise RuntimeError("the weight stream has not been consumed yet")
-        return self._fp
 
 
 class _RankZeroBuckets(WeightBuckets):

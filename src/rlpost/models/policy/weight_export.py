@@ -1,7 +1,7 @@
 """The worker side of refit, shared by every policy backend.
 
 A worker fills `self._export` (rank 0: full HF-named tensors, cast to the engine's dtype) in its own
-`prepare_weights_for_export`; this mixin serves it in bounded chunks, fingerprints it, and
+`prepare_weights_for_export`; this mixin serves it in bounded object-store buckets, fingerprints it, and
 broadcasts it over the refit group for a non-colocated engine.
 """
 
@@ -28,20 +28,6 @@ class WeightExportMixin:
     device: torch.device
     _export: List[Tuple[str, torch.Tensor]]
     _refit_group: Any = None
-
-    def get_export_chunk(self, start: int, max_bytes: int) -> Tuple[List[Tuple[str, torch.Tensor]], int]:
-        """Rank 0: tensors [start, next) of the prepared export, at most max_bytes (at least one tensor)."""
-        out: List[Tuple[str, torch.Tensor]] = []
-        size, i = 0, start
-        while i < len(self._export):
-            name, t = self._export[i]
-            nbytes = t.numel() * t.element_size()
-            if out and size + nbytes > max_bytes:
-                break
-            out.append((name, t))
-            size += nbytes
-            i += 1
-        return out, i
 
     def plan_export_buckets(self, max_bytes: int) -> List[List[int]]:
         """Rank 0: the prepared export split into layer-aligned buckets of at most max_bytes."""
