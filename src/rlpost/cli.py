@@ -74,9 +74,9 @@ def _expand_sweeps(overrides: List[str]) -> List[List[str]]:
 
 def preflight(overrides: List[str], multirun: bool, flags: Sequence[str] = ()) -> int:
     """Compose and validate every job before Hydra starts anything; print the first error, return 2 on error."""
-    from rlpost.build import check_targets, verify_targets
     from rlpost.config.errors import ConfigError
     from rlpost.config.load import load_master_config, translate_exception
+    from rlpost.runtime.build import check_targets, verify_targets
 
     try:
         check_flags(flags)
@@ -254,10 +254,10 @@ def check_output_dir(overrides: List[str], multirun: bool) -> None:
 
 
 def _plan(argv: List[str]) -> int:
-    from rlpost.build import check_targets, verify_targets
     from rlpost.config.errors import ConfigError
     from rlpost.config.load import load_master_config
     from rlpost.plan import print_plan
+    from rlpost.runtime.build import check_targets, verify_targets
 
     if any(a in ("-h", "--help") for a in argv):
         print("usage: rlpost plan [hydra overrides]  (composes, validates and prints the derived numbers)")
@@ -277,9 +277,9 @@ def _plan(argv: List[str]) -> int:
 
 def _eval(argv: List[str]) -> int:
     """`rlpost eval [overrides]`: the same config as train, validated the same way, then rlpost.evaluate."""
-    from rlpost import console as say
     from rlpost import failures
     from rlpost.config.errors import ConfigError
+    from rlpost.runtime import console as say
 
     if any(a in ("-h", "--help") for a in argv):
         print("usage: rlpost eval [hydra overrides]  (e.g. model.path=DIR | eval.checkpoint=RUN/checkpoints/step_N,"

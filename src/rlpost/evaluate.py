@@ -56,12 +56,12 @@ def evaluate(cfg: MasterConfig) -> Dict[str, Any]:
     import ray
 
     from rlpost.algorithms.rollouts import run_rollout
-    from rlpost.build import build
-    from rlpost.config.layout import compute_layout
+    from rlpost.config.layout import layout_of
     from rlpost.data.datasets import load_rows
     from rlpost.data.prompts import PromptProcessor, load_tokenizer
     from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
-    from rlpost.run_log import capture_driver_output
+    from rlpost.runtime.build import build
+    from rlpost.runtime.run_log import capture_driver_output
 
     model = weights_dir(cfg)
     out = Path(cfg.eval.output) if cfg.eval.output else default_output()
@@ -82,7 +82,7 @@ def evaluate(cfg: MasterConfig) -> Dict[str, Any]:
     try:
         init_ray(cfg.cluster)
         use_gpus = resolve_device(cfg.cluster) == "cuda"
-        cluster = RayVirtualCluster("rlpost_eval", compute_layout(cfg).gen_tp, 1, use_gpus,
+        cluster = RayVirtualCluster("rlpost_eval", layout_of(cfg).gen_tp, 1, use_gpus,
                                     cfg.cluster.worker_num_cpus, 1, cfg.cluster.placement_timeout_s)
         gen_cfg = dataclasses.replace(cfg.policy.generation, model_name=model)
         engine = build(gen_cfg, cluster, model_path=model, timeout_s=cfg.cluster.call_timeout_s,

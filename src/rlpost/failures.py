@@ -34,14 +34,14 @@ class Interrupted(Exception):
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
-    from rlpost.checkpointing import CheckpointMismatch
     from rlpost.config.errors import ConfigError
     from rlpost.data.datasets import DataError
     from rlpost.models.tiny import TinyTargetError
+    from rlpost.runtime.checkpointing import CheckpointMismatch
 
     found: list[type[BaseException]] = [ConfigError, DataError, CheckpointMismatch, TinyTargetError]
     try:
-        from rlpost.checkpointing import CheckpointError  # type: ignore[attr-defined]
+        from rlpost.runtime.checkpointing import CheckpointError  # type: ignore[attr-defined]
 
         found.append(CheckpointError)
     except ImportError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from rlpost.config.layout import Layout, compute_layout, prev_logprobs_pass
+from rlpost.config.layout import Layout, layout_of, prev_logprobs_pass
 from rlpost.config.schema.master import MasterConfig
 
 _PREV_PASS = {
@@ -18,7 +18,7 @@ _PREV_PASS = {
 
 def plan_rows(cfg: MasterConfig) -> list[tuple[str, str]]:
     """(label, value) rows describing what one run will do."""
-    lay: Layout = compute_layout(cfg)
+    lay: Layout = layout_of(cfg)
     p, g = cfg.policy, cfg.grpo
     backend = p._target_.rsplit(".", 1)[-1]
     engine = p.generation._target_.rsplit(".", 1)[-1]

@@ -20,12 +20,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from rlpost.build import check_target
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import model_dir_key, read_hf_config
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.policy import PytorchOptimizerConfig, SinglePytorchSchedulerConfig, parse_scheduler
 from rlpost.data.datasets import load_rows
+from rlpost.runtime.build import check_target
 
 # What a GRPO step logs (rlpost.algorithms.grpo: `validate` as validation/*, `_step_metrics` and the
 # rollout's reward counters as train/*), i.e. the names `checkpointing.metric_name` may rank by.

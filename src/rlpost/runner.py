@@ -17,10 +17,10 @@ from typing import Any, Dict, Optional
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rlpost import console as say
-from rlpost.checkpointing import CheckpointError, CheckpointManager, read_json
 from rlpost.config.schema.master import MasterConfig
 from rlpost.failures import EXIT_INTERRUPT, EXIT_TERMINATED, Interrupted
+from rlpost.runtime import console as say
+from rlpost.runtime.checkpointing import CheckpointError, CheckpointManager, read_json
 
 _CODES = {signal.SIGINT: EXIT_INTERRUPT, signal.SIGTERM: EXIT_TERMINATED}
 

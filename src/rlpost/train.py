@@ -48,13 +48,13 @@ def run_job(cfg: DictConfig) -> Optional[Any]:
     Every known failure ends with one line and its documented exit status (rlpost.failures);
     the traceback goes to train.log.
     """
-    from rlpost import console as say
     from rlpost import failures
-    from rlpost.build import check_targets, verify_targets
     from rlpost.config.errors import ConfigError, report_config_error
     from rlpost.config.load import to_master_config
     from rlpost.plan import print_plan
     from rlpost.preflight import check_output_dirs, preflight_checks
+    from rlpost.runtime import console as say
+    from rlpost.runtime.build import check_targets, verify_targets
 
     run_dir = _run_dir()
     try:
@@ -73,7 +73,7 @@ def run_job(cfg: DictConfig) -> Optional[Any]:
         failures.log_traceback(exc)
         say.error(failures.describe(exc, _log_file()))
         sys.exit(failures.exit_status(exc))
-    from rlpost.run_log import capture_driver_output
+    from rlpost.runtime.run_log import capture_driver_output
 
     capture_driver_output(_log_file() or run_dir / "train.log")
     (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(master), resolve=True))

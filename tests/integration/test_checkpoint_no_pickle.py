@@ -24,7 +24,6 @@ import torch
 
 from rlpost.algorithms.grpo_setup import _checkpoint_load_failure
 from rlpost.algorithms.loss_functions import ClippedPGLossFn
-from rlpost.checkpointing import write_manifest
 from rlpost.config.load import load_master_config
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.policy import PolicyConfig
@@ -32,6 +31,7 @@ from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import WorkerGroupError
 from rlpost.models.policy.lm_policy import Policy
+from rlpost.runtime.checkpointing import write_manifest
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,6 @@ import pytest
 import ray.exceptions
 
 from rlpost.algorithms.grpo import HealthCheckError, call_timeout_for
-from rlpost.checkpointing import CheckpointError, CheckpointMismatch
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.data.datasets import DataError
@@ -19,6 +18,7 @@ from rlpost.distributed.worker_groups import WorkerGroupError
 from rlpost.failures import Interrupted, describe, exit_status
 from rlpost.models.tiny import TinyTargetError
 from rlpost.runner import StopOnSignal
+from rlpost.runtime.checkpointing import CheckpointError, CheckpointMismatch
 
 
 @pytest.mark.parametrize(

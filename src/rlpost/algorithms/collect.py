@@ -20,7 +20,7 @@ from rlpost.algorithms.advantages import (
 )
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
 from rlpost.algorithms.rollouts import RolloutBatch, run_rollout
-from rlpost.timer import Timer
+from rlpost.runtime.timer import Timer
 
 
 def sample_seeds(seed: int, step: int, n: int, salt: int = 0) -> List[int]:

@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from rlpost import console as say
 from rlpost.algorithms.advantages import (
     calculate_baseline_and_std_per_prompt,
     compute_advantages,
@@ -31,7 +30,8 @@ from rlpost.config.schema.generation import GenerationConfig
 from rlpost.config.schema.grpo import GRPOConfig, GRPOSaveState, _default_grpo_save_state
 from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.master import MasterConfig
-from rlpost.timer import Timer
+from rlpost.runtime import console as say
+from rlpost.runtime.timer import Timer
 
 __all__ = [
     "GRPOConfig",

@@ -14,8 +14,6 @@ from typing import Any, Dict, List, Optional
 import torch
 from omegaconf import OmegaConf
 
-from rlpost.build import build
-from rlpost.checkpointing import CheckpointError, CheckpointManager, checkpoint_errors, model_fingerprint, read_json
 from rlpost.config.schema.grpo import GRPOSaveState
 from rlpost.config.schema.master import MasterConfig
 from rlpost.data.dataloader import PromptLoader
@@ -23,7 +21,15 @@ from rlpost.data.datasets import load_rows
 from rlpost.data.prompts import PromptProcessor, load_tokenizer
 from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
 from rlpost.distributed.worker_groups import WorkerGroupError
-from rlpost.metrics_logger import MetricsLogger
+from rlpost.runtime.build import build
+from rlpost.runtime.checkpointing import (
+    CheckpointError,
+    CheckpointManager,
+    checkpoint_errors,
+    model_fingerprint,
+    read_json,
+)
+from rlpost.runtime.metrics_logger import MetricsLogger
 
 
 @dataclass
@@ -118,9 +124,9 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     device = resolve_device(cfg.cluster)
     use_gpus = device == "cuda"
     colocated = cfg.policy.generation.colocated.enabled
-    from rlpost.config.layout import compute_layout
+    from rlpost.config.layout import layout_of
 
-    lay = compute_layout(cfg)
+    lay = layout_of(cfg)
     cpus = cfg.cluster.worker_num_cpus
     if colocated:
         train_cluster = RayVirtualCluster(

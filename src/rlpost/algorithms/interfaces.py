@@ -1,61 +1,8 @@
-"""Loss interfaces at NeMo RL's path (`nemo_rl.algorithms.interfaces`, v0.4): `LossType`, `LossFunction`.
+"""Loss interfaces at NeMo RL's path (`nemo_rl.algorithms.interfaces`): `LossType`, `LossFunction`.
 
-This module is a leaf: it imports only torch and typing (BatchedDataDict under TYPE_CHECKING only).
+They live in `rlpost.ops.loss_interface`, below the workers that call them; this module re-exports them.
 """
 
-from __future__ import annotations
+from rlpost.ops.loss_interface import LossFunction, LossType
 
-import enum
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-
-import torch
-
-if TYPE_CHECKING:
-    from rlpost.distributed.batched_data_dict import BatchedDataDict
-
-
-class LossType(enum.Enum):
-    """How a loss reduces over the batch: mean over valid tokens or mean over valid sequences."""
-
-    TOKEN_LEVEL = "token_level"
-    SEQUENCE_LEVEL = "sequence_level"
-
-
-@runtime_checkable
-class LossFunction(Protocol):
-    """A loss computed on one micro-batch and normalised by counts of the WHOLE global batch.
-
-    `loss_type` tells the worker which global count the loss divides by (tokens or sequences).
-    """
-
-    loss_type: LossType
-    needs_prev_logprobs: bool
-    """The loop computes prev_logprobs (the pre-update policy's) only when the loss reads them."""
-    needs_reference_logprobs: bool
-    """The loop runs the reference model only when the loss reads reference_policy_logprobs."""
-
-    def __call__(
-        self,
-        next_token_logits: torch.Tensor,
-        data: BatchedDataDict,
-        global_valid_seqs: torch.Tensor,
-        global_valid_toks: torch.Tensor,
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Compute the loss of one micro-batch.
-
-        Args:
-            next_token_logits: [B, S, V] logits of the model on `data["input_ids"]` (already divided by the
-                sampling temperature); logits at position t predict token t + 1.
-            data: the micro-batch: per-token tensors [B, S] aligned with input_ids (position 0 holds 0),
-                `token_mask` [B, S], `sample_mask` [B], and whatever the loss needs (advantages, logprobs, ...).
-            global_valid_seqs: scalar, number of valid sequences (sum of sample_mask) over the whole global
-                batch on all data-parallel ranks.
-            global_valid_toks: scalar, number of valid tokens (sum of token_mask[:, 1:] * sample_mask) over the
-                whole global batch on all data-parallel ranks.
-
-        Returns:
-            (loss, metrics): a scalar loss whose sum over all micro-batches and ranks of a global batch is the
-            global-batch loss, and a dict of python-float metrics normalised the same way (sum them over
-            micro-batches to get the global value).
-        """
-        ...
+__all__ = ["LossFunction", "LossType"]

@@ -46,10 +46,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from rlpost.algorithms.interfaces import LossType
-from rlpost.algorithms.logprobs import next_token_logprobs
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig, NLLLossConfig
+from rlpost.ops.logprobs import next_token_logprobs
+from rlpost.ops.loss_interface import LossType
 
 if TYPE_CHECKING:
     from rlpost.distributed.batched_data_dict import BatchedDataDict

@@ -16,11 +16,11 @@ from typing import Any, ContextManager, Dict, List, Optional
 
 import torch
 
-from rlpost import console
 from rlpost.config.schema.env import EnvConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
-from rlpost.timer import Timer
+from rlpost.runtime import console
+from rlpost.runtime.timer import Timer
 
 
 @dataclass

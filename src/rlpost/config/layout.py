@@ -1,6 +1,7 @@
 """Derived numbers of a config: worker placement, parallel layout and batch arithmetic.
 
-Torch-free; used by MasterConfig's cross-field checks and by `rlpost plan`.
+Torch-free. `to_master_config` computes the layout once, as the last check of a config (its errors are
+config errors); `layout_of(cfg)` hands that same result to `rlpost plan` and the run's setup.
 """
 
 from __future__ import annotations
@@ -8,12 +9,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Any, Dict, Optional
 
 from rlpost.config.errors import ConfigError
+from rlpost.config.schema.master import MasterConfig
 
-if TYPE_CHECKING:
-    from rlpost.config.schema.master import MasterConfig
+_CACHE_ATTR = "_rlpost_layout"
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,16 @@ def attention_heads(cfg: MasterConfig) -> tuple[Optional[int], Optional[int]]:
     heads = hf.get("num_attention_heads")
     kv = hf.get("num_key_value_heads", heads)
     return (heads if isinstance(heads, int) else None), (kv if isinstance(kv, int) else None)
+
+
+def layout_of(cfg: MasterConfig) -> Layout:
+    """The layout of `cfg`, computed on first use and kept on the config object (the config is not
+    changed after loading)."""
+    lay = cfg.__dict__.get(_CACHE_ATTR)
+    if lay is None:
+        lay = compute_layout(cfg)
+        cfg.__dict__[_CACHE_ATTR] = lay
+    return lay
 
 
 def compute_layout(cfg: MasterConfig) -> Layout:

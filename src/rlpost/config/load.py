@@ -17,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from rlpost.config.errors import ConfigError
+from rlpost.config.layout import layout_of
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.store import register_configs
 
@@ -183,6 +184,7 @@ def to_master_config(cfg: DictConfig) -> MasterConfig:
     except Exception as exc:  # noqa: BLE001 - every failure becomes a ConfigError
         raise translate_exception(exc, node) from None
     assert isinstance(obj, MasterConfig)
+    layout_of(obj)  # the layout's rules are the last config check; computed once, reused by setup
     return obj
 
 

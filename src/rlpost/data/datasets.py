@@ -131,7 +131,7 @@ def read_parquet(path: str, cfg: DataConfig) -> List[Dict[str, Any]]:
 def load_rows(cfg: DataConfig, split: str) -> List[Dict[str, Any]]:
     """Training (split='train') or validation rows, each tagged with cfg.env_name."""
     if cfg.dataset_name == "synthetic":
-        from rlpost.environments.synthetic import make_rows
+        from rlpost.data.synthetic_tasks import make_rows
 
         s = cfg.synthetic
         rows = make_rows(s.task, s.num_train if split == "train" else s.num_val, s.seed + (0 if split == "train" else 1))

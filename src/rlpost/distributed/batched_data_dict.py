@@ -15,15 +15,15 @@ shard by shard in row order go back to the caller's order with `restore_order(or
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rlpost.data.packing import pack_sequences
+from rlpost.data.packing import PackedSequences, pack_sequences, unpack_sequences
 from rlpost.distributed.microbatching import (
     DynamicBatchingArgs,
     MicroBatchSpec,
-    PackedMicroBatch,
     SequencePackingArgs,
     deal_sorted,
     pad_plans,
@@ -32,6 +32,31 @@ from rlpost.distributed.microbatching import (
 )
 
 IndexLike = Sequence[int] | torch.Tensor
+
+
+@dataclass
+class PackedMicroBatch:
+    """A packed micro-batch: the rows (trimmed, as a BatchedDataDict) and their packed single-row form."""
+
+    data: BatchedDataDict
+    """The micro-batch rows [N, seq_len]; per-sequence tensors for the loss (SequencePackingLossWrapper)."""
+    packed: PackedSequences
+    """input_ids / position_ids [1, T], cu_seqlens / cu_seqlens_padded [N+1] for the model."""
+    seq_len: int
+    """Padded row length of `data` (the longest real sequence of the bin)."""
+    is_padding: bool = False
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self.packed.cu_seqlens
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return self.packed.position_ids
+
+    def unpack(self, values: torch.Tensor, pad_value: float | int = 0) -> torch.Tensor:
+        """Per-token outputs of the packed row [1, T, ...] -> rows [N, seq_len, ...]."""
+        return unpack_sequences(values, self.packed.cu_seqlens, self.packed.cu_seqlens_padded, self.seq_len, pad_value)
 
 
 def _to_index_list(indices: IndexLike) -> list[int]:

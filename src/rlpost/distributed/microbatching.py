@@ -22,14 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
-import torch
-
-from rlpost.data.packing import PackedSequences, get_packing_algorithm, round_up, unpack_sequences
-
-if TYPE_CHECKING:
-    from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.data.packing import get_packing_algorithm, round_up
 
 
 class DynamicBatchingArgs(TypedDict, total=False):
@@ -62,31 +57,6 @@ class MicroBatchSpec:
     """Length the rows are trimmed to (dynamic: rounded max length; packing: max real length)."""
     is_padding: bool = False
     """Zero-weight filler (sample_mask 0) that only keeps the data-parallel ranks in step."""
-
-
-@dataclass
-class PackedMicroBatch:
-    """A packed micro-batch: the rows (trimmed, as a BatchedDataDict) and their packed single-row form."""
-
-    data: BatchedDataDict
-    """The micro-batch rows [N, seq_len]; per-sequence tensors for the loss (SequencePackingLossWrapper)."""
-    packed: PackedSequences
-    """input_ids / position_ids [1, T], cu_seqlens / cu_seqlens_padded [N+1] for the model."""
-    seq_len: int
-    """Padded row length of `data` (the longest real sequence of the bin)."""
-    is_padding: bool = False
-
-    @property
-    def cu_seqlens(self) -> torch.Tensor:
-        return self.packed.cu_seqlens
-
-    @property
-    def position_ids(self) -> torch.Tensor:
-        return self.packed.position_ids
-
-    def unpack(self, values: torch.Tensor, pad_value: float | int = 0) -> torch.Tensor:
-        """Per-token outputs of the packed row [1, T, ...] -> rows [N, seq_len, ...]."""
-        return unpack_sequences(values, self.packed.cu_seqlens, self.packed.cu_seqlens_padded, self.seq_len, pad_value)
 
 
 def deal_sorted(indices: Sequence[int], lengths: Sequence[int], shards: int) -> list[list[int]]:

@@ -83,7 +83,7 @@ def init_ray(cfg: ClusterConfig) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    from rlpost.run_log import ENV_VAR, SETUP_HOOK, run_log
+    from rlpost.runtime.run_log import ENV_VAR, SETUP_HOOK, run_log
 
     runtime_env: Dict[str, Any] = {"env_vars": dict(WORKER_ENV)}
     log_file = run_log()

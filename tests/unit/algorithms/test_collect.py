@@ -12,7 +12,7 @@ from rlpost.algorithms.collect import collect_batch
 from rlpost.config.schema.grpo import GRPOConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.environments.interfaces import EnvironmentReturn
-from rlpost.timer import Timer
+from rlpost.runtime.timer import Timer
 
 
 class _Tokenizer:

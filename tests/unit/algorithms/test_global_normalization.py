@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from rlpost.algorithms.loss_functions import ClippedPGLossFn, NLLLoss
-from rlpost.algorithms.packed_loss import SequencePackingLossWrapper
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.data.packing import pack_tensor
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.ops.packed_loss import SequencePackingLossWrapper
 
 B, S, V = 8, 14, 11
 

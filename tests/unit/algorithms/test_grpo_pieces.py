@@ -131,9 +131,9 @@ def test_keep_top_k_ranks_only_metrics_measured_at_that_step(tmp_path) -> None: 
     import json
 
     from rlpost.algorithms.grpo import save_checkpoint
-    from rlpost.checkpointing import CheckpointManager
     from rlpost.config.schema.checkpoint import CheckpointingConfig
     from rlpost.config.schema.grpo import GRPOSaveState
+    from rlpost.runtime.checkpointing import CheckpointManager
 
     ck = CheckpointingConfig(metric_name="val:accuracy", keep_top_k=1)
     c = SimpleNamespace(

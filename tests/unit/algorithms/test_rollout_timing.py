@@ -13,7 +13,7 @@ from rlpost.config.schema.env import EnvConfig, SyntheticEnvConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from rlpost.environments.synthetic import SyntheticEnvironment
-from rlpost.timer import Timer
+from rlpost.runtime.timer import Timer
 
 
 class _SleepyEnv(EnvironmentInterface):

@@ -12,10 +12,10 @@ import torch
 from rlpost.algorithms.deadline import SaveDeadline
 from rlpost.algorithms.grpo import save_checkpoint, val_sample_line
 from rlpost.algorithms.rollouts import RolloutBatch
-from rlpost.checkpointing import CheckpointManager
 from rlpost.config.schema.checkpoint import CheckpointingConfig
 from rlpost.config.schema.grpo import GRPOSaveState
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.runtime.checkpointing import CheckpointManager
 
 
 class Clock:

@@ -16,10 +16,10 @@ from typing import Any, Dict, List
 
 import pytest
 
-from rlpost.build import _locate, _proven_in_source, check_target, resolve, verify_targets
 from rlpost.cli import check_hydra_node, compose_hydra_node, main
 from rlpost.config.errors import ConfigError
 from rlpost.config.load import conf_dir, load_master_config
+from rlpost.runtime.build import _locate, _proven_in_source, check_target, resolve, verify_targets
 
 CANARY = "rlpost_canary_pkg"
 
@@ -64,13 +64,13 @@ def refused(canary: Dict[str, Any], capsys: pytest.CaptureFixture[str], argv: Li
 # ---- attribute traversal -------------------------------------------------------------------------
 
 TRAVERSALS = [
-    ("loss_fn._target_", "rlpost.checkpointing.os.system"),  # a module attribute of an rlpost module
-    ("loss_fn._target_", "rlpost.checkpointing.json.loads"),
-    ("loss_fn._target_", "rlpost.checkpointing.Path"),  # a foreign class imported into rlpost
-    ("policy._target_", "rlpost.checkpointing.shutil.rmtree"),
+    ("loss_fn._target_", "rlpost.runtime.checkpointing.os.system"),  # a module attribute of an rlpost module
+    ("loss_fn._target_", "rlpost.runtime.checkpointing.json.loads"),
+    ("loss_fn._target_", "rlpost.runtime.checkpointing.Path"),  # a foreign class imported into rlpost
+    ("policy._target_", "rlpost.runtime.checkpointing.shutil.rmtree"),
     ("policy.optimizer.name", "torch.optim.lr_scheduler.warnings.warn"),
     ("policy.optimizer.name", "torch.optim.lr_scheduler.Tensor"),
-    ("policy.dtensor_cfg.custom_parallel_plan", "rlpost.checkpointing.os.system"),
+    ("policy.dtensor_cfg.custom_parallel_plan", "rlpost.runtime.checkpointing.os.system"),
 ]
 
 
@@ -102,7 +102,7 @@ def test_target_inside_a_plain_dict_is_checked(
 
 
 @pytest.mark.parametrize("cmd", ["plan", "train"])
-@pytest.mark.parametrize("target", ["os.system", "rlpost.checkpointing.os.system", f"{CANARY}.boom"])
+@pytest.mark.parametrize("target", ["os.system", "rlpost.runtime.checkpointing.os.system", f"{CANARY}.boom"])
 def test_hydra_callback_is_refused(
     cmd: str, target: str, canary: Dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -202,7 +202,7 @@ def test_vllm_kwargs_import_path_strings_pass_the_allow_list(
 ) -> None:
     key = "policy.generation.vllm_kwargs.compilation_config.inductor_passes.p"
     refused(canary, capsys, ["train", f"+policy.generation.vllm_kwargs.compilation_config={{inductor_passes:{{p:{CANARY}.boom}}}}"], key)
-    refused(canary, capsys, ["plan", "+policy.generation.vllm_kwargs.logits_processors=[rlpost.checkpointing.os.system]"],
+    refused(canary, capsys, ["plan", "+policy.generation.vllm_kwargs.logits_processors=[rlpost.runtime.checkpointing.os.system]"],
             "policy.generation.vllm_kwargs.logits_processors[0]")
 
 
@@ -219,7 +219,7 @@ GOOD = [
     "torch.optim.Adafactor",
     "torch.optim.lr_scheduler.ConstantLR",
     "rlpost.algorithms.loss_functions.ClippedPGLossFn",
-    "rlpost.build.ConfigError",  # re-exported inside rlpost: allowed
+    "rlpost.runtime.build.ConfigError",  # re-exported inside rlpost: allowed
     "rlpost.environments.synthetic.SyntheticEnvironment",
 ]
 
@@ -235,10 +235,10 @@ def test_good_targets_resolve_and_are_proven_from_source(target: str) -> None:
     "target,rule",
     [
         ("torch.optim.lr_scheduler", "names a module"),
-        ("rlpost.build.ConfigError.__init__", "dunder"),
+        ("rlpost.runtime.build.ConfigError.__init__", "dunder"),
         ("rlpost..build", "dotted Python name"),
-        ("rlpost.build.import", "dotted Python name"),
-        ("rlpost.checkpointing.Path", "defined outside"),
+        ("rlpost.runtime.build.import", "dotted Python name"),
+        ("rlpost.runtime.checkpointing.Path", "defined outside"),
         ("torch.optim.lr_scheduler.Tensor", "defined outside"),
         ("rlpost.nosuch.Thing", "cannot be imported"),
         ("os.system", "allow-list"),
@@ -258,7 +258,7 @@ def test_string_check_imports_nothing() -> None:
 
 def test_verifying_every_default_target_imports_nothing_heavy() -> None:
     code = (
-        "import sys; from rlpost.build import verify_targets; from rlpost.config.load import load_master_config;"
+        "import sys; from rlpost.runtime.build import verify_targets; from rlpost.config.load import load_master_config;"
         "verify_targets(load_master_config(['policy.scheduler=[{name:torch.optim.lr_scheduler.ConstantLR}]'])[1]);"
         "print(sorted(m for m in ('torch', 'ray', 'vllm', 'megatron', 'transformers') if m in sys.modules))"
     )

@@ -67,7 +67,7 @@ def test_every_field_has_a_docstring(path: Path) -> None:
 def test_schema_and_cli_import_no_heavy_module() -> None:
     code = (
         "import sys, rlpost.config.schema.master, rlpost.config.load, rlpost.cli, rlpost.models.policy, "
-        "rlpost.plan, rlpost.build;"
+        "rlpost.plan, rlpost.runtime.build;"
         "print(sorted(m for m in ('torch', 'ray', 'vllm', 'megatron', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

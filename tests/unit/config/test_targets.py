@@ -7,8 +7,8 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from rlpost.build import resolve
 from rlpost.config.load import group_options, groups, load_master_config
+from rlpost.runtime.build import resolve
 
 COMPANIONS = {
     ("data", "math_jsonl"): ["env=math", "data.train_data_path=/tmp/train.jsonl"],
@@ -54,7 +54,7 @@ def test_target_imports_and_binds(key: str) -> None:
 
 
 def test_loss_targets_build_for_real() -> None:
-    from rlpost.build import build
+    from rlpost.runtime.build import build
 
     for key, (_, cfg, _, _) in ALL.items():
         if key.startswith("loss:"):

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rlpost.algorithms.logprobs import logprobs_from_logits
 from rlpost.data.packing import pack_sequences, packed_attention_mask
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.ops.logprobs import logprobs_from_logits
 
 LENGTHS = [5, 9, 3, 7]
 

@@ -8,8 +8,8 @@ import pytest
 
 from rlpost.config.load import load_master_config
 from rlpost.data.datasets import load_rows
+from rlpost.data.synthetic_tasks import make_rows
 from rlpost.environments.math_environment import math_verify_reward
-from rlpost.environments.synthetic import make_rows
 
 PATTERN = re.compile(r"^What is (\d+) ([+*-]) (\d+)\? Put the final answer in \\boxed\{\}\.$")
 

@@ -10,8 +10,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hang_fns import maybe_hang  # noqa: E402
 
 from rlpost.config.schema.env import MathEnvConfig, SyntheticEnvConfig  # noqa: E402
+from rlpost.data.synthetic_tasks import make_rows  # noqa: E402
 from rlpost.environments.math_environment import MathEnvironment  # noqa: E402
-from rlpost.environments.synthetic import SyntheticEnvironment, exact_match_reward, make_rows  # noqa: E402
+from rlpost.environments.synthetic import SyntheticEnvironment, exact_match_reward  # noqa: E402
 from rlpost.environments.verifier_pool import VerifierPool  # noqa: E402
 
 

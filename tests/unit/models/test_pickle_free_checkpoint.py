@@ -18,8 +18,8 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
-from rlpost.checkpointing import CheckpointError
 from rlpost.models.policy import dtensor_checkpoint as dc
+from rlpost.runtime.checkpointing import CheckpointError
 
 
 class Payload:
@@ -120,7 +120,7 @@ def saved(one_rank: Any, tmp_path_factory: pytest.TempPathFactory) -> Tuple[Path
     w = one_rank()
     _step(w, 0)
     _step(w, 1)
-    dc.save(w, str(root / "weights"), str(root / "optimizer"))
+    dc.save(w, str(root / "weights"), str(root / "optimizer"), w.cfg.model_name)
     at_save = _snapshot(w)
     _step(w, 2)
     return root, at_save, _snapshot(w)

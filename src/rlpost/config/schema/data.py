@@ -17,7 +17,7 @@ class SyntheticTaskConfig:
     task: str = "copy_digit"
     """'copy_digit' (repeat the digit), 'next_letter', 'add_mod10' (one-token answers, env=synthetic), or the
     arithmetic levels 'arith_add1' (single-digit addition), 'arith_add2' (two-digit), 'arith_mixed' (+, -, * on
-    one and two digits) asking for a \\boxed{} answer (env=math); see rlpost.environments.synthetic."""
+    one and two digits) asking for a \\boxed{} answer (env=math); see rlpost.data.synthetic_tasks."""
     num_train: int = 4096
     """Training prompts generated."""
     num_val: int = 64

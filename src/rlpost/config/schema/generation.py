@@ -44,7 +44,7 @@ class GenerationConfig:
     """What every rollout engine honours (NeMo RL GenerationConfig)."""
 
     _target_: str = "rlpost.models.generation.vllm_generation.VllmGeneration"
-    """Engine class, built by rlpost.build."""
+    """Engine class, built by rlpost.runtime.build."""
     backend: str = "vllm"
     """Engine name, for logs and `_should_use_async_rollouts`: 'vllm' or 'hf'; must name the engine `_target_` builds."""
     max_new_tokens: int = 512

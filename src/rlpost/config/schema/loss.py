@@ -13,7 +13,7 @@ class LossConfig:
     """Base of every loss config: the loss class to build."""
 
     _target_: str = "rlpost.algorithms.loss_functions.ClippedPGLossFn"
-    """Loss class, built by rlpost.build with this config."""
+    """Loss class, built by rlpost.runtime.build with this config."""
 
     def check(self, path: str) -> None:
         """Range checks; subclasses extend."""

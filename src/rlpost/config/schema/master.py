@@ -62,8 +62,6 @@ class MasterConfig:
         self._cross_checks()
 
     def _cross_checks(self) -> None:
-        from rlpost.config.layout import compute_layout
-
         p, g = self.policy, self.grpo
         require(
             self.data.env_name in self.env,
@@ -92,4 +90,3 @@ class MasterConfig:
                 "logs it before the first step only)",
                 "use checkpointing.metric_name=train:reward or null",
             )
-        compute_layout(self)

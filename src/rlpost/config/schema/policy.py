@@ -212,7 +212,7 @@ class PolicyConfig:
     """The trained policy: model, batch sizes, backend, optimizer and its rollout engine."""
 
     _target_: str = "rlpost.models.policy.dtensor_policy_worker.DTensorPolicyWorker"
-    """Worker class of the training backend, built by rlpost.build."""
+    """Worker class of the training backend, built by rlpost.runtime.build."""
     model_name: str = "${model.path}"
     """Local HF checkpoint directory (default: the `model` group's)."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

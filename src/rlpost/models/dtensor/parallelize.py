@@ -55,7 +55,7 @@ TP_PLANS = {
 def get_tp_plan(model: nn.Module, custom_plan: Optional[str] = None) -> Dict[str, Any]:
     """The built-in plan for the model's architecture, or the one at `custom_plan` (allow-listed import path)."""
     if custom_plan:
-        from rlpost.build import resolve
+        from rlpost.runtime.build import resolve
 
         obj = resolve(custom_plan, key="policy.dtensor_cfg.custom_parallel_plan")
         return obj() if callable(obj) else dict(obj)

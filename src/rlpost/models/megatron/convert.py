@@ -36,19 +36,18 @@ Padded rows are zero; rlpost's logit code masks padded columns out of every soft
 Layer indices: megatron numbers the layers of a pipeline stage from 0; a stage holding global layers
 [start, end) maps HF layer g to local index g - start.
 
-`export_hf_weights` gathers a built (possibly TP/PP-sharded, DDP-wrapped) model back to full HF tensors; see its
-docstring for the collectives. No conversion cache is kept on disk: conversion is an in-memory re-layout.
+`rlpost.models.megatron.export.export_hf_weights` gathers a built (possibly TP/PP-sharded, DDP-wrapped) model back
+to full HF tensors; see its docstring for the collectives. No conversion cache is kept on disk: conversion is an in-memory re-layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -475,33 +474,3 @@ def megatron_to_hf_state_dict(
     local = [from_model_keys(s) for s in shards]
     merged = {name: merge_tp_shard(name, [s[name] for s in local]) for name in local[0]}
     return full_megatron_to_hf(merged, hf_model_dims(hf_config, converter_type), layer_offset, include_tied_lm_head)
-
-
-# ----------------------------------------------------------------------------------- distributed export (refit)
-
-
-def export_hf_weights(
-    model: Any,
-    hf_config: Any,
-    tp_group: dist.ProcessGroup | None,
-    pp_group: dist.ProcessGroup | None,
-    *,
-    dtype: torch.dtype | None = None,
-    include_tied_lm_head: bool = True,
-    converter_type: str = "auto",
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for every weight of a built model on every TP x PP rank.
-
-    Implemented in `rlpost.models.megatron.export` (TP all_gather + PP broadcast); see its docstring.
-    """
-    from rlpost.models.megatron.export import export_hf_weights as _export
-
-    return _export(
-        model,
-        hf_config,
-        tp_group,
-        pp_group,
-        dtype=dtype,
-        include_tied_lm_head=include_tied_lm_head,
-        converter_type=converter_type,
-    )

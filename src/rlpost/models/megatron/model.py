@@ -8,7 +8,7 @@ GPU when transformer_engine imports), then loads the converted HF weights into i
 `forward_logprobs` runs the model through megatron's forward-only schedule (`get_forward_backward_func()`, which
 is the 1F1B pipeline schedule with p2p send/recv between stages when PP > 1), divides the logits by the
 temperature, masks the padded vocabulary columns, and computes the next-token logprobs with a vocab-parallel
-log-softmax over the TP group (`rlpost.algorithms.logprobs.vocab_parallel_logprobs`). Every rank gets the result
+log-softmax over the TP group (`rlpost.ops.logprobs.vocab_parallel_logprobs`). Every rank gets the result
 (the last stage broadcasts it over the PP group).
 
 Padding: rows must be right-padded. megatron-core's GPTModel applies RoPE at positions 0..S-1 whatever the
@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from rlpost.algorithms.logprobs import vocab_parallel_logprobs
 from rlpost.models.megatron.convert import (
     gpt_model_args_from_hf,
     hf_model_dims,
@@ -37,6 +36,7 @@ from rlpost.models.megatron.convert import (
     vocab_divisor,
 )
 from rlpost.models.megatron.export import unwrap_model
+from rlpost.ops.logprobs import vocab_parallel_logprobs
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt.gpt_model import GPTModel

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from rlpost.algorithms.logprobs import vocab_parallel_logprobs
 from rlpost.models.megatron.cpu_compat import is_cpu_compat_active
 from rlpost.models.megatron.export import unwrap_model
 from rlpost.models.megatron.model import resolve_tp_group, scale_and_mask_logits, vocab_shard_range
+from rlpost.ops.logprobs import vocab_parallel_logprobs
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel

@@ -24,7 +24,7 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,10 +40,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from rlpost.checkpointing import CheckpointError, checkpoint_errors, read_json
+from rlpost.runtime.checkpointing import CheckpointError, checkpoint_errors, read_json
 
-if TYPE_CHECKING:
-    from rlpost.models.policy.dtensor_worker_base import DTensorWorkerBase
+
+class TrainState(Protocol):
+    """What save/load touch: the (FSDP2 / DTensor) model, its optimizer and lr scheduler (a worker has them)."""
+
+    model: nn.Module
+    optimizer: Optional[torch.optim.Optimizer]
+    scheduler: Optional[Any]
+
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "vocab.json", "merges.txt")
@@ -254,13 +260,14 @@ def tied_aliases(model: nn.Module) -> Dict[str, str]:
     return aliases
 
 
-def save(worker: DTensorWorkerBase, weights_path: str, optimizer_path: Optional[str], hf_export: bool = True) -> None:
+def save(worker: TrainState, weights_path: str, optimizer_path: Optional[str], source_dir: str,
+         hf_export: bool = True) -> None:
     """Collective: every rank writes its model (and optimizer) shards; rank 0 the JSON files and the HF export."""
     wp = Path(weights_path)
     aliases = tied_aliases(worker.model)
     model_sd = get_model_state_dict(worker.model)
     save_tensors({k: v for k, v in model_sd.items() if k not in aliases}, wp / MODEL_DIR)
-    if worker.rank == 0:
+    if _is_rank0():
         write_json(wp / INFO_FILE, {"format": FORMAT, "aliases": aliases})
     if optimizer_path and worker.optimizer is not None:
         op = Path(optimizer_path)
@@ -273,14 +280,14 @@ def save(worker: DTensorWorkerBase, weights_path: str, optimizer_path: Optional[
             if extra:
                 raise TypeError(f"LR scheduler state holds tensors ({sorted(extra)[:3]}); only JSON values are saved")
         save_tensors(tensors, op / OPTIM_DIR)
-        if worker.rank == 0:
+        if _is_rank0():
             write_json(op / OPTIM_FILE, {"format": FORMAT, "state": skeleton})
             if sched is not None:
                 write_json(op / SCHEDULER_FILE, {"format": FORMAT, "state": sched})
     if hf_export:
         full = full_state_dict(worker.model)
-        if worker.rank == 0:
-            export_hf(worker.model, full, worker.cfg.model_name, wp / "hf")
+        if _is_rank0():
+            export_hf(worker.model, full, source_dir, wp / "hf")
     dist.barrier()
 
 
@@ -299,7 +306,7 @@ def export_hf(model: nn.Module, full: Dict[str, torch.Tensor], source_dir: str, 
             shutil.copy2(src, out_dir / name)
 
 
-def load(worker: DTensorWorkerBase, weights_path: str, optimizer_path: Optional[str]) -> None:
+def load(worker: TrainState, weights_path: str, optimizer_path: Optional[str]) -> None:
     """Collective: restore the model (and the optimizer + scheduler when given and saved) written by `save`."""
     wp = Path(weights_path)
     refuse_legacy(wp)

@@ -138,7 +138,7 @@ class DTensorWorkerBase(WeightExportMixin):
     # ---- logprobs ----------------------------------------------------------------------
     @torch.no_grad()
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        from rlpost.algorithms.logprobs import next_token_logprobs
+        from rlpost.ops.logprobs import next_token_logprobs
 
         self._onload()
         self.model.eval()
@@ -216,7 +216,7 @@ class DTensorWorkerBase(WeightExportMixin):
                 rows = rows.to(self.device)
                 fn = loss_fn
                 if pk is not None:
-                    from rlpost.algorithms.packed_loss import SequencePackingLossWrapper
+                    from rlpost.ops.packed_loss import SequencePackingLossWrapper
 
                     fn = SequencePackingLossWrapper(loss_fn, pk.cu_seqlens, pk.cu_seqlens_padded)
                 loss, metrics = fn(logits, rows, gs, gt, **self._vp_kwargs())
@@ -330,7 +330,7 @@ class DTensorWorkerBase(WeightExportMixin):
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None, hf_export: bool = True) -> None:
         self._onload(with_optimizer=True)
-        dtensor_checkpoint.save(self, weights_path, optimizer_path, hf_export=hf_export)
+        dtensor_checkpoint.save(self, weights_path, optimizer_path, self.cfg.model_name, hf_export=hf_export)
 
     def state_fingerprint(self) -> Dict[str, float]:
         """Debug/test helper: sum of |w| and of optimizer state per rank (local shards)."""

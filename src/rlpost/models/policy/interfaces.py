@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 if TYPE_CHECKING:
-    from rlpost.algorithms.interfaces import LossFunction
     from rlpost.distributed.batched_data_dict import BatchedDataDict
+    from rlpost.ops.loss_interface import LossFunction
 
 
 class PolicyInterface(ABC):

@@ -12,12 +12,12 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from rlpost.build import resolve
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
 from rlpost.models.policy.interfaces import ColocatablePolicyInterface, WeightBuckets
+from rlpost.runtime.build import resolve
 
 # Metrics that are averaged, not summed, over micro-batches.
 MEAN_METRICS = {"lr", "wd", "reward", "global_valid_seqs", "global_valid_toks", "mean_prompt_length"}

@@ -31,12 +31,12 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
 
-from rlpost.checkpointing import CheckpointError, checkpoint_errors, read_json
+from rlpost.config.schema.policy import PolicyConfig
 from rlpost.models.policy.dtensor_checkpoint import (
     MODEL_DIR,
     OPTIM_DIR,
@@ -46,16 +46,33 @@ from rlpost.models.policy.dtensor_checkpoint import (
     refuse_legacy,
     save_tensors,
 )
+from rlpost.runtime.checkpointing import CheckpointError, checkpoint_errors, read_json
 
-if TYPE_CHECKING:
-    from rlpost.models.policy.megatron_policy_worker import MegatronPolicyWorker
+
+class MegatronState(Protocol):
+    """What save/load touch on a Megatron worker: its config, rank and data-parallel size, the model (DDP-wrapped
+    `model`, bare `gpt`), the HF config it converts to, the training state (optimizer, scheduler), and its two
+    weight views."""
+
+    cfg: PolicyConfig
+    rank: int
+    dp_size: int
+    model: Any
+    gpt: torch.nn.Module
+    hf_config: Any
+    train_state: Any
+
+    def local_state(self) -> Dict[str, torch.Tensor]: ...
+
+    def gather_full_weights(self, dtype: torch.dtype) -> Dict[str, torch.Tensor]: ...
+
 
 FORMAT = "rlpost-megatron-safetensors/1"
 LAYOUT_FILE = "megatron_layout.json"
 SCHEDULER_FILE = "scheduler.json"
 
 
-def _layout(worker: MegatronPolicyWorker) -> Dict[str, Any]:
+def _layout(worker: MegatronState) -> Dict[str, Any]:
     m = worker.cfg.megatron_cfg
     assert m is not None
     return {
@@ -69,7 +86,7 @@ def _layout(worker: MegatronPolicyWorker) -> Dict[str, Any]:
     }
 
 
-def _tag(worker: MegatronPolicyWorker, with_dp: bool = False) -> str:
+def _tag(worker: MegatronState, with_dp: bool = False) -> str:
     from megatron.core import parallel_state as ps
 
     tag = f"tp{ps.get_tensor_model_parallel_rank()}-pp{ps.get_pipeline_model_parallel_rank()}"
@@ -97,7 +114,7 @@ def move_optimizer_state(optimizer: Any, device: torch.device | str) -> None:
         state[name] = value.to(device, non_blocking=True)
 
 
-def _optimizer_tensors(worker: MegatronPolicyWorker, tag: str) -> Dict[str, torch.Tensor]:
+def _optimizer_tensors(worker: MegatronState, tag: str) -> Dict[str, torch.Tensor]:
     assert worker.train_state is not None
     model_params = {id(p) for p in worker.gpt.parameters()}
     out: Dict[str, torch.Tensor] = {}
@@ -118,7 +135,7 @@ def _optimizer_tensors(worker: MegatronPolicyWorker, tag: str) -> Dict[str, torc
     return out
 
 
-def _restore_optimizer(worker: MegatronPolicyWorker, tag: str, loaded: Dict[str, torch.Tensor]) -> None:
+def _restore_optimizer(worker: MegatronState, tag: str, loaded: Dict[str, torch.Tensor]) -> None:
     assert worker.train_state is not None
     for c, topt in enumerate(torch_optimizers(worker.train_state.optimizer)):
         for j, group in enumerate(topt.param_groups):
@@ -151,7 +168,7 @@ def _load_own_keys(path: Path, prefix: str) -> Dict[str, torch.Tensor]:
     return dest
 
 
-def gather_hf_weights(worker: MegatronPolicyWorker, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+def gather_hf_weights(worker: MegatronState, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
     """Collective over TP x PP of DP replica 0 (other replicas return at once): global rank 0 gets every weight
     as a full HF-named CPU tensor cast to dtype (a tied lm_head included), the other ranks {}."""
     from megatron.core import parallel_state as ps
@@ -172,7 +189,7 @@ def gather_hf_weights(worker: MegatronPolicyWorker, dtype: torch.dtype) -> Dict[
     return out
 
 
-def save(worker: MegatronPolicyWorker, weights_path: str, optimizer_path: Optional[str], hf_export: bool) -> None:
+def save(worker: MegatronState, weights_path: str, optimizer_path: Optional[str], hf_export: bool) -> None:
     """Collective over all ranks: DCP model (and optimizer) shards, the scheduler, and the HF export on rank 0."""
     wp = Path(weights_path)
     tag = _tag(worker)
@@ -209,7 +226,7 @@ def export_hf(hf_config: Any, full: Dict[str, torch.Tensor], source_dir: str, ou
             shutil.copy2(src, out_dir / name)
 
 
-def _check_layout(worker: MegatronPolicyWorker, weights_path: Path) -> None:
+def _check_layout(worker: MegatronState, weights_path: Path) -> None:
     path = weights_path / LAYOUT_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{weights_path}: no {LAYOUT_FILE}; not a Megatron policy checkpoint")
@@ -230,7 +247,7 @@ def _check_layout(worker: MegatronPolicyWorker, weights_path: Path) -> None:
         )
 
 
-def load(worker: MegatronPolicyWorker, weights_path: str, optimizer_path: Optional[str]) -> None:
+def load(worker: MegatronState, weights_path: str, optimizer_path: Optional[str]) -> None:
     """Collective: restore the model shards (and optimizer + scheduler when given) written by `save`."""
     wp = Path(weights_path)
     refuse_legacy(wp)

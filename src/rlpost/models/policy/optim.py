@@ -11,8 +11,8 @@ from typing import Any, Dict, Iterable, List
 
 import torch
 
-from rlpost.build import resolve
 from rlpost.config.schema.policy import PytorchOptimizerConfig, SchedulerMilestones, parse_scheduler
+from rlpost.runtime.build import resolve
 
 
 def build_optimizer(cfg: PytorchOptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

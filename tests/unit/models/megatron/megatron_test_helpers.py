@@ -193,8 +193,8 @@ def worker(rank: int, world_size: int, port: int, phases: dict[str, dict[str, An
     from safetensors.torch import load_file
 
     from rlpost.config.schema.megatron import MegatronConfig, MegatronOptimizerConfig, MegatronSchedulerConfig
-    from rlpost.models.megatron.convert import export_hf_weights
     from rlpost.models.megatron.cpu_compat import cpu_compat, seed_model_parallel_rng
+    from rlpost.models.megatron.export import export_hf_weights
     from rlpost.models.megatron.model import build_gpt_model, forward_logprobs
     from rlpost.models.megatron.train_step import setup_training, train_step
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlpost.algorithms.interfaces import LossFunction, LossType
+from rlpost.ops.loss_interface import LossFunction, LossType
 
 if TYPE_CHECKING:
     from rlpost.distributed.batched_data_dict import BatchedDataDict

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rlpost.checkpointing import model_fingerprint
+from rlpost.runtime.checkpointing import model_fingerprint
 
 
 def _model(d: Path, weights: bytes) -> Path:

@@ -26,8 +26,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from rlpost import console
 from rlpost.config.schema.checkpoint import CheckpointingConfig
+from rlpost.runtime import console
 
 # Config keys that may change between a run and its resume.
 RESUMABLE_KEYS = ("grpo.max_num_steps", "grpo.max_num_epochs", "checkpointing", "logger", "cluster.address",

@@ -3,7 +3,7 @@
 Every `_target_` and every other import path in a config (optimizer and scheduler names,
 `custom_parallel_plan`, `_target_` keys in plain dicts, dotted strings in `vllm_kwargs`) must name a
 class or function *defined* in an allowed package (ALLOWED_PACKAGES), reached without going through a
-module attribute: `rlpost.checkpointing.os.system` or a foreign function imported into an rlpost
+module attribute: `rlpost.runtime.checkpointing.os.system` or a foreign function imported into an rlpost
 module is refused. Three levels:
 
 - `check_target(s)`: strings only (prefix of ALLOWED_TARGET_PREFIXES, dotted Python names, no

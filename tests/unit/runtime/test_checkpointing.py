@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlpost.checkpointing import CheckpointManager, CheckpointMismatch, config_diff
 from rlpost.config.schema.checkpoint import CheckpointingConfig
+from rlpost.runtime.checkpointing import CheckpointManager, CheckpointMismatch, config_diff
 
 
 def save(m: CheckpointManager, step: int, acc: float, cfg: dict | None = None) -> Path:

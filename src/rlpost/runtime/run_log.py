@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 ENV_VAR = "RLPOST_RUN_LOG"
-SETUP_HOOK = "rlpost.run_log.redirect_worker_output"
+SETUP_HOOK = "rlpost.runtime.run_log.redirect_worker_output"
 
 
 def capture_driver_output(log_file: Optional[Path]) -> None:

@@ -10,7 +10,9 @@ from typing import List
 
 import pytest
 
-from rlpost.checkpointing import (
+from rlpost.config.schema.checkpoint import CheckpointingConfig
+from rlpost.config.schema.logger import LoggerConfig
+from rlpost.runtime.checkpointing import (
     MANIFEST,
     CheckpointError,
     CheckpointManager,
@@ -18,9 +20,7 @@ from rlpost.checkpointing import (
     read_json,
     verify,
 )
-from rlpost.config.schema.checkpoint import CheckpointingConfig
-from rlpost.config.schema.logger import LoggerConfig
-from rlpost.metrics_logger import MetricsLogger
+from rlpost.runtime.metrics_logger import MetricsLogger
 
 FILES = {
     "policy/weights/dcp/__0_0.distcp": 3000,
