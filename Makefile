@@ -27,6 +27,7 @@ test-fast: install
 
 lint: install
 	$(BIN)/ruff check src tests scripts
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) outputs multirun

@@ -26,7 +26,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
 
 import psutil
 
@@ -78,7 +77,7 @@ def main() -> int:
     overrides = [f"grpo.max_num_steps={args.steps}", "grpo.val_period=0", "checkpointing=disabled",
                  "logger.console_progress=false", *args.overrides]
     _, cfg = load_master_config(overrides)
-    steps: List[Dict[str, float]] = []
+    steps: list[dict[str, float]] = []
     t0 = time.perf_counter()
     with TreeMemory() as mem, tempfile.TemporaryDirectory() as run_dir:
         comps = setup(cfg, Path(run_dir))
@@ -92,7 +91,7 @@ def main() -> int:
             ray.shutdown()
     wall = time.perf_counter() - t0
     measured = steps[args.warmup:] or steps
-    limits: Dict[str, float] = {}
+    limits: dict[str, float] = {}
     if not args.no_limits:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_limits import measure_limits

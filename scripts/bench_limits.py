@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 
@@ -22,7 +22,7 @@ def _threads() -> None:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
 
-def step_prompts(cfg: Any) -> List[List[int]]:
+def step_prompts(cfg: Any) -> list[list[int]]:
     """The token ids of one GRPO step's prompts (num_prompts_per_step x num_generations_per_prompt)."""
     from rlpost.data.datasets import load_rows
     from rlpost.data.prompts import PromptProcessor, load_tokenizer
@@ -34,7 +34,7 @@ def step_prompts(cfg: Any) -> List[List[int]]:
     return [p for p in ids for _ in range(cfg.grpo.num_generations_per_prompt)]
 
 
-def bare_generation(cfg: Any, prompts: List[List[int]], repeats: int = 3) -> tuple[float, List[List[int]]]:
+def bare_generation(cfg: Any, prompts: list[list[int]], repeats: int = 3) -> tuple[float, list[list[int]]]:
     """Best wall time of generating for `prompts` with the engine class in this process, and the sequences."""
     gen = cfg.policy.generation
     model = str(cfg.policy.model_name)
@@ -62,7 +62,7 @@ def bare_generation(cfg: Any, prompts: List[List[int]], repeats: int = 3) -> tup
     return best, [list(p) + list(o.token_ids) for p, o in zip(prompts, outs, strict=True)]
 
 
-def bare_training(cfg: Any, sequences: List[List[int]], prompt_lens: List[int], repeats: int = 3) -> float:
+def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], repeats: int = 3) -> float:
     """Best wall time of one optimizer step (forward + backward + AdamW, micro-batched) on `sequences`."""
     from transformers import AutoModelForCausalLM
 
@@ -113,7 +113,7 @@ def memcpy_gbps(cfg: Any, repeats: int = 5) -> tuple[float, int]:
     return nbytes / best / 1e9, nbytes
 
 
-def measure_limits(cfg: Any) -> Dict[str, float]:
+def measure_limits(cfg: Any) -> dict[str, float]:
     """Seconds of bare generation and bare training for one step's batch, and memcpy GB/s."""
     _threads()
     prompts = step_prompts(cfg)

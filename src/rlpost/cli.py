@@ -6,7 +6,8 @@ numbers, `--help` / `--version` answer at once.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 from rlpost import __version__
 from rlpost.config.errors import report_config_error
@@ -39,10 +40,10 @@ _VALUE_FLAGS = {
 _NO_JOB_FLAGS = {"--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc"}
 
 
-def split_hydra_argv(argv: List[str]) -> Tuple[List[str], List[str], bool]:
+def split_hydra_argv(argv: list[str]) -> tuple[list[str], list[str], bool]:
     """(flags, overrides, multirun) of a Hydra command line."""
-    flags: List[str] = []
-    overrides: List[str] = []
+    flags: list[str] = []
+    overrides: list[str] = []
     multirun = False
     i = 0
     while i < len(argv):
@@ -62,7 +63,7 @@ def split_hydra_argv(argv: List[str]) -> Tuple[List[str], List[str], bool]:
     return flags, overrides, multirun
 
 
-def _expand_sweeps(overrides: List[str]) -> List[List[str]]:
+def _expand_sweeps(overrides: list[str]) -> list[list[str]]:
     """Every job's override list of a multirun (Hydra's own sweep grammar)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -72,7 +73,7 @@ def _expand_sweeps(overrides: List[str]) -> List[List[str]]:
     return [job for batch in batches for job in batch]
 
 
-def preflight(overrides: List[str], multirun: bool, flags: Sequence[str] = ()) -> int:
+def preflight(overrides: list[str], multirun: bool, flags: Sequence[str] = ()) -> int:
     """Compose and validate every job before Hydra starts anything; print the first error, return 2 on error."""
     from rlpost.config.errors import ConfigError
     from rlpost.config.load import load_master_config, translate_exception
@@ -140,7 +141,7 @@ def check_flags(flags: Sequence[str]) -> None:
             raise ConfigError(name, value or None, "is not supported by rlpost train", _FLAGS_REFUSED[name])
 
 
-def check_hydra_overrides(overrides: List[str]) -> None:
+def check_hydra_overrides(overrides: list[str]) -> None:
     """Before composing: `hydra.searchpath` may hold only literal file:// entries (Hydra imports pkg:// ones)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -163,7 +164,7 @@ def check_hydra_overrides(overrides: List[str]) -> None:
                 raise ConfigError(key, entry, "may list only file:// directories (Hydra imports pkg:// packages)")
 
 
-def compose_hydra_node(overrides: List[str]) -> Dict[str, Any]:
+def compose_hydra_node(overrides: list[str]) -> dict[str, Any]:
     """The `hydra` node one job composes to, as plain unresolved data (ConfigError on failure)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -182,10 +183,10 @@ def compose_hydra_node(overrides: List[str]) -> Dict[str, Any]:
         raise translate_exception(exc) from None
     node = OmegaConf.to_container(cfg.hydra, resolve=False)
     assert isinstance(node, dict)
-    return node
+    return cast(dict[str, Any], node)
 
 
-def check_hydra_node(hydra: Dict[str, Any]) -> None:
+def check_hydra_node(hydra: dict[str, Any]) -> None:
     """Refuse any import path in the hydra node that is not Hydra's default or rlpost's own callback."""
     from rlpost.config.errors import ConfigError, safe_env_vars
 
@@ -218,7 +219,7 @@ def check_hydra_node(hydra: Dict[str, Any]) -> None:
             raise ConfigError(key, value, f"ext:// references are limited to {sorted(_LOGGING_STREAMS)}")
 
 
-def _hydra_leaves(node: Any, path: str) -> Iterator[Tuple[str, Any]]:
+def _hydra_leaves(node: Any, path: str) -> Iterator[tuple[str, Any]]:
     """(dotted key, value) of every leaf under `node` (list items as [i]); `hydra.overrides` is skipped."""
     if path == "hydra.overrides":
         return
@@ -232,7 +233,7 @@ def _hydra_leaves(node: Any, path: str) -> Iterator[Tuple[str, Any]]:
         yield path, node
 
 
-def check_output_dir(overrides: List[str], multirun: bool) -> None:
+def check_output_dir(overrides: list[str], multirun: bool) -> None:
     """Hydra creates the run directory before rlpost runs: refuse one that is a file or unwritable."""
     import os
     from pathlib import Path
@@ -253,7 +254,7 @@ def check_output_dir(overrides: List[str], multirun: bool) -> None:
         raise ConfigError(key, str(target), f"cannot be created: {probe} is not writable")
 
 
-def _plan(argv: List[str]) -> int:
+def _plan(argv: list[str]) -> int:
     from rlpost.config.errors import ConfigError
     from rlpost.config.load import load_master_config
     from rlpost.plan import print_plan
@@ -275,7 +276,7 @@ def _plan(argv: List[str]) -> int:
     return 0
 
 
-def _eval(argv: List[str]) -> int:
+def _eval(argv: list[str]) -> int:
     """`rlpost eval [overrides]`: the same config as train, validated the same way, then rlpost.evaluate."""
     from rlpost import failures
     from rlpost.config.errors import ConfigError
@@ -309,7 +310,7 @@ def _eval(argv: List[str]) -> int:
     return 0
 
 
-def _train(argv: List[str]) -> int:
+def _train(argv: list[str]) -> int:
     flags, overrides, multirun = split_hydra_argv(argv)
     if not any(f in _NO_JOB_FLAGS for f in flags):
         rc = preflight(overrides, multirun, flags)
@@ -328,7 +329,7 @@ def _train(argv: List[str]) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)

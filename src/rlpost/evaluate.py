@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import torch
 
@@ -38,7 +38,7 @@ def default_output() -> Path:
     return Path("outputs") / "eval" / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S") / "eval.json"
 
 
-def summarize(rewards: torch.Tensor, lengths: torch.Tensor, k: int) -> Dict[str, float]:
+def summarize(rewards: torch.Tensor, lengths: torch.Tensor, k: int) -> dict[str, float]:
     """rewards/lengths [P * k], prompt-major: accuracy, pass@k, mean length."""
     correct = (rewards == 1.0).float().view(-1, k)
     return {
@@ -51,7 +51,7 @@ def summarize(rewards: torch.Tensor, lengths: torch.Tensor, k: int) -> Dict[str,
     }
 
 
-def evaluate(cfg: MasterConfig) -> Dict[str, Any]:
+def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     """Generate k samples per prompt, score them, return the report (and write it as JSON)."""
     import ray
 
@@ -91,15 +91,16 @@ def evaluate(cfg: MasterConfig) -> Dict[str, Any]:
         batch = run_rollout(prompts, torch.arange(len(prompts)) // k, engine, tokenizer, envs,
                             greedy=cfg.eval.greedy, seeds=seeds)
     finally:
-        for closer in (lambda: engine and engine.shutdown(), lambda: cluster and cluster.shutdown(),
-                       *[(lambda e=e: e.shutdown()) for e in envs.values()]):
+        closers = [e.shutdown for e in envs.values()]
+        closers[:0] = [x.shutdown for x in (engine, cluster) if x is not None]
+        for closer in closers:
             try:
                 closer()
             except Exception:  # noqa: BLE001 - keep closing the rest
                 pass
         if ray.is_initialized():
             ray.shutdown()
-    report: Dict[str, Any] = {
+    report: dict[str, Any] = {
         "model": model,
         "data": cfg.data.dataset_name if cfg.data.dataset_name != "synthetic" else f"synthetic:{cfg.data.synthetic.task}",
         "split": cfg.eval.split,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
 
 EXIT_INPUT = 2
 EXIT_RUNTIME = 3
@@ -41,7 +40,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 
     found: list[type[BaseException]] = [ConfigError, DataError, CheckpointMismatch, TinyTargetError]
     try:
-        from rlpost.runtime.checkpointing import CheckpointError  # type: ignore[attr-defined]
+        from rlpost.runtime.checkpointing import CheckpointError
 
         found.append(CheckpointError)
     except ImportError:
@@ -82,7 +81,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def describe(exc: BaseException, log_file: Optional[Path]) -> str:
+def describe(exc: BaseException, log_file: Path | None) -> str:
     """The one line a person reads for `exc`."""
     where = f" (traceback in {log_file})" if log_file is not None else ""
     code = exit_status(exc)

@@ -16,9 +16,10 @@ import importlib
 import inspect
 import os
 import warnings
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any
 
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import model_dir_key, read_hf_config
@@ -29,8 +30,8 @@ from rlpost.runtime.build import check_target
 
 # What a GRPO step logs (rlpost.algorithms.grpo: `validate` as validation/*, `_step_metrics` and the
 # rollout's reward counters as train/*), i.e. the names `checkpointing.metric_name` may rank by.
-VAL_METRICS: Tuple[str, ...] = ("accuracy", "avg_length", "reward")
-TRAIN_STEP_METRICS: Tuple[str, ...] = (
+VAL_METRICS: tuple[str, ...] = ("accuracy", "avg_length", "reward")
+TRAIN_STEP_METRICS: tuple[str, ...] = (
     "reward",
     "reward_timeouts",
     "reward_errors",
@@ -50,12 +51,12 @@ TRAIN_STEP_METRICS: Tuple[str, ...] = (
     "filtered_reward",
     "valid_response_tokens",
 )
-DYNAMIC_SAMPLING_METRICS: Tuple[str, ...] = (
+DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = (
     "dynamic_sampling_num_discarded_valid_samples",
     "dynamic_sampling_num_gen_batches",
 )
 # Metrics each built-in loss returns (rlpost.algorithms.loss_functions), logged as train/<name>.
-LOSS_METRICS: Dict[str, Tuple[str, ...]] = {
+LOSS_METRICS: dict[str, tuple[str, ...]] = {
     "rlpost.algorithms.loss_functions.ClippedPGLossFn": (
         "loss",
         "probs_ratio",
@@ -72,7 +73,7 @@ LOSS_METRICS: Dict[str, Tuple[str, ...]] = {
     "rlpost.algorithms.loss_functions.NLLLoss": ("loss", "num_unmasked_tokens", "num_valid_samples"),
 }
 # Files that make a local HF tokenizer loadable (any one of them).
-TOKENIZER_FILES: Tuple[str, ...] = (
+TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer.json",
     "tokenizer_config.json",
     "tokenizer.model",
@@ -80,12 +81,12 @@ TOKENIZER_FILES: Tuple[str, ...] = (
     "vocab.txt",
     "spiece.model",
 )
-WEIGHT_PATTERNS: Tuple[str, ...] = ("*.safetensors", "*.bin")
+WEIGHT_PATTERNS: tuple[str, ...] = ("*.safetensors", "*.bin")
 # Optimizer arguments that depend on the device; the CPU dry build leaves them out for a GPU run.
 DEVICE_KWARGS = frozenset({"fused", "foreach", "capturable"})
 
 
-def preflight_checks(master: MasterConfig, run_dir: Optional[Path] = None) -> None:
+def preflight_checks(master: MasterConfig, run_dir: Path | None = None) -> None:
     """Raise ConfigError or DataError for anything that would fail after Ray starts. Loads no model."""
     check_model_dir(master)
     check_hf_config_overrides(master)
@@ -99,7 +100,7 @@ def preflight_checks(master: MasterConfig, run_dir: Optional[Path] = None) -> No
     check_data(master)
 
 
-def _did_you_mean(word: str, choices: Iterable[str]) -> Optional[str]:
+def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f"did you mean {match[0]!r}?" if match else None
 
@@ -216,7 +217,7 @@ def _import(name: str, key: str) -> Any:
     return getattr(module, attr)
 
 
-def _check_kwargs(cls: Any, name: str, kwargs: Dict[str, Any], key: str, passed_by_rlpost: str) -> None:
+def _check_kwargs(cls: Any, name: str, kwargs: dict[str, Any], key: str, passed_by_rlpost: str) -> None:
     """Every key of `kwargs` is an argument of `cls`, and none of its required arguments is missing."""
     try:
         params = list(inspect.signature(cls).parameters.values())
@@ -264,7 +265,7 @@ def check_optimizer(master: MasterConfig) -> None:
     _dry_build(opt, p.scheduler, run_device(master) if device_specific else "cpu")
 
 
-def _dry_build(opt: PytorchOptimizerConfig, scheduler: List[Dict[str, Any]], device: str) -> None:
+def _dry_build(opt: PytorchOptimizerConfig, scheduler: list[dict[str, Any]], device: str) -> None:
     """Build the optimizer and scheduler as the worker does, on one CPU parameter, to catch bad values."""
     import torch
 
@@ -319,7 +320,7 @@ def _cpu_reason(master: MasterConfig) -> str:
     return "cluster.device=cpu" if master.cluster.device == "cpu" else "cluster.device=auto and no CUDA device"
 
 
-MOE_CONFIG_KEYS: Tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
+MOE_CONFIG_KEYS: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
 """config.json keys that give an HF model's expert count."""
 
 
@@ -329,7 +330,7 @@ def check_gpu_only_keys(master: MasterConfig) -> None:
     p, d = master.policy, master.policy.dtensor_cfg
     vllm_cfg = getattr(p.generation, "vllm_cfg", None)
     ep = vllm_cfg.expert_parallel_size if vllm_cfg is not None else 1
-    keys: List[Tuple[str, Any, str]] = [
+    keys: list[tuple[str, Any, str]] = [
         ("logger.monitor_gpus", master.logger.monitor_gpus, "it logs the workers' CUDA memory"),
         ("policy.offload_optimizer_for_logprob", p.offload_optimizer_for_logprob,
          "it moves the optimizer state from the GPU to the CPU during logprob passes"),
@@ -363,7 +364,7 @@ def check_gpu_only_keys(master: MasterConfig) -> None:
 # ---- checkpoint metric ------------------------------------------------------------------------
 
 
-def produced_metrics(master: MasterConfig) -> Optional[List[str]]:
+def produced_metrics(master: MasterConfig) -> list[str] | None:
     """'val:x' / 'train:x' names some step logs; None when a custom loss makes the train metrics unknown."""
     loss = LOSS_METRICS.get(master.loss_fn._target_)
     if loss is None:
@@ -414,11 +415,11 @@ def _check_writable_dir(key: str, path: Path) -> None:
         raise ConfigError(key, str(path), f"cannot be created: {parent} is not writable")
 
 
-def output_dirs(master: MasterConfig, run_dir: Optional[Path]) -> List[Tuple[str, Path]]:
+def output_dirs(master: MasterConfig, run_dir: Path | None) -> list[tuple[str, Path]]:
     """(key, directory) of every directory the run writes; defaults resolved under `run_dir` when given."""
-    out: List[Tuple[str, Path]] = []
+    out: list[tuple[str, Path]] = []
 
-    def add(key: str, value: Optional[str], default: Optional[Path]) -> Optional[Path]:
+    def add(key: str, value: str | None, default: Path | None) -> Path | None:
         path = Path(value).expanduser() if value else default
         if path is not None:
             out.append((key, path))
@@ -433,7 +434,7 @@ def output_dirs(master: MasterConfig, run_dir: Optional[Path]) -> List[Tuple[str
     return out
 
 
-def check_output_dirs(master: MasterConfig, run_dir: Optional[Path] = None) -> None:
+def check_output_dirs(master: MasterConfig, run_dir: Path | None = None) -> None:
     """Checkpoint and log directories are directories (or can be created) and writable."""
     for key, path in output_dirs(master, run_dir):
         _check_writable_dir(key, path)

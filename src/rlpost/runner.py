@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, Dict, Optional
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -29,8 +29,8 @@ class StopOnSignal:
     """Turns SIGINT/SIGTERM into a stop request at the next step boundary (twice: stop now)."""
 
     def __init__(self) -> None:
-        self.signum: Optional[int] = None
-        self._old: Dict[int, Any] = {}
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
@@ -43,7 +43,7 @@ class StopOnSignal:
             signal.signal(sig, old)
         self._old = {}
 
-    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:
             raise Interrupted(name, _CODES[signal.Signals(signum)])
@@ -76,7 +76,7 @@ def _quiet_close(comps: Any) -> None:
             signal.signal(signal.SIGINT, old)
 
 
-def _completed_steps(cfg: MasterConfig, run_dir: Path) -> Optional[int]:
+def _completed_steps(cfg: MasterConfig, run_dir: Path) -> int | None:
     """Steps of the newest verified checkpoint when it already reaches grpo.max_num_steps (else None).
 
     Checked before anything starts, so re-running a finished job costs nothing. (A run that ended by
@@ -100,13 +100,13 @@ def _completed_steps(cfg: MasterConfig, run_dir: Path) -> Optional[int]:
     return steps if steps >= cfg.grpo.max_num_steps else None
 
 
-def run(cfg: MasterConfig, run_dir: Path) -> Dict[str, Any]:
+def run(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
     """Train with GRPO; returns a summary (final reward, accuracy, where the outputs are)."""
     from rlpost.algorithms.grpo import grpo_train, save_checkpoint, setup
 
     console = Console(stderr=True)
     t0 = time.perf_counter()
-    last: Dict[str, float] = {}
+    last: dict[str, float] = {}
     comps = None
     done = _completed_steps(cfg, run_dir)
     if done is not None:
@@ -127,7 +127,7 @@ def run(cfg: MasterConfig, run_dir: Path) -> Dict[str, Any]:
             ) as progress:
                 task = progress.add_task("train", total=total, completed=start, info="")
 
-                def on_step(step: int, m: Dict[str, float]) -> None:
+                def on_step(step: int, m: dict[str, float]) -> None:
                     last.update(m)
                     info = f"reward {m.get('train/reward', float('nan')):.3f}  step {m.get('timing/train/total_step_time', 0):.2f}s"
                     if "validation/accuracy" in m:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import yaml
 from hydra.experimental.callback import Callback
@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 
-def _last(metrics: Path, key: str) -> Optional[float]:
+def _last(metrics: Path, key: str) -> float | None:
     if not metrics.is_file():
         return None
     value = None
@@ -25,7 +25,7 @@ def _last(metrics: Path, key: str) -> Optional[float]:
     return value
 
 
-def sweep_rows(sweep_dir: Path) -> List[Dict[str, Any]]:
+def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per job directory: its overrides, final train/reward and validation/accuracy."""
     rows = []
     for job in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):

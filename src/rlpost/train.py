@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -31,7 +31,7 @@ def _run_dir() -> Path:
         return Path.cwd()
 
 
-def _log_file() -> Optional[Path]:
+def _log_file() -> Path | None:
     """Hydra's file handler target (<run dir>/train.log), if logging is configured."""
     import logging
 
@@ -42,7 +42,7 @@ def _log_file() -> Optional[Path]:
     return None
 
 
-def run_job(cfg: DictConfig) -> Optional[Any]:
+def run_job(cfg: DictConfig) -> Any | None:
     """Validate, write the resolved config into the run directory, then run the job.
 
     Every known failure ends with one line and its documented exit status (rlpost.failures);
@@ -102,5 +102,5 @@ def _make_run_dir(run_dir: Path) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
-def main(cfg: DictConfig) -> Optional[Any]:
+def main(cfg: DictConfig) -> Any | None:
     return run_job(cfg)

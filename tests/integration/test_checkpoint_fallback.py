@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 
@@ -20,7 +19,7 @@ SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "po
          "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16"]
 
 
-def env(cache: Path) -> Dict[str, str]:
+def env(cache: Path) -> dict[str, str]:
     return {**os.environ, "RLPOST_CACHE_DIR": str(cache), "RAY_AUTH_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
 
 
@@ -31,7 +30,7 @@ def train(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedPr
     return out
 
 
-def metric_steps(run_dir: Path) -> List[int]:
+def metric_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

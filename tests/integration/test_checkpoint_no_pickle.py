@@ -16,8 +16,9 @@ import pickle
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ class Payload:
     def __init__(self, canary: Path) -> None:
         self.canary = canary
 
-    def __reduce__(self) -> Tuple[Any, Tuple[str, str]]:
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
         return (open, (str(self.canary), "w"))
 
 
@@ -96,27 +97,27 @@ class Built:
 
 
 @pytest.fixture
-def built() -> Iterator[List[Built]]:
-    made: List[Built] = []
+def built() -> Iterator[list[Built]]:
+    made: list[Built] = []
     yield made
     for b in made:
         b.close()
 
 
-def _build(made: List[Built], cfg: PolicyConfig, **kw: Any) -> Built:
+def _build(made: list[Built], cfg: PolicyConfig, **kw: Any) -> Built:
     b = Built(cfg, **kw)
     made.append(b)
     return b
 
 
-def _close(made: List[Built], b: Built) -> None:
+def _close(made: list[Built], b: Built) -> None:
     made.remove(b)
     b.close()
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_planted_pickles_never_run_and_replaced_files_are_refused(
-    backend: str, ray_local: None, tiny_model_dir: Path, built: List[Built], tmp_path: Path
+    backend: str, ray_local: None, tiny_model_dir: Path, built: list[Built], tmp_path: Path
 ) -> None:
     cfg = policy_cfg(tiny_model_dir, *BACKENDS[backend])  # Adam: optimizer state and a scheduler to restore
     ckpt, canary = tmp_path / "ckpt", tmp_path / "PWNED"
@@ -176,7 +177,7 @@ SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "po
 
 
 def _train(run: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    env: Dict[str, str] = {**os.environ, "RLPOST_CACHE_DIR": str(cache), "RAY_AUTH_MODE": "disabled"}
+    env: dict[str, str] = {**os.environ, "RLPOST_CACHE_DIR": str(cache), "RAY_AUTH_MODE": "disabled"}
     return subprocess.run([RLPOST, "train", f"hydra.run.dir={run}", *SMALL, *overrides], env=env,
                           capture_output=True, text=True, timeout=600)
 

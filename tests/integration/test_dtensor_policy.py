@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, List
+from typing import Any
 
 import pytest
 import ray
@@ -76,14 +77,14 @@ class Built:
 
 
 @pytest.fixture
-def built() -> Iterator[List[Built]]:
-    made: List[Built] = []
+def built() -> Iterator[list[Built]]:
+    made: list[Built] = []
     yield made
     for b in made:
         b.close()
 
 
-def train_steps(policy: Policy, n: int) -> List[float]:
+def train_steps(policy: Policy, n: int) -> list[float]:
     losses = []
     for step in range(n):
         data = make_batch(seed=step)
@@ -97,7 +98,7 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def test_logprobs_match_plain_transformers(ray_local: None, tiny_model_dir: Path, built: List[Built]) -> None:
+def test_logprobs_match_plain_transformers(ray_local: None, tiny_model_dir: Path, built: list[Built]) -> None:
     from transformers import AutoModelForCausalLM
 
     b = Built(policy_cfg(tiny_model_dir), 2)
@@ -113,7 +114,7 @@ def test_logprobs_match_plain_transformers(ray_local: None, tiny_model_dir: Path
     assert torch.all(lp[:, 0] == 0)
 
 
-def test_dp2_equals_dp1_and_microbatch_split(ray_local: None, tiny_model_dir: Path, built: List[Built]) -> None:
+def test_dp2_equals_dp1_and_microbatch_split(ray_local: None, tiny_model_dir: Path, built: list[Built]) -> None:
     one = Built(policy_cfg(tiny_model_dir, "cluster.gpus_per_node=1", optimizer=SGD), 1)
     built.append(one)
     l1 = train_steps(one.policy, 2)
@@ -142,7 +143,7 @@ def test_dp2_equals_dp1_and_microbatch_split(ray_local: None, tiny_model_dir: Pa
     assert max(float((w1[k] - w0[k]).abs().max()) for k in w0) > 1e-3
 
 
-def test_tp2_equals_tp1(ray_local: None, tiny_model_dir: Path, built: List[Built]) -> None:
+def test_tp2_equals_tp1(ray_local: None, tiny_model_dir: Path, built: list[Built]) -> None:
     data = make_batch(seed=5)
     one = Built(policy_cfg(tiny_model_dir, "cluster.gpus_per_node=1", optimizer=SGD), 1)
     built.append(one)
@@ -161,7 +162,7 @@ def test_tp2_equals_tp1(ray_local: None, tiny_model_dir: Path, built: List[Built
 
 
 def test_packing_dynamic_batching_and_activation_checkpointing_same_logprobs(
-    ray_local: None, tiny_model_dir: Path, built: List[Built]
+    ray_local: None, tiny_model_dir: Path, built: list[Built]
 ) -> None:
     data = make_batch(seed=7)
     plain = Built(policy_cfg(tiny_model_dir), 2)
@@ -185,7 +186,7 @@ def test_packing_dynamic_batching_and_activation_checkpointing_same_logprobs(
         built.remove(other)
 
 
-def test_save_load_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, built: List[Built],
+def test_save_load_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, built: list[Built],
                                         tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -218,7 +219,7 @@ def test_save_load_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, b
     assert max_diff(w_next, b.policy.full_weights()) == 0.0
 
 
-def test_killed_worker_is_named(ray_local: None, tiny_model_dir: Path, built: List[Built]) -> None:
+def test_killed_worker_is_named(ray_local: None, tiny_model_dir: Path, built: list[Built]) -> None:
     import time
 
     b = Built(policy_cfg(tiny_model_dir), 2)
@@ -236,7 +237,7 @@ def test_killed_worker_is_named(ray_local: None, tiny_model_dir: Path, built: Li
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_v2_logprobs_equal_v1(ray_local: None, tiny_model_dir: Path, built: List[Built], tp: int) -> None:
+def test_v2_logprobs_equal_v1(ray_local: None, tiny_model_dir: Path, built: list[Built], tp: int) -> None:
     data = make_batch(seed=3)
     extra = [f"policy.dtensor_cfg.tensor_parallel_size={tp}"]
     v1 = Built(policy_cfg(tiny_model_dir, *extra, optimizer=SGD), 2)

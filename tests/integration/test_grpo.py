@@ -11,7 +11,6 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 
@@ -22,7 +21,7 @@ RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
 TIMING = ("timing/", "performance/")
 
 
-def env(cache: Path) -> Dict[str, str]:
+def env(cache: Path) -> dict[str, str]:
     return {**os.environ, "RLPOST_CACHE_DIR": str(cache), "RAY_AUTH_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
 
 
@@ -38,7 +37,7 @@ def train(run_dir: Path, cache: Path, *overrides: str, timeout: float = 600) -> 
     return out
 
 
-def metrics(run_dir: Path) -> List[dict]:
+def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -85,7 +84,7 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def _weights(run: Path, step: int) -> Dict[str, object]:
+def _weights(run: Path, step: int) -> dict[str, object]:
     from safetensors.torch import load_file
 
     return load_file(str(run / "checkpoints" / f"step_{step}" / "policy" / "weights" / "hf" / "model.safetensors"))
@@ -115,7 +114,7 @@ def test_resume_after_kill_9_matches_a_straight_run(cache: Path, tmp_path: Path)
     assert "resuming from step 2" in out.stderr
 
     a = {m["step"]: m for m in metrics(straight)}
-    b: Dict[int, dict] = {}
+    b: dict[int, dict] = {}
     for m in metrics(resumed):
         b[m["step"]] = m  # steps the killed run logged after its last checkpoint are repeated; keep the last
     assert sorted(b) == sorted(a) == [1, 2, 3, 4]

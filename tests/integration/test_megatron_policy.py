@@ -11,8 +11,9 @@ import dataclasses
 import json
 import pickle
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ def valid_positions(data: BatchedDataDict) -> torch.Tensor:
     return torch.arange(S)[None, :] < data["input_lengths"][:, None]
 
 
-def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
@@ -105,20 +106,20 @@ class Built:
 
 
 @pytest.fixture
-def built() -> Iterator[List[Built]]:
-    made: List[Built] = []
+def built() -> Iterator[list[Built]]:
+    made: list[Built] = []
     yield made
     for b in made:
         b.close()
 
 
-def build(made: List[Built], cfg: PolicyConfig, workers: int, **kw: Any) -> Built:
+def build(made: list[Built], cfg: PolicyConfig, workers: int, **kw: Any) -> Built:
     b = Built(cfg, workers, **kw)
     made.append(b)
     return b
 
 
-def close(made: List[Built], b: Built) -> None:
+def close(made: list[Built], b: Built) -> None:
     b.close()
     made.remove(b)
 
@@ -134,7 +135,7 @@ def hf_logprobs(model_dir: Path, data: BatchedDataDict, temperature: float) -> t
 
 
 @pytest.fixture(scope="module")
-def dtensor_reference(ray_local: None, tiny_model_dir: Path) -> Dict[str, Any]:
+def dtensor_reference(ray_local: None, tiny_model_dir: Path) -> dict[str, Any]:
     """DTensor worker (1 rank, fp32, SGD): logprobs, then one step on the same data -> loss, grad norm, weights."""
     cfg = policy_cfg(tiny_model_dir, 1, "policy.max_grad_norm=null", megatron=False)
     cfg.optimizer = PytorchOptimizerConfig(name="torch.optim.SGD", kwargs={"lr": SGD_LR})
@@ -151,7 +152,7 @@ def dtensor_reference(ray_local: None, tiny_model_dir: Path) -> Dict[str, Any]:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parity_with_dtensor(
-    layout: str, dtensor_reference: Dict[str, Any], tiny_model_dir: Path, built: List[Built]
+    layout: str, dtensor_reference: dict[str, Any], tiny_model_dir: Path, built: list[Built]
 ) -> None:
     ref = dtensor_reference
     data = ref["data"]
@@ -185,7 +186,7 @@ def test_parity_with_dtensor(
         check_refit(b.policy, w)
 
 
-def check_refit(policy: Policy, weights: Dict[str, torch.Tensor]) -> None:
+def check_refit(policy: Policy, weights: dict[str, torch.Tensor]) -> None:
     """Refit exports: HF names with the tied lm_head, bounded buckets, fingerprints; object store and collective."""
     import socket
 
@@ -217,7 +218,7 @@ def check_refit(policy: Policy, weights: Dict[str, torch.Tensor]) -> None:
     assert fingerprints[0] == weight_fingerprint(received)
 
 
-def test_checkpoint_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, built: List[Built],
+def test_checkpoint_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, built: list[Built],
                                           tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -265,7 +266,7 @@ def test_checkpoint_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, 
     ids=["gpu_only_on_cpu", "dynamic_batching"],
 )
 def test_unsupported_options_fail_clearly(
-    override: str, pattern: str, ray_local: None, tiny_model_dir: Path, built: List[Built]
+    override: str, pattern: str, ray_local: None, tiny_model_dir: Path, built: list[Built]
 ) -> None:
     b = build(built, policy_cfg(tiny_model_dir, 1, override), 1)
     with pytest.raises(WorkerGroupError, match=pattern):
@@ -286,7 +287,7 @@ def test_unsupported_options_fail_clearly(
     ],
     ids=["sequence_parallel", "activation_checkpointing", "bf16_training", "megatron_fsdp", "bf16_flag", "packing"],
 )
-def test_config_checks_name_the_key(overrides: List[str], device: str, key: str, tmp_path: Path) -> None:
+def test_config_checks_name_the_key(overrides: list[str], device: str, key: str, tmp_path: Path) -> None:
     """In-process: the worker's up-front checks (no Ray); the errors survive pickling with their key."""
     from rlpost.models.policy.megatron_policy_worker import check_megatron_support
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, List
+from typing import Any
 
 import pytest
 import torch
@@ -197,7 +197,7 @@ def test_metric_names_match_what_a_step_logs() -> None:
     results = {"metrics": {"loss": 1.0}, "loss": 1.0, "grad_norm": 1.0, "lr": 1.0}
     sampler = SimpleNamespace(discarded=0, gen_batches=1)
     td = {"token_mask": torch.ones(b, s), "sample_mask": torch.ones(b), "input_lengths": torch.ones(b)}
-    logged: List[Any] = list(_step_metrics(batch, td, torch.ones(b), results, sampler))  # type: ignore[arg-type]
+    logged: list[Any] = list(_step_metrics(batch, td, torch.ones(b), results, sampler))  # type: ignore[arg-type]
     expected = {"train/reward"} | {f"train/{k}" for k in TRAIN_STEP_METRICS + DYNAMIC_SAMPLING_METRICS}
     assert set(logged) | {"train/reward"} == expected
 

@@ -8,8 +8,9 @@ the advantages use too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ from rlpost.algorithms.rollouts import RolloutBatch, run_rollout
 from rlpost.runtime.timer import Timer
 
 
-def sample_seeds(seed: int, step: int, n: int, salt: int = 0) -> List[int]:
+def sample_seeds(seed: int, step: int, n: int, salt: int = 0) -> list[int]:
     """Per-sample sampling seeds: a resumed run draws exactly what an uninterrupted one would."""
     return [(seed * 1_000_003 + step * 10_007 + salt * 7919 + i) % (2**31 - 1) for i in range(n)]
 
@@ -41,7 +42,7 @@ def group_std(grpo_cfg: Any, batch: RolloutBatch) -> torch.Tensor:
     return std
 
 
-def rollout_rows(components: Any, rows: List[Dict[str, Any]]) -> tuple[List[Dict[str, Any]], torch.Tensor]:
+def rollout_rows(components: Any, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], torch.Tensor]:
     """The rows tokenized and repeated num_generations_per_prompt times, and their group ids."""
     per_prompt = components.cfg.grpo.num_generations_per_prompt
     processed = [components.processor(r) for r in rows]
@@ -57,15 +58,15 @@ class Collected:
     """The samples the step trains on."""
     generated_rewards: torch.Tensor
     """[N] raw rewards of every sample generated this step (dynamic sampling may have made several batches)."""
-    sampler: Optional[DynamicSampler] = None
+    sampler: DynamicSampler | None = None
     """The dynamic sampler (its counters go into the step's metrics), or None."""
-    metrics: Dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def collect_batch(
     components: Any,
-    rows: List[Dict[str, Any]],
-    next_rows: Callable[[], List[Dict[str, Any]]],
+    rows: list[dict[str, Any]],
+    next_rows: Callable[[], list[dict[str, Any]]],
     step: int,
     timer: Timer,
     sync_weights: Callable[[], None],
@@ -75,7 +76,7 @@ def collect_batch(
     grpo_cfg = components.cfg.grpo
     sampler = (DynamicSampler(grpo_cfg.num_prompts_per_step * grpo_cfg.num_generations_per_prompt,
                               grpo_cfg.dynamic_sampling_max_gen_batches) if grpo_cfg.use_dynamic_sampling else None)
-    generated: List[torch.Tensor] = []
+    generated: list[torch.Tensor] = []
     while True:
         repeated, group_ids = rollout_rows(components, rows)
         sync_weights()

@@ -9,7 +9,7 @@ run exits 0 and re-running the command resumes from that checkpoint.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from rlpost.config.schema.checkpoint import wall_budget_s
 
@@ -17,7 +17,7 @@ from rlpost.config.schema.checkpoint import wall_budget_s
 class SaveDeadline:
     """Tracks the slowest step and the last save against a wall-clock budget."""
 
-    def __init__(self, budget: Optional[str], started_at: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, budget: str | None, started_at: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.budget = budget
         self.budget_s = wall_budget_s(budget) if budget else None
         self.started_at = started_at

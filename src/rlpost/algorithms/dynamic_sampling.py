@@ -7,8 +7,6 @@ it raises.
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch
 
 from rlpost.algorithms.rollouts import RolloutBatch
@@ -18,7 +16,7 @@ class DynamicSamplingExhausted(RuntimeError):
     """Too few groups with varied rewards after the allowed number of generation batches."""
 
 
-def varied_groups(batch: RolloutBatch, std: torch.Tensor) -> List[int]:
+def varied_groups(batch: RolloutBatch, std: torch.Tensor) -> list[int]:
     """Indices of the samples whose group has non-zero std of the rewards the advantages use.
 
     `std` [B] is the per-sample std from the advantage baseline, computed on the scaled and shaped
@@ -39,11 +37,11 @@ class DynamicSampler:
     def __init__(self, target: int, max_gen_batches: int) -> None:
         self.target = target
         self.max_gen_batches = max_gen_batches
-        self.cache: List[RolloutBatch] = []
+        self.cache: list[RolloutBatch] = []
         self.gen_batches = 0
         self.discarded = 0
 
-    def add(self, batch: RolloutBatch, std: torch.Tensor) -> Optional[RolloutBatch]:
+    def add(self, batch: RolloutBatch, std: torch.Tensor) -> RolloutBatch | None:
         """Add a batch; the filled batch once there are enough samples, else None (generate another)."""
         self.gen_batches += 1
         keep = varied_groups(batch, std)

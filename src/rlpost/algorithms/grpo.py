@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ def _advantages(c: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:
     return compute_advantages(rewards, baseline, std, g.normalize_rewards)
 
 
-def validate(c: GRPOComponents, step: int) -> Dict[str, float]:
+def validate(c: GRPOComponents, step: int) -> dict[str, float]:
     """Accuracy (share of samples with reward 1) and mean generated length on the validation rows."""
     g = c.cfg.grpo
     rows = c.val_rows[: g.max_val_samples]
@@ -110,7 +111,7 @@ def val_sample_line(tokenizer: Any, batch: RolloutBatch, i: int, step: int, k: i
     return f"{head}{short(prompt, room // 2)} -> {short(batch.responses[i], room - room // 2)}{tail}"
 
 
-def save_checkpoint(c: GRPOComponents, step: int, metrics: Dict[str, float]) -> None:
+def save_checkpoint(c: GRPOComponents, step: int, metrics: dict[str, float]) -> None:
     """Write step_N (policy weights + optimizer, dataloader, RNG, config) atomically."""
     s = c.save_state
     name = c.cfg.checkpointing.metric_name
@@ -131,7 +132,7 @@ def save_checkpoint(c: GRPOComponents, step: int, metrics: Dict[str, float]) -> 
     c.checkpointer.finalize(tmp, step, s.to_dict(), c.model_fp, c.config_dict)
 
 
-def _health_gate(c: GRPOComponents, metrics: Dict[str, float], step: int) -> None:
+def _health_gate(c: GRPOComponents, metrics: dict[str, float], step: int) -> None:
     """Stop before a broken step is checkpointed: non-finite loss or grad norm, or engine/trainer drift."""
     broken = [f"{key}={metrics[key]} is not finite" for key in ("train/loss", "train/grad_norm")
               if key in metrics and not math.isfinite(metrics[key])]
@@ -178,7 +179,7 @@ def _lr(c: GRPOComponents) -> object:
     return kwargs.get("lr", "?")
 
 
-def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> GRPOSaveState:
+def grpo_train(c: GRPOComponents, on_step: Callable[[int, dict[str, float]], None] | None = None) -> GRPOSaveState:
     """Run GRPO until grpo.max_num_steps or grpo.max_num_epochs (or, with checkpointing.checkpoint_must_save_by,
     until the next step would pass the wall-clock budget: then it saves and returns); the final save state."""
     cfg, g, s = c.cfg, c.cfg.grpo, c.save_state
@@ -197,7 +198,7 @@ def grpo_train(c: GRPOComponents, on_step: Optional[Callable[[int, Dict[str, flo
         timer.reset()
         step_t0 = time.perf_counter()
         with timer.time("total_step_time"):
-            metrics: Dict[str, float] = {}
+            metrics: dict[str, float] = {}
             collected = collect_batch(c, prompt_rows, loader.next_batch, step, timer, weights.sync)
             batch, sampler = collected.batch, collected.sampler
             metrics["train/reward"] = float(collected.generated_rewards.mean())  # every sample generated this step
@@ -283,9 +284,9 @@ def valid_response_tokens(train_data: Any) -> torch.Tensor:
 
 
 def _step_metrics(
-    batch: RolloutBatch, train_data: Any, adv: torch.Tensor, results: Dict[str, Any], sampler: Optional[DynamicSampler]
-) -> Dict[str, float]:
-    m: Dict[str, float] = {f"train/{k}": float(v) for k, v in results["metrics"].items()}
+    batch: RolloutBatch, train_data: Any, adv: torch.Tensor, results: dict[str, Any], sampler: DynamicSampler | None
+) -> dict[str, float]:
+    m: dict[str, float] = {f"train/{k}": float(v) for k, v in results["metrics"].items()}
     m["train/loss"] = float(results["loss"])
     m["train/grad_norm"] = float(results["grad_norm"])
     m["train/lr"] = float(results["lr"])

@@ -9,12 +9,13 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, cast
 
 import torch
 from omegaconf import OmegaConf
 
 from rlpost.config.schema.grpo import GRPOSaveState
+from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.data.dataloader import PromptLoader
 from rlpost.data.datasets import load_rows
@@ -40,20 +41,20 @@ class GRPOComponents:
     run_dir: Path
     policy: Any
     generation: Any
-    clusters: List[RayVirtualCluster]
+    clusters: list[RayVirtualCluster]
     dataloader: PromptLoader
-    val_rows: List[Dict[str, Any]]
+    val_rows: list[dict[str, Any]]
     loss_fn: Any
     logger: MetricsLogger
     checkpointer: CheckpointManager
     save_state: GRPOSaveState
     tokenizer: Any
     processor: PromptProcessor
-    envs: Dict[str, Any]
+    envs: dict[str, Any]
     model_fp: str
-    config_dict: Dict[str, Any]
+    config_dict: dict[str, Any]
     colocated: bool = True
-    extras: Dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
     """time.monotonic() when setup began: checkpointing.checkpoint_must_save_by counts from here."""
 
@@ -92,7 +93,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     set_seed(cfg.grpo.seed)
     _prepare_model(cfg)
     logger = MetricsLogger(cfg.logger, run_dir)
-    config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[assignment]
+    config_dict = cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
     logger.log_hyperparams(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
     checkpointer = CheckpointManager(cfg.checkpointing, run_dir)
     model_fp = model_fingerprint(cfg.policy.model_name)
@@ -190,11 +191,11 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     return comps
 
 
-def _checkpoint_load_failure(exc: BaseException) -> Optional[str]:
+def _checkpoint_load_failure(exc: BaseException) -> str | None:
     """When a worker error (or the Ray error it was raised from) carries a remote traceback through a
     policy backend's checkpoint `load` (DCP, safetensors, torch.load): its final 'Type: message' line."""
     seen = 0
-    e: Optional[BaseException] = exc
+    e: BaseException | None = exc
     while e is not None and seen < 8:
         text = str(e)
         if re.search(r'_checkpoint\.py", line \d+, in load', text):
@@ -210,6 +211,7 @@ def _loss_config(cfg: MasterConfig) -> Any:
     from rlpost.config.layout import prev_logprobs_pass
 
     if prev_logprobs_pass(cfg) == "on-policy":
+        assert isinstance(cfg.loss_fn, ClippedPGLossConfig)  # only a ratio loss has an on-policy pass
         return dataclasses.replace(cfg.loss_fn, force_on_policy_ratio=True)
     return cfg.loss_fn
 
@@ -221,7 +223,7 @@ def generation_dtype(cfg: MasterConfig) -> str:
     return str(vllm_cfg.precision if vllm_cfg is not None else getattr(gen, "precision", "float32"))
 
 
-def save_rng_state() -> Dict[str, Any]:
+def save_rng_state() -> dict[str, Any]:
     st = random.getstate()
     return {"python": [st[0], list(st[1]), st[2]]}
 

@@ -66,6 +66,7 @@ def masked_mean(
 ) -> torch.Tensor:
     """sum(values * mask, dim) / (N + 1e-8), N = global_normalization_factor or sum(mask, dim)."""
     num = (values * mask).sum() if dim is None else (values * mask).sum(dim=dim)
+    den: torch.Tensor | float
     if global_normalization_factor is None:
         den = mask.sum() if dim is None else mask.sum(dim=dim)
     else:

@@ -11,7 +11,7 @@ engine is the bug this prevents.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 from rlpost.models.fingerprint import FingerprintMismatch
 
@@ -23,7 +23,7 @@ def refit_policy_generation(
     policy_generation: Any,
     colocated_inference: bool,
     dtype: str = "float32",
-    refit_buffer_size_gb: Optional[float] = None,
+    refit_buffer_size_gb: float | None = None,
     timer: Any = None,
 ) -> float:
     """Refit and check; returns the seconds it took."""

@@ -10,9 +10,10 @@ timed-out scoring prints one warning line naming the step and the env settings t
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ from rlpost.runtime.timer import Timer
 class RolloutBatch:
     """Generated samples of one batch, in row order."""
 
-    rows: List[Dict[str, Any]]
+    rows: list[dict[str, Any]]
     """The dataset rows (with prompt_ids, loss_multiplier), one per sample."""
     group_ids: torch.Tensor
     """[B] int: samples of the same prompt share a group id."""
@@ -35,17 +36,17 @@ class RolloutBatch:
     """Engine outputs: output_ids, logprobs, generation_lengths, unpadded_sequence_lengths, truncated."""
     input_lengths: torch.Tensor
     """[B] prompt lengths."""
-    responses: List[str]
+    responses: list[str]
     """Decoded responses (special tokens removed)."""
     rewards: torch.Tensor
     """[B] float rewards as the environments returned them."""
-    metrics: Dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
         return len(self.rows)
 
-    def select(self, idx: List[int]) -> RolloutBatch:
+    def select(self, idx: list[int]) -> RolloutBatch:
         t = torch.tensor(idx, dtype=torch.long)
         return RolloutBatch(
             rows=[self.rows[i] for i in idx],
@@ -58,7 +59,7 @@ class RolloutBatch:
         )
 
     @staticmethod
-    def concat(parts: List[RolloutBatch]) -> RolloutBatch:
+    def concat(parts: list[RolloutBatch]) -> RolloutBatch:
         offset, gids = 0, []
         for p in parts:
             gids.append(p.group_ids + offset)
@@ -74,7 +75,7 @@ class RolloutBatch:
         )
 
 
-def prompts_batch(rows: List[Dict[str, Any]], pad_id: int) -> BatchedDataDict:
+def prompts_batch(rows: list[dict[str, Any]], pad_id: int) -> BatchedDataDict:
     """Right-padded input_ids [B, P] and input_lengths [B] from rows' prompt_ids."""
     lengths = torch.tensor([len(r["prompt_ids"]) for r in rows], dtype=torch.long)
     width = int(lengths.max()) if len(rows) else 0
@@ -85,22 +86,22 @@ def prompts_batch(rows: List[Dict[str, Any]], pad_id: int) -> BatchedDataDict:
 
 
 def score(
-    responses: List[str],
-    rows: List[Dict[str, Any]],
-    envs: Dict[str, EnvironmentInterface],
-    label: Optional[str] = None,
-) -> tuple[torch.Tensor, Dict[str, float]]:
+    responses: list[str],
+    rows: list[dict[str, Any]],
+    envs: dict[str, EnvironmentInterface],
+    label: str | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Rewards [B] from each row's environment; timeouts / errors counted as metrics.
 
     With a `label` (e.g. "step 3"), a slow or timed-out scoring prints one warning line.
     """
     rewards = torch.zeros(len(rows))
     timeouts = errors = unfinished = 0
-    by_env: Dict[str, List[int]] = {}
+    by_env: dict[str, list[int]] = {}
     for i, r in enumerate(rows):
         by_env.setdefault(r["env_name"], []).append(i)
     seconds = 0.0
-    notes: List[str] = []
+    notes: list[str] = []
     for name, idx in by_env.items():
         t0 = time.perf_counter()
         ret = envs[name].step([responses[i] for i in idx], [rows[i] for i in idx])
@@ -125,14 +126,14 @@ def score(
     }
 
 
-def _slow_note(name: str, env: EnvironmentInterface, ret: EnvironmentReturn, seconds: float) -> Optional[str]:
+def _slow_note(name: str, env: EnvironmentInterface, ret: EnvironmentReturn, seconds: float) -> str | None:
     """What the warning says about one environment, or None when its scoring was quick and complete."""
     cfg = getattr(env, "cfg", None)
     cfg = cfg if isinstance(cfg, EnvConfig) else None
     slow = cfg is not None and seconds > cfg.slow_warning_s
     if not slow and ret.timeouts == 0:
         return None
-    parts: List[str] = []
+    parts: list[str] = []
     killed = ret.timeouts - ret.unfinished
     if killed:
         parts.append(f"{killed} timed out" + (f" after {cfg.timeout_s:g} s" if cfg else ""))
@@ -146,15 +147,15 @@ def _slow_note(name: str, env: EnvironmentInterface, ret: EnvironmentReturn, sec
 
 
 def run_rollout(
-    rows: List[Dict[str, Any]],
+    rows: list[dict[str, Any]],
     group_ids: torch.Tensor,
     generation: Any,
     tokenizer: Any,
-    envs: Dict[str, EnvironmentInterface],
+    envs: dict[str, EnvironmentInterface],
     greedy: bool = False,
-    seeds: Optional[List[int]] = None,
-    timer: Optional[Timer] = None,
-    label: Optional[str] = None,
+    seeds: list[int] | None = None,
+    timer: Timer | None = None,
+    label: str | None = None,
 ) -> RolloutBatch:
     """Generate for `rows` and score the responses.
 
@@ -178,6 +179,6 @@ def run_rollout(
     return RolloutBatch(rows, group_ids, gen, in_len, responses, rewards, metrics)
 
 
-def _phase(timer: Optional[Timer], name: str) -> ContextManager[None]:
+def _phase(timer: Timer | None, name: str) -> ContextManager[None]:
     """`timer.time(name)`, or nothing without a timer."""
     return timer.time(name) if timer is not None else nullcontext()

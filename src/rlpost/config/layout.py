@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any
 
 from rlpost.config.errors import ConfigError
+from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.master import MasterConfig
 
 _CACHE_ATTR = "_rlpost_layout"
@@ -79,7 +80,7 @@ def model_dir_key(cfg: MasterConfig) -> str:
     return "model.path" if cfg.policy.model_name == cfg.model.path else "policy.model_name"
 
 
-def read_hf_config(model_dir: str, key: str) -> Optional[Dict[str, Any]]:
+def read_hf_config(model_dir: str, key: str) -> dict[str, Any] | None:
     """The model's config.json as a dict; None if there is none; ConfigError (naming `key`) if it is unreadable."""
     path = os.path.join(str(model_dir), "config.json")
     if not os.path.isfile(path):
@@ -97,7 +98,7 @@ def read_hf_config(model_dir: str, key: str) -> Optional[Dict[str, Any]]:
     return hf
 
 
-def attention_heads(cfg: MasterConfig) -> tuple[Optional[int], Optional[int]]:
+def attention_heads(cfg: MasterConfig) -> tuple[int | None, int | None]:
     """(attention heads, key/value heads) of the model, from the tiny spec or a local config.json; None if unknown."""
     if cfg.model.tiny is not None:
         return cfg.model.tiny.num_attention_heads, cfg.model.tiny.num_key_value_heads
@@ -209,7 +210,7 @@ def prev_logprobs_pass(cfg: MasterConfig) -> str:
     ones the prev pass would use, so rho = exp(lp - sg(lp)) exactly (NeMo RL's force_on_policy_ratio).
     """
     loss = cfg.loss_fn
-    if getattr(loss, "force_on_policy_ratio", None) is None:  # a loss without a ratio (NLL)
+    if not isinstance(loss, ClippedPGLossConfig):  # a loss without a ratio (NLL)
         return "not needed"
     if loss.force_on_policy_ratio:
         return "forced"

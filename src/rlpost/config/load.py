@@ -10,8 +10,9 @@ import dataclasses
 import difflib
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, List, Optional
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
@@ -36,23 +37,23 @@ def conf_dir() -> str:
     raise FileNotFoundError("rlpost: cannot find conf/config.yaml (set RLPOST_CONF_DIR)")
 
 
-def group_options(group: str) -> List[str]:
+def group_options(group: str) -> list[str]:
     """Option names of a config group in conf/ (e.g. 'policy' -> ['dtensor', 'dtensor_v2', 'megatron'])."""
     d = Path(conf_dir()) / group
     return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
 
 
-def groups() -> List[str]:
+def groups() -> list[str]:
     """Config groups in conf/."""
     return sorted(p.name for p in Path(conf_dir()).iterdir() if p.is_dir())
 
 
-def _did_you_mean(word: str, choices: Iterable[str]) -> Optional[str]:
+def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
     m = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
     return f"did you mean '{m[0]}'?" if m else None
 
 
-def _schema_fields(node: Any) -> Optional[List[str]]:
+def _schema_fields(node: Any) -> list[str] | None:
     """Field names of the dataclass schema typing `node`; None for an open (untyped) mapping."""
     t = OmegaConf.get_type(node) if isinstance(node, DictConfig) else node
     if isinstance(t, type) and dataclasses.is_dataclass(t):
@@ -60,7 +61,7 @@ def _schema_fields(node: Any) -> Optional[List[str]]:
     return None
 
 
-def _err_candidates(err: BaseException) -> List[str]:
+def _err_candidates(err: BaseException) -> list[str]:
     """Sibling keys of the key an OmegaConf error names: its schema's fields, else its parent's keys."""
     fields = _schema_fields(getattr(err, "object_type", None))
     if fields is not None:
@@ -96,7 +97,8 @@ def check_unknown_keys(node: Any, path: str = "") -> None:
             return
         fields = _schema_fields(node)
         for key in list(node.keys()):
-            full = f"{path}.{key}" if path else str(key)
+            name = str(key)
+            full = f"{path}.{name}" if path else name
             if fields is not None and key not in fields:
                 raise ConfigError(full, _raw(node, key), "unknown config key", _did_you_mean(str(key), fields))
             check_unknown_keys(node._get_node(key), full)
@@ -107,7 +109,7 @@ def check_unknown_keys(node: Any, path: str = "") -> None:
             check_unknown_keys(node._get_node(i), f"{path}[{i}]")
 
 
-def _key_candidates(cfg: Optional[DictConfig], full_key: str) -> List[str]:
+def _key_candidates(cfg: DictConfig | None, full_key: str) -> list[str]:
     if cfg is None or "." not in full_key:
         return [str(k) for k in cfg.keys()] if cfg is not None else []
     parent = full_key.rsplit(".", 1)[0]
@@ -115,12 +117,12 @@ def _key_candidates(cfg: Optional[DictConfig], full_key: str) -> List[str]:
     return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
 
 
-def translate_exception(exc: BaseException, cfg: Optional[DictConfig] = None) -> ConfigError:
+def translate_exception(exc: BaseException, cfg: DictConfig | None = None) -> ConfigError:
     """Turn a Hydra / OmegaConf exception (or one it wraps) into a ConfigError naming key, value and rule."""
     if isinstance(exc, ConfigError):
         return exc
-    chain: List[BaseException] = []
-    e: Optional[BaseException] = exc
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
     while e is not None and len(chain) < 8:
         chain.append(e)
         e = e.__cause__ or e.__context__
@@ -188,7 +190,7 @@ def to_master_config(cfg: DictConfig) -> MasterConfig:
     return obj
 
 
-def compose_config(overrides: Optional[List[str]] = None, config_name: str = CONFIG_NAME) -> DictConfig:
+def compose_config(overrides: list[str] | None = None, config_name: str = CONFIG_NAME) -> DictConfig:
     """Compose conf/<config_name>.yaml with `overrides` (Hydra Compose API); ConfigError on failure."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -204,7 +206,7 @@ def compose_config(overrides: Optional[List[str]] = None, config_name: str = CON
         raise translate_exception(exc) from None
 
 
-def load_master_config(overrides: Optional[List[str]] = None) -> tuple[DictConfig, MasterConfig]:
+def load_master_config(overrides: list[str] | None = None) -> tuple[DictConfig, MasterConfig]:
     """Compose and validate: the resolved DictConfig and the typed MasterConfig."""
     cfg = compose_config(overrides)
     return cfg, to_master_config(cfg)

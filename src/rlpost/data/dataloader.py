@@ -7,13 +7,13 @@ uninterrupted run would have seen.
 from __future__ import annotations
 
 import random
-from typing import Any, Dict, List
+from typing import Any
 
 
 class PromptLoader:
     """Batches of `batch_size` rows; an epoch ends when fewer than a batch remain."""
 
-    def __init__(self, rows: List[Dict[str, Any]], batch_size: int, shuffle: bool = True, seed: int = 42) -> None:
+    def __init__(self, rows: list[dict[str, Any]], batch_size: int, shuffle: bool = True, seed: int = 42) -> None:
         if batch_size > len(rows):
             raise ValueError(f"batch size {batch_size} is larger than the {len(rows)} rows of the dataset")
         self.rows = rows
@@ -26,7 +26,7 @@ class PromptLoader:
     def __len__(self) -> int:
         return len(self.rows) // self.batch_size
 
-    def _order(self) -> List[int]:
+    def _order(self) -> list[int]:
         order = list(range(len(self.rows)))
         if self.shuffle:
             random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
@@ -36,7 +36,7 @@ class PromptLoader:
         """Completed passes over the data."""
         return self.epoch + (1 if self.index >= len(self) else 0)
 
-    def next_batch(self) -> List[Dict[str, Any]]:
+    def next_batch(self) -> list[dict[str, Any]]:
         """The next batch, starting a new (reshuffled) epoch when the current one is used up."""
         if self.index >= len(self):
             self.epoch += 1
@@ -46,8 +46,8 @@ class PromptLoader:
         self.index += 1
         return [self.rows[j] for j in order[i * self.batch_size : (i + 1) * self.batch_size]]
 
-    def state_dict(self) -> Dict[str, int]:
+    def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from rlpost.config.schema.data import DataConfig
 
@@ -33,7 +33,7 @@ def _text_field(value: Any, key: str, where: str) -> str:
     return str(value)
 
 
-def _check_row(row: Any, cfg: DataConfig, where: str) -> Dict[str, Any]:
+def _check_row(row: Any, cfg: DataConfig, where: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     for key in (cfg.input_key, cfg.output_key):
@@ -45,7 +45,7 @@ def _check_row(row: Any, cfg: DataConfig, where: str) -> Dict[str, Any]:
     }
 
 
-def sniff(path: str) -> Optional[str]:
+def sniff(path: str) -> str | None:
     """What a file that is not JSON text looks like ('a parquet file', 'gzip-compressed', ...); None for text."""
     with open(path, "rb") as f:
         head = f.read(8192)
@@ -63,7 +63,7 @@ def sniff(path: str) -> Optional[str]:
     return None
 
 
-def read_jsonl(path: str, cfg: DataConfig) -> List[Dict[str, Any]]:
+def read_jsonl(path: str, cfg: DataConfig) -> list[dict[str, Any]]:
     """Rows of a JSONL file, one JSON object per non-blank line."""
     p = Path(path)
     if not p.is_file():
@@ -99,7 +99,7 @@ def read_jsonl(path: str, cfg: DataConfig) -> List[Dict[str, Any]]:
     return rows
 
 
-def read_parquet(path: str, cfg: DataConfig) -> List[Dict[str, Any]]:
+def read_parquet(path: str, cfg: DataConfig) -> list[dict[str, Any]]:
     """Rows of a parquet file (read through `datasets`)."""
     if not Path(path).is_file():
         raise DataError(f"{path}: no such file")
@@ -128,7 +128,7 @@ def read_parquet(path: str, cfg: DataConfig) -> List[Dict[str, Any]]:
     return rows
 
 
-def load_rows(cfg: DataConfig, split: str) -> List[Dict[str, Any]]:
+def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     """Training (split='train') or validation rows, each tagged with cfg.env_name."""
     if cfg.dataset_name == "synthetic":
         from rlpost.data.synthetic_tasks import make_rows
@@ -147,7 +147,7 @@ def load_rows(cfg: DataConfig, split: str) -> List[Dict[str, Any]]:
     return rows
 
 
-def as_dataset(rows: List[Dict[str, Any]]) -> Any:
+def as_dataset(rows: list[dict[str, Any]]) -> Any:
     """The rows as a `datasets.Dataset` (for users who want its tooling)."""
     from datasets import Dataset
 

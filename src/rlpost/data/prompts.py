@@ -7,7 +7,7 @@ loss (loss_multiplier 0); they are counted in the step metrics.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from rlpost.config.schema.data import DataConfig
 from rlpost.config.schema.policy import TokenizerConfig
@@ -32,23 +32,23 @@ def load_tokenizer(cfg: TokenizerConfig, trust_remote_code: bool = False) -> Any
 class PromptProcessor:
     """Formats and tokenizes rows."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Any, chat_template_kwargs: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(self, cfg: DataConfig, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self.cfg = cfg
         self.tok = tokenizer
         self.template = Path(cfg.prompt_file).read_text() if cfg.prompt_file else None
         self.system = Path(cfg.system_prompt_file).read_text().strip() if cfg.system_prompt_file else None
         self.kwargs = chat_template_kwargs or {}
 
-    def messages(self, row: Dict[str, Any]) -> List[Dict[str, str]]:
+    def messages(self, row: dict[str, Any]) -> list[dict[str, str]]:
         text = self.template.format(row["problem"]) if self.template else row["problem"]
         msgs = [{"role": "system", "content": self.system}] if self.system else []
         return msgs + [{"role": "user", "content": text}]
 
-    def __call__(self, row: Dict[str, Any]) -> Dict[str, Any]:
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
         text = self.tok.apply_chat_template(
             self.messages(row), tokenize=False, add_generation_prompt=self.cfg.add_generation_prompt, **self.kwargs
         )
-        ids: List[int] = self.tok(text, add_special_tokens=False)["input_ids"]
+        ids: list[int] = self.tok(text, add_special_tokens=False)["input_ids"]
         too_long = len(ids) > self.cfg.max_input_seq_length
         if too_long:
             ids = ids[: self.cfg.max_input_seq_length]

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import random
 import string
-from typing import Dict, List
 
 
-def make_example(task: str, rng: random.Random) -> Dict[str, str]:
+def make_example(task: str, rng: random.Random) -> dict[str, str]:
     """One {"problem", "expected_answer"} row of `task`."""
     if task == "next_letter":
         i = rng.randrange(26)
@@ -34,7 +33,7 @@ def make_example(task: str, rng: random.Random) -> Dict[str, str]:
     raise ValueError(f"unknown synthetic task {task!r}")
 
 
-def _arith(task: str, rng: random.Random) -> Dict[str, str]:
+def _arith(task: str, rng: random.Random) -> dict[str, str]:
     """Arithmetic levels for real models: the answer is asked for in \\boxed{} and math-verify scores it."""
     if task == "arith_add1":
         a, b, op = rng.randrange(10), rng.randrange(10), "+"
@@ -49,7 +48,7 @@ def _arith(task: str, rng: random.Random) -> Dict[str, str]:
     return {"problem": f"What is {a} {op} {b}? Put the final answer in \\boxed{{}}.", "expected_answer": str(value)}
 
 
-def make_rows(task: str, n: int, seed: int) -> List[Dict[str, str]]:
+def make_rows(task: str, n: int, seed: int) -> list[dict[str, str]]:
     rng = random.Random(seed)
     return [make_example(task, rng) for _ in range(n)]
 

@@ -25,7 +25,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,13 +81,13 @@ class StatelessGroup:
         self.chunk_bytes = int(chunk_bytes)
         self.last_stats = BroadcastStats()
         timeout = timedelta(seconds=timeout_s)
-        self._store: Optional[dist.Store] = dist.TCPStore(
+        self._store: dist.Store | None = dist.TCPStore(
             host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
         )
         prefixed = dist.PrefixStore(prefix, self._store)
         if backend == "gloo":
             self.device = torch.device("cpu")
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = timeout
             loopback = host in ("127.0.0.1", "localhost", "::1")
             opts._devices = [
@@ -101,7 +101,7 @@ class StatelessGroup:
             nccl_opts = dist.ProcessGroupNCCL.Options()
             nccl_opts._timeout = timeout
             self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_opts)
-        self._buffer: Optional[torch.Tensor] = None
+        self._buffer: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ primitives
     def _broadcast(self, t: torch.Tensor, src: int) -> None:
@@ -118,6 +118,7 @@ class StatelessGroup:
         self, items: list[tuple[str, torch.Tensor]], src: int
     ) -> tuple[list[tuple[str, list[int], str]], int]:
         """Broadcast the layout (names, shapes, dtypes) and the sender's chunk size; every rank returns them."""
+        header: Any
         if self.rank == src:
             header = {"chunk_bytes": self.chunk_bytes, "tensors": [(n, list(t.shape), str(t.dtype)) for n, t in items]}
             raw = json.dumps(header).encode()
@@ -139,7 +140,7 @@ class StatelessGroup:
 
     # ------------------------------------------------------------------ public
     def broadcast_tensors(
-        self, tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None, src: int = 0
+        self, tensors: Iterable[tuple[str, torch.Tensor]] | None = None, src: int = 0
     ) -> list[tuple[str, torch.Tensor]]:
         """Broadcast named tensors from `src`; every rank returns them (the sender returns its own inputs).
 

@@ -9,11 +9,12 @@ fails with a message naming what was asked and what exists; it never hangs.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
@@ -22,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlpost.config.schema.cluster import ClusterConfig
 
 # Environment every actor starts with: one compute thread per process (the cores are few), no hub.
-WORKER_ENV: Dict[str, str] = {
+WORKER_ENV: dict[str, str] = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
@@ -85,7 +86,7 @@ def init_ray(cfg: ClusterConfig) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from rlpost.runtime.run_log import ENV_VAR, SETUP_HOOK, run_log
 
-    runtime_env: Dict[str, Any] = {"env_vars": dict(WORKER_ENV)}
+    runtime_env: dict[str, Any] = {"env_vars": dict(WORKER_ENV)}
     log_file = run_log()
     if log_file:  # a run: worker output goes to its train.log, not through the driver to the console
         runtime_env["env_vars"][ENV_VAR] = log_file
@@ -104,13 +105,13 @@ def init_ray(cfg: ClusterConfig) -> None:
         return
     ray.init(
         address="local",  # never attach silently to a cluster someone started with `ray start`
-        num_cpus=cfg.num_cpus if cfg.num_cpus is not None else os.cpu_count(),
+        num_cpus=cfg.num_cpus if cfg.num_cpus is not None else os.cpu_count(),  # type: ignore[arg-type]  # fractional is fine
         include_dashboard=False,
         object_store_memory=cfg.object_store_memory_mb * 2**20,
         runtime_env=runtime_env,
         log_to_driver=to_console,
         configure_logging=to_console,
-        logging_level="WARNING",
+        logging_level=logging.WARNING,
     )
 
 
@@ -142,15 +143,15 @@ class RayVirtualCluster:
         self.cpus_per_bundle = cpus_per_bundle
         self.max_colocated_worker_groups = max_colocated_worker_groups
         self.placement_timeout_s = placement_timeout_s
-        self._pg: Optional[PlacementGroup] = None
-        self._order: List[BundlePlacement] = []
+        self._pg: PlacementGroup | None = None
+        self._order: list[BundlePlacement] = []
 
     @property
     def world_size(self) -> int:
         return self.workers_per_node * self.num_nodes
 
-    def bundle(self) -> Dict[str, float]:
-        b: Dict[str, float] = {"CPU": self.cpus_per_bundle}
+    def bundle(self) -> dict[str, float]:
+        b: dict[str, float] = {"CPU": self.cpus_per_bundle}
         if self.use_gpus:
             b["GPU"] = 1.0
         return b
@@ -189,11 +190,11 @@ class RayVirtualCluster:
         self.placement_group()
         return self._order[rank]
 
-    def scheduling(self, rank: int, fraction: Optional[float] = None) -> Dict[str, Any]:
+    def scheduling(self, rank: int, fraction: float | None = None) -> dict[str, Any]:
         """Ray actor options placing rank `rank` on its bundle, taking 1/max_colocated of it."""
         frac = fraction if fraction is not None else 1.0 / self.max_colocated_worker_groups
         b = self.bundle_for_rank(rank)
-        opts: Dict[str, Any] = {
+        opts: dict[str, Any] = {
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group(), placement_group_bundle_index=b.index
             ),
@@ -235,6 +236,6 @@ def _free_port() -> tuple[str, int]:
         return addr, int(s.getsockname()[1])
 
 
-def _fmt(res: Dict[str, float]) -> str:
+def _fmt(res: dict[str, float]) -> str:
     keep = {k: v for k, v in res.items() if k in ("CPU", "GPU")}
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items())) + "}"

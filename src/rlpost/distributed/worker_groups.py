@@ -10,8 +10,9 @@ duplicated.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -36,7 +37,7 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
-    def coords(self, rank: int) -> Dict[str, int]:
+    def coords(self, rank: int) -> dict[str, int]:
         return {
             "tp": rank % self.tp,
             "cp": (rank // self.tp) % self.cp,
@@ -57,9 +58,9 @@ class RayWorkerGroup:
         cluster: RayVirtualCluster,
         actor_cls: type,
         *args: Any,
-        dims: Optional[ParallelDims] = None,
+        dims: ParallelDims | None = None,
         name_prefix: str = "worker",
-        env_vars: Optional[Dict[str, str]] = None,
+        env_vars: dict[str, str] | None = None,
         timeout_s: float = 900.0,
         **kwargs: Any,
     ) -> None:
@@ -73,8 +74,8 @@ class RayWorkerGroup:
         self.name_prefix = name_prefix
         self.timeout_s = timeout_s
         addr, port = cluster.get_master_address_and_port()
-        remote_cls = ray.remote(actor_cls)
-        self.workers: List[Any] = []
+        remote_cls: Any = ray.remote(actor_cls)
+        self.workers: list[Any] = []
         for rank in range(self.dims.world_size):
             env = {
                 **WORKER_ENV,
@@ -99,7 +100,7 @@ class RayWorkerGroup:
         return f"{self.name_prefix} rank {rank} on node {self.cluster.node_of_rank(rank)}"
 
     # ---- dispatch -------------------------------------------------------------------------
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> List[Any]:
+    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every rank with the same arguments; results in rank order."""
         return self.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
@@ -108,7 +109,7 @@ class RayWorkerGroup:
 
     def run_sharded(
         self, method: str, shards: Sequence[Any], *args: Any, output_only: bool = True, **kwargs: Any
-    ) -> List[Any]:
+    ) -> list[Any]:
         """Send `shards[dp]` to every rank of data-parallel index dp; one result per shard (dp order)."""
         if len(shards) != self.dims.dp:
             raise ValueError(f"{len(shards)} shards for data-parallel size {self.dims.dp}")
@@ -120,13 +121,13 @@ class RayWorkerGroup:
         results = self.get(futures)
         if not output_only:
             return results
-        out: List[Any] = [None] * self.dims.dp
+        out: list[Any] = [None] * self.dims.dp
         for r, res in enumerate(results):
             if self.dims.is_output_rank(r):
                 out[self.dims.coords(r)["dp"]] = res
         return out
 
-    def get(self, futures: List[Any], timeout_s: Optional[float] = None) -> List[Any]:
+    def get(self, futures: list[Any], timeout_s: float | None = None) -> list[Any]:
         """ray.get with a timeout; a dead worker or a timeout raises WorkerGroupError naming the rank."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
@@ -160,7 +161,7 @@ class RayWorkerGroup:
         self.shutdown()
         raise WorkerGroupError(msg)
 
-    def shutdown(self, graceful_method: Optional[str] = None, timeout_s: float = 30.0) -> None:
+    def shutdown(self, graceful_method: str | None = None, timeout_s: float = 30.0) -> None:
         """Optionally call `graceful_method` on every rank (bounded), then kill the actors."""
         if graceful_method and self.workers:
             try:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any
 
 
 @dataclass
 class EnvironmentReturn:
     """Rewards of one batch of responses, plus what went wrong while scoring them."""
 
-    rewards: List[float]
+    rewards: list[float]
     """One reward per response."""
     timeouts: int = 0
     """Verifications killed for running past the timeout, or unfinished at the batch deadline (reward 0)."""
@@ -19,7 +19,7 @@ class EnvironmentReturn:
     """Verifications that raised (reward 0)."""
     unfinished: int = 0
     """Of the timeouts, samples still unscored when the batch deadline ran out."""
-    metrics: Dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
     """Environment-specific metrics."""
 
 
@@ -27,7 +27,7 @@ class EnvironmentInterface(ABC):
     """Single-turn scoring of responses against per-sample metadata (e.g. the ground truth)."""
 
     @abstractmethod
-    def step(self, responses: List[str], metadata: List[Dict[str, Any]]) -> EnvironmentReturn:
+    def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         """Score `responses`; metadata[i] belongs to responses[i]."""
 
     @abstractmethod

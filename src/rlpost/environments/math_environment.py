@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any
 
 from rlpost.config.schema.env import MathEnvConfig
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
@@ -33,7 +33,7 @@ class MathEnvironment(EnvironmentInterface):
         self.cfg = cfg
         self.pool = VerifierPool.from_config(math_verify_reward, cfg, warmup=warm_up_math_verify)
 
-    def step(self, responses: List[str], metadata: List[Dict[str, Any]]) -> EnvironmentReturn:
+    def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         res = self.pool.run([(r, m["expected_answer"]) for r, m in zip(responses, metadata, strict=True)])
         return EnvironmentReturn(res.rewards, res.timeouts, res.errors, unfinished=res.unfinished)
 

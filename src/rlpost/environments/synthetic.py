@@ -10,7 +10,7 @@ the default run generates one token (answers are one token long).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any
 
 from rlpost.config.schema.env import SyntheticEnvConfig
 from rlpost.data.synthetic_tasks import ALPHABETS
@@ -33,7 +33,7 @@ class SyntheticEnvironment(EnvironmentInterface):
         self.cfg = cfg
         self.pool = VerifierPool.from_config(exact_match_reward, cfg)
 
-    def step(self, responses: List[str], metadata: List[Dict[str, Any]]) -> EnvironmentReturn:
+    def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         alphabet = ALPHABETS.get(self.cfg.task, "")
         res = self.pool.run(
             [(r, m["expected_answer"], alphabet, self.cfg.format_reward) for r, m in zip(responses, metadata, strict=True)]

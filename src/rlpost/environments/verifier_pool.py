@@ -20,9 +20,10 @@ import multiprocessing as mp
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from typing import Any
 
 from rlpost.config.schema.env import EnvConfig
 
@@ -32,10 +33,10 @@ WarmupFn = Callable[[], None]
 _READY = -1  # sample index of the message a worker sends once it is warm
 
 
-def _worker_loop(fn: RewardFn, warmup: Optional[WarmupFn], conn: Connection) -> None:
+def _worker_loop(fn: RewardFn, warmup: WarmupFn | None, conn: Connection) -> None:
     # A terminal's Ctrl-C reaches the whole process group; the driver decides, the verifier keeps quiet.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    err: Optional[str] = None
+    err: str | None = None
     if warmup is not None:
         try:
             warmup()
@@ -57,14 +58,14 @@ def _worker_loop(fn: RewardFn, warmup: Optional[WarmupFn], conn: Connection) -> 
 
 
 class _Worker:
-    def __init__(self, ctx: Any, fn: RewardFn, warmup: Optional[WarmupFn], warmup_timeout_s: float) -> None:
+    def __init__(self, ctx: Any, fn: RewardFn, warmup: WarmupFn | None, warmup_timeout_s: float) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_loop, args=(fn, warmup, child), daemon=True)
         self.proc.start()
         child.close()
         self.ready = False
         self.ready_by = time.monotonic() + warmup_timeout_s
-        self.busy: Optional[Tuple[int, float]] = None  # (sample index, deadline)
+        self.busy: tuple[int, float] | None = None  # (sample index, deadline)
 
     def kill(self) -> None:
         self.proc.kill()
@@ -76,7 +77,7 @@ class _Worker:
 class PoolResult:
     """Rewards of one batch and what went wrong."""
 
-    rewards: List[float]
+    rewards: list[float]
     """One reward per args tuple, in order (0 for a timeout or an error)."""
     timeouts: int = 0
     """Calls killed after timeout_s, plus samples unfinished at the batch deadline."""
@@ -97,7 +98,7 @@ class VerifierPool:
         num_workers: int = 1,
         timeout_s: float = 10.0,
         batch_timeout_s: float = 300.0,
-        warmup: Optional[WarmupFn] = None,
+        warmup: WarmupFn | None = None,
         warmup_timeout_s: float = 120.0,
     ) -> None:
         self.fn = fn
@@ -109,22 +110,22 @@ class VerifierPool:
         self._workers = [self._spawn() for _ in range(num_workers)]
 
     @classmethod
-    def from_config(cls, fn: RewardFn, cfg: EnvConfig, warmup: Optional[WarmupFn] = None) -> VerifierPool:
+    def from_config(cls, fn: RewardFn, cfg: EnvConfig, warmup: WarmupFn | None = None) -> VerifierPool:
         """A pool sized and bounded by an environment config."""
         return cls(fn, cfg.num_workers, cfg.timeout_s, cfg.batch_timeout_s, warmup)
 
-    def map(self, args_list: List[Tuple[Any, ...]]) -> Tuple[List[float], int, int]:
+    def map(self, args_list: list[tuple[Any, ...]]) -> tuple[list[float], int, int]:
         """(rewards, timeouts, errors) for each args tuple, in order."""
         r = self.run(args_list)
         return r.rewards, r.timeouts, r.errors
 
-    def run(self, args_list: List[Tuple[Any, ...]]) -> PoolResult:
+    def run(self, args_list: list[tuple[Any, ...]]) -> PoolResult:
         """Score every args tuple; returns once all are done or the batch deadline has passed."""
         self._await_ready()
         t0 = time.monotonic()
         batch_deadline = t0 + self.batch_timeout_s
         res = PoolResult([0.0] * len(args_list))
-        todo: Deque[int] = deque(range(len(args_list)))
+        todo: deque[int] = deque(range(len(args_list)))
         done = 0
         while done < len(args_list):
             if time.monotonic() >= batch_deadline:

@@ -29,14 +29,13 @@ import hashlib
 import math
 import zlib
 from collections.abc import Iterable, Mapping
-from typing import Optional, Union
 
 import torch
 
 DEFAULT_SAMPLES_PER_TENSOR = 256
 """Sampled elements per tensor."""
 
-NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 class FingerprintMismatch(RuntimeError):
@@ -127,7 +126,7 @@ def weight_fingerprint(named_tensors: NamedTensors, samples_per_tensor: int = DE
     return b.hexdigest()
 
 
-def check_fingerprints(fps: list[str], expected: Optional[str], who: str = "replica") -> str:
+def check_fingerprints(fps: list[str], expected: str | None, who: str = "replica") -> str:
     """The common fingerprint of every engine process; FingerprintMismatch naming each one that differs.
 
     `expected` is the sender's fingerprint when known; otherwise the first process's is the reference.

@@ -39,7 +39,7 @@ class _NextTokenLogprobs(torch.autograd.Function):
     """logprob[b, t] = x[b, t, target[b, t] - vocab_start] - logsumexp_over_all_ranks(x[b, t, :])."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         logits: torch.Tensor,  # [B, T, V_local] (any float dtype)
         target: torch.Tensor,  # [B, T] global token ids
@@ -73,7 +73,7 @@ class _NextTokenLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, local_target, owned, lse_all = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)  # [B, T, V_local]
         g_all = grad_out.to(lse_all.dtype)  # [B, T]

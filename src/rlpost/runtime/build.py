@@ -22,19 +22,20 @@ import importlib.util
 import inspect
 import keyword
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import Field, fields, is_dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.policy import DTensorConfig, PolicyConfig, PytorchOptimizerConfig
 
-ALLOWED_TARGET_PREFIXES: Tuple[str, ...] = (
+ALLOWED_TARGET_PREFIXES: tuple[str, ...] = (
     "rlpost.",
     "torch.optim.",
 )
-ALLOWED_PACKAGES: Tuple[str, ...] = tuple(p.rstrip(".") for p in ALLOWED_TARGET_PREFIXES)
+ALLOWED_PACKAGES: tuple[str, ...] = tuple(p.rstrip(".") for p in ALLOWED_TARGET_PREFIXES)
 """An object is allowed when its `__module__` is one of these or inside one."""
 
 IMPORT_PATH = "import_path"
@@ -43,7 +44,7 @@ IMPORT_PATH = "import_path"
 "dotted_strings" (every dotted-name string anywhere inside the value is checked as one)."""
 
 # Import-path fields of schemas that carry no IMPORT_PATH metadata (yet); metadata wins over this.
-_DECLARED: Dict[type, Dict[str, str]] = {
+_DECLARED: dict[type, dict[str, str]] = {
     PytorchOptimizerConfig: {"name": "value"},
     DTensorConfig: {"custom_parallel_plan": "value"},
     PolicyConfig: {"scheduler": "entry_names"},
@@ -57,7 +58,7 @@ def looks_like_import_path(value: str) -> bool:
     return ("." in value or ":" in value) and _DOTTED.fullmatch(value) is not None
 
 
-def _marker(obj: Any, f: Field) -> Optional[str]:
+def _marker(obj: Any, f: Field) -> str | None:
     if IMPORT_PATH in f.metadata:
         return str(f.metadata[IMPORT_PATH])
     for cls in type(obj).__mro__:
@@ -66,7 +67,7 @@ def _marker(obj: Any, f: Field) -> Optional[str]:
     return None
 
 
-def _walk_targets(obj: Any, path: str, dotted: bool = False) -> Iterator[Tuple[str, Any]]:
+def _walk_targets(obj: Any, path: str, dotted: bool = False) -> Iterator[tuple[str, Any]]:
     """Yield (key, import path) for every `_target_` and every declared import path in a config tree."""
     if is_dataclass(obj) and not isinstance(obj, type):
         for f in fields(obj):
@@ -157,7 +158,7 @@ def _root_len(target: str) -> int:
     return next(len(p.split(".")) for p in ALLOWED_PACKAGES if target.startswith(p + "."))
 
 
-def _import_prefix(parts: List[str], key: str, target: str) -> Tuple[Any, int]:
+def _import_prefix(parts: list[str], key: str, target: str) -> tuple[Any, int]:
     """Import the longest module prefix of `parts` (within the allowed package); (module, its length)."""
     n = _root_len(target)
     name = ".".join(parts[:n])
@@ -219,7 +220,7 @@ def _locate(target: str, key: str) -> Any:
 # ---- prove from source (no import) ---------------------------------------------------------------
 
 
-def _module_file(name: str) -> Optional[Path]:
+def _module_file(name: str) -> Path | None:
     """Source file of module `name` (package __init__.py or module .py), found without importing."""
     parts = name.split(".")
     try:
@@ -229,7 +230,7 @@ def _module_file(name: str) -> Optional[Path]:
     if spec is None or not spec.submodule_search_locations or not spec.origin:
         return None
     dirs: Sequence[str] = list(spec.submodule_search_locations)
-    file: Optional[Path] = Path(spec.origin)
+    file: Path | None = Path(spec.origin)
     for p in parts[1:]:
         file = None
         for d in dirs:
@@ -245,7 +246,7 @@ def _module_file(name: str) -> Optional[Path]:
 
 
 @lru_cache(maxsize=256)
-def _parse(file: Path) -> Optional[ast.Module]:
+def _parse(file: Path) -> ast.Module | None:
     try:
         return ast.parse(file.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, ValueError):
@@ -269,9 +270,9 @@ def _stores(stmt: ast.stmt, name: str) -> bool:
     return False
 
 
-def _bindings(body: List[ast.stmt], name: str) -> List[ast.stmt]:
+def _bindings(body: list[ast.stmt], name: str) -> list[ast.stmt]:
     """Statements of a module/class body (through if/try/with/for/match, not into defs) that bind `name`."""
-    found: List[ast.stmt] = []
+    found: list[ast.stmt] = []
     for stmt in body:
         if isinstance(stmt, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             if stmt.name == name:
@@ -298,7 +299,7 @@ def _from_module(node: ast.ImportFrom, module: str, file: Path) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _defined(body: List[ast.stmt], module: str, file: Path, attrs: List[str], depth: int) -> bool:
+def _defined(body: list[ast.stmt], module: str, file: Path, attrs: list[str], depth: int) -> bool:
     """True when every binding of attrs[0] in `body` is a class/def (walked into for the rest) or an
     allowed `from X import` that is itself proven."""
     if depth > 16:
@@ -325,7 +326,7 @@ def _defined(body: List[ast.stmt], module: str, file: Path, attrs: List[str], de
     return True
 
 
-def _proven_at(module: str, attrs: List[str], depth: int) -> bool:
+def _proven_at(module: str, attrs: list[str], depth: int) -> bool:
     file = _module_file(module)
     tree = _parse(file) if file is not None else None
     return tree is not None and _defined(tree.body, module, file, attrs, depth)  # type: ignore[arg-type]

@@ -23,8 +23,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any
 
 from rlpost.config.schema.checkpoint import CheckpointingConfig
 from rlpost.runtime import console
@@ -50,7 +51,7 @@ class CheckpointMismatch(CheckpointError):
 
 # A file's stat signature (inode, size, mtime, ctime) -> its hash; lets `_prune` skip re-hashing
 # files this process wrote or already checked and that have not changed since.
-_StatKey = Tuple[int, int, int, int]
+_StatKey = tuple[int, int, int, int]
 
 
 def _stat_key(st: os.stat_result) -> _StatKey:
@@ -66,7 +67,7 @@ def file_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def _files(root: Path) -> List[str]:
+def _files(root: Path) -> list[str]:
     """Relative POSIX paths of the regular files under `root` (recursive, sorted), manifest excluded."""
     out = []
     for dirpath, _dirs, names in os.walk(root):
@@ -78,9 +79,9 @@ def _files(root: Path) -> List[str]:
     return sorted(out)
 
 
-def write_manifest(ckpt: Path, cache: Optional[Dict[_StatKey, str]] = None) -> Dict[str, Any]:
+def write_manifest(ckpt: Path, cache: dict[_StatKey, str] | None = None) -> dict[str, Any]:
     """Write `manifest.json` (size and sha256 of every other file under `ckpt`); returns it."""
-    files: Dict[str, Dict[str, Any]] = {}
+    files: dict[str, dict[str, Any]] = {}
     for rel in _files(ckpt):
         st = (ckpt / rel).stat()
         digest = file_hash(ckpt / rel)
@@ -94,7 +95,7 @@ def write_manifest(ckpt: Path, cache: Optional[Dict[_StatKey, str]] = None) -> D
     return manifest
 
 
-def _read_manifest(ckpt: Path) -> Tuple[Optional[Dict[str, Dict[str, Any]]], str]:
+def _read_manifest(ckpt: Path) -> tuple[dict[str, dict[str, Any]] | None, str]:
     """(files, "") for a well-formed manifest, else (None, why not)."""
     path = ckpt / MANIFEST
     if not path.is_file():
@@ -115,7 +116,7 @@ def _read_manifest(ckpt: Path) -> Tuple[Optional[Dict[str, Dict[str, Any]]], str
     return files, ""
 
 
-def verify(ckpt: Path, cache: Optional[Dict[_StatKey, str]] = None) -> Optional[str]:
+def verify(ckpt: Path, cache: dict[_StatKey, str] | None = None) -> str | None:
     """None when every file in the checkpoint's manifest is present with its size and hash, else
     why not (e.g. 'policy/optimizer/dcp/__0_0.distcp: 1234 bytes, manifest says 5678'). Files the
     manifest does not list are ignored. With `cache`, files whose stat signature is known are not
@@ -123,7 +124,7 @@ def verify(ckpt: Path, cache: Optional[Dict[_StatKey, str]] = None) -> Optional[
     files, why = _read_manifest(ckpt)
     if files is None:
         return why
-    stats: Dict[str, os.stat_result] = {}
+    stats: dict[str, os.stat_result] = {}
     for rel, entry in sorted(files.items()):  # cheap checks first: presence and size
         try:
             st = (ckpt / rel).stat()
@@ -187,16 +188,16 @@ def model_fingerprint(model_dir: str, samples: int = 17, block: int = 1 << 16) -
     return h.hexdigest()[:16]
 
 
-def _flatten(d: Any, prefix: str = "") -> Dict[str, Any]:
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(d, dict):
-        out: Dict[str, Any] = {}
+        out: dict[str, Any] = {}
         for k, v in d.items():
             out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
         return out
     return {prefix: d}
 
 
-def config_diff(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
+def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Keys whose values differ, ignoring RESUMABLE_KEYS."""
     a, b = _flatten(old), _flatten(new)
     keys = sorted(set(a) | set(b))
@@ -208,14 +209,14 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointingConfig, run_dir: Path) -> None:
         self.cfg = cfg
-        self._hashes: Dict[_StatKey, str] = {}
+        self._hashes: dict[_StatKey, str] = {}
         self.dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
         if cfg.enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
             for leftover in self.dir.glob("tmp_step_*"):
                 shutil.rmtree(leftover, ignore_errors=True)
 
-    def steps(self) -> List[int]:
+    def steps(self) -> list[int]:
         if not self.dir.is_dir():
             return []
         out = []
@@ -225,20 +226,20 @@ class CheckpointManager:
                 out.append(int(m.group(1)))
         return sorted(out)
 
-    def latest(self) -> Optional[Path]:
+    def latest(self) -> Path | None:
         """The newest step_N (unverified); see `latest_verified` for resume."""
         if not self.cfg.enabled:
             return None
         steps = self.steps()
         return self.dir / f"step_{steps[-1]}" if steps else None
 
-    def latest_verified(self) -> Optional[Path]:
+    def latest_verified(self) -> Path | None:
         """The newest checkpoint that matches its manifest (every file hashed). Newer ones that do not
         are renamed to corrupt_step_N and named in one warning line each."""
         if not self.cfg.enabled:
             return None
-        bad: List[Tuple[Path, str, Path]] = []
-        found: Optional[Path] = None
+        bad: list[tuple[Path, str, Path]] = []
+        found: Path | None = None
         for step in reversed(self.steps()):
             ckpt = self.dir / f"step_{step}"
             why = verify(ckpt)
@@ -264,7 +265,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {ckpt} is corrupt and could not be moved aside: {exc}") from exc
         return dest
 
-    def check_resume(self, ckpt: Path, model_fp: str, config: Dict[str, Any]) -> None:
+    def check_resume(self, ckpt: Path, model_fp: str, config: dict[str, Any]) -> None:
         """Raise CheckpointMismatch (unless force_resume) when the model or config differ."""
         saved = json.loads((ckpt / "fingerprint.json").read_text()) if (ckpt / "fingerprint.json").is_file() else {}
         problems = []
@@ -287,7 +288,7 @@ class CheckpointManager:
         tmp.mkdir(parents=True)
         return tmp
 
-    def finalize(self, tmp: Path, step: int, info: Dict[str, Any], model_fp: str, config: Dict[str, Any]) -> Path:
+    def finalize(self, tmp: Path, step: int, info: dict[str, Any], model_fp: str, config: dict[str, Any]) -> Path:
         """Write the fingerprints, training_info.json and, last, the manifest; rename into place; prune."""
         (tmp / "fingerprint.json").write_text(json.dumps({"model": model_fp, "config": config}, indent=1, default=str))
         (tmp / "training_info.json").write_text(json.dumps(info, indent=1))

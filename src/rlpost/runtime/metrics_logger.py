@@ -10,12 +10,12 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any
 
 from rlpost.config.schema.logger import LoggerConfig
 
 
-def _scalar(v: Any) -> Optional[float]:
+def _scalar(v: Any) -> float | None:
     try:
         f = float(v)
     except (TypeError, ValueError):
@@ -70,7 +70,7 @@ class MetricsLogger:
             self.tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=step + 1)
         return dropped
 
-    def log(self, metrics: Dict[str, Any], step: int) -> None:
+    def log(self, metrics: dict[str, Any], step: int) -> None:
         clean = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")

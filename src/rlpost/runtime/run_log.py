@@ -17,20 +17,19 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Optional
 
 ENV_VAR = "RLPOST_RUN_LOG"
 SETUP_HOOK = "rlpost.runtime.run_log.redirect_worker_output"
 
 
-def capture_driver_output(log_file: Optional[Path]) -> None:
+def capture_driver_output(log_file: Path | None) -> None:
     """Route the driver's Python warnings to logging (train.log) and tell workers where the log is."""
     logging.captureWarnings(True)
     if log_file is not None:
         os.environ[ENV_VAR] = str(log_file)
 
 
-def run_log() -> Optional[str]:
+def run_log() -> str | None:
     """The run's train.log, when a run set it."""
     return os.environ.get(ENV_VAR) or None
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Dict, Iterator
 
 
 class Timer:
     """Accumulates wall time per phase name until `reset`."""
 
     def __init__(self) -> None:
-        self.times: Dict[str, float] = {}
+        self.times: dict[str, float] = {}
 
     @contextmanager
     def time(self, name: str) -> Iterator[None]:
@@ -21,7 +21,7 @@ class Timer:
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
-    def metrics(self, prefix: str) -> Dict[str, float]:
+    def metrics(self, prefix: str) -> dict[str, float]:
         return {f"{prefix}/{k}": v for k, v in self.times.items()}
 
     def reset(self) -> None:

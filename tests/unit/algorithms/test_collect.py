@@ -4,7 +4,7 @@ until enough groups vary, and train/reward covers every sample generated in the 
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 
@@ -18,7 +18,7 @@ from rlpost.runtime.timer import Timer
 class _Tokenizer:
     pad_token_id = 0
 
-    def decode(self, ids: List[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return " ".join(str(i) for i in ids)
 
 
@@ -42,14 +42,14 @@ class _CountingEngine:
 class _TableEnv:
     """Reward = the row's 'base' when the answer is token 1, else 'base' + the row's 'spread'."""
 
-    def step(self, responses: List[str], metadata: List[Dict[str, Any]]) -> EnvironmentReturn:
+    def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         return EnvironmentReturn([m["base"] + (0.0 if r == "1" else m["spread"]) for r, m in zip(responses, metadata, strict=True)])
 
     def shutdown(self) -> None:
         pass
 
 
-def _rows(spread: float, n: int = 2) -> List[Dict[str, Any]]:
+def _rows(spread: float, n: int = 2) -> list[dict[str, Any]]:
     return [{"prompt_ids": [5, 6 + i], "base": 0.25, "spread": spread, "env_name": "t", "loss_multiplier": 1.0}
             for i in range(n)]
 
@@ -60,7 +60,7 @@ def test_dynamic_sampling_draws_until_groups_vary_and_reports_every_reward() -> 
     engine = _CountingEngine()
     comps = SimpleNamespace(cfg=SimpleNamespace(grpo=grpo), processor=lambda r: dict(r), generation=engine,
                             tokenizer=_Tokenizer(), envs={"t": _TableEnv()})
-    syncs: List[int] = []
+    syncs: list[int] = []
     later = iter([_rows(spread=0.5)])  # the second draw varies within each group
     got = collect_batch(comps, _rows(spread=0.0), lambda: next(later), step=1, timer=Timer(),
                         sync_weights=lambda: syncs.append(engine.calls))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import List
 
 import pytest
 import torch
@@ -54,7 +53,7 @@ def test_health_gate_stops_on_non_finite_training(metrics: dict, match: str) -> 
     _health_gate(c, {"train/loss": 0.1, "train/grad_norm": 1.0, "train/params_finite": 1.0}, 5)
 
 
-def batch(rewards: List[float], group: int) -> RolloutBatch:
+def batch(rewards: list[float], group: int) -> RolloutBatch:
     n = len(rewards)
     gen = BatchedDataDict(
         output_ids=torch.arange(n * 5).reshape(n, 5),

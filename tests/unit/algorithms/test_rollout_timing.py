@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ class _SleepyEnv(EnvironmentInterface):
     def __init__(self, cfg: EnvConfig, seconds: float = 0.0, timeouts: int = 0, unfinished: int = 0) -> None:
         self.cfg, self.seconds, self.timeouts, self.unfinished = cfg, seconds, timeouts, unfinished
 
-    def step(self, responses: List[str], metadata: List[Dict[str, Any]]) -> EnvironmentReturn:
+    def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         time.sleep(self.seconds)
         return EnvironmentReturn([1.0] * len(responses), self.timeouts, unfinished=self.unfinished)
 
@@ -35,7 +35,7 @@ class _DigitTokenizer:
 
     pad_token_id = 10
 
-    def decode(self, ids: List[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(str(i) for i in ids if i != self.pad_token_id)
 
 
@@ -54,18 +54,18 @@ class _EchoGeneration:
         return BatchedDataDict(output_ids=out, generation_lengths=torch.ones(len(lengths), dtype=torch.long))
 
 
-def _rows(n: int, env_name: str) -> List[Dict[str, Any]]:
+def _rows(n: int, env_name: str) -> list[dict[str, Any]]:
     return [{"prompt_ids": [1, i % 10], "expected_answer": str(i % 10), "env_name": env_name, "loss_multiplier": 1.0}
             for i in range(n)]
 
 
-def _warnings(err: str) -> List[str]:
+def _warnings(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("rlpost: warning:")]
 
 
 def test_reward_time_is_booked_under_reward_calculation_not_generation(capsys: pytest.CaptureFixture[str]) -> None:
     timer = Timer()
-    envs: Dict[str, EnvironmentInterface] = {"slow": _SleepyEnv(EnvConfig(), seconds=0.6)}
+    envs: dict[str, EnvironmentInterface] = {"slow": _SleepyEnv(EnvConfig(), seconds=0.6)}
     batch = run_rollout(_rows(4, "slow"), torch.zeros(4, dtype=torch.long), _EchoGeneration(0.05),
                         _DigitTokenizer(), envs, timer=timer, label="step 1")
     assert batch.responses == ["0", "1", "2", "3"] and batch.rewards.tolist() == [1.0] * 4
@@ -75,7 +75,7 @@ def test_reward_time_is_booked_under_reward_calculation_not_generation(capsys: p
 
 
 def test_a_slow_step_prints_one_warning_line(capsys: pytest.CaptureFixture[str]) -> None:
-    envs: Dict[str, EnvironmentInterface] = {
+    envs: dict[str, EnvironmentInterface] = {
         "math": _SleepyEnv(EnvConfig(num_workers=1, slow_warning_s=0.1), seconds=0.2, timeouts=2),
         "other": _SleepyEnv(EnvConfig(), seconds=0.0),
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, List
+from typing import Any
 
 import pytest
 import torch
@@ -57,11 +57,11 @@ def test_no_budget_never_fires() -> None:
 
 
 class Tok:
-    def decode(self, ids: List[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
 
-def _batch(prompts: List[str], responses: List[str], rewards: List[float]) -> RolloutBatch:
+def _batch(prompts: list[str], responses: list[str], rewards: list[float]) -> RolloutBatch:
     n = len(prompts)
     return RolloutBatch(
         rows=[{"prompt_ids": [ord(ch) for ch in p]} for p in prompts], group_ids=torch.arange(n),
@@ -80,7 +80,7 @@ def test_val_sample_line_is_one_short_line() -> None:
 
 class RecordingPolicy:
     def __init__(self) -> None:
-        self.calls: List[Any] = []
+        self.calls: list[Any] = []
 
     def save_checkpoint(self, weights: str, optimizer: str, hf_export: bool = True) -> None:
         self.calls.append(hf_export)
@@ -109,7 +109,7 @@ def test_save_consolidated_decides_the_hf_export(tmp_path: Path, consolidated: b
 def test_policy_facade_forwards_hf_export() -> None:
     from rlpost.models.policy.lm_policy import Policy
 
-    calls: List[Any] = []
+    calls: list[Any] = []
     p = Policy.__new__(Policy)
     p.worker_group = SimpleNamespace(run_all=lambda *a: calls.append(a) or [])  # type: ignore[attr-defined]
     p.save_checkpoint("w", "o", hf_export=False)

@@ -18,8 +18,8 @@ import dataclasses
 import importlib
 import pkgutil
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Dict, Iterator, List, Set, Tuple
 
 import pytest
 
@@ -33,7 +33,7 @@ SCHEMA_DIR = Path(schema_pkg.__file__).parent
 
 # (class, field) -> (override with a non-default value, key the refusal must name). The field has no reader
 # because only its default is accepted: validation refuses every other value (see each schema's check()).
-REFUSED: Dict[Tuple[str, str], Tuple[List[str], str]] = {
+REFUSED: dict[tuple[str, str], tuple[list[str], str]] = {
     # torch_save would write pickles; rlpost writes safetensors only.
     ("CheckpointingConfig", "model_save_format"): (
         ["checkpointing.model_save_format=torch_save"], "checkpointing.model_save_format"),
@@ -65,12 +65,12 @@ REFUSED: Dict[Tuple[str, str], Tuple[List[str], str]] = {
 }
 
 # (class, field) -> why nothing needs to read it. Keep this short.
-UNREAD_OK: Dict[Tuple[str, str], str] = {
+UNREAD_OK: dict[tuple[str, str], str] = {
     ("WandbConfig", "project"): "kept so NeMo RL configs load; W&B itself is refused (logger.wandb_enabled)",
 }
 
 
-def _schema_fields() -> Iterator[Tuple[type, dataclasses.Field]]:
+def _schema_fields() -> Iterator[tuple[type, dataclasses.Field]]:
     """Every field a schema dataclass declares itself (inherited ones belong to the parent)."""
     for info in pkgutil.iter_modules(schema_pkg.__path__):
         module = importlib.import_module(f"{schema_pkg.__name__}.{info.name}")
@@ -82,7 +82,7 @@ def _schema_fields() -> Iterator[Tuple[type, dataclasses.Field]]:
                         yield obj, f
 
 
-def _is_container(f: dataclasses.Field, schema_classes: Set[str]) -> bool:
+def _is_container(f: dataclasses.Field, schema_classes: set[str]) -> bool:
     """A field holding another schema dataclass (possibly None): its own leaves are checked instead."""
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
     if dataclasses.is_dataclass(default):
@@ -91,10 +91,10 @@ def _is_container(f: dataclasses.Field, schema_classes: Set[str]) -> bool:
     return bool(words & schema_classes) and not words & {"Dict", "List"}
 
 
-def _reads() -> Set[str]:
+def _reads() -> set[str]:
     """Names read outside the schemas: attribute accesses and string constants in src/rlpost (not
     config/schema/), and the last part of every `${a.b.name}` interpolation in conf/."""
-    names: Set[str] = set()
+    names: set[str] = set()
     for path in SRC.rglob("*.py"):
         if SCHEMA_DIR in path.parents:
             continue
@@ -136,7 +136,7 @@ def test_allow_lists_name_real_fields_that_are_still_unread() -> None:
 
 
 @pytest.mark.parametrize("entry", sorted(REFUSED), ids=lambda e: ".".join(e))
-def test_refused_keys_are_refused(entry: Tuple[str, str]) -> None:
+def test_refused_keys_are_refused(entry: tuple[str, str]) -> None:
     overrides, key = REFUSED[entry]
     with pytest.raises(ConfigError) as err:
         load_master_config(overrides)

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 
@@ -25,7 +25,7 @@ CANARY = "rlpost_canary_pkg"
 
 
 @pytest.fixture()
-def canary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Dict[str, Any]:
+def canary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """A package that leaves a file when imported or called, os.system recorded, the Hydra app stubbed."""
     hits = tmp_path / "hits"
     pkg = tmp_path / "site" / CANARY
@@ -39,7 +39,7 @@ def canary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Dict[str, Any]:
     )
     monkeypatch.syspath_prepend(str(pkg.parent))
     monkeypatch.delitem(sys.modules, CANARY, raising=False)
-    calls: List[Any] = []
+    calls: list[Any] = []
     monkeypatch.setattr(os, "system", lambda *a, **k: calls.append(("os.system", a)) or 0)
     import rlpost.train
 
@@ -48,7 +48,7 @@ def canary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Dict[str, Any]:
     return {"hits": hits, "calls": calls}
 
 
-def refused(canary: Dict[str, Any], capsys: pytest.CaptureFixture[str], argv: List[str], key: str) -> str:
+def refused(canary: dict[str, Any], capsys: pytest.CaptureFixture[str], argv: list[str], key: str) -> str:
     """Run the CLI: exit 2, `key` on stderr, nothing imported, called or started."""
     rc = main(argv)
     err = capsys.readouterr().err
@@ -77,13 +77,13 @@ TRAVERSALS = [
 @pytest.mark.parametrize("cmd", ["plan", "train"])
 @pytest.mark.parametrize("key,target", TRAVERSALS)
 def test_attribute_traversal_is_refused(
-    cmd: str, key: str, target: str, canary: Dict[str, Any], capsys: pytest.CaptureFixture[str]
+    cmd: str, key: str, target: str, canary: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     err = refused(canary, capsys, [cmd, f"{key}={target}"], key)
     assert target in err
 
 
-def test_scheduler_name_reexport_is_refused(canary: Dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_scheduler_name_reexport_is_refused(canary: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
     err = refused(canary, capsys, ["plan", "policy.scheduler=[{name:torch.optim.lr_scheduler.partial}]"],
                   "policy.scheduler[0].name")
     assert "functools.partial" in err
@@ -91,7 +91,7 @@ def test_scheduler_name_reexport_is_refused(canary: Dict[str, Any], capsys: pyte
 
 @pytest.mark.parametrize("cmd", ["plan", "train"])
 def test_target_inside_a_plain_dict_is_checked(
-    cmd: str, canary: Dict[str, Any], capsys: pytest.CaptureFixture[str]
+    cmd: str, canary: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     refused(canary, capsys, [cmd, "+policy.optimizer.kwargs.foo={_target_:os.system}"], "policy.optimizer.kwargs.foo._target_")
     refused(canary, capsys, [cmd, f"+policy.hf_config_overrides.x={{_target_:{CANARY}.boom}}"],
@@ -104,17 +104,17 @@ def test_target_inside_a_plain_dict_is_checked(
 @pytest.mark.parametrize("cmd", ["plan", "train"])
 @pytest.mark.parametrize("target", ["os.system", "rlpost.runtime.checkpointing.os.system", f"{CANARY}.boom"])
 def test_hydra_callback_is_refused(
-    cmd: str, target: str, canary: Dict[str, Any], capsys: pytest.CaptureFixture[str]
+    cmd: str, target: str, canary: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     refused(canary, capsys, [cmd, f"+hydra.callbacks.evil._target_={target}"], "hydra.callbacks.evil._target_")
 
 
-def test_rlpost_callback_cannot_be_repointed(canary: Dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_rlpost_callback_cannot_be_repointed(canary: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
     refused(canary, capsys, ["train", "hydra.callbacks.sweep_summary._target_=os.system"],
             "hydra.callbacks.sweep_summary._target_")
 
 
-def test_hydra_callback_in_multirun_job_is_refused(canary: Dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_hydra_callback_in_multirun_job_is_refused(canary: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
     refused(canary, capsys, ["train", "-m", "grpo.max_num_steps=1,2", f"+hydra.callbacks.e._target_={CANARY}.Thing"],
             "hydra.callbacks.e._target_")
 
@@ -138,7 +138,7 @@ def _conf_with_experiment(tmp_path: Path, body: str) -> Path:
 )
 @pytest.mark.parametrize("cmd", ["plan", "train"])
 def test_experiment_file_cannot_set_hydra_imports(
-    cmd: str, body: str, key: str, tmp_path: Path, canary: Dict[str, Any], capsys: pytest.CaptureFixture[str],
+    cmd: str, body: str, key: str, tmp_path: Path, canary: dict[str, Any], capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("RLPOST_CONF_DIR", str(_conf_with_experiment(tmp_path, body)))
@@ -157,14 +157,14 @@ def test_experiment_file_cannot_set_hydra_imports(
 )
 @pytest.mark.parametrize("cmd", ["plan", "train"])
 def test_hydra_import_paths_are_refused(
-    cmd: str, override: str, key: str, canary: Dict[str, Any], capsys: pytest.CaptureFixture[str]
+    cmd: str, override: str, key: str, canary: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     refused(canary, capsys, [cmd, override], key)
 
 
 @pytest.mark.parametrize("flag", [["--experimental-rerun", "x.pickle"], ["--config-name=evil"], ["-cd", "/tmp"]])
 def test_flags_that_bypass_preflight_are_refused(
-    flag: List[str], canary: Dict[str, Any], capsys: pytest.CaptureFixture[str]
+    flag: list[str], canary: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     refused(canary, capsys, ["train", *flag], flag[0].split("=")[0])
 
@@ -190,7 +190,7 @@ def test_hydra_defaults_pass() -> None:
     ],
 )
 def test_vllm_kwargs_cannot_override_rlpost_engine_arguments(
-    name: str, value: str, owner: str, canary: Dict[str, Any], capsys: pytest.CaptureFixture[str]
+    name: str, value: str, owner: str, canary: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     err = refused(canary, capsys, ["plan", f"+policy.generation.vllm_kwargs.{name}={value}"],
                   f"policy.generation.vllm_kwargs.{name}")
@@ -198,7 +198,7 @@ def test_vllm_kwargs_cannot_override_rlpost_engine_arguments(
 
 
 def test_vllm_kwargs_import_path_strings_pass_the_allow_list(
-    canary: Dict[str, Any], capsys: pytest.CaptureFixture[str]
+    canary: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     key = "policy.generation.vllm_kwargs.compilation_config.inductor_passes.p"
     refused(canary, capsys, ["train", f"+policy.generation.vllm_kwargs.compilation_config={{inductor_passes:{{p:{CANARY}.boom}}}}"], key)

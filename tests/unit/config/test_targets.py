@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import pytest
 
@@ -20,9 +20,9 @@ COMPANIONS = {
 }
 
 
-def targets_of_all_options() -> Dict[str, Tuple[str, Any, List[Any], Dict[str, Any]]]:
+def targets_of_all_options() -> dict[str, tuple[str, Any, list[Any], dict[str, Any]]]:
     """key -> (target, config object, extra positional args, extra kwargs) as rlpost builds them."""
-    found: Dict[str, Tuple[str, Any, List[Any], Dict[str, Any]]] = {}
+    found: dict[str, tuple[str, Any, list[Any], dict[str, Any]]] = {}
     for g in groups():
         for o in group_options(g):
             _, cfg = load_master_config([f"{g}={o}", *COMPANIONS.get((g, o), [])])

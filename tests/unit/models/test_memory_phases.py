@@ -6,7 +6,7 @@ There is no GPU here: the device is declared 'cuda' and the moves are recorded i
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, List, Tuple
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ class RecordingModel(nn.Linear):
 
     def __init__(self) -> None:
         super().__init__(2, 2)
-        self.moves: List[str] = []
+        self.moves: list[str] = []
 
     def to(self, device: Any, *args: Any, **kwargs: Any) -> RecordingModel:  # type: ignore[override]
         self.moves.append(str(device))
@@ -57,8 +57,8 @@ def test_everything_is_a_no_op_on_cpu() -> None:
 
 
 @pytest.fixture()
-def moved(monkeypatch: pytest.MonkeyPatch) -> List[Tuple[str, str]]:
-    log: List[Tuple[str, str]] = []
+def moved(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    log: list[tuple[str, str]] = []
     monkeypatch.setattr(memory_phases, "move_optimizer_state", lambda opt, device: log.append(("optim", str(device))))
     monkeypatch.setattr(memory_phases, "move_buffers", lambda model, device: log.append(("buffers", str(device))))
     return log
@@ -76,7 +76,7 @@ def _worker(offload_for_logprob: bool = False, clear_every: Any = None) -> Any:
     return w
 
 
-def test_refit_offloads_optimizer_then_model_and_each_comes_back_when_needed(moved: List[Tuple[str, str]]) -> None:
+def test_refit_offloads_optimizer_then_model_and_each_comes_back_when_needed(moved: list[tuple[str, str]]) -> None:
     w = _worker()
     w.offload_before_refit()
     assert moved == [("optim", "cpu")] and w._mem.optimizer_offloaded and not w._mem.model_offloaded
@@ -89,7 +89,7 @@ def test_refit_offloads_optimizer_then_model_and_each_comes_back_when_needed(mov
     assert moved[-1] == ("optim", "cuda:0") and not w._mem.optimizer_offloaded
 
 
-def test_offload_optimizer_for_logprob(moved: List[Tuple[str, str]]) -> None:
+def test_offload_optimizer_for_logprob(moved: list[tuple[str, str]]) -> None:
     w = _worker(offload_for_logprob=False)
     w.prepare_for_lp_inference()
     assert moved == [] and not w._mem.optimizer_offloaded
@@ -98,7 +98,7 @@ def test_offload_optimizer_for_logprob(moved: List[Tuple[str, str]]) -> None:
     assert moved == [("optim", "cpu")] and w._mem.optimizer_offloaded
 
 
-def test_cpu_offload_policy_keeps_parameters_where_fsdp_put_them(moved: List[Tuple[str, str]]) -> None:
+def test_cpu_offload_policy_keeps_parameters_where_fsdp_put_them(moved: list[tuple[str, str]]) -> None:
     w = _worker()
     w._mem = OffloadState(w.device, params_on_cpu_by_fsdp=True)
     w.offload_after_refit()
@@ -108,7 +108,7 @@ def test_cpu_offload_policy_keeps_parameters_where_fsdp_put_them(moved: List[Tup
 
 
 def test_clear_cache_every_n_micro_batches(monkeypatch: pytest.MonkeyPatch) -> None:
-    emptied: List[int] = []
+    emptied: list[int] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
     w = _worker(clear_every=3)
     for _ in range(7):

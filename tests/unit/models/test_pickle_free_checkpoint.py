@@ -13,7 +13,7 @@ import math
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +28,7 @@ class Payload:
     def __init__(self, canary: Path) -> None:
         self.canary = canary
 
-    def __reduce__(self) -> Tuple[Any, Tuple[str, str]]:
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
         return (open, (str(self.canary), "w"))
 
 
@@ -49,7 +49,7 @@ def test_state_codec_round_trips_tuples_keys_floats_and_tensor_refs() -> None:
                           "big": 2**70, "inf": math.inf}],
         "__tuple__": "a key that looks like a marker",
     }
-    tensors: Dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     enc = dc.encode_state(state, tensors)
     assert sorted(tensors) == ["state/w/exp_avg", "state/w/step"]
     back = dc.decode_state(json.loads(json.dumps(enc)), tensors)
@@ -86,7 +86,7 @@ def _local(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _snapshot(worker: Any) -> Dict[str, Any]:
+def _snapshot(worker: Any) -> dict[str, Any]:
     opt = worker.optimizer.state_dict()
     return {
         "params": {n: _local(p).detach().clone() for n, p in worker.model.named_parameters()},
@@ -97,7 +97,7 @@ def _snapshot(worker: Any) -> Dict[str, Any]:
     }
 
 
-def _assert_same(a: Dict[str, Any], b: Dict[str, Any]) -> None:
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["params"].keys() == b["params"].keys() and a["optim"].keys() == b["optim"].keys()
     assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
     assert all(torch.equal(a["optim"][k], b["optim"][k]) for k in a["optim"])
@@ -114,7 +114,7 @@ def _no_unpickling(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def saved(one_rank: Any, tmp_path_factory: pytest.TempPathFactory) -> Tuple[Path, Dict[str, Any], Dict[str, Any]]:
+def saved(one_rank: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """A checkpoint after two AdamW steps, the state it holds, and the state one more step later."""
     root = tmp_path_factory.mktemp("ckpt")
     w = one_rank()
@@ -126,7 +126,7 @@ def saved(one_rank: Any, tmp_path_factory: pytest.TempPathFactory) -> Tuple[Path
     return root, at_save, _snapshot(w)
 
 
-def test_layout_is_safetensors_and_json_only(saved: Tuple[Path, Dict[str, Any], Dict[str, Any]]) -> None:
+def test_layout_is_safetensors_and_json_only(saved: tuple[Path, dict[str, Any], dict[str, Any]]) -> None:
     root, _, _ = saved
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
     ours = [f for f in files if not f.startswith("weights/hf/")]
@@ -141,7 +141,7 @@ def test_layout_is_safetensors_and_json_only(saved: Tuple[Path, Dict[str, Any], 
 
 
 def test_round_trip_is_bit_exact_without_any_unpickling(
-    one_rank: Any, saved: Tuple[Path, Dict[str, Any], Dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+    one_rank: Any, saved: tuple[Path, dict[str, Any], dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root, at_save, after_next = saved
     w = one_rank()
@@ -169,7 +169,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def test_planted_pickles_are_ignored_and_never_run(
-    one_rank: Any, saved: Tuple[Path, Dict[str, Any], Dict[str, Any]], tmp_path: Path
+    one_rank: Any, saved: tuple[Path, dict[str, Any], dict[str, Any]], tmp_path: Path
 ) -> None:
     root, at_save, _ = saved
     ckpt = _copy(root, tmp_path / "ckpt")
@@ -184,17 +184,17 @@ def test_planted_pickles_are_ignored_and_never_run(
     assert canary.exists()
 
 
-def _saved_files(root: Path) -> List[str]:
+def _saved_files(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
 
 def test_every_saved_file_replaced_by_a_pickle_is_refused_or_ignored(
-    one_rank: Any, saved: Tuple[Path, Dict[str, Any], Dict[str, Any]], tmp_path: Path
+    one_rank: Any, saved: tuple[Path, dict[str, Any], dict[str, Any]], tmp_path: Path
 ) -> None:
     root, _, _ = saved
     canary = tmp_path / "PWNED"
     w = one_rank()
-    outcome: Dict[str, str] = {}
+    outcome: dict[str, str] = {}
     for rel in _saved_files(root):
         ckpt = tmp_path / "ckpt"
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -213,7 +213,7 @@ def test_every_saved_file_replaced_by_a_pickle_is_refused_or_ignored(
 
 
 def test_shard_set_must_cover_every_tensor(
-    one_rank: Any, saved: Tuple[Path, Dict[str, Any], Dict[str, Any]], tmp_path: Path
+    one_rank: Any, saved: tuple[Path, dict[str, Any], dict[str, Any]], tmp_path: Path
 ) -> None:
     root, _, _ = saved
     ckpt = _copy(root, tmp_path / "ckpt")

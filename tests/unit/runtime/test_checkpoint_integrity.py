@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List
 
 import pytest
 
@@ -59,7 +58,7 @@ def flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def warnings(err: str) -> List[str]:
+def warnings(err: str) -> list[str]:
     return [ln for ln in err.splitlines() if ln.startswith("rlpost: warning:")]
 
 
@@ -156,7 +155,7 @@ def test_unreadable_checkpoint_json_is_a_checkpoint_error(tmp_path: Path) -> Non
     assert issubclass(CheckpointMismatch, CheckpointError)
 
 
-def rows(path: Path) -> List[dict]:
+def rows(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines()]
 
 

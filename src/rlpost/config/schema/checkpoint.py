@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
 
 from rlpost.config.errors import positive, require
 
@@ -15,17 +14,17 @@ class CheckpointingConfig:
 
     enabled: bool = True
     """Save checkpoints and resume from the latest one."""
-    checkpoint_dir: Optional[str] = None
+    checkpoint_dir: str | None = None
     """Directory of step_N checkpoints; None = <run dir>/checkpoints."""
-    metric_name: Optional[str] = "val:accuracy"
+    metric_name: str | None = "val:accuracy"
     """'val:<metric>' or 'train:<metric>' ranking checkpoints for keep_top_k; None = keep the newest."""
     higher_is_better: bool = True
     """Direction of metric_name."""
-    keep_top_k: Optional[int] = 3
+    keep_top_k: int | None = 3
     """Checkpoints kept (the latest is always kept too); None = keep all."""
     save_period: int = 10
     """Save every this many steps (and at the last step)."""
-    checkpoint_must_save_by: Optional[str] = None
+    checkpoint_must_save_by: str | None = None
     """Wall-clock budget 'DD:HH:MM:SS' from the run's start: when the next step (plus a save) would pass it,
     the run saves a checkpoint and stops with exit 0; re-running the command resumes."""
     model_save_format: str = "safetensors"
@@ -63,7 +62,7 @@ class CheckpointingConfig:
                     "saving before the deadline needs checkpointing.enabled=true")
 
 
-def wall_budget_s(text: str) -> Optional[float]:
+def wall_budget_s(text: str) -> float | None:
     """Seconds of a 'DD:HH:MM:SS' budget; None when malformed or zero."""
     m = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", str(text))
     if m is None:

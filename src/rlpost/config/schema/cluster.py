@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from rlpost.config.errors import one_of, positive
 
@@ -18,9 +17,9 @@ class ClusterConfig:
     """Nodes used."""
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu' (gloo) or 'cuda' (nccl)."""
-    address: Optional[str] = None
+    address: str | None = None
     """Ray address to join ('auto' or host:port); None starts a local Ray cluster."""
-    num_cpus: Optional[float] = None
+    num_cpus: float | None = None
     """CPUs a local Ray cluster advertises; None = all cores."""
     object_store_memory_mb: int = 512
     """Object store size of a local Ray cluster."""

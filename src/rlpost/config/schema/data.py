@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
 
 from rlpost.config.errors import one_of, positive, require
 
@@ -37,9 +36,9 @@ class DataConfig:
 
     dataset_name: str = "synthetic"
     """'synthetic' (generated), 'jsonl' or 'parquet' (local files through `datasets`)."""
-    train_data_path: Optional[str] = None
+    train_data_path: str | None = None
     """Local training file (jsonl / parquet)."""
-    val_data_paths: List[str] = field(default_factory=list)
+    val_data_paths: list[str] = field(default_factory=list)
     """Local validation files."""
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
     """The synthetic task (dataset_name=synthetic)."""
@@ -49,9 +48,9 @@ class DataConfig:
     """Row field holding the ground-truth answer."""
     env_name: str = "synthetic"
     """Environment (key of `env`) that scores these rows."""
-    prompt_file: Optional[str] = None
+    prompt_file: str | None = None
     """Prompt template file with one '{}' for the problem; None = the problem as is."""
-    system_prompt_file: Optional[str] = None
+    system_prompt_file: str | None = None
     """System prompt file; None = no system message."""
     max_input_seq_length: int = 256
     """Prompts longer than this (in tokens) are masked out of the loss and counted."""

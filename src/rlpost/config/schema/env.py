@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
 
 from rlpost.config.errors import one_of, positive, require
 
@@ -54,7 +53,7 @@ class MathEnvConfig(EnvConfig):
     """'math' (math-verify equivalence)."""
     math_verify_impl: str = "hf_math_verify"
     """'hf_math_verify' (the math-verify package)."""
-    stop_strings: Optional[List[str]] = None
+    stop_strings: list[str] | None = None
     """Strings that end a response."""
 
     def check(self, path: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from rlpost.config.errors import one_of, positive, require
 
@@ -12,7 +11,7 @@ from rlpost.config.errors import one_of, positive, require
 class EvalConfig:
     """Evaluate a model directory or a checkpoint with the generation engine (`rlpost eval`)."""
 
-    checkpoint: Optional[str] = None
+    checkpoint: str | None = None
     """A run's checkpoint (…/checkpoints/step_N): its policy/weights/hf is evaluated instead of model.path."""
     split: str = "val"
     """Prompts to evaluate: the data option's 'val' or 'train' rows."""
@@ -20,9 +19,9 @@ class EvalConfig:
     """Samples per prompt; pass@k uses k = num_samples."""
     greedy: bool = False
     """Greedy decoding (one sample per prompt) instead of sampling at policy.generation.temperature."""
-    max_prompts: Optional[int] = None
+    max_prompts: int | None = None
     """Evaluate only the first this many prompts; None = all."""
-    output: Optional[str] = None
+    output: str | None = None
     """Where the JSON report goes; None = outputs/eval/<date>/<time>/eval.json."""
 
     def check(self, path: str) -> None:

@@ -7,7 +7,7 @@ knobs. The engine class is the option's `_target_`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from rlpost.config.errors import ConfigError, non_negative, one_of, positive, require
 
@@ -16,9 +16,9 @@ from rlpost.config.errors import ConfigError, non_negative, one_of, positive, re
 class ColocationResources:
     """Resources of a generation cluster that is not colocated with training."""
 
-    gpus_per_node: Optional[int] = None
+    gpus_per_node: int | None = None
     """Workers (GPUs, or CPU worker slots) per node given to generation; single-node split."""
-    num_nodes: Optional[int] = None
+    num_nodes: int | None = None
     """Whole nodes given to generation; multi-node split."""
 
 
@@ -32,7 +32,7 @@ class ColocationConfig:
     """Generation resources when not colocated."""
 
 
-ENGINE_BACKENDS: Dict[str, str] = {
+ENGINE_BACKENDS: dict[str, str] = {
     "rlpost.models.generation.vllm_generation.VllmGeneration": "vllm",
     "rlpost.models.generation.hf_generation.HFGeneration": "hf",
 }
@@ -53,13 +53,13 @@ class GenerationConfig:
     """Sampling temperature; training and logprob passes divide logits by it too."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0 = off)."""
-    top_k: Optional[int] = None
+    top_k: int | None = None
     """Top-k sampling (None = off)."""
-    model_name: Optional[str] = None
+    model_name: str | None = None
     """Model path; filled from policy.model_name by setup when unset."""
-    stop_token_ids: Optional[List[int]] = None
+    stop_token_ids: list[int] | None = None
     """Token ids that end a sample; None = the tokenizer's EOS."""
-    stop_strings: Optional[List[str]] = None
+    stop_strings: list[str] | None = None
     """Strings that end a sample."""
     colocated: ColocationConfig = field(default_factory=ColocationConfig)
     """Colocation with the training workers."""
@@ -113,7 +113,7 @@ class VllmSpecificArgs:
     shards the experts over the replica's TP ranks); GPU only, MoE models only."""
     gpu_memory_utilization: float = 0.6
     """Share of GPU memory vLLM may take (GPU only)."""
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
     """Context length; None = policy.max_total_sequence_length."""
     async_engine: bool = False
     """Use vLLM's AsyncLLM engine (per-sample coroutines; still on-policy)."""
@@ -149,7 +149,7 @@ class VllmSpecificArgs:
         positive(f"{path}.kv_cache_space_gb", self.kv_cache_space_gb)
 
 
-VLLM_RLPOST_KWARGS: Dict[str, str] = {
+VLLM_RLPOST_KWARGS: dict[str, str] = {
     "model": "policy.model_name",
     "tokenizer": "policy.tokenizer.name",
     "trust_remote_code": "policy.trust_remote_code",
@@ -184,7 +184,7 @@ class VllmConfig(GenerationConfig):
 
     vllm_cfg: VllmSpecificArgs = field(default_factory=VllmSpecificArgs)
     """vLLM engine arguments."""
-    vllm_kwargs: Dict[str, Any] = field(default_factory=dict, metadata={"import_path": "dotted_strings"})
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"import_path": "dotted_strings"})
     """Raw keyword arguments passed through to vllm.LLM, except those rlpost sets (VLLM_RLPOST_KWARGS);
     a dotted-name string anywhere in it must pass the _target_ allow-list (vLLM imports such names)."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict
+from typing import Any
 
 from rlpost.config.errors import positive, require
 
@@ -177,17 +177,17 @@ class GRPOSaveState:
     """Valid training tokens seen in all."""
     val_reward: float = -99999999.0
     """Last validation accuracy."""
-    extra: Dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     """Checkpoint metric values (e.g. 'val:accuracy') written at save time."""
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         extra = d.pop("extra")
         d.update(extra)
         return d
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> GRPOSaveState:
+    def from_dict(cls, d: dict[str, Any]) -> GRPOSaveState:
         """Tolerates missing and extra keys (extra keys go to `extra`)."""
         known = {k for k in cls.__dataclass_fields__ if k != "extra"}
         return cls(**{k: v for k, v in d.items() if k in known}, extra={k: v for k, v in d.items() if k not in known})

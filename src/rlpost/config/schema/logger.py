@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from rlpost.config.errors import require
 
@@ -12,7 +11,7 @@ from rlpost.config.errors import require
 class TensorboardConfig:
     """TensorBoard writer."""
 
-    log_dir: Optional[str] = None
+    log_dir: str | None = None
     """Event-file directory; None = <run dir>/tensorboard."""
 
 
@@ -30,7 +29,7 @@ class WandbConfig:
 class LoggerConfig:
     """Where metrics go."""
 
-    log_dir: Optional[str] = None
+    log_dir: str | None = None
     """Directory of metrics.jsonl; None = the Hydra run directory."""
     jsonl_enabled: bool = True
     """Write one JSON object per step to <log_dir>/metrics.jsonl."""

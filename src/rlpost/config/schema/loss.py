@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from rlpost.config.errors import ConfigError, non_negative, one_of, positive, require
 
@@ -35,13 +34,13 @@ class ClippedPGLossConfig(LossConfig):
     """epsilon_low: the ratio is clipped below at 1 - ratio_clip_min."""
     ratio_clip_max: float = 0.2
     """epsilon_high: the ratio is clipped above at 1 + ratio_clip_max (DAPO clip-higher when larger)."""
-    ratio_clip_c: Optional[float] = None
+    ratio_clip_c: float | None = None
     """Dual-clip constant c > 1 for negative advantages; None = off."""
     use_on_policy_kl_approximation: bool = False
     """Weight the KL by pi/pi_gen so it estimates the on-policy KL."""
     use_importance_sampling_correction: bool = False
     """Correct the train/inference mismatch with exp(lp_prev - lp_gen) weights."""
-    truncated_importance_sampling_ratio: Optional[float] = None
+    truncated_importance_sampling_ratio: float | None = None
     """Cap on the IS weights (TIS); requires use_importance_sampling_correction."""
     token_level_loss: bool = True
     """True: mean over all valid tokens of the global batch; False: per-sequence mean, then mean over sequences."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict
 
 from rlpost.config.errors import require
 from rlpost.config.schema.checkpoint import CheckpointingConfig
@@ -26,7 +25,7 @@ class MasterConfig:
     """The trained policy, its backend and its rollout engine."""
     loss_fn: LossConfig = field(default_factory=ClippedPGLossConfig)
     """The loss (`loss=token_level|sequence_level|nll`)."""
-    env: Dict[str, EnvConfig] = field(default_factory=lambda: {"synthetic": SyntheticEnvConfig()})
+    env: dict[str, EnvConfig] = field(default_factory=lambda: {"synthetic": SyntheticEnvConfig()})
     """Environments by name; data rows name theirs with data.env_name."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any
 
 from rlpost.config.errors import one_of, positive, require, safe_env_vars
 
@@ -66,7 +66,7 @@ class MegatronSchedulerConfig:
     """'constant', 'linear' or 'cosine'."""
     lr_decay_style: str = "constant"
     """'constant', 'linear', 'cosine' or 'inverse-square-root'."""
-    lr_decay_iters: Optional[int] = None
+    lr_decay_iters: int | None = None
     """Steps over which lr decays; None = the training steps."""
     lr_warmup_iters: int = 0
     """Linear warm-up steps."""
@@ -110,7 +110,7 @@ class MegatronDDPConfig:
 class MegatronConfig:
     """Parallelism and memory knobs of the Megatron-Core worker."""
 
-    env_vars: Dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for each worker process."""
     empty_unused_memory_level: int = 0
     """0: never, 1: after each step, 2: also after each micro-batch, empty the allocator cache."""
@@ -122,9 +122,9 @@ class MegatronConfig:
     """Tensor-parallel size."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel size."""
-    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_first_pipeline_stage: int | None = None
     """Layers on the first stage (uneven pipelines)."""
-    num_layers_in_last_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: int | None = None
     """Layers on the last stage (uneven pipelines)."""
     context_parallel_size: int = 1
     """Context-parallel size (requires sequence packing)."""
@@ -148,9 +148,9 @@ class MegatronConfig:
     """Megatron LR / weight-decay scheduler."""
     distributed_data_parallel_config: MegatronDDPConfig = field(default_factory=MegatronDDPConfig)
     """Megatron DDP wrapper."""
-    train_iters: Optional[int] = None
+    train_iters: int | None = None
     """Total optimizer steps; injected by GRPO setup, leave unset."""
-    extra: Dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     """Raw TransformerConfig overrides passed through to megatron-core."""
 
     def check(self, path: str) -> None:

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rlpost.config.errors import ConfigError, one_of, positive, require
 
@@ -70,7 +70,7 @@ class ModelConfig:
 
     path: str = "???"
     """Local HF model directory (config.json, weights, tokenizer)."""
-    tiny: Optional[TinyModelConfig] = None
+    tiny: TinyModelConfig | None = None
     """If set, build this tiny model at `path` on first use (then it is cached)."""
     cache_dir: str = "${oc.env:RLPOST_CACHE_DIR,${oc.env:HOME,/tmp}/.cache/rlpost}"
     """Where built tiny models are cached."""

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from rlpost.config.errors import ConfigError, one_of, positive, require, safe_env_vars
 from rlpost.config.schema.generation import GenerationConfig, VllmConfig
@@ -27,9 +27,9 @@ class TokenizerConfig:
 
     name: str = "${policy.model_name}"
     """Local path of the tokenizer (default: the model's)."""
-    chat_template: Optional[str] = "default"
+    chat_template: str | None = "default"
     """None: plain passthrough; 'default': the tokenizer's own; a *.jinja path; or a literal template."""
-    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    chat_template_kwargs: dict[str, Any] | None = None
     """Extra arguments bound into apply_chat_template (e.g. enable_thinking)."""
 
 
@@ -39,7 +39,7 @@ class PytorchOptimizerConfig:
 
     name: str = "torch.optim.AdamW"
     """Import path of the optimizer class; must pass the _target_ allow-list."""
-    kwargs: Dict[str, Any] = field(
+    kwargs: dict[str, Any] = field(
         default_factory=lambda: {
             "lr": 5.0e-6,
             "weight_decay": 0.01,
@@ -58,7 +58,7 @@ class SinglePytorchSchedulerConfig:
 
     name: str = "torch.optim.lr_scheduler.ConstantLR"
     """Import path of the scheduler class."""
-    kwargs: Dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)
     """Constructor keyword arguments."""
 
 
@@ -66,13 +66,13 @@ class SinglePytorchSchedulerConfig:
 class SchedulerMilestones:
     """The milestones entry of `policy.scheduler`: several schedulers are chained with SequentialLR."""
 
-    milestones: List[int] = field(default_factory=list)
+    milestones: list[int] = field(default_factory=list)
     """Steps at which the next scheduler takes over."""
 
 
-def parse_scheduler(path: str, entries: List[Dict[str, Any]]) -> List[Any]:
+def parse_scheduler(path: str, entries: list[dict[str, Any]]) -> list[Any]:
     """Turn the YAML list of `policy.scheduler` into typed entries and check its shape."""
-    out: List[Any] = []
+    out: list[Any] = []
     for i, e in enumerate(entries):
         key = f"{path}[{i}]"
         require(isinstance(e, dict), key, e, "each scheduler entry is a mapping")
@@ -102,7 +102,7 @@ def parse_scheduler(path: str, entries: List[Dict[str, Any]]) -> List[Any]:
 class DTensorConfig:
     """FSDP2 + DTensor tensor-parallel worker knobs."""
 
-    env_vars: Dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for each worker process."""
     cpu_offload: bool = False
     """FSDP2 CPUOffloadPolicy for params, grads and optimizer state (GPU only)."""
@@ -114,9 +114,9 @@ class DTensorConfig:
     """Tensor-parallel size."""
     context_parallel_size: int = 1
     """Context-parallel size (not with sequence packing)."""
-    custom_parallel_plan: Optional[str] = None
+    custom_parallel_plan: str | None = None
     """Import path of a TP plan (dict or callable) replacing the built-in per-architecture plan."""
-    clear_cache_every_n_steps: Optional[int] = None
+    clear_cache_every_n_steps: int | None = None
     """Empty the CUDA allocator cache every N training micro-batches (GPU only); None = never."""
 
     def check(self, path: str) -> None:
@@ -223,7 +223,7 @@ class PolicyConfig:
     """Samples per forward/backward micro-batch on one data-parallel rank."""
     logprob_batch_size: int = 4
     """Samples per micro-batch of the logprob (previous / reference) passes."""
-    logprob_chunk_size: Optional[int] = None
+    logprob_chunk_size: int | None = None
     """Compute logprobs in chunks of this many positions (bounds fp32 logit memory)."""
     generation: GenerationConfig = field(default_factory=VllmConfig)
     """Rollout engine (`generation=vllm|hf`)."""
@@ -234,11 +234,11 @@ class PolicyConfig:
     """Compute dtype: 'float32', 'bfloat16' or 'float16' (master weights stay fp32)."""
     reward_model_cfg: RewardModelConfig = field(default_factory=RewardModelConfig)
     """Reward-model mode."""
-    dtensor_cfg: Optional[DTensorConfig] = None
+    dtensor_cfg: DTensorConfig | None = None
     """DTensor backend knobs (set by policy=dtensor and policy=dtensor_v2)."""
-    megatron_cfg: Optional[MegatronConfig] = None
+    megatron_cfg: MegatronConfig | None = None
     """Megatron backend knobs (set by policy=megatron)."""
-    hf_config_overrides: Dict[str, Any] = field(default_factory=dict)
+    hf_config_overrides: dict[str, Any] = field(default_factory=dict)
     """Applied to the HF AutoConfig (and mirrored into vLLM's hf_overrides)."""
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
     """Dynamic batching (exclusive with sequence packing)."""
@@ -248,13 +248,13 @@ class PolicyConfig:
     """Pad sequence length to a multiple of this (TP / SP requirement)."""
     max_total_sequence_length: int = 512
     """Prompt + response cap; also vLLM's max_model_len by default."""
-    max_grad_norm: Optional[float] = 1.0
+    max_grad_norm: float | None = 1.0
     """Gradient-norm clip (DTensor); None = no clipping."""
-    refit_buffer_size_gb: Optional[float] = None
+    refit_buffer_size_gb: float | None = None
     """Size of the refit transfer buffer; None = automatic."""
-    optimizer: Optional[PytorchOptimizerConfig] = field(default_factory=PytorchOptimizerConfig)
+    optimizer: PytorchOptimizerConfig | None = field(default_factory=PytorchOptimizerConfig)
     """Torch optimizer (DTensor backends; Megatron uses megatron_cfg.optimizer)."""
-    scheduler: List[Dict[str, Any]] = field(default_factory=list)
+    scheduler: list[dict[str, Any]] = field(default_factory=list)
     """Torch LR schedulers: a list of {name, kwargs} plus one {milestones} entry; empty = constant lr."""
     trust_remote_code: bool = False
     """Allow HF checkpoints to run their own Python code. Off: loading never executes model code."""
@@ -378,7 +378,7 @@ class PolicyConfig:
                     "DTensor context parallelism does not work with sequence packing",
                 )
 
-    def parallel_sizes(self) -> Dict[str, int]:
+    def parallel_sizes(self) -> dict[str, int]:
         """TP, PP and CP of the configured backend (DP is derived from the world size)."""
         if self.megatron_cfg is not None:
             m = self.megatron_cfg

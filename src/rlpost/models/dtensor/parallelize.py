@@ -9,7 +9,7 @@ transformers 5.x reshapes attention with -1 heads, so local head counts need no 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,9 +30,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def qwen2_llama_tp_plan() -> Dict[str, Any]:
+def qwen2_llama_tp_plan() -> dict[str, Any]:
     """TP plan for Qwen2/Llama-style decoders (relative to the HF CausalLM module)."""
-    plan: Dict[str, Any] = {
+    plan: dict[str, Any] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
@@ -52,7 +52,7 @@ TP_PLANS = {
 }
 
 
-def get_tp_plan(model: nn.Module, custom_plan: Optional[str] = None) -> Dict[str, Any]:
+def get_tp_plan(model: nn.Module, custom_plan: str | None = None) -> dict[str, Any]:
     """The built-in plan for the model's architecture, or the one at `custom_plan` (allow-listed import path)."""
     if custom_plan:
         from rlpost.runtime.build import resolve
@@ -65,7 +65,7 @@ def get_tp_plan(model: nn.Module, custom_plan: Optional[str] = None) -> Dict[str
     return TP_PLANS[name]()
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, custom_plan: Optional[str] = None) -> None:
+def apply_tp(model: Any, tp_mesh: DeviceMesh, custom_plan: str | None = None) -> None:
     """Shard the model over `tp_mesh` with its TP plan; re-tie embeddings that the plan split apart."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     parallelize_module(model, tp_mesh, get_tp_plan(model, custom_plan))
@@ -91,7 +91,7 @@ def apply_fsdp(
 ) -> None:
     """FSDP2: each decoder layer, then the root. fp32 master weights; compute in `param_dtype`, reduce in fp32."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    kwargs: Dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp}
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp}
     if cpu_offload and dp_mesh.device_type == "cuda":
         kwargs["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(model)
@@ -106,7 +106,7 @@ def parallelize(
     precision: str,
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
-    custom_plan: Optional[str] = None,
+    custom_plan: str | None = None,
 ) -> nn.Module:
     """TP -> AC -> FSDP2 on a 2-D ('dp', 'tp') mesh."""
     if mesh["tp"].size() > 1:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional
+from typing import Any
 
 import ray
 import torch
@@ -44,7 +44,7 @@ from rlpost.models.generation.vllm_extension import FAULT_ENV, check_against_inf
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def hf_sampling_spec(cfg: Any, greedy: bool, eos_token_id: Optional[int]) -> dict[str, Any]:
+def hf_sampling_spec(cfg: Any, greedy: bool, eos_token_id: int | None) -> dict[str, Any]:
     """The per-call sampling settings sent to the HF workers (plain data)."""
     stop_ids = list(cfg.stop_token_ids) if cfg.stop_token_ids is not None else [eos_token_id]
     return {
@@ -65,7 +65,7 @@ def _stop_recorder(prompt_width: int, batch: int, stop_ids: list[int], string_cr
         """Marks a row done at its first stop token / stop string and remembers how many tokens it had."""
 
         def __init__(self) -> None:
-            self.lengths: list[Optional[int]] = [None] * batch
+            self.lengths: list[int | None] = [None] * batch
             self._ids = torch.tensor(stop_ids, dtype=torch.long)
 
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -88,7 +88,7 @@ class HFGenerationWorker:
 
     def __init__(
         self, model_path: str, precision: str = "float32", batch_size: int = 32, seed: int = 0,
-        hf_overrides: Optional[dict[str, Any]] = None,
+        hf_overrides: dict[str, Any] | None = None,
     ) -> None:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -98,13 +98,14 @@ class HFGenerationWorker:
         self.batch_size = batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         config = AutoConfig.from_pretrained(model_path, **(hf_overrides or {}))  # policy.hf_config_overrides
-        self.model = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             model_path, config=config, dtype=self.dtype, use_safetensors=True
-        ).to(self.device).eval()
+        )
+        self.model = model.to(self.device).eval()
         gc = self.model.generation_config
         gc.eos_token_id = None  # stops come only from the rlpost config
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.refit_info: Optional[dict[str, tuple[tuple[int, ...], str]]] = None
+        self.refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
         self.group: Any = None
         torch.manual_seed(seed + int(os.environ.get("RANK", "0")))
 
@@ -157,7 +158,7 @@ class HFGenerationWorker:
         return out
 
     def generate(
-        self, prompts: list[list[int]], spec: dict[str, Any], seed: Optional[int] = None
+        self, prompts: list[list[int]], spec: dict[str, Any], seed: int | None = None
     ) -> list[GeneratedSample]:
         """One sample per prompt, in order; `seed` reseeds the sampler first (reproducible shards)."""
         if seed is not None:
@@ -174,11 +175,11 @@ class HFGenerationWorker:
         return True
 
     # ------------------------------------------------------------------ refit
-    def prepare_refit_info(self, info: Optional[dict[str, tuple[tuple[int, ...], str]]]) -> None:
+    def prepare_refit_info(self, info: dict[str, tuple[tuple[int, ...], str]] | None) -> None:
         """Expected (shape, dtype) per parameter of later refits."""
         self.refit_info = info
 
-    def update_weights(self, named: list[tuple[str, torch.Tensor]], corrupt: Optional[str] = None) -> str:
+    def update_weights(self, named: list[tuple[str, torch.Tensor]], corrupt: str | None = None) -> str:
         """load_state_dict the tensors; returns the fingerprint read back from the model's parameters."""
         named = list(named)
         check_against_info(named, self.refit_info)
@@ -192,7 +193,7 @@ class HFGenerationWorker:
         own = self.model.state_dict()
         return weight_fingerprint((n, own[n]) for n in sd)
 
-    def load_bucket(self, box: list[Any], corrupt: Optional[str] = None) -> dict[str, str]:
+    def load_bucket(self, box: list[Any], corrupt: str | None = None) -> dict[str, str]:
         """Load one refit bucket read from the object store (`box` = [ref]); per-tensor digests."""
         from rlpost.distributed.weight_buckets import decode
 
@@ -218,7 +219,7 @@ class HFGenerationWorker:
         self.group = StatelessGroup(host, port, rank, world_size, backend=backend, timeout_s=timeout_s)
         return rank
 
-    def update_weights_from_collective(self, corrupt: Optional[str] = None) -> str:
+    def update_weights_from_collective(self, corrupt: str | None = None) -> str:
         """Receive the trainer's broadcast and load it."""
         if self.group is None:
             raise RuntimeError("init_collective was not called")
@@ -239,17 +240,17 @@ class HFGeneration(GenerationInterface):
         self,
         cfg: HFGenerationConfig,
         cluster: RayVirtualCluster,
-        model_path: Optional[str] = None,
+        model_path: str | None = None,
         timeout_s: float = 900.0,
         seed: int = 0,
-        hf_overrides: Optional[Mapping[str, Any]] = None,
+        hf_overrides: Mapping[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.cluster = cluster
         self.model_path = model_path or cfg.model_name
         if not self.model_path:
             raise ValueError("HFGeneration needs model_path or cfg.model_name")
-        self._refit_info: Optional[dict[str, tuple[tuple[int, ...], str]]] = None
+        self._refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
         self.group = RayWorkerGroup(
             cluster,
             HFGenerationWorker,
@@ -263,7 +264,7 @@ class HFGeneration(GenerationInterface):
             timeout_s=timeout_s,
         )
         info = self.group.run_rank0("info")
-        self.eos_token_id: Optional[int] = info["eos_token_id"]
+        self.eos_token_id: int | None = info["eos_token_id"]
         self.pad_token_id: int = int(info["pad_token_id"])
 
     def set_call_timeout(self, timeout_s: float) -> None:
@@ -310,7 +311,7 @@ class HFGeneration(GenerationInterface):
         dt = _DTYPES[self.cfg.precision]
         return weight_fingerprint((n, t.to(dt) if t.is_floating_point() else t) for n, t in items)
 
-    def _check(self, fps: list[str], expected: Optional[str]) -> str:
+    def _check(self, fps: list[str], expected: str | None) -> str:
         return check_fingerprints(fps, expected, who="worker")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -360,7 +361,7 @@ class HFGeneration(GenerationInterface):
         """Start receiving a broadcast; finish with `wait_collective_update(futures)`."""
         return [w.update_weights_from_collective.remote() for w in self.group.workers]
 
-    def wait_collective_update(self, futures: list[Any], expected: Optional[str] = None) -> str:
+    def wait_collective_update(self, futures: list[Any], expected: str | None = None) -> str:
         """Wait for a collective refit; workers must agree (and match `expected`, the sender's, if given)."""
         return self._check(self.group.get(futures), expected)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -50,7 +50,7 @@ def unpack_rpc(records: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def check_against_info(named: list[tuple[str, torch.Tensor]], info: Optional[RefitInfo], partial: bool = False) -> None:
+def check_against_info(named: list[tuple[str, torch.Tensor]], info: RefitInfo | None, partial: bool = False) -> None:
     """Raise ValueError if the tensors don't match the prepared refit info (names, shapes, dtypes).
 
     `partial`: one bucket of a refit, so names may be missing (the caller checks completeness)."""
@@ -76,11 +76,11 @@ def check_against_info(named: list[tuple[str, torch.Tensor]], info: Optional[Ref
 class RlpostWorkerExtension:
     """Methods added to vLLM's Worker (self is the worker: self.model_runner, self.rank, self.reload_weights)."""
 
-    _rlpost_refit_info: Optional[RefitInfo] = None
+    _rlpost_refit_info: RefitInfo | None = None
     _rlpost_group: Any = None
 
     # ------------------------------------------------------------------ loading
-    def rlpost_set_refit_info(self, info: Optional[RefitInfo]) -> None:
+    def rlpost_set_refit_info(self, info: RefitInfo | None) -> None:
         """Remember the (name -> shape, dtype) every later refit must match."""
         self._rlpost_refit_info = dict(info) if info else None
 
@@ -88,19 +88,19 @@ class RlpostWorkerExtension:
         hf_cfg = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
         return bool(getattr(hf_cfg, "tie_word_embeddings", False))
 
-    def rlpost_load(self, named: list[tuple[str, torch.Tensor]], corrupt: Optional[str] = None) -> str:
+    def rlpost_load(self, named: list[tuple[str, torch.Tensor]], corrupt: str | None = None) -> str:
         """Load `named` (HF names, full tensors) in place; returns the fingerprint of what was consumed."""
         return self._rlpost_load(named, corrupt, partial=False).hexdigest()
 
-    def rlpost_load_bucket(self, named: list[tuple[str, torch.Tensor]], corrupt: Optional[str] = None) -> dict[str, str]:
+    def rlpost_load_bucket(self, named: list[tuple[str, torch.Tensor]], corrupt: str | None = None) -> dict[str, str]:
         """Load one refit bucket (whole layers) in place; per-tensor digests of what was consumed."""
         return self._rlpost_load(named, corrupt, partial=True).digests()
 
-    def rlpost_load_bucket_packed(self, records: list[Any], corrupt: Optional[str] = None) -> dict[str, str]:
+    def rlpost_load_bucket_packed(self, records: list[Any], corrupt: str | None = None) -> dict[str, str]:
         """rlpost_load_bucket for tensors sent as pack_for_rpc records (engine core in another process)."""
         return self.rlpost_load_bucket(unpack_rpc(records), corrupt)
 
-    def _rlpost_load(self, named: list[tuple[str, torch.Tensor]], corrupt: Optional[str], partial: bool) -> FingerprintBuilder:
+    def _rlpost_load(self, named: list[tuple[str, torch.Tensor]], corrupt: str | None, partial: bool) -> FingerprintBuilder:
         named = list(named)
         check_against_info(named, self._rlpost_refit_info, partial=partial)
         corrupt = corrupt or os.environ.get(FAULT_ENV) or None
@@ -123,7 +123,7 @@ class RlpostWorkerExtension:
             raise RuntimeError(f"vLLM did not consume {sorted({n for n, _ in named} - consumed)[:5]}")
         return fp
 
-    def rlpost_load_packed(self, records: list[Any], corrupt: Optional[str] = None) -> str:
+    def rlpost_load_packed(self, records: list[Any], corrupt: str | None = None) -> str:
         """rlpost_load for tensors sent as pack_for_rpc records (engine core in another process)."""
         return self.rlpost_load(unpack_rpc(records), corrupt)
 
@@ -138,7 +138,7 @@ class RlpostWorkerExtension:
         self._rlpost_group = StatelessGroup(host, port, rank, world_size, backend=backend, timeout_s=timeout_s)
         return rank
 
-    def rlpost_update_from_collective(self, corrupt: Optional[str] = None) -> str:
+    def rlpost_update_from_collective(self, corrupt: str | None = None) -> str:
         """Receive the trainer's broadcast (src rank 0) and load it; returns the fingerprint."""
         if self._rlpost_group is None:
             raise RuntimeError("init_collective was not called on this engine")

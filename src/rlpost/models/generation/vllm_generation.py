@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional
+from typing import Any
 
 import ray
 import torch
@@ -66,7 +66,7 @@ VLLM_ENGINE_ENV: dict[str, str] = {
 
 
 def engine_kwargs(
-    cfg: VllmConfig, replica: int, use_gpus: bool, hf_overrides: Optional[Mapping[str, Any]] = None
+    cfg: VllmConfig, replica: int, use_gpus: bool, hf_overrides: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """The vllm.LLM / AsyncEngineArgs keyword arguments for replica `replica`; `hf_overrides` is
     policy.hf_config_overrides, so the engine runs the model config the trainer runs."""
@@ -99,7 +99,7 @@ def engine_kwargs(
     return kw
 
 
-def sampling_spec(cfg: Any, greedy: bool, eos_token_id: Optional[int]) -> dict[str, Any]:
+def sampling_spec(cfg: Any, greedy: bool, eos_token_id: int | None) -> dict[str, Any]:
     """SamplingParams keyword arguments for one generate call (plain data, built on the driver)."""
     stop_ids = list(cfg.stop_token_ids) if cfg.stop_token_ids is not None else [eos_token_id]
     return {
@@ -123,10 +123,10 @@ class VllmGeneration(GenerationInterface):
         self,
         cfg: VllmConfig,
         cluster: RayVirtualCluster,
-        model_path: Optional[str] = None,
+        model_path: str | None = None,
         timeout_s: float = 900.0,
         name_prefix: str = "vllm",
-        hf_overrides: Optional[Mapping[str, Any]] = None,
+        hf_overrides: Mapping[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.cluster = cluster
@@ -144,7 +144,7 @@ class VllmGeneration(GenerationInterface):
         self.num_replicas = cluster.world_size // self.slots_per_replica
         self.use_gpus = cluster.use_gpus
         self.workers: list[Any] = []
-        self._refit_info: Optional[dict[str, tuple[tuple[int, ...], str]]] = None
+        self._refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
         remote_cls = ray.remote(VllmEngineWorker)
         passthrough = {k: os.environ[k] for k in os.environ if k.startswith("VLLM_") and k != "VLLM_CPU_KVCACHE_SPACE"}
         for r in range(self.num_replicas):
@@ -174,14 +174,14 @@ class VllmGeneration(GenerationInterface):
         except BaseException:
             self.shutdown()
             raise
-        self.eos_token_id: Optional[int] = infos[0]["eos_token_id"]
+        self.eos_token_id: int | None = infos[0]["eos_token_id"]
         self.pad_token_id: int = int(infos[0]["pad_token_id"])
 
     # ------------------------------------------------------------------ plumbing
     def set_call_timeout(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
 
-    def _get(self, futures: list[Any], what: str, replicas: Optional[list[int]] = None) -> list[Any]:
+    def _get(self, futures: list[Any], what: str, replicas: list[int] | None = None) -> list[Any]:
         """ray.get with the timeout; failures name the replica."""
         replicas = replicas if replicas is not None else list(range(len(futures)))
         deadline = time.monotonic() + self.timeout_s
@@ -220,7 +220,7 @@ class VllmGeneration(GenerationInterface):
         samples = [s for part in self._get(futures, "generate", used) for s in part]
         return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
 
-    def prepare_for_generation(self, tags: Optional[list[str]] = None, **kwargs: Any) -> bool:
+    def prepare_for_generation(self, tags: list[str] | None = None, **kwargs: Any) -> bool:
         """Wake the engines (GPU sleep mode); a no-op on CPU."""
         if self.use_gpus:
             self._all("wake_up", tags)
@@ -240,11 +240,11 @@ class VllmGeneration(GenerationInterface):
         self._refit_info = {n: (tuple(int(d) for d in s), str(dt)) for n, (s, dt) in state_dict_info.items()}
         self._all("prepare_refit_info", self._refit_info)
 
-    def _fault(self, replica: int) -> Optional[str]:
+    def _fault(self, replica: int) -> str | None:
         name = os.environ.get(FAULT_ENV)
         return name if name and replica == int(os.environ.get(FAULT_REPLICA_ENV, "0")) else None
 
-    def _check_fingerprints(self, fps: list[str], expected: Optional[str]) -> str:
+    def _check_fingerprints(self, fps: list[str], expected: str | None) -> str:
         return check_fingerprints(fps, expected, who="replica")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -301,7 +301,7 @@ class VllmGeneration(GenerationInterface):
         """Start receiving a broadcast; finish with `wait_collective_update(futures)`."""
         return [w.update_weights_from_collective.remote(self._fault(r)) for r, w in enumerate(self.workers)]
 
-    def wait_collective_update(self, futures: list[Any], expected: Optional[str] = None) -> str:
+    def wait_collective_update(self, futures: list[Any], expected: str | None = None) -> str:
         """Wait for a collective refit; replicas must agree (and match `expected`, the sender's, if given)."""
         return self._check_fingerprints(self._get(futures, "update_weights_from_collective"), expected)
 

@@ -17,7 +17,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Coroutine
-from typing import Any, Optional, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -114,7 +114,7 @@ class VllmEngineWorker:
         return SamplingParams(**spec, output_kind=RequestOutputKind.FINAL_ONLY)
 
     def generate(
-        self, prompts: list[list[int]], sampling: dict[str, Any], seeds: Optional[list[int]] = None
+        self, prompts: list[list[int]], sampling: dict[str, Any], seeds: list[int] | None = None
     ) -> list[GeneratedSample]:
         """Generate one sample per prompt (token-id lists) with SamplingParams(**sampling); input order kept.
 
@@ -146,7 +146,7 @@ class VllmEngineWorker:
         return self._run(all_())
 
     # ------------------------------------------------------------------ memory phases (GPU only)
-    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+    def wake_up(self, tags: list[str] | None = None) -> bool:
         """Wake weights and/or KV cache after sleep (GPU with enable_sleep_mode; a no-op otherwise)."""
         if self.device != "cuda" or not self._sleeping:
             return True
@@ -177,7 +177,7 @@ class VllmEngineWorker:
         return bool(self.engine.reset_prefix_cache())
 
     # ------------------------------------------------------------------ refit
-    def prepare_refit_info(self, info: Optional[dict[str, tuple[tuple[int, ...], str]]]) -> None:
+    def prepare_refit_info(self, info: dict[str, tuple[tuple[int, ...], str]] | None) -> None:
         """Store the expected (shape, dtype) per parameter in every engine worker."""
         self._rpc("rlpost_set_refit_info", info)
 
@@ -191,7 +191,7 @@ class VllmEngineWorker:
             raise RuntimeError(f"replica {self.replica}: its TP/PP workers loaded different weights {fingerprints}")
         return fingerprints[0]
 
-    def update_weights(self, named: list[tuple[str, torch.Tensor]], corrupt: Optional[str] = None) -> str:
+    def update_weights(self, named: list[tuple[str, torch.Tensor]], corrupt: str | None = None) -> str:
         """Load full HF-named tensors in place; returns the fingerprint of what the model consumed."""
         self._before_refit()
         if self._in_process:
@@ -202,7 +202,7 @@ class VllmEngineWorker:
             fps = self._rpc("rlpost_load_packed", pack_for_rpc(named), corrupt)
         return self._after_refit(fps)
 
-    def load_bucket(self, box: list[Any], corrupt: Optional[str] = None) -> dict[str, str]:
+    def load_bucket(self, box: list[Any], corrupt: str | None = None) -> dict[str, str]:
         """Load one refit bucket read from the object store (`box` = [ref]); per-tensor digests."""
         import ray
 
@@ -230,7 +230,7 @@ class VllmEngineWorker:
         backend = "nccl" if self.device == "cuda" else "gloo"
         return self._rpc("rlpost_init_collective", host, port, rank_offset, world_size, backend, timeout_s)
 
-    def update_weights_from_collective(self, corrupt: Optional[str] = None) -> str:
+    def update_weights_from_collective(self, corrupt: str | None = None) -> str:
         """Receive the trainer's broadcast and load it; returns the fingerprint."""
         self._before_refit()
         return self._after_refit(self._rpc("rlpost_update_from_collective", corrupt))

@@ -448,8 +448,8 @@ def full_megatron_to_hf(
         if name.startswith("decoder.layers."):
             idx, rest = name[len("decoder.layers.") :].split(".", 1)
             layers.setdefault(int(idx), {})[rest] = t
-    for idx in sorted(layers):
-        out.update(_layer_megatron_to_hf(layers[idx], idx + layer_offset, d))
+    for local in sorted(layers):
+        out.update(_layer_megatron_to_hf(layers[local], local + layer_offset, d))
     if "decoder.final_layernorm.weight" in full:
         out["model.norm.weight"] = full["decoder.final_layernorm.weight"]
     if "output_layer.weight" in full and not d.tied_embeddings:

@@ -151,7 +151,7 @@ def disable_cpu_compat() -> None:
         if mode is not None:
             mode.__exit__(None, None, None)
         if _STATE.saved_current_device is not None:
-            torch.cuda.current_device = _STATE.saved_current_device  # type: ignore[assignment]
+            torch.cuda.current_device = _STATE.saved_current_device
             _STATE.saved_current_device = None
 
 

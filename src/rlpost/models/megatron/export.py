@@ -138,5 +138,6 @@ def export_hf_weights(
             tensors = [torch.empty(shape, dtype=first.dtype, device=first.device) for _, shape in shapes]
         for (name, _), t in zip(shapes, tensors, strict=True):
             if pp_size > 1:
+                assert pp_group is not None
                 dist.broadcast(t, src=dist.get_global_rank(pp_group, owner), group=pp_group)
             yield name, (t if dtype is None else t.to(dtype))

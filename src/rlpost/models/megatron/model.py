@@ -177,7 +177,7 @@ def build_gpt_model(
         assert hf_state_dict is not None
         load_hf_weights(model, hf_config, hf_state_dict, megatron_cfg)
     if precision != "float32":
-        return Float16Module(config, model)  # type: ignore[return-value]
+        return Float16Module(config, model)
     return model
 
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,8 @@ class TrainState(Protocol):
     """What save/load touch: the (FSDP2 / DTensor) model, its optimizer and lr scheduler (a worker has them)."""
 
     model: nn.Module
-    optimizer: Optional[torch.optim.Optimizer]
-    scheduler: Optional[Any]
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any | None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -108,7 +109,7 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], directory: Path) -> None:
     dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
 
 
-_Box = Tuple[Sequence[int], Sequence[int]]  # (offsets, sizes) of a chunk
+_Box = tuple[Sequence[int], Sequence[int]]  # (offsets, sizes) of a chunk
 
 
 def _overlap(a: _Box, b: _Box) -> bool:
@@ -118,7 +119,7 @@ def _overlap(a: _Box, b: _Box) -> bool:
     return all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1], strict=True))
 
 
-def read_tensor_metadata(directory: Path) -> Dict[str, TensorStorageMetadata]:
+def read_tensor_metadata(directory: Path) -> dict[str, TensorStorageMetadata]:
     """Global size, dtype and chunks of every tensor in the safetensors shards of `directory`, read from their
     headers only. Raises CheckpointError for a file that is not safetensors, or a tensor whose chunks overlap or do
     not cover it."""
@@ -131,11 +132,11 @@ def read_tensor_metadata(directory: Path) -> Dict[str, TensorStorageMetadata]:
     except Exception as exc:  # noqa: BLE001 - a planted or damaged file: safetensors, JSON or key errors
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(f"cannot load checkpoint {directory}: not a safetensors shard set ({first})") from exc
-    out: Dict[str, TensorStorageMetadata] = {}
+    out: dict[str, TensorStorageMetadata] = {}
     for key, md in meta.items():
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(f"cannot load checkpoint {directory}: entry {key!r} is not a tensor")
-        boxes: List[_Box] = [(list(c.offsets), list(c.sizes)) for c in md.chunks]
+        boxes: list[_Box] = [(list(c.offsets), list(c.sizes)) for c in md.chunks]
         covered = sum(math.prod(s) for _, s in boxes)
         overlap = any(_overlap(boxes[i], boxes[j]) for i in range(len(boxes)) for j in range(i))
         if overlap or covered != math.prod(md.size):
@@ -148,7 +149,7 @@ def read_tensor_metadata(directory: Path) -> Dict[str, TensorStorageMetadata]:
 
 
 def load_tensors(dest: Mapping[str, torch.Tensor], directory: Path,
-                 meta: Optional[Dict[str, TensorStorageMetadata]] = None) -> None:
+                 meta: dict[str, TensorStorageMetadata] | None = None) -> None:
     """Collective: fill every tensor of `dest` (plain tensors or DTensors, in place) from the shards in `directory`
     written by `save_tensors`, whatever the saving layout. Every key must be there with the same global shape and
     dtype."""
@@ -169,7 +170,7 @@ def load_tensors(dest: Mapping[str, torch.Tensor], directory: Path,
         dcp.load(dict(dest), storage_reader=HuggingFaceStorageReader(str(directory)))
 
 
-def encode_state(obj: Any, tensors: Dict[str, torch.Tensor], path: Tuple[str, ...] = ()) -> Json:
+def encode_state(obj: Any, tensors: dict[str, torch.Tensor], path: tuple[str, ...] = ()) -> Json:
     """A JSON-able copy of a nested state (dicts, lists, tuples, numbers, strings, None) whose tensors are moved
     into `tensors` under '/'-joined paths and replaced by {"__tensor__": path}. Other values raise TypeError."""
     where = "/".join(path) or "<root>"
@@ -195,7 +196,7 @@ def encode_state(obj: Any, tensors: Dict[str, torch.Tensor], path: Tuple[str, ..
                     "(tensors, numbers, strings, None, lists, tuples and dicts only)")
 
 
-def tensor_refs(obj: Json) -> List[str]:
+def tensor_refs(obj: Json) -> list[str]:
     """The tensor keys an `encode_state` result refers to."""
     if isinstance(obj, dict):
         if set(obj) == {_TENSOR}:
@@ -229,7 +230,7 @@ def write_json(path: Path, obj: Json) -> None:
     path.write_text(json.dumps(obj, indent=1))
 
 
-def read_format(path: Path, fmt: str, *required: str) -> Dict[str, Any]:
+def read_format(path: Path, fmt: str, *required: str) -> dict[str, Any]:
     """The JSON object at `path`; CheckpointError unless it is a dict whose "format" is `fmt` and that has the
     `required` keys."""
     data = read_json(path)
@@ -243,15 +244,16 @@ def read_format(path: Path, fmt: str, *required: str) -> Dict[str, Any]:
 
 
 # ---- the DTensor policy ------------------------------------------------------------------------------------------
-def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Collective over all ranks: rank 0 gets full fp32 CPU tensors under HF names, others {}."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor],
+                get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
 
 
-def tied_aliases(model: nn.Module) -> Dict[str, str]:
+def tied_aliases(model: nn.Module) -> dict[str, str]:
     """Parameter names that are another parameter (tied embeddings) -> the first name of that parameter."""
-    first: Dict[int, str] = {}
-    aliases: Dict[str, str] = {}
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in first:
             aliases[name] = first[id(p)]
@@ -260,22 +262,22 @@ def tied_aliases(model: nn.Module) -> Dict[str, str]:
     return aliases
 
 
-def save(worker: TrainState, weights_path: str, optimizer_path: Optional[str], source_dir: str,
+def save(worker: TrainState, weights_path: str, optimizer_path: str | None, source_dir: str,
          hf_export: bool = True) -> None:
     """Collective: every rank writes its model (and optimizer) shards; rank 0 the JSON files and the HF export."""
     wp = Path(weights_path)
     aliases = tied_aliases(worker.model)
-    model_sd = get_model_state_dict(worker.model)
+    model_sd = cast(dict[str, torch.Tensor], get_model_state_dict(worker.model))
     save_tensors({k: v for k, v in model_sd.items() if k not in aliases}, wp / MODEL_DIR)
     if _is_rank0():
         write_json(wp / INFO_FILE, {"format": FORMAT, "aliases": aliases})
     if optimizer_path and worker.optimizer is not None:
         op = Path(optimizer_path)
-        tensors: Dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor] = {}
         skeleton = encode_state(get_optimizer_state_dict(worker.model, worker.optimizer), tensors)
         sched: Json = None
         if worker.scheduler is not None:
-            extra: Dict[str, torch.Tensor] = {}
+            extra: dict[str, torch.Tensor] = {}
             sched = encode_state(worker.scheduler.state_dict(), extra, ("scheduler",))
             if extra:
                 raise TypeError(f"LR scheduler state holds tensors ({sorted(extra)[:3]}); only JSON values are saved")
@@ -291,7 +293,7 @@ def save(worker: TrainState, weights_path: str, optimizer_path: Optional[str], s
     dist.barrier()
 
 
-def export_hf(model: nn.Module, full: Dict[str, torch.Tensor], source_dir: str, out_dir: Path) -> None:
+def export_hf(model: Any, full: dict[str, torch.Tensor], source_dir: str, out_dir: Path) -> None:
     """Write config.json, model.safetensors (tied lm_head dropped) and the tokenizer files of `source_dir`."""
     from safetensors.torch import save_file
 
@@ -306,7 +308,7 @@ def export_hf(model: nn.Module, full: Dict[str, torch.Tensor], source_dir: str, 
             shutil.copy2(src, out_dir / name)
 
 
-def load(worker: TrainState, weights_path: str, optimizer_path: Optional[str]) -> None:
+def load(worker: TrainState, weights_path: str, optimizer_path: str | None) -> None:
     """Collective: restore the model (and the optimizer + scheduler when given and saved) written by `save`."""
     wp = Path(weights_path)
     refuse_legacy(wp)
@@ -315,7 +317,7 @@ def load(worker: TrainState, weights_path: str, optimizer_path: Optional[str]) -
     if info.get("aliases") != aliases:
         raise CheckpointError(f"cannot load checkpoint {wp}: tied parameters {info.get('aliases')} there, "
                               f"{aliases} in this model")
-    model_sd = get_model_state_dict(worker.model)
+    model_sd: dict[str, Any] = get_model_state_dict(worker.model)
     load_tensors({k: v for k, v in model_sd.items() if k not in aliases}, wp / MODEL_DIR)
     set_model_state_dict(worker.model, model_sd)  # aliases share the loaded storage
     if not optimizer_path or worker.optimizer is None:
@@ -327,7 +329,7 @@ def load(worker: TrainState, weights_path: str, optimizer_path: Optional[str]) -
             raise CheckpointError(f"cannot load checkpoint {op}: {OPTIM_DIR}/ is there but {OPTIM_FILE} is not")
         return  # a weights-only checkpoint
     skeleton = read_format(op / OPTIM_FILE, FORMAT, "state")["state"]
-    current: Dict[str, torch.Tensor] = {}  # the live optimizer's tensors (their DTensor layout) as destinations
+    current: dict[str, torch.Tensor] = {}  # the live optimizer's tensors (their DTensor layout) as destinations
     encode_state(get_optimizer_state_dict(worker.model, worker.optimizer), current)
     with checkpoint_errors(op / OPTIM_FILE):
         refs = tensor_refs(skeleton)

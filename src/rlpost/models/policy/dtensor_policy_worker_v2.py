@@ -13,7 +13,7 @@ in `_accelerator`), then uses accelerate's preparation unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,7 +60,7 @@ class DTensorPolicyWorkerV2(DTensorWorkerBase):
         if self.tp_size > 1:
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(
+            model: Any = AutoModelForCausalLM.from_pretrained(
                 self.cfg.model_name,
                 dtype=torch.float32,
                 tp_plan="auto",
@@ -77,5 +77,5 @@ class DTensorPolicyWorkerV2(DTensorWorkerBase):
             model = fsdp2_apply_ac(acc, model)
         return fsdp2_prepare_model(acc, model)
 
-    def _vp_kwargs(self) -> Dict[str, Any]:
+    def _vp_kwargs(self) -> dict[str, Any]:
         return {}  # transformers' lm_head plan gathers the logits: the loss sees the full vocabulary

@@ -13,7 +13,8 @@ multiplied by the DP size before backward. Logits are divided by the sampling te
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,8 @@ class DTensorWorkerBase(WeightExportMixin):
     def __init__(
         self,
         cfg: PolicyConfig,
-        weights_path: Optional[str] = None,
-        optimizer_path: Optional[str] = None,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
         init_optimizer: bool = True,
         init_reference_model: bool = True,
     ) -> None:
@@ -72,18 +73,18 @@ class DTensorWorkerBase(WeightExportMixin):
         self.temperature = float(cfg.generation.temperature) if cfg.generation is not None else 1.0
         torch.manual_seed(1234)
         self.model = self._build_model()
-        self.optimizer: Optional[torch.optim.Optimizer] = None
-        self.scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         if init_optimizer and cfg.optimizer is not None:
             self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
             self.scheduler = build_scheduler(cfg.scheduler, self.optimizer)
         # The reference policy is the model as loaded from policy.model_name, also when resuming.
-        self.reference: Optional[Dict[str, torch.Tensor]] = None
+        self.reference: dict[str, torch.Tensor] | None = None
         if init_reference_model:
             self.reference = {k: _local(v).detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         if weights_path:
             dtensor_checkpoint.load(self, weights_path, optimizer_path)
-        self._export: List[Tuple[str, torch.Tensor]] = []
+        self._export: list[tuple[str, torch.Tensor]] = []
         self._mem = OffloadState(self.device, params_on_cpu_by_fsdp=cfg.dtensor_cfg.cpu_offload)
         self._train_micro_batches = 0
 
@@ -96,7 +97,7 @@ class DTensorWorkerBase(WeightExportMixin):
         return self.rank
 
     @property
-    def tp_group(self) -> Optional[dist.ProcessGroup]:
+    def tp_group(self) -> dist.ProcessGroup | None:
         return self.mesh["tp"].get_group() if self.tp_size > 1 else None
 
     @property
@@ -111,7 +112,7 @@ class DTensorWorkerBase(WeightExportMixin):
         else:
             yield from data.make_microbatch_iterator(mbs)
 
-    def _forward_logits(self, mb: Any) -> Tuple[torch.Tensor, BatchedDataDict, Any]:
+    def _forward_logits(self, mb: Any) -> tuple[torch.Tensor, BatchedDataDict, Any]:
         """Logits / temperature for a micro-batch: ([1, T, V] packed or [B, S, V]), its rows, the packing."""
         if hasattr(mb, "packed"):
             pk = mb.packed
@@ -130,7 +131,7 @@ class DTensorWorkerBase(WeightExportMixin):
             logits = logits.to_local()  # [.., V / TP]: sharded over the vocabulary
         return logits.float() / self.temperature, rows, pk
 
-    def _vp_kwargs(self) -> Dict[str, Any]:
+    def _vp_kwargs(self) -> dict[str, Any]:
         if self.tp_size == 1:
             return {}
         return {"vocab_parallel_group": self.tp_group, "vocab_parallel_rank": self.mesh["tp"].get_local_rank()}
@@ -143,7 +144,7 @@ class DTensorWorkerBase(WeightExportMixin):
         self._onload()
         self.model.eval()
         full_len = int(data["input_ids"].shape[1])
-        outs: List[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
         for mb in self._microbatches(data, self.cfg.logprob_batch_size):
             logits, rows, pk = self._forward_logits(mb)
             if pk is not None:
@@ -176,11 +177,11 @@ class DTensorWorkerBase(WeightExportMixin):
         return BatchedDataDict(reference_logprobs=out["logprobs"])
 
     @torch.no_grad()
-    def _swap_weights(self, new: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def _swap_weights(self, new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy `new` into the model; returns what was there. Tied tensors (one storage under two
         names, e.g. embed_tokens / lm_head) are visited once, or the restore would write the
         swapped-in value back through the second name."""
-        old: Dict[str, torch.Tensor] = {}
+        old: dict[str, torch.Tensor] = {}
         seen = set()
         for k, v in self.model.state_dict().items():
             local = _local(v)
@@ -192,7 +193,7 @@ class DTensorWorkerBase(WeightExportMixin):
         return old
 
     # ---- training ----------------------------------------------------------------------
-    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: Optional[int] = None) -> Dict[str, Any]:
+    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: int | None = None) -> dict[str, Any]:
         if self.optimizer is None:
             raise RuntimeError("the policy was built without an optimizer (init_optimizer=False)")
         self._onload(with_optimizer=True)
@@ -201,7 +202,7 @@ class DTensorWorkerBase(WeightExportMixin):
         local_gbs = gbs // self.dp_size
         n_global = data.size // local_gbs
         losses, grad_norms = [], []
-        mb_metrics: Dict[str, List[float]] = {}
+        mb_metrics: dict[str, list[float]] = {}
         for g in range(n_global):
             gb = data.get_batch(g, local_gbs)
             sm = gb["sample_mask"].float()
@@ -250,7 +251,7 @@ class DTensorWorkerBase(WeightExportMixin):
         norm is taken per mesh and combined; torch's clip_grad_norm_ refuses mixed meshes.
         """
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        groups: Dict[Any, List[torch.Tensor]] = {}
+        groups: dict[Any, list[torch.Tensor]] = {}
         for g in grads:
             key = (tuple(g.device_mesh.mesh_dim_names or ()), tuple(g.device_mesh.mesh.flatten().tolist())) if isinstance(
                 g, DTensor
@@ -302,17 +303,18 @@ class DTensorWorkerBase(WeightExportMixin):
         self._mem.offload_optimizer(self.optimizer)
         self._mem.offload_model(self.model)
 
-    def gpu_memory_stats(self) -> Dict[str, float]:
+    def gpu_memory_stats(self) -> dict[str, float]:
         """logger.monitor_gpus: this rank's CUDA memory ({} on CPU)."""
         return cuda_memory_stats(self.device)
 
     # ---- refit export ----------------------------------------------------------------------
-    def prepare_weights_for_export(self, dtype: str) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+    def prepare_weights_for_export(self, dtype: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """All ranks: gather full weights (collective); rank 0 keeps them cast to `dtype` under HF names."""
         self._onload()
         full = dtensor_checkpoint.full_state_dict(self.model)
-        if "lm_head.weight" not in full and getattr(self.model.config, "tie_word_embeddings", False):
-            full["lm_head.weight"] = full.get("model.embed_tokens.weight")
+        embedding = full.get("model.embed_tokens.weight")
+        if "lm_head.weight" not in full and embedding is not None and getattr(self.model.config, "tie_word_embeddings", False):
+            full["lm_head.weight"] = embedding
         torch_dtype = getattr(torch, dtype)
         self._export = [(k, v.to(torch_dtype)) for k, v in full.items() if v is not None] if self.rank == 0 else []
         return {k: (tuple(v.shape), v.dtype) for k, v in self._export}
@@ -328,11 +330,11 @@ class DTensorWorkerBase(WeightExportMixin):
         return self._broadcast_export()
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None, hf_export: bool = True) -> None:
+    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None, hf_export: bool = True) -> None:
         self._onload(with_optimizer=True)
         dtensor_checkpoint.save(self, weights_path, optimizer_path, self.cfg.model_name, hf_export=hf_export)
 
-    def state_fingerprint(self) -> Dict[str, float]:
+    def state_fingerprint(self) -> dict[str, float]:
         """Debug/test helper: sum of |w| and of optimizer state per rank (local shards)."""
         self._onload(with_optimizer=True)
         w = sum(float(_local(p).detach().double().abs().sum()) for p in self.model.parameters())
@@ -344,7 +346,7 @@ class DTensorWorkerBase(WeightExportMixin):
                         o += float(_local(v).double().abs().sum())
         return {"weights": w, "optimizer": o}
 
-    def full_weights(self) -> Dict[str, torch.Tensor]:
+    def full_weights(self) -> dict[str, torch.Tensor]:
         """All ranks call; rank 0 gets the full fp32 state dict (tests, exports)."""
         self._onload()
         return dtensor_checkpoint.full_state_dict(self.model)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from rlpost.distributed.batched_data_dict import BatchedDataDict
     from rlpost.ops.loss_interface import LossFunction
 
@@ -22,7 +24,7 @@ class PolicyInterface(ABC):
         """{'reference_logprobs': [B, S]} under the frozen initial weights."""
 
     @abstractmethod
-    def train(self, data: BatchedDataDict, loss_fn: LossFunction) -> Dict[str, Any]:
+    def train(self, data: BatchedDataDict, loss_fn: LossFunction) -> dict[str, Any]:
         """Optimizer steps over `data` in global batches; returns loss, grad_norm and per-micro-batch metrics."""
 
     @abstractmethod
@@ -34,7 +36,7 @@ class PolicyInterface(ABC):
         """Eval mode for logprob passes (optimizer may be offloaded)."""
 
     @abstractmethod
-    def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None, hf_export: bool = True) -> None:
+    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None, hf_export: bool = True) -> None:
         """Sharded weights (and optimizer, scheduler) to disk, plus (hf_export) a consolidated HF export under
         weights_path/hf."""
 
@@ -47,7 +49,7 @@ class ColocatablePolicyInterface(PolicyInterface):
     """A policy whose full weights can be handed to a rollout engine (refit)."""
 
     @abstractmethod
-    def prepare_refit_info(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+    def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """{hf_name: (shape, dtype)} of the weights refit will send."""
 
     @abstractmethod

@@ -8,12 +8,14 @@ already globally normalised, as in NeMo RL) and the rest averaged.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.microbatching import DynamicBatchingArgs, SequencePackingArgs
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
 from rlpost.models.policy.interfaces import ColocatablePolicyInterface, WeightBuckets
@@ -30,8 +32,8 @@ class Policy(ColocatablePolicyInterface):
         self,
         cluster: RayVirtualCluster,
         cfg: PolicyConfig,
-        weights_path: Optional[str] = None,
-        optimizer_path: Optional[str] = None,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
         init_optimizer: bool = True,
         init_reference_model: bool = True,
         device: str = "cpu",
@@ -64,25 +66,27 @@ class Policy(ColocatablePolicyInterface):
         self.worker_group.timeout_s = timeout_s
 
     # ---- sharding --------------------------------------------------------------------------
-    def _shard(self, data: BatchedDataDict, batch_size: Optional[int], for_training: bool) -> Tuple[List[Any], Optional[List[int]]]:
+    def _shard(self, data: BatchedDataDict, batch_size: int | None, for_training: bool) -> tuple[list[Any], list[int] | None]:
         dp = self.dims.dp
         c = self.cfg
         if c.sequence_packing.enabled:
-            args = {
-                "max_tokens_per_microbatch": c.sequence_packing.train_mb_tokens if for_training else c.sequence_packing.logprob_mb_tokens,
-                "algorithm": c.sequence_packing.algorithm,
-                "sequence_length_pad_multiple": max(self.dims.tp * self.dims.cp, 1),
-                "sequence_length_round": c.sequence_packing.sequence_length_round,
-            }
-            shards, order = data.shard_by_batch_size(dp, batch_size=batch_size, sequence_packing_args=args)
-            return shards, order
+            packing = SequencePackingArgs(
+                max_tokens_per_microbatch=c.sequence_packing.train_mb_tokens if for_training else c.sequence_packing.logprob_mb_tokens,
+                algorithm=c.sequence_packing.algorithm,
+                sequence_length_pad_multiple=max(self.dims.tp * self.dims.cp, 1),
+                sequence_length_round=c.sequence_packing.sequence_length_round,
+            )
+            planned = data.shard_by_batch_size(dp, batch_size=batch_size, sequence_packing_args=packing)
+            assert isinstance(planned, tuple)  # (shards, original order) when batching is planned
+            return list(planned[0]), planned[1]
         if c.dynamic_batching.enabled:
-            args = {
-                "max_tokens_per_microbatch": c.dynamic_batching.train_mb_tokens if for_training else c.dynamic_batching.logprob_mb_tokens,
-                "sequence_length_round": c.dynamic_batching.sequence_length_round,
-            }
-            shards, order = data.shard_by_batch_size(dp, batch_size=batch_size, dynamic_batching_args=args)
-            return shards, order
+            dynamic = DynamicBatchingArgs(
+                max_tokens_per_microbatch=c.dynamic_batching.train_mb_tokens if for_training else c.dynamic_batching.logprob_mb_tokens,
+                sequence_length_round=c.dynamic_batching.sequence_length_round,
+            )
+            planned = data.shard_by_batch_size(dp, batch_size=batch_size, dynamic_batching_args=dynamic)
+            assert isinstance(planned, tuple)  # (shards, original order) when batching is planned
+            return list(planned[0]), planned[1]
         if batch_size is None and data.size % dp != 0:
             raise ValueError(f"{data.size} rows cannot be split evenly over {dp} data-parallel ranks")
         return data.shard_by_batch_size(dp, batch_size=batch_size), None  # type: ignore[return-value]
@@ -100,12 +104,12 @@ class Policy(ColocatablePolicyInterface):
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         return self._logprob_call("get_reference_policy_logprobs", "reference_logprobs", data)
 
-    def train(self, data: BatchedDataDict, loss_fn: Any) -> Dict[str, Any]:
+    def train(self, data: BatchedDataDict, loss_fn: Any) -> dict[str, Any]:
         gbs = self.cfg.train_global_batch_size
         shards, _ = self._shard(data, gbs, for_training=True)
         results = self.worker_group.run_sharded("train", shards, loss_fn, gbs)
         first = results[0]
-        metrics: Dict[str, float] = {}
+        metrics: dict[str, float] = {}
         for k in first["all_mb_metrics"]:
             vals = [v for r in results for v in r["all_mb_metrics"][k]]
             per_rank_sum = sum(vals) / max(first["num_global_batches"], 1)
@@ -125,10 +129,10 @@ class Policy(ColocatablePolicyInterface):
     def prepare_for_lp_inference(self) -> None:
         self.worker_group.run_all("prepare_for_lp_inference")
 
-    def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None, hf_export: bool = True) -> None:
+    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None, hf_export: bool = True) -> None:
         self.worker_group.run_all("save_checkpoint", weights_path, optimizer_path, hf_export)
 
-    def gpu_memory_metrics(self) -> Dict[str, float]:
+    def gpu_memory_metrics(self) -> dict[str, float]:
         """`logger.monitor_gpus`: each rank's CUDA memory (and utilisation when NVML is there) as gpu/rank<r>/<name>."""
         per_rank = self.worker_group.run_all("gpu_memory_stats")
         return {f"gpu/rank{r}/{k}": float(v) for r, stats in enumerate(per_rank) for k, v in stats.items()}
@@ -137,7 +141,7 @@ class Policy(ColocatablePolicyInterface):
         self.worker_group.shutdown(graceful_method="shutdown")
 
     # ---- refit -----------------------------------------------------------------------------
-    def prepare_refit_info(self, dtype: str = "float32") -> Dict[str, Tuple[Tuple[int, ...], str]]:
+    def prepare_refit_info(self, dtype: str = "float32") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         info = self.worker_group.run_all("prepare_weights_for_export", dtype)[0]
         self.worker_group.run_all("clear_export")
         return info
@@ -146,11 +150,11 @@ class Policy(ColocatablePolicyInterface):
         self.worker_group.run_all("prepare_weights_for_export", dtype)
         return _RankZeroBuckets(self.worker_group, max_bucket_bytes)
 
-    def init_refit_collective_async(self, host: str, port: int, world_size: int) -> List[Any]:
+    def init_refit_collective_async(self, host: str, port: int, world_size: int) -> list[Any]:
         """Start rank 0 joining the refit group (it blocks until the engines join too)."""
         return [w.init_refit_collective.remote(host, port, world_size) for w in self.worker_group.workers]
 
-    def broadcast_weights_collective_async(self, dtype: str) -> List[Any]:
+    def broadcast_weights_collective_async(self, dtype: str) -> list[Any]:
         """Start the broadcast of full weights from rank 0 (engines must receive concurrently)."""
         return [w.broadcast_weights_collective.remote(dtype) for w in self.worker_group.workers]
 
@@ -161,10 +165,10 @@ class Policy(ColocatablePolicyInterface):
         self.worker_group.run_all("offload_after_refit")
 
     # ---- test helpers ------------------------------------------------------------------------
-    def full_weights(self) -> Dict[str, torch.Tensor]:
+    def full_weights(self) -> dict[str, torch.Tensor]:
         return self.worker_group.run_all("full_weights")[0]
 
-    def state_fingerprints(self) -> List[Dict[str, float]]:
+    def state_fingerprints(self) -> list[dict[str, float]]:
         return self.worker_group.run_all("state_fingerprint")
 
 
@@ -174,10 +178,10 @@ class _RankZeroBuckets(WeightBuckets):
     def __init__(self, group: RayWorkerGroup, max_bytes: int) -> None:
         self.group = group
         self.max_bytes = max_bytes
-        self._fp: Optional[str] = None
+        self._fp: str | None = None
         self._count = 0
 
-    def __iter__(self) -> Iterator[List[Any]]:
+    def __iter__(self) -> Iterator[list[Any]]:
         try:
             for indices in self.group.run_rank0("plan_export_buckets", self.max_bytes):
                 yield self.group.run_rank0("put_export_bucket", indices)

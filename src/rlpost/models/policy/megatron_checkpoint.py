@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -58,13 +59,15 @@ class MegatronState(Protocol):
     rank: int
     dp_size: int
     model: Any
-    gpt: torch.nn.Module
     hf_config: Any
     train_state: Any
 
-    def local_state(self) -> Dict[str, torch.Tensor]: ...
+    @property
+    def gpt(self) -> torch.nn.Module: ...
 
-    def gather_full_weights(self, dtype: torch.dtype) -> Dict[str, torch.Tensor]: ...
+    def local_state(self) -> dict[str, torch.Tensor]: ...
+
+    def gather_full_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]: ...
 
 
 FORMAT = "rlpost-megatron-safetensors/1"
@@ -72,7 +75,7 @@ LAYOUT_FILE = "megatron_layout.json"
 SCHEDULER_FILE = "scheduler.json"
 
 
-def _layout(worker: MegatronState) -> Dict[str, Any]:
+def _layout(worker: MegatronState) -> dict[str, Any]:
     m = worker.cfg.megatron_cfg
     assert m is not None
     return {
@@ -93,13 +96,13 @@ def _tag(worker: MegatronState, with_dp: bool = False) -> str:
     return f"{tag}-dp{ps.get_data_parallel_rank()}" if with_dp else tag
 
 
-def torch_optimizers(optimizer: Any) -> List[torch.optim.Optimizer]:
+def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside megatron's (chained) optimizer, in chain order."""
     chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return [o.optimizer for o in chained]
 
 
-def optimizer_state_tensors(optimizer: Any) -> Iterator[Tuple[Dict[str, Any], str, torch.Tensor]]:
+def optimizer_state_tensors(optimizer: Any) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]]:
     """(state dict, name, tensor) of every non-scalar optimizer state tensor (exp_avg, momentum_buffer, ...)."""
     for topt in torch_optimizers(optimizer):
         for state in topt.state.values():
@@ -114,10 +117,10 @@ def move_optimizer_state(optimizer: Any, device: torch.device | str) -> None:
         state[name] = value.to(device, non_blocking=True)
 
 
-def _optimizer_tensors(worker: MegatronState, tag: str) -> Dict[str, torch.Tensor]:
+def _optimizer_tensors(worker: MegatronState, tag: str) -> dict[str, torch.Tensor]:
     assert worker.train_state is not None
     model_params = {id(p) for p in worker.gpt.parameters()}
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for c, topt in enumerate(torch_optimizers(worker.train_state.optimizer)):
         for j, group in enumerate(topt.param_groups):
             if isinstance(group.get("step"), (int, float, torch.Tensor)):
@@ -135,18 +138,18 @@ def _optimizer_tensors(worker: MegatronState, tag: str) -> Dict[str, torch.Tenso
     return out
 
 
-def _restore_optimizer(worker: MegatronState, tag: str, loaded: Dict[str, torch.Tensor]) -> None:
+def _restore_optimizer(worker: MegatronState, tag: str, loaded: dict[str, torch.Tensor]) -> None:
     assert worker.train_state is not None
     for c, topt in enumerate(torch_optimizers(worker.train_state.optimizer)):
         for j, group in enumerate(topt.param_groups):
             step = loaded.get(f"{tag}/c{c}/g{j}/step")
             if step is not None:
-                old = group.get("step")
+                old: Any = group.get("step")
                 group["step"] = step.to(old.dtype) if isinstance(old, torch.Tensor) else type(old)(step.item())
         params = [p for g in topt.param_groups for p in g["params"]]
         for i, p in enumerate(params):
             prefix = f"{tag}/c{c}/p{i}/"
-            state: Dict[str, Any] = {}
+            state: dict[str, Any] = {}
             for key, t in loaded.items():
                 if not key.startswith(prefix):
                     continue
@@ -160,7 +163,7 @@ def _restore_optimizer(worker: MegatronState, tag: str, loaded: Dict[str, torch.
                 topt.state[p] = state
 
 
-def _load_own_keys(path: Path, prefix: str) -> Dict[str, torch.Tensor]:
+def _load_own_keys(path: Path, prefix: str) -> dict[str, torch.Tensor]:
     """Collective: every key of the shards at `path` that starts with prefix, freshly allocated and loaded."""
     meta = read_tensor_metadata(path)
     dest = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
@@ -168,7 +171,7 @@ def _load_own_keys(path: Path, prefix: str) -> Dict[str, torch.Tensor]:
     return dest
 
 
-def gather_hf_weights(worker: MegatronState, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+def gather_hf_weights(worker: MegatronState, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Collective over TP x PP of DP replica 0 (other replicas return at once): global rank 0 gets every weight
     as a full HF-named CPU tensor cast to dtype (a tied lm_head included), the other ranks {}."""
     from megatron.core import parallel_state as ps
@@ -177,7 +180,7 @@ def gather_hf_weights(worker: MegatronState, dtype: torch.dtype) -> Dict[str, to
 
     m = worker.cfg.megatron_cfg
     assert m is not None
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     if ps.get_data_parallel_rank() != 0:
         return out
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
@@ -189,7 +192,7 @@ def gather_hf_weights(worker: MegatronState, dtype: torch.dtype) -> Dict[str, to
     return out
 
 
-def save(worker: MegatronState, weights_path: str, optimizer_path: Optional[str], hf_export: bool) -> None:
+def save(worker: MegatronState, weights_path: str, optimizer_path: str | None, hf_export: bool) -> None:
     """Collective over all ranks: DCP model (and optimizer) shards, the scheduler, and the HF export on rank 0."""
     wp = Path(weights_path)
     tag = _tag(worker)
@@ -211,7 +214,7 @@ def save(worker: MegatronState, weights_path: str, optimizer_path: Optional[str]
     dist.barrier()
 
 
-def export_hf(hf_config: Any, full: Dict[str, torch.Tensor], source_dir: str, out_dir: Path) -> None:
+def export_hf(hf_config: Any, full: dict[str, torch.Tensor], source_dir: str, out_dir: Path) -> None:
     """Write config.json, model.safetensors (a tied lm_head dropped) and the tokenizer files of `source_dir`."""
     from safetensors.torch import save_file
 
@@ -247,7 +250,7 @@ def _check_layout(worker: MegatronState, weights_path: Path) -> None:
         )
 
 
-def load(worker: MegatronState, weights_path: str, optimizer_path: Optional[str]) -> None:
+def load(worker: MegatronState, weights_path: str, optimizer_path: str | None) -> None:
     """Collective: restore the model shards (and optimizer + scheduler when given) written by `save`."""
     wp = Path(weights_path)
     refuse_legacy(wp)

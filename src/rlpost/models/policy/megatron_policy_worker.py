@@ -42,7 +42,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -66,7 +67,7 @@ _GPU_ONLY_OPTIMIZER = {
 class MegatronConfigError(ConfigError):
     """A ConfigError that survives Ray's pickling (ConfigError's four-argument constructor does not)."""
 
-    def __reduce__(self) -> Tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.key, self.value, self.rule, self.hint))
 
 
@@ -90,7 +91,7 @@ def check_megatron_support(cfg: PolicyConfig, device_type: str, init_optimizer: 
     if device_type != "cpu":
         _check_precision(cfg, init_optimizer)
         return
-    gpu_only: List[Tuple[str, Any, str]] = [
+    gpu_only: list[tuple[str, Any, str]] = [
         (f"policy.megatron_cfg.optimizer.{name}", getattr(m.optimizer, name), what)
         for name, what in _GPU_ONLY_OPTIMIZER.items()
     ]
@@ -142,9 +143,9 @@ def _megatron_call(fn: _F) -> _F:
 
 
 def _normalised_loss(
-    loss_fn: Any, gs: torch.Tensor, gt: torch.Tensor, vp: Dict[str, Any], recorded: List[Dict[str, Any]],
+    loss_fn: Any, gs: torch.Tensor, gt: torch.Tensor, vp: dict[str, Any], recorded: list[dict[str, Any]],
     logits: torch.Tensor, mb: Any,
-) -> Tuple[torch.Tensor, Dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float]]:
     """train_step's per-micro-batch loss: loss_fn with the global counts; its metrics are kept per micro-batch."""
     loss, metrics = loss_fn(logits, mb, gs, gt, **vp)
     recorded.append(metrics)
@@ -164,8 +165,8 @@ class MegatronPolicyWorker(WeightExportMixin):
     def __init__(
         self,
         cfg: PolicyConfig,
-        weights_path: Optional[str] = None,
-        optimizer_path: Optional[str] = None,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
         init_optimizer: bool = True,
         init_reference_model: bool = True,
     ) -> None:
@@ -173,8 +174,8 @@ class MegatronPolicyWorker(WeightExportMixin):
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.device = torch.device(os.environ.get("RLPOST_DEVICE", "cpu"))
-        self._init_error: Optional[BaseException] = None
-        self._export: List[Tuple[str, torch.Tensor]] = []
+        self._init_error: BaseException | None = None
+        self._export: list[tuple[str, torch.Tensor]] = []
         self._offloaded = False
         try:
             check_megatron_support(cfg, self.device.type, init_optimizer)
@@ -185,7 +186,7 @@ class MegatronPolicyWorker(WeightExportMixin):
 
     @_megatron_call
     def _setup(
-        self, weights_path: Optional[str], optimizer_path: Optional[str], init_optimizer: bool, init_ref: bool
+        self, weights_path: str | None, optimizer_path: str | None, init_optimizer: bool, init_ref: bool
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -221,7 +222,7 @@ class MegatronPolicyWorker(WeightExportMixin):
         if m.freeze_moe_router:
             freeze_moe_routers(model)
         self.model: Any = model
-        self.reference: Optional[Dict[str, torch.Tensor]] = None
+        self.reference: dict[str, torch.Tensor] | None = None
         if init_ref:
             self.reference = {k: v.detach().to("cpu", copy=True) for k, v in self.local_state().items()}
         self.train_state: Any = None
@@ -247,14 +248,14 @@ class MegatronPolicyWorker(WeightExportMixin):
 
         return unwrap_model(self.model)
 
-    def local_state(self) -> Dict[str, torch.Tensor]:
+    def local_state(self) -> dict[str, torch.Tensor]:
         """This rank's shard: megatron names -> tensors aliasing the parameters (no TE _extra_state)."""
         return {
             k: v for k, v in self.gpt.state_dict().items()
             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
         }
 
-    def _vp_kwargs(self) -> Dict[str, Any]:
+    def _vp_kwargs(self) -> dict[str, Any]:
         from megatron.core import parallel_state as ps
 
         from rlpost.models.megatron.model import resolve_tp_group
@@ -327,9 +328,9 @@ class MegatronPolicyWorker(WeightExportMixin):
         return BatchedDataDict(reference_logprobs=lp)
 
     @torch.no_grad()
-    def _swap_weights(self, new: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def _swap_weights(self, new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy `new` into the model; returns what was there (a storage shared by two names once)."""
-        old: Dict[str, torch.Tensor] = {}
+        old: dict[str, torch.Tensor] = {}
         seen = set()
         for k, v in self.local_state().items():
             if v.data_ptr() in seen:
@@ -341,7 +342,7 @@ class MegatronPolicyWorker(WeightExportMixin):
 
     # ---- training ----------------------------------------------------------------------
     @_megatron_call
-    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: Optional[int] = None) -> Dict[str, Any]:
+    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: int | None = None) -> dict[str, Any]:
         from megatron.core import parallel_state as ps
 
         from rlpost.models.megatron.train_step import train_step
@@ -360,7 +361,7 @@ class MegatronPolicyWorker(WeightExportMixin):
         step_state = dataclasses.replace(self.train_state, scheduler=_NoSchedulerStep())
         vp = self._vp_kwargs()
         losses, grad_norms = [], []
-        mb_metrics: Dict[str, List[float]] = {}
+        mb_metrics: dict[str, list[float]] = {}
         for g in range(n_global):
             gb = data.get_batch(g, local_gbs)
             sm = gb["sample_mask"].float()
@@ -370,7 +371,7 @@ class MegatronPolicyWorker(WeightExportMixin):
             gs, gt = counts[0], counts[1]
             gb = self._pad_seq(gb, self._seq_multiple())
             micro = [mb.to(self.device) for mb in gb.make_microbatch_iterator(mbs)]
-            recorded: List[Dict[str, Any]] = []
+            recorded: list[dict[str, Any]] = []
             mb_loss = functools.partial(_normalised_loss, loss_fn, gs, gt, vp, recorded)
             res = train_step(step_state, micro, mb_loss, temperature=self.temperature, loss_input="logits")
             if pp > 1:  # only the last stage ran the loss function
@@ -431,21 +432,21 @@ class MegatronPolicyWorker(WeightExportMixin):
         """GPU: the optimizer state goes to the CPU; the weights stay on the GPU (megatron's DDP buffers)."""
         self._offload_optimizer_state()
 
-    def gpu_memory_stats(self) -> Dict[str, float]:
+    def gpu_memory_stats(self) -> dict[str, float]:
         """logger.monitor_gpus: this rank's CUDA memory ({} on CPU)."""
         from rlpost.models.policy.memory_phases import cuda_memory_stats
 
         return cuda_memory_stats(self.device)
 
     # ---- refit export ----------------------------------------------------------------------
-    def gather_full_weights(self, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    def gather_full_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Collective over TP x PP of DP replica 0: rank 0 gets full HF-named CPU tensors (tied lm_head too)."""
         from rlpost.models.policy.megatron_checkpoint import gather_hf_weights
 
         return gather_hf_weights(self, dtype)
 
     @_megatron_call
-    def prepare_weights_for_export(self, dtype: str) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    def prepare_weights_for_export(self, dtype: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """All ranks: gather the full weights (collective); rank 0 keeps them cast to `dtype` under HF names.
 
         Returns rank 0's {name: (shape, dtype)} (the generation side's StateDictInfo), {} on other ranks.
@@ -468,14 +469,14 @@ class MegatronPolicyWorker(WeightExportMixin):
 
     # ---- checkpoints -------------------------------------------------------------------------
     @_megatron_call
-    def save_checkpoint(self, weights_path: str, optimizer_path: Optional[str] = None, hf_export: bool = True) -> None:
+    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None, hf_export: bool = True) -> None:
         from rlpost.models.policy import megatron_checkpoint
 
         self._restore_optimizer_state()
         megatron_checkpoint.save(self, weights_path, optimizer_path, hf_export=hf_export)
 
     @_megatron_call
-    def state_fingerprint(self) -> Dict[str, float]:
+    def state_fingerprint(self) -> dict[str, float]:
         """Debug/test helper: sum of |w| over this rank's shard and of its optimizer state."""
         from rlpost.models.policy.megatron_checkpoint import optimizer_state_tensors
 
@@ -486,7 +487,7 @@ class MegatronPolicyWorker(WeightExportMixin):
         return {"weights": w, "optimizer": o}
 
     @_megatron_call
-    def full_weights(self) -> Dict[str, torch.Tensor]:
+    def full_weights(self) -> dict[str, torch.Tensor]:
         """All ranks call; rank 0 gets the full fp32 HF-named state dict (tests, exports)."""
         return self.gather_full_weights(torch.float32)
 

@@ -12,7 +12,7 @@ parameters on the CPU itself, so only the buffers move.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ class OffloadState:
     def active(self) -> bool:
         return self.device.type == "cuda"
 
-    def offload_optimizer(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+    def offload_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         if not self.active or optimizer is None or self.optimizer_offloaded:
             return
         optimizer.zero_grad(set_to_none=True)
@@ -68,7 +68,7 @@ class OffloadState:
         self.model_offloaded = True
         torch.cuda.empty_cache()
 
-    def onload(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], with_optimizer: bool) -> None:
+    def onload(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, with_optimizer: bool) -> None:
         """The model (and, when asked, the optimizer state) back on the device."""
         if self.model_offloaded:
             if not self.params_on_cpu_by_fsdp:
@@ -81,13 +81,13 @@ class OffloadState:
             self.optimizer_offloaded = False
 
 
-def cuda_memory_stats(device: torch.device) -> Dict[str, float]:
+def cuda_memory_stats(device: torch.device) -> dict[str, float]:
     """`logger.monitor_gpus`: this process's CUDA memory in GiB (and utilisation when NVML is installed)."""
     if device.type != "cuda":
         return {}
     gib = float(2**30)
     free, total = torch.cuda.mem_get_info(device)
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "memory_allocated_gb": torch.cuda.memory_allocated(device) / gib,
         "memory_reserved_gb": torch.cuda.memory_reserved(device) / gib,
         "max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / gib,

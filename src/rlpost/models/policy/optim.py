@@ -7,7 +7,8 @@ become a SequentialLR; no scheduler means a constant lr. The scheduler is steppe
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -17,16 +18,16 @@ from rlpost.runtime.build import resolve
 
 def build_optimizer(cfg: PytorchOptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     cls = resolve(cfg.name, key="policy.optimizer.name")
-    kwargs: Dict[str, Any] = dict(cfg.kwargs)
+    kwargs: dict[str, Any] = dict(cfg.kwargs)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     return cls(params, **kwargs)
 
 
-def build_scheduler(entries: List[Dict[str, Any]], optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+def build_scheduler(entries: list[dict[str, Any]], optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     parsed = parse_scheduler("policy.scheduler", entries)
     scheds = []
-    milestones: List[int] = []
+    milestones: list[int] = []
     for i, e in enumerate(parsed):
         if isinstance(e, SchedulerMilestones):
             milestones = list(e.milestones)

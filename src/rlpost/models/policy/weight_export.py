@@ -7,7 +7,8 @@ broadcasts it over the refit group for a non-colocated engine.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Tuple
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -26,16 +27,16 @@ class WeightExportMixin:
 
     rank: int
     device: torch.device
-    _export: List[Tuple[str, torch.Tensor]]
+    _export: list[tuple[str, torch.Tensor]]
     _refit_group: Any = None
 
-    def plan_export_buckets(self, max_bytes: int) -> List[List[int]]:
+    def plan_export_buckets(self, max_bytes: int) -> list[list[int]]:
         """Rank 0: the prepared export split into layer-aligned buckets of at most max_bytes."""
         from rlpost.distributed.weight_buckets import plan_buckets
 
         return plan_buckets(self._export, max_bytes) if self.rank == 0 else []
 
-    def put_export_bucket(self, indices: List[int]) -> List[Any]:
+    def put_export_bucket(self, indices: list[int]) -> list[Any]:
         """Rank 0: one bucket into the object store; returns [ref] so the caller forwards it unread."""
         import ray
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +30,7 @@ def _logprobs(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
 
 
-def _trainer_model(model_dir: Path, overrides: Dict[str, Any]) -> Any:
+def _trainer_model(model_dir: Path, overrides: dict[str, Any]) -> Any:
     from rlpost.models.policy.hf_loading import load_hf_causal_lm
 
     cfg = PolicyConfig(model_name=str(model_dir), dtensor_cfg=DTensorConfig(), hf_config_overrides=dict(overrides))
@@ -54,13 +54,13 @@ def test_trainer_and_hf_engine_run_the_same_overridden_model(model_dir: Path) ->
 def test_hf_generation_hands_the_overrides_to_its_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     from rlpost.models.generation import hf_generation
 
-    seen: List[Any] = []
+    seen: list[Any] = []
 
     class Group:
         def __init__(self, cluster: Any, cls: Any, *args: Any, **kwargs: Any) -> None:
             seen.extend(args)
 
-        def run_rank0(self, method: str) -> Dict[str, int]:
+        def run_rank0(self, method: str) -> dict[str, int]:
             return {"eos_token_id": 2, "pad_token_id": 0}
 
     monkeypatch.setattr(hf_generation, "RayWorkerGroup", Group)
