@@ -258,6 +258,7 @@ def _plan(argv: list[str]) -> int:
     from rlpost.config.errors import ConfigError
     from rlpost.config.load import load_master_config
     from rlpost.plan import print_plan
+    from rlpost.preflight import check_precision
     from rlpost.runtime.build import check_targets, verify_targets
 
     if any(a in ("-h", "--help") for a in argv):
@@ -269,6 +270,7 @@ def _plan(argv: list[str]) -> int:
         check_hydra_node(compose_hydra_node(argv))
         check_targets(master)
         verify_targets(master)
+        check_precision(master)  # the backend's device checks (GPU-only options on a CPU run)
     except ConfigError as err:
         report_config_error(err)
         return 2

@@ -185,14 +185,14 @@ def check_vocab_shards(master: MasterConfig) -> None:
     """
     p = master.policy
     tp = p.parallel_sizes()["tp"]
-    if p.megatron_cfg is not None or tp == 1 or master.model.tiny is not None:
+    if p.pads_vocab or tp == 1 or master.model.tiny is not None:
         return
     key = model_dir_key(master)
     hf = read_hf_config(str(p.model_name), key) or {}
     vocab = hf.get("vocab_size")
     if isinstance(vocab, int) and vocab % tp != 0:
         raise ConfigError(
-            "policy.dtensor_cfg.tensor_parallel_size", tp,
+            p.tp_key(), tp,
             f"must divide the model's vocab_size ({vocab}, {p.model_name}/config.json): the vocabulary is "
             "sharded in equal slices over the TP ranks", hint="pick a TP size that divides it, or policy=megatron",
         )
@@ -240,12 +240,10 @@ def _check_kwargs(cls: Any, name: str, kwargs: dict[str, Any], key: str, passed_
 
 
 def check_optimizer(master: MasterConfig) -> None:
-    """policy.optimizer / policy.scheduler (DTensor backends): importable classes, known arguments, values
-    the constructors accept (a dry build on one CPU parameter). Megatron's optimizer is a typed schema."""
+    """policy.optimizer / policy.scheduler: importable classes, known arguments, values the constructors accept
+    (a dry build on one CPU parameter)."""
     p = master.policy
     opt = p.optimizer
-    if p.megatron_cfg is not None or opt is None:
-        return
     import torch
 
     cls = _import(opt.name, "policy.optimizer.name")
@@ -294,10 +292,8 @@ def _dry_build(opt: PytorchOptimizerConfig, scheduler: list[dict[str, Any]], dev
 
 
 def check_precision(master: MasterConfig) -> None:
-    """bf16 / fp16 training needs a GPU; Megatron's other GPU-only options are checked as its worker does."""
+    """bf16 / fp16 training needs a GPU; then the backend's own device checks (GPU-only options on CPU)."""
     p = master.policy
-    if p.precision == "float32" and p.megatron_cfg is None:
-        return
     device = run_device(master)
     if device == "cpu" and p.precision != "float32":
         raise ConfigError(
@@ -306,14 +302,7 @@ def check_precision(master: MasterConfig) -> None:
             f"{p.precision} training needs a GPU; this run is on CPU ({_cpu_reason(master)})",
             "use policy.precision=float32 on CPU",
         )
-    if p.megatron_cfg is not None:
-        from rlpost.models.policy.megatron_policy_worker import check_megatron_support
-
-        try:
-            check_megatron_support(p, device)
-        except NotImplementedError as exc:
-            key, _, rule = str(exc).partition(": ")
-            raise ConfigError(key, True, rule) from None
+    p.check_device("policy", device)
 
 
 def _cpu_reason(master: MasterConfig) -> str:
@@ -327,23 +316,14 @@ MOE_CONFIG_KEYS: tuple[str, ...] = ("num_experts", "num_local_experts", "n_route
 def check_gpu_only_keys(master: MasterConfig) -> None:
     """Keys that act on GPU memory or GPU engines: on a CPU run they would do nothing, so a non-default value is
     refused naming the key. On GPU, vLLM expert parallelism also needs a mixture-of-experts model."""
-    p, d = master.policy, master.policy.dtensor_cfg
-    vllm_cfg = getattr(p.generation, "vllm_cfg", None)
-    ep = vllm_cfg.expert_parallel_size if vllm_cfg is not None else 1
+    p = master.policy
+    ep = p.generation.expert_parallel_size()
     keys: list[tuple[str, Any, str]] = [
         ("logger.monitor_gpus", master.logger.monitor_gpus, "it logs the workers' CUDA memory"),
         ("policy.offload_optimizer_for_logprob", p.offload_optimizer_for_logprob,
          "it moves the optimizer state from the GPU to the CPU during logprob passes"),
-        ("policy.generation.vllm_cfg.expert_parallel_size", ep if ep > 1 else None,
-         "vLLM's expert parallelism shards MoE experts over GPUs"),
     ]
-    if d is not None:
-        keys += [
-            ("policy.dtensor_cfg.cpu_offload", d.cpu_offload,
-             "FSDP2 CPU offload keeps parameters, gradients and optimizer state off the GPU"),
-            ("policy.dtensor_cfg.clear_cache_every_n_steps", d.clear_cache_every_n_steps,
-             "it empties the CUDA allocator cache"),
-        ]
+    keys += p.gpu_only_keys("policy") + p.generation.gpu_only_keys("policy.generation")
     if not any(value for _, value, _ in keys):
         return
     if run_device(master) == "cpu":

@@ -46,8 +46,7 @@ COMMON = [
 SGD_LR = 0.5
 MEGATRON_SGD = [
     "policy.megatron_cfg.optimizer.optimizer=sgd",
-    f"policy.megatron_cfg.optimizer.lr={SGD_LR}",
-    f"policy.megatron_cfg.optimizer.min_lr={SGD_LR}",
+    f"policy.optimizer.kwargs.lr={SGD_LR}",  # the lr path both backends share (the preset feeds megatron_cfg)
     "policy.megatron_cfg.optimizer.sgd_momentum=0.0",
     "policy.megatron_cfg.optimizer.weight_decay=0.0",
     "policy.megatron_cfg.scheduler.start_weight_decay=0.0",
@@ -261,9 +260,8 @@ def test_checkpoint_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, 
         ("policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
          r"ConfigError: policy\.megatron_cfg\.optimizer\.use_distributed_optimizer=True: the distributed optimizer "
          r"is GPU-only"),
-        ("policy.dynamic_batching.enabled=true", r"NotImplementedError: policy\.dynamic_batching\.enabled"),
     ],
-    ids=["gpu_only_on_cpu", "dynamic_batching"],
+    ids=["gpu_only_on_cpu"],
 )
 def test_unsupported_options_fail_clearly(
     override: str, pattern: str, ray_local: None, tiny_model_dir: Path, built: list[Built]
@@ -283,9 +281,8 @@ def test_unsupported_options_fail_clearly(
         (["policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp=true"], "cpu",
          "policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp"),
         (["policy.precision=bfloat16"], "cuda", "policy.megatron_cfg.optimizer.bf16"),
-        (["policy.sequence_packing.enabled=true"], "cuda", "policy.sequence_packing.enabled"),
     ],
-    ids=["sequence_parallel", "activation_checkpointing", "bf16_training", "megatron_fsdp", "bf16_flag", "packing"],
+    ids=["sequence_parallel", "activation_checkpointing", "bf16_training", "megatron_fsdp", "bf16_flag"],
 )
 def test_config_checks_name_the_key(overrides: list[str], device: str, key: str, tmp_path: Path) -> None:
     """In-process: the worker's up-front checks (no Ray); the errors survive pickling with their key."""
@@ -298,6 +295,21 @@ def test_config_checks_name_the_key(overrides: list[str], device: str, key: str,
     assert key in str(pickle.loads(pickle.dumps(info.value)))  # Ray pickles it to the driver
     if key in ("policy.precision", "policy.megatron_cfg.optimizer.bf16"):
         check_megatron_support(cfg, device, init_optimizer=False)  # bf16 logprobs alone are fine
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("policy.dynamic_batching.enabled=true", "policy.dynamic_batching.enabled"),
+        ("policy.sequence_packing.enabled=true", "policy.sequence_packing.enabled"),
+        ("policy.megatron_cfg.expert_model_parallel_size=2", "policy.megatron_cfg.expert_model_parallel_size"),
+    ],
+    ids=["dynamic_batching", "packing", "expert_parallel"],
+)
+def test_what_the_worker_cannot_run_fails_validation(override: str, key: str, tmp_path: Path) -> None:
+    """Device-independent limits of the Megatron worker are config errors (exit 2, `rlpost plan` shows them)."""
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        policy_cfg(tmp_path, 1, override)
 
 
 def test_checkpoint_layout_mismatch_is_clear(tmp_path: Path) -> None:

@@ -27,7 +27,6 @@ from rlpost.algorithms.grpo_setup import GRPOComponents, generation_dtype, save_
 from rlpost.algorithms.refit import refit_policy_generation
 from rlpost.algorithms.rollouts import RolloutBatch, run_rollout
 from rlpost.algorithms.train_data import build_train_data
-from rlpost.config.schema.generation import GenerationConfig
 from rlpost.config.schema.grpo import GRPOConfig, GRPOSaveState, _default_grpo_save_state
 from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.master import MasterConfig
@@ -56,9 +55,7 @@ class HealthCheckError(RuntimeError):
 def _should_use_async_rollouts(master_config: MasterConfig) -> bool:
     """Async rollouts (vLLM's async engine inside the synchronous, on-policy loop) iff the engine is
     vLLM and `vllm_cfg.async_engine` is on."""
-    gen: GenerationConfig = master_config.policy.generation
-    vllm_cfg = getattr(gen, "vllm_cfg", None)
-    return gen.backend == "vllm" and vllm_cfg is not None and bool(vllm_cfg.async_engine)
+    return master_config.policy.generation.async_rollouts()
 
 
 def _advantages(c: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:

@@ -218,9 +218,7 @@ def _loss_config(cfg: MasterConfig) -> Any:
 
 def generation_dtype(cfg: MasterConfig) -> str:
     """The dtype weights are cast to for the engine."""
-    gen = cfg.policy.generation
-    vllm_cfg = getattr(gen, "vllm_cfg", None)
-    return str(vllm_cfg.precision if vllm_cfg is not None else getattr(gen, "precision", "float32"))
+    return cfg.policy.generation.weight_dtype()
 
 
 def save_rng_state() -> dict[str, Any]:

@@ -126,11 +126,7 @@ def compute_layout(cfg: MasterConfig) -> Layout:
     train_world = tn * tpn
     sizes = cfg.policy.parallel_sizes()
     tp, pp, cp = sizes["tp"], sizes["pp"], sizes["cp"]
-    backend_key = (
-        "policy.megatron_cfg.tensor_model_parallel_size"
-        if cfg.policy.megatron_cfg is not None
-        else "policy.dtensor_cfg.tensor_parallel_size"
-    )
+    backend_key = cfg.policy.tp_key()
     model_parallel = tp * pp * cp
     if train_world % model_parallel != 0:
         raise ConfigError(
@@ -148,23 +144,13 @@ def compute_layout(cfg: MasterConfig) -> Layout:
             backend_key, tp, f"tensor-parallel size must divide the model's {kv_heads} key/value heads"
         )
 
-    gen_tp = 1
-    vllm_cfg = getattr(cfg.policy.generation, "vllm_cfg", None)
+    gen_tp, engine_tp, engine_tp_key = cfg.policy.generation.model_parallel()
     gen_world = gn * gpn
-    if vllm_cfg is not None:
-        gen_tp = vllm_cfg.tensor_parallel_size * vllm_cfg.pipeline_parallel_size
-        if gen_world % gen_tp != 0:
-            raise ConfigError(
-                "policy.generation.vllm_cfg.tensor_parallel_size",
-                vllm_cfg.tensor_parallel_size,
-                f"TP*PP of the engine ({gen_tp}) must divide the {gen_world} generation workers",
-            )
-        if kv_heads is not None and kv_heads % vllm_cfg.tensor_parallel_size != 0:
-            raise ConfigError(
-                "policy.generation.vllm_cfg.tensor_parallel_size",
-                vllm_cfg.tensor_parallel_size,
-                f"must divide the model's {kv_heads} key/value heads",
-            )
+    if gen_world % gen_tp != 0:
+        raise ConfigError(engine_tp_key, engine_tp,
+                          f"TP*PP of the engine ({gen_tp}) must divide the {gen_world} generation workers")
+    if kv_heads is not None and kv_heads % engine_tp != 0:
+        raise ConfigError(engine_tp_key, engine_tp, f"must divide the model's {kv_heads} key/value heads")
 
     g = cfg.grpo
     p = cfg.policy

@@ -1,20 +1,31 @@
 """register_configs(): every ConfigStore.store() call, and nothing else.
 
 The root schema `rlpost_schema` types the whole config; options of polymorphic groups
-(generation, loss, env entries) extend their own schema from `/schema/<group>/<name>`.
+(policy, generation, loss, env entries) extend their own schema from `/schema/<group>/<name>`.
 """
 
 from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from rlpost.config.schema.env import MathEnvConfig, SyntheticEnvConfig
 from rlpost.config.schema.generation import GenerationConfig, HFGenerationConfig, VllmConfig
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig, NLLLossConfig
 from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.megatron import MegatronPolicyConfig
+from rlpost.config.schema.policy import DTensorPolicyConfig, PolicyConfig
 
 _REGISTERED = False
+
+
+def _policy_schema(cls: type[PolicyConfig]) -> DictConfig:
+    """A policy schema whose `generation` is the base type (the generation option merges its engine in later)."""
+    node = OmegaConf.structured(cls)
+    node.generation = OmegaConf.structured(GenerationConfig)
+    if cls is PolicyConfig:  # each backend brings its optimizer kwargs (Megatron's hold only the lr)
+        node.optimizer.kwargs = {}
+    return node
 
 
 def register_configs() -> None:
@@ -26,9 +37,11 @@ def register_configs() -> None:
     root = OmegaConf.structured(MasterConfig)
     # Polymorphic blocks start as their base type so any option's subclass can merge in.
     root.env = {}
-    root.policy.generation = OmegaConf.structured(GenerationConfig)
+    root.policy = _policy_schema(PolicyConfig)
     root.loss_fn = OmegaConf.structured(LossConfig)
     cs.store(name="rlpost_schema", node=root)
+    cs.store(group="schema/policy", name="dtensor", node=_policy_schema(DTensorPolicyConfig))
+    cs.store(group="schema/policy", name="megatron", node=_policy_schema(MegatronPolicyConfig))
     cs.store(group="schema/generation", name="vllm", node=VllmConfig)
     cs.store(group="schema/generation", name="hf", node=HFGenerationConfig)
     cs.store(group="schema/loss", name="clipped_pg", node=ClippedPGLossConfig)

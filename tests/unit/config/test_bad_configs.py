@@ -93,6 +93,14 @@ def test_plan_rejects_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert "policy.precision" in capsys.readouterr().err
 
 
+def test_plan_reports_what_the_megatron_worker_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    # device-independent (validation) and CPU-only (the backend's device check) limits, both before any worker
+    assert main(["plan", "policy=megatron", "policy.megatron_cfg.context_parallel_size=2"]) == 2
+    assert "policy.megatron_cfg.context_parallel_size=2: context parallelism is not implemented" in capsys.readouterr().err
+    assert main(["plan", "policy=megatron", "cluster.device=cpu", "policy.megatron_cfg.activation_checkpointing=true"]) == 2
+    assert "policy.megatron_cfg.activation_checkpointing=True: activation recompute" in capsys.readouterr().err
+
+
 def test_bad_config_starts_nothing_heavy() -> None:
     code = (
         "import sys; from rlpost.cli import main; rc = main(['train', 'policy.train_global_batch_size=96']);"

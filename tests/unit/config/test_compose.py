@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from rlpost.config.errors import ConfigError
 from rlpost.config.load import group_options, groups, load_master_config
 from rlpost.config.schema.env import MathEnvConfig, SyntheticEnvConfig
 from rlpost.config.schema.generation import HFGenerationConfig, VllmConfig
 from rlpost.config.schema.loss import ClippedPGLossConfig, NLLLossConfig
 from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.megatron import MegatronPolicyConfig
+from rlpost.config.schema.policy import DTensorPolicyConfig
 
 # Options that need a companion override to form a valid job.
 COMPANIONS = {
@@ -41,16 +44,34 @@ def test_default_is_typed() -> None:
     assert isinstance(cfg.policy.generation, VllmConfig)
     assert isinstance(cfg.loss_fn, ClippedPGLossConfig)
     assert isinstance(cfg.env["synthetic"], SyntheticEnvConfig)
-    assert cfg.policy.dtensor_cfg is not None and cfg.policy.megatron_cfg is None
+    assert isinstance(cfg.policy, DTensorPolicyConfig)  # the policy group is polymorphic, like generation
     assert cfg.policy.model_name == cfg.model.path and cfg.policy.tokenizer.name == cfg.model.path
     assert cfg.loss_fn.token_level_loss is True
+
+
+@pytest.mark.parametrize("backend", ["dtensor", "dtensor_v2", "megatron"])
+def test_one_lr_path_for_every_backend(backend: str) -> None:
+    # what `rlpost train -m policy=<backend> policy.optimizer.kwargs.lr=1e-3,2e-3` composes for each job
+    for lr in (1e-3, 2e-3):
+        _, cfg = load_master_config([f"policy={backend}", f"policy.optimizer.kwargs.lr={lr}"])
+        assert cfg.policy.optimizer.kwargs["lr"] == lr
+        if isinstance(cfg.policy, MegatronPolicyConfig):  # what the Megatron worker's optimizer is built with
+            mo, ms = cfg.policy.megatron_cfg.optimizer, cfg.policy.megatron_cfg.scheduler
+            assert mo.lr == mo.min_lr == ms.lr_warmup_init == lr
+
+
+def test_megatron_refuses_a_second_lr() -> None:
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.optimizer\.lr=.*policy\.optimizer\.kwargs\.lr"):
+        load_master_config(["policy=megatron", "policy.megatron_cfg.optimizer.lr=1e-3"])
+    with pytest.raises(ConfigError, match=r"policy\.optimizer\.kwargs.*only policy\.optimizer\.kwargs\.lr is read"):
+        load_master_config(["policy=megatron", "+policy.optimizer.kwargs.weight_decay=0.1"])
 
 
 def test_backend_and_polymorphic_options_switch_types() -> None:
     _, cfg = load_master_config(["policy=megatron", "generation=hf", "loss=sequence_level"])
     assert cfg.policy._target_.endswith("MegatronPolicyWorker")
-    assert cfg.policy.megatron_cfg is not None and cfg.policy.dtensor_cfg is None
-    assert cfg.policy.optimizer is None
+    assert isinstance(cfg.policy, MegatronPolicyConfig) and not hasattr(cfg.policy, "dtensor_cfg")
+    assert cfg.policy.megatron_cfg.optimizer.lr == cfg.policy.optimizer.kwargs["lr"]
     assert isinstance(cfg.policy.generation, HFGenerationConfig)
     assert cfg.loss_fn.token_level_loss is False
     _, cfg = load_master_config(["loss=nll"])

@@ -99,6 +99,27 @@ class GenerationConfig:
                 "a non-colocated engine needs resources: set gpus_per_node (single node) or num_nodes",
             )
 
+    # ---- what each engine schema defines -------------------------------------------------
+    def weight_dtype(self) -> str:
+        """The dtype the trainer casts weights to for this engine at refit."""
+        return "float32"
+
+    def async_rollouts(self) -> bool:
+        """Whether the engine runs its async variant inside the synchronous loop."""
+        return False
+
+    def model_parallel(self) -> tuple[int, int, str]:
+        """(TP x PP of one engine, its TP, the key that sets the TP) for the layout's checks."""
+        return 1, 1, "policy.generation._target_"
+
+    def gpu_only_keys(self, path: str) -> list[tuple[str, Any, str]]:
+        """(key, value, what it does) of options that act on GPUs only; a true value is refused on CPU."""
+        return []
+
+    def expert_parallel_size(self) -> int:
+        """Experts sharded over this many engine ranks (1 = off)."""
+        return 1
+
 
 @dataclass
 class VllmSpecificArgs:
@@ -197,6 +218,25 @@ class VllmConfig(GenerationConfig):
                 rule = f"is set by rlpost; use {where} instead" if where.startswith("policy.") else f"is set by rlpost itself ({where})"
                 raise ConfigError(f"{path}.vllm_kwargs.{key}", self.vllm_kwargs[key], rule)
 
+    def weight_dtype(self) -> str:
+        return self.vllm_cfg.precision
+
+    def async_rollouts(self) -> bool:
+        return bool(self.vllm_cfg.async_engine)
+
+    def model_parallel(self) -> tuple[int, int, str]:
+        v = self.vllm_cfg
+        return v.tensor_parallel_size * v.pipeline_parallel_size, v.tensor_parallel_size, \
+            "policy.generation.vllm_cfg.tensor_parallel_size"
+
+    def gpu_only_keys(self, path: str) -> list[tuple[str, Any, str]]:
+        ep = self.vllm_cfg.expert_parallel_size
+        return [(f"{path}.vllm_cfg.expert_parallel_size", ep if ep > 1 else None,
+                 "vLLM's expert parallelism shards MoE experts over GPUs")]
+
+    def expert_parallel_size(self) -> int:
+        return self.vllm_cfg.expert_parallel_size
+
 
 @dataclass
 class HFGenerationConfig(GenerationConfig):
@@ -216,3 +256,6 @@ class HFGenerationConfig(GenerationConfig):
         positive(f"{path}.generation_batch_size", self.generation_batch_size)
         one_of(f"{path}.precision", self.precision, ("float32", "bfloat16", "float16"))
         non_negative(f"{path}.max_new_tokens", self.max_new_tokens)
+
+    def weight_dtype(self) -> str:
+        return self.precision

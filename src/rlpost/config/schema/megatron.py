@@ -1,11 +1,13 @@
-"""Megatron-Core backend config (`policy=megatron`): names and defaults as NeMo RL's MegatronConfig."""
+"""Megatron-Core backend config (`policy=megatron`): names and defaults as NeMo RL's MegatronConfig, and the
+policy schema of the backend (`MegatronPolicyConfig`) with the checks of what the worker can run."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from rlpost.config.errors import one_of, positive, require, safe_env_vars
+from rlpost.config.errors import ConfigError, one_of, positive, require, safe_env_vars
+from rlpost.config.schema.policy import PolicyConfig, PytorchOptimizerConfig
 
 
 @dataclass
@@ -182,3 +184,105 @@ class MegatronConfig:
         self.optimizer.check(f"{path}.optimizer")
         self.scheduler.check(f"{path}.scheduler")
         self.distributed_data_parallel_config.check(f"{path}.distributed_data_parallel_config")
+
+
+MEGATRON_WORKER = "rlpost.models.policy.megatron_policy_worker.MegatronPolicyWorker"
+
+GPU_ONLY_OPTIMIZER = {
+    "bf16": "the bf16 mixed-precision optimizer",
+    "fp16": "the fp16 mixed-precision optimizer",
+    "use_distributed_optimizer": "the distributed optimizer",
+    "use_precision_aware_optimizer": "the precision-aware optimizer",
+    "optimizer_cpu_offload": "optimizer CPU offload",
+}
+
+
+@dataclass
+class MegatronPolicyConfig(PolicyConfig):
+    """The Megatron-Core worker (`policy=megatron`)."""
+
+    _target_: str = MEGATRON_WORKER
+    """Worker class of the training backend, built by rlpost.runtime.build."""
+    optimizer: PytorchOptimizerConfig = field(default_factory=lambda: PytorchOptimizerConfig(kwargs={"lr": 5.0e-6}))
+    """Only `kwargs.lr` (the lr path both backends share); megatron_cfg.optimizer.lr follows it."""
+    megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
+    """Megatron backend knobs."""
+
+    pads_vocab: ClassVar[bool] = True
+    """Megatron pads the vocabulary itself (make_vocab_size_divisible_by)."""
+
+    def check(self, path: str) -> None:
+        super().check(path)
+        self._check_optimizer(path)  # first: a wrong lr would otherwise surface as min_lr > lr
+        m = self.megatron_cfg
+        m.check(f"{path}.megatron_cfg")
+        unsupported = [  # (key, value, is it on, what)
+            (f"{path}.dynamic_batching.enabled", self.dynamic_batching.enabled, self.dynamic_batching.enabled,
+             "dynamic batching"),
+            (f"{path}.sequence_packing.enabled", self.sequence_packing.enabled, self.sequence_packing.enabled,
+             "sequence packing"),
+            (f"{path}.megatron_cfg.context_parallel_size", m.context_parallel_size, m.context_parallel_size > 1,
+             "context parallelism"),
+            (f"{path}.megatron_cfg.expert_model_parallel_size", m.expert_model_parallel_size,
+             m.expert_model_parallel_size > 1, "expert parallelism"),
+            (f"{path}.megatron_cfg.expert_tensor_parallel_size", m.expert_tensor_parallel_size,
+             m.expert_tensor_parallel_size > 1, "expert TP"),
+        ]
+        for key, value, on, what in unsupported:
+            require(not on, key, value, f"{what} is not implemented by the Megatron policy worker", "turn it off")
+        require(not self.scheduler, f"{path}.scheduler", self.scheduler,
+                "the Megatron worker schedules the lr with megatron_cfg.scheduler; torch schedulers are not used",
+                "leave policy.scheduler empty with policy=megatron")
+
+    def _check_optimizer(self, path: str) -> None:
+        """policy.optimizer.kwargs.lr is the lr path both backends share; the preset interpolates it into
+        megatron_cfg.optimizer.lr. Everything else about Megatron's optimizer lives in megatron_cfg.optimizer."""
+        opt, mo = self.optimizer, self.megatron_cfg.optimizer
+        require(set(opt.kwargs) == {"lr"}, f"{path}.optimizer.kwargs", sorted(opt.kwargs),
+                "with policy=megatron only policy.optimizer.kwargs.lr is read",
+                "set the other optimizer options under policy.megatron_cfg.optimizer")
+        require(opt.name == PytorchOptimizerConfig.name, f"{path}.optimizer.name", opt.name,
+                "with policy=megatron the optimizer is megatron-core's",
+                "choose it with policy.megatron_cfg.optimizer.optimizer=adam|sgd")
+        require(mo.lr == opt.kwargs["lr"], f"{path}.megatron_cfg.optimizer.lr", mo.lr,
+                f"disagrees with {path}.optimizer.kwargs.lr={opt.kwargs['lr']}, which policy=megatron takes it from",
+                f"set {path}.optimizer.kwargs.lr (the path both backends share)")
+
+    def parallel_sizes(self) -> dict[str, int]:
+        m = self.megatron_cfg
+        return {"tp": m.tensor_model_parallel_size, "pp": m.pipeline_model_parallel_size, "cp": m.context_parallel_size}
+
+    def worker_env(self) -> dict[str, str]:
+        return dict(self.megatron_cfg.env_vars)
+
+    def tp_key(self) -> str:
+        return "policy.megatron_cfg.tensor_model_parallel_size"
+
+    def check_device(self, path: str, device: str, init_optimizer: bool = True) -> None:
+        m = self.megatron_cfg
+        if device == "cpu":
+            gpu_only: list[tuple[str, Any, str]] = [
+                (f"{path}.megatron_cfg.optimizer.{name}", getattr(m.optimizer, name), what)
+                for name, what in GPU_ONLY_OPTIMIZER.items()
+            ]
+            gpu_only += [
+                (f"{path}.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp",
+                 m.distributed_data_parallel_config.use_custom_fsdp, "megatron FSDP"),
+                (f"{path}.megatron_cfg.sequence_parallel", m.sequence_parallel,
+                 "sequence parallelism (the local layer spec's torch norms reject it)"),
+                (f"{path}.megatron_cfg.activation_checkpointing", m.activation_checkpointing,
+                 "activation recompute (megatron saves CUDA RNG states)"),
+                (f"{path}.precision", self.precision if init_optimizer and self.precision != "float32" else None,
+                 "training in bf16/fp16 (megatron's mixed-precision optimizer)"),
+            ]
+            for key, value, what in gpu_only:
+                if value:
+                    raise ConfigError(key, value, f"{what} is GPU-only in megatron-core 0.16.1",
+                                      "turn it off (or use float32) when RLPOST_DEVICE=cpu")
+        if not init_optimizer:
+            return
+        for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+            flag = bool(getattr(m.optimizer, name))
+            require(flag == (self.precision == dtype), f"{path}.megatron_cfg.optimizer.{name}", flag,
+                    f"must be {not flag} with {path}.precision={self.precision}",
+                    "bf16/fp16 params train with megatron's mixed-precision optimizer")

@@ -1,16 +1,17 @@
 """Policy configs (`policy=dtensor|dtensor_v2|megatron`): names and defaults as NeMo RL's
-`nemo_rl.models.policy`. The worker backend is the option's `_target_`; exactly one of
-`dtensor_cfg` / `megatron_cfg` is set, matching it.
+`nemo_rl.models.policy`. `policy` is a polymorphic group: `PolicyConfig` holds what every backend
+honours, and each backend's schema (`DTensorPolicyConfig` here, `MegatronPolicyConfig` in
+schema/megatron.py) adds its block (`dtensor_cfg` / `megatron_cfg`), its parallel sizes, worker
+environment and support checks. The worker class is the option's `_target_`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from rlpost.config.errors import ConfigError, one_of, positive, require, safe_env_vars
+from rlpost.config.errors import one_of, positive, require, safe_env_vars
 from rlpost.config.schema.generation import GenerationConfig, VllmConfig
-from rlpost.config.schema.megatron import MegatronConfig
 
 PRECISIONS = ("float32", "bfloat16", "float16")
 PACKING_ALGORITHMS = (
@@ -234,10 +235,6 @@ class PolicyConfig:
     """Compute dtype: 'float32', 'bfloat16' or 'float16' (master weights stay fp32)."""
     reward_model_cfg: RewardModelConfig = field(default_factory=RewardModelConfig)
     """Reward-model mode."""
-    dtensor_cfg: DTensorConfig | None = None
-    """DTensor backend knobs (set by policy=dtensor and policy=dtensor_v2)."""
-    megatron_cfg: MegatronConfig | None = None
-    """Megatron backend knobs (set by policy=megatron)."""
     hf_config_overrides: dict[str, Any] = field(default_factory=dict)
     """Applied to the HF AutoConfig (and mirrored into vLLM's hf_overrides)."""
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
@@ -252,8 +249,9 @@ class PolicyConfig:
     """Gradient-norm clip (DTensor); None = no clipping."""
     refit_buffer_size_gb: float | None = None
     """Size of the refit transfer buffer; None = automatic."""
-    optimizer: PytorchOptimizerConfig | None = field(default_factory=PytorchOptimizerConfig)
-    """Torch optimizer (DTensor backends; Megatron uses megatron_cfg.optimizer)."""
+    optimizer: PytorchOptimizerConfig = field(default_factory=PytorchOptimizerConfig)
+    """The optimizer and its lr, for every backend (`policy.optimizer.kwargs.lr=...` sweeps either); Megatron
+    takes AdamW's lr / weight_decay / betas / eps from here into megatron_cfg.optimizer."""
     scheduler: list[dict[str, Any]] = field(default_factory=list)
     """Torch LR schedulers: a list of {name, kwargs} plus one {milestones} entry; empty = constant lr."""
     trust_remote_code: bool = False
@@ -262,6 +260,13 @@ class PolicyConfig:
     """Move the optimizer state to the CPU during logprob passes (GPU only)."""
 
     def check(self, path: str) -> None:
+        require(
+            type(self) is not PolicyConfig,
+            f"{path}._target_",
+            self._target_,
+            "no backend schema: the policy block must come from a backend option",
+            "choose one with policy=dtensor|dtensor_v2|megatron",
+        )
         require(bool(self.model_name), f"{path}.model_name", self.model_name, "must name a local model directory")
         positive(f"{path}.train_global_batch_size", self.train_global_batch_size)
         positive(f"{path}.train_micro_batch_size", self.train_micro_batch_size)
@@ -278,7 +283,6 @@ class PolicyConfig:
             self.train_micro_batch_size,
             f"must be <= train_global_batch_size ({self.train_global_batch_size})",
         )
-        self._check_backend(path)
         self.generation.check(f"{path}.generation")
         self.reward_model_cfg.check(f"{path}.reward_model_cfg")
         self._check_generation_batch_size(path)
@@ -291,13 +295,8 @@ class PolicyConfig:
             "sequence packing and dynamic batching are mutually exclusive",
         )
         parse_scheduler(f"{path}.scheduler", self.scheduler)
-        if self.optimizer is not None:
-            require(
-                isinstance(self.optimizer.kwargs.get("lr", 1.0), (int, float)) and self.optimizer.kwargs.get("lr", 1.0) > 0,
-                f"{path}.optimizer.kwargs.lr",
-                self.optimizer.kwargs.get("lr"),
-                "must be a number > 0",
-            )
+        lr = self.optimizer.kwargs.get("lr", 1.0)
+        require(isinstance(lr, (int, float)) and lr > 0, f"{path}.optimizer.kwargs.lr", lr, "must be a number > 0")
 
     def _check_generation_batch_size(self, path: str) -> None:
         """The policy-level batch is the HF engine's; no other engine reads it."""
@@ -321,71 +320,64 @@ class PolicyConfig:
                 "set one of them (the engine's defaults to this one)",
             )
 
-    def _check_backend(self, path: str) -> None:
-        is_megatron = "megatron" in self._target_.lower()
-        if is_megatron:
-            require(
-                self.megatron_cfg is not None,
-                f"{path}.megatron_cfg",
-                None,
-                "the Megatron worker needs megatron_cfg",
-                "choose the backend with policy=megatron",
-            )
-            require(
-                self.dtensor_cfg is None,
-                f"{path}.dtensor_cfg",
-                "<set>",
-                "a Megatron policy takes no dtensor_cfg",
-                "choose the backend with policy=..., not by setting both blocks",
-            )
-            assert self.megatron_cfg is not None
-            self.megatron_cfg.check(f"{path}.megatron_cfg")
-            if self.dynamic_batching.enabled:
-                require(
-                    self.megatron_cfg.pipeline_model_parallel_size == 1,
-                    f"{path}.dynamic_batching.enabled",
-                    True,
-                    "dynamic batching requires pipeline_model_parallel_size=1",
-                )
-            if self.megatron_cfg.context_parallel_size > 1:
-                require(
-                    self.sequence_packing.enabled,
-                    f"{path}.megatron_cfg.context_parallel_size",
-                    self.megatron_cfg.context_parallel_size,
-                    "Megatron context parallelism requires sequence packing",
-                )
-        else:
-            if self.dtensor_cfg is None:
-                raise ConfigError(
-                    f"{path}.dtensor_cfg",
-                    None,
-                    "the DTensor worker needs dtensor_cfg",
-                    "choose the backend with policy=dtensor",
-                )
-            require(
-                self.megatron_cfg is None,
-                f"{path}.megatron_cfg",
-                "<set>",
-                "a DTensor policy takes no megatron_cfg",
-                "choose the backend with policy=..., not by setting both blocks",
-            )
-            self.dtensor_cfg.check(f"{path}.dtensor_cfg")
-            if self.dtensor_cfg.context_parallel_size > 1:
-                require(
-                    not self.sequence_packing.enabled,
-                    f"{path}.dtensor_cfg.context_parallel_size",
-                    self.dtensor_cfg.context_parallel_size,
-                    "DTensor context parallelism does not work with sequence packing",
-                )
+    # ---- what each backend schema defines -----------------------------------------------
+    pads_vocab: ClassVar[bool] = False
+    """The backend pads the vocabulary to a multiple of TP itself (else TP must divide it)."""
 
     def parallel_sizes(self) -> dict[str, int]:
-        """TP, PP and CP of the configured backend (DP is derived from the world size)."""
-        if self.megatron_cfg is not None:
-            m = self.megatron_cfg
-            return {
-                "tp": m.tensor_model_parallel_size,
-                "pp": m.pipeline_model_parallel_size,
-                "cp": m.context_parallel_size,
-            }
-        d = self.dtensor_cfg or DTensorConfig()
+        """TP, PP and CP of the backend (DP is derived from the world size)."""
+        return {"tp": 1, "pp": 1, "cp": 1}
+
+    def worker_env(self) -> dict[str, str]:
+        """Extra environment variables of every worker process."""
+        return {}
+
+    def tp_key(self) -> str:
+        """The key that sets the tensor-parallel size (for error messages)."""
+        return "policy._target_"
+
+    def gpu_only_keys(self, path: str) -> list[tuple[str, Any, str]]:
+        """(key, value, what it does) of options that act on GPUs only; a true value is refused on CPU."""
+        return []
+
+    def check_device(self, path: str, device: str, init_optimizer: bool = True) -> None:
+        """Checks that need the run's device ('cpu' or 'cuda'): run by the pre-flight, `rlpost plan` and the
+        worker itself."""
+
+
+@dataclass
+class DTensorPolicyConfig(PolicyConfig):
+    """The FSDP2 / DTensor workers (`policy=dtensor`, `policy=dtensor_v2`)."""
+
+    dtensor_cfg: DTensorConfig = field(default_factory=DTensorConfig)
+    """DTensor backend knobs."""
+
+    def check(self, path: str) -> None:
+        super().check(path)
+        self.dtensor_cfg.check(f"{path}.dtensor_cfg")
+        if self.dtensor_cfg.context_parallel_size > 1:
+            require(
+                not self.sequence_packing.enabled,
+                f"{path}.dtensor_cfg.context_parallel_size",
+                self.dtensor_cfg.context_parallel_size,
+                "DTensor context parallelism does not work with sequence packing",
+            )
+
+    def parallel_sizes(self) -> dict[str, int]:
+        d = self.dtensor_cfg
         return {"tp": d.tensor_parallel_size, "pp": 1, "cp": d.context_parallel_size}
+
+    def worker_env(self) -> dict[str, str]:
+        return dict(self.dtensor_cfg.env_vars)
+
+    def tp_key(self) -> str:
+        return "policy.dtensor_cfg.tensor_parallel_size"
+
+    def gpu_only_keys(self, path: str) -> list[tuple[str, Any, str]]:
+        d = self.dtensor_cfg
+        return [
+            (f"{path}.dtensor_cfg.cpu_offload", d.cpu_offload,
+             "FSDP2 CPU offload keeps parameters, gradients and optimizer state off the GPU"),
+            (f"{path}.dtensor_cfg.clear_cache_every_n_steps", d.clear_cache_every_n_steps,
+             "it empties the CUDA allocator cache"),
+        ]

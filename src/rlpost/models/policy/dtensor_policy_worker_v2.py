@@ -73,7 +73,7 @@ class DTensorPolicyWorkerV2(DTensorWorkerBase):
         else:
             model = load_hf_causal_lm(self.cfg, torch.float32).to(self.device)
         acc = self._accelerator(type(decoder_layers(model)[0]).__name__)
-        if self.cfg.dtensor_cfg is not None and self.cfg.dtensor_cfg.activation_checkpointing:
+        if self.cfg.dtensor_cfg.activation_checkpointing:
             model = fsdp2_apply_ac(acc, model)
         return fsdp2_prepare_model(acc, model)
 

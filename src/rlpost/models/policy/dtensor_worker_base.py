@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from rlpost.config.schema.policy import PolicyConfig
+from rlpost.config.schema.policy import DTensorPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.memory_phases import OffloadState, cuda_memory_stats
@@ -42,14 +42,13 @@ class DTensorWorkerBase(WeightExportMixin):
 
     def __init__(
         self,
-        cfg: PolicyConfig,
+        cfg: DTensorPolicyConfig,
         weights_path: str | None = None,
         optimizer_path: str | None = None,
         init_optimizer: bool = True,
         init_reference_model: bool = True,
     ) -> None:
         self.cfg = cfg
-        assert cfg.dtensor_cfg is not None
         self.device = torch.device(os.environ.get("RLPOST_DEVICE", "cpu"))
         if self.device.type == "cpu":
             torch.set_num_threads(1)
@@ -280,7 +279,7 @@ class DTensorWorkerBase(WeightExportMixin):
     def _maybe_clear_cache(self) -> None:
         """dtensor_cfg.clear_cache_every_n_steps: empty the CUDA cache every N training micro-batches."""
         self._train_micro_batches += 1
-        n = self.cfg.dtensor_cfg.clear_cache_every_n_steps if self.cfg.dtensor_cfg is not None else None
+        n = self.cfg.dtensor_cfg.clear_cache_every_n_steps
         if n and self.device.type == "cuda" and self._train_micro_batches % n == 0:
             torch.cuda.empty_cache()
 

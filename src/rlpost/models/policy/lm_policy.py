@@ -45,8 +45,7 @@ class Policy(ColocatablePolicyInterface):
         self.dims = ParallelDims(dp=cluster.world_size // mp, tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"])
         worker_cls = resolve(cfg._target_, key="policy._target_")
         env = {"RLPOST_DEVICE": device}
-        backend_cfg = cfg.dtensor_cfg or cfg.megatron_cfg
-        env.update(getattr(backend_cfg, "env_vars", {}) or {})
+        env.update(cfg.worker_env())
         self.worker_group = RayWorkerGroup(
             cluster,
             worker_cls,

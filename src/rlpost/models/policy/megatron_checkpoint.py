@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from rlpost.config.schema.policy import PolicyConfig
+from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.models.policy.dtensor_checkpoint import (
     MODEL_DIR,
     OPTIM_DIR,
@@ -55,7 +55,7 @@ class MegatronState(Protocol):
     `model`, bare `gpt`), the HF config it converts to, the training state (optimizer, scheduler), and its two
     weight views."""
 
-    cfg: PolicyConfig
+    cfg: MegatronPolicyConfig
     rank: int
     dp_size: int
     model: Any

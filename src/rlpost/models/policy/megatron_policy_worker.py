@@ -49,20 +49,11 @@ import torch
 import torch.distributed as dist
 
 from rlpost.config.errors import ConfigError
-from rlpost.config.schema.policy import PolicyConfig
+from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.models.policy.weight_export import WeightExportMixin, params_finite
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-_GPU_ONLY_OPTIMIZER = {
-    "bf16": "the bf16 mixed-precision optimizer",
-    "fp16": "the fp16 mixed-precision optimizer",
-    "use_distributed_optimizer": "the distributed optimizer",
-    "use_precision_aware_optimizer": "the precision-aware optimizer",
-    "optimizer_cpu_offload": "optimizer CPU offload",
-}
-
 
 class MegatronConfigError(ConfigError):
     """A ConfigError that survives Ray's pickling (ConfigError's four-argument constructor does not)."""
@@ -71,58 +62,14 @@ class MegatronConfigError(ConfigError):
         return (type(self), (self.key, self.value, self.rule, self.hint))
 
 
-def check_megatron_support(cfg: PolicyConfig, device_type: str, init_optimizer: bool = True) -> None:
-    """Raise NotImplementedError / MegatronConfigError (naming the key) for what this worker cannot run."""
-    m = cfg.megatron_cfg
-    if m is None:
-        raise MegatronConfigError("policy.megatron_cfg", None, "the Megatron worker needs megatron_cfg",
-                                  "choose the backend with policy=megatron")
-    unsupported = [
-        ("policy.dynamic_batching.enabled", cfg.dynamic_batching.enabled, "dynamic batching"),
-        ("policy.sequence_packing.enabled", cfg.sequence_packing.enabled, "sequence packing"),
-        ("policy.reward_model_cfg.enabled", cfg.reward_model_cfg.enabled, "reward models"),
-        ("policy.megatron_cfg.context_parallel_size", m.context_parallel_size > 1, "context parallelism"),
-        ("policy.megatron_cfg.expert_model_parallel_size", m.expert_model_parallel_size > 1, "expert parallelism"),
-        ("policy.megatron_cfg.expert_tensor_parallel_size", m.expert_tensor_parallel_size > 1, "expert TP"),
-    ]
-    for key, on, what in unsupported:
-        if on:
-            raise NotImplementedError(f"{key}: {what} is not implemented by the Megatron policy worker; turn it off")
-    if device_type != "cpu":
-        _check_precision(cfg, init_optimizer)
-        return
-    gpu_only: list[tuple[str, Any, str]] = [
-        (f"policy.megatron_cfg.optimizer.{name}", getattr(m.optimizer, name), what)
-        for name, what in _GPU_ONLY_OPTIMIZER.items()
-    ]
-    gpu_only += [
-        ("policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp",
-         m.distributed_data_parallel_config.use_custom_fsdp, "megatron FSDP"),
-        ("policy.megatron_cfg.sequence_parallel", m.sequence_parallel,
-         "sequence parallelism (the local layer spec's torch norms reject it)"),
-        ("policy.megatron_cfg.activation_checkpointing", m.activation_checkpointing,
-         "activation recompute (megatron saves CUDA RNG states)"),
-        ("policy.precision", cfg.precision if init_optimizer and cfg.precision != "float32" else None,
-         "training in bf16/fp16 (megatron's mixed-precision optimizer)"),
-    ]
-    for key, value, what in gpu_only:
-        if value:
-            raise MegatronConfigError(key, value, f"{what} is GPU-only in megatron-core 0.16.1",
-                                      "turn it off (or use float32) when RLPOST_DEVICE=cpu")
-    _check_precision(cfg, init_optimizer)
-
-
-def _check_precision(cfg: PolicyConfig, init_optimizer: bool) -> None:
-    """Training: megatron's mixed-precision optimizer flag must match the model precision."""
-    m = cfg.megatron_cfg
-    if not init_optimizer or m is None:
-        return
-    for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
-        flag = bool(getattr(m.optimizer, name))
-        if flag != (cfg.precision == dtype):
-            raise MegatronConfigError(f"policy.megatron_cfg.optimizer.{name}", flag,
-                                      f"must be {not flag} with policy.precision={cfg.precision}",
-                                      "bf16/fp16 params train with megatron's mixed-precision optimizer")
+def check_megatron_support(cfg: MegatronPolicyConfig, device_type: str, init_optimizer: bool = True) -> None:
+    """The config's own checks (validation runs them first; the worker repeats them for configs built in code),
+    as a MegatronConfigError that names the key and survives Ray's pickling."""
+    try:
+        cfg.check("policy")
+        cfg.check_device("policy", device_type, init_optimizer)
+    except ConfigError as err:
+        raise MegatronConfigError(err.key, err.value, err.rule, err.hint) from None
 
 
 def _megatron_call(fn: _F) -> _F:
@@ -164,7 +111,7 @@ class MegatronPolicyWorker(WeightExportMixin):
 
     def __init__(
         self,
-        cfg: PolicyConfig,
+        cfg: MegatronPolicyConfig,
         weights_path: str | None = None,
         optimizer_path: str | None = None,
         init_optimizer: bool = True,

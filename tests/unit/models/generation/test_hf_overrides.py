@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlpost.config.schema.generation import HFGenerationConfig, VllmConfig, VllmSpecificArgs
-from rlpost.config.schema.policy import DTensorConfig, PolicyConfig
+from rlpost.config.schema.policy import DTensorPolicyConfig
 
 OVERRIDES = {"rms_norm_eps": 0.5}
 
@@ -33,7 +33,7 @@ def _logprobs(model: Any, ids: torch.Tensor) -> torch.Tensor:
 def _trainer_model(model_dir: Path, overrides: dict[str, Any]) -> Any:
     from rlpost.models.policy.hf_loading import load_hf_causal_lm
 
-    cfg = PolicyConfig(model_name=str(model_dir), dtensor_cfg=DTensorConfig(), hf_config_overrides=dict(overrides))
+    cfg = DTensorPolicyConfig(model_name=str(model_dir), hf_config_overrides=dict(overrides))
     return load_hf_causal_lm(cfg, torch.float32).eval()
 
 
