@@ -7,9 +7,10 @@ import dataclasses
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from omegaconf import OmegaConf
@@ -22,6 +23,10 @@ from rlpost.data.datasets import load_rows
 from rlpost.data.prompts import PromptProcessor, load_tokenizer
 from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
 from rlpost.distributed.worker_groups import WorkerGroupError
+from rlpost.environments.interfaces import EnvironmentInterface
+from rlpost.models.generation.interfaces import GenerationInterface
+from rlpost.models.policy.interfaces import ColocatablePolicyInterface
+from rlpost.ops.loss_interface import LossFunction
 from rlpost.runtime.build import build
 from rlpost.runtime.checkpointing import (
     CheckpointError,
@@ -32,6 +37,9 @@ from rlpost.runtime.checkpointing import (
 )
 from rlpost.runtime.metrics_logger import MetricsLogger
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 @dataclass
 class GRPOComponents:
@@ -39,40 +47,40 @@ class GRPOComponents:
 
     cfg: MasterConfig
     run_dir: Path
-    policy: Any
-    generation: Any
+    policy: ColocatablePolicyInterface
+    generation: GenerationInterface
     clusters: list[RayVirtualCluster]
     dataloader: PromptLoader
     val_rows: list[dict[str, Any]]
-    loss_fn: Any
+    loss_fn: LossFunction
     logger: MetricsLogger
     checkpointer: CheckpointManager
     save_state: GRPOSaveState
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     processor: PromptProcessor
-    envs: dict[str, Any]
+    envs: dict[str, EnvironmentInterface]
     model_fp: str
     config_dict: dict[str, Any]
     colocated: bool = True
     extras: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
     """time.monotonic() when setup began: checkpointing.checkpoint_must_save_by counts from here."""
+    closed: bool = False
 
     def close(self) -> None:
         """Release engines, workers, clusters, verifier processes and the logger (idempotent)."""
-        for closer in (
-            lambda: self.generation and self.generation.shutdown(),
-            lambda: self.policy and self.policy.shutdown(),
-            *[(lambda c=c: c.shutdown()) for c in self.clusters],
-            *[(lambda e=e: e.shutdown()) for e in self.envs.values()],
-            self.logger.close,
-        ):
-            try:
-                closer()
-            except Exception:  # noqa: BLE001 - keep closing the rest
-                pass
-        self.generation = None
-        self.policy = None
+        if not self.closed:
+            self.closed = True
+            _close_all([self.generation.shutdown, self.policy.shutdown, *[c.shutdown for c in self.clusters],
+                        *[e.shutdown for e in self.envs.values()], self.logger.close])
+
+
+def _close_all(closers: list[Callable[[], object]]) -> None:
+    for closer in closers:
+        try:
+            closer()
+        except Exception:  # noqa: BLE001 - keep closing the rest
+            pass
 
 
 def set_seed(seed: int) -> None:
@@ -150,45 +158,48 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     gen_cfg = cfg.policy.generation
     if gen_cfg.model_name is None:
         gen_cfg.model_name = cfg.policy.model_name
-    comps = GRPOComponents(
-        cfg=cfg, run_dir=run_dir, policy=None, generation=None, clusters=clusters, dataloader=dataloader,
-        val_rows=val_rows, loss_fn=None, logger=logger, checkpointer=checkpointer, save_state=save_state,
-        tokenizer=tokenizer, processor=processor, envs=envs, model_fp=model_fp, config_dict=config_dict,
-        colocated=colocated, started_at=started_at,
-    )
+    opened: list[Callable[[], object]] = [*[c.shutdown for c in clusters], *[e.shutdown for e in envs.values()],
+                                          logger.close]
     try:
         from rlpost.models.policy.lm_policy import Policy
 
         weights = optim = None
         if last is not None:
             weights, optim = str(last / "policy" / "weights"), str(last / "policy" / "optimizer")
-        comps.loss_fn = build(_loss_config(cfg), key="loss_fn._target_")
+        loss_fn: LossFunction = build(_loss_config(cfg), key="loss_fn._target_")
         try:  # the workers load the checkpoint in their constructor; a failure shows on the first call
             # Policy actors start without waiting; the engine's start-up below overlaps with theirs.
-            comps.policy = Policy(
+            policy = Policy(
                 train_cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
-                init_reference_model=comps.loss_fn.needs_reference_logprobs, device=device,
+                init_reference_model=loss_fn.needs_reference_logprobs, device=device,
                 timeout_s=cfg.cluster.call_timeout_s,
             )
-            comps.generation = build(gen_cfg, gen_cluster, model_path=cfg.policy.model_name,
-                                     timeout_s=cfg.cluster.call_timeout_s, key="policy.generation._target_",
-                                     hf_overrides=dict(cfg.policy.hf_config_overrides))
-            comps.generation.finish_generation()
+            opened.insert(0, policy.shutdown)
+            generation: GenerationInterface = build(
+                gen_cfg, gen_cluster, model_path=cfg.policy.model_name, timeout_s=cfg.cluster.call_timeout_s,
+                key="policy.generation._target_", hf_overrides=dict(cfg.policy.hf_config_overrides))
+            opened.insert(0, generation.shutdown)
+            generation.finish_generation()
             if not colocated:
                 from rlpost.algorithms.refit import init_refit_collective
 
                 host, port = train_cluster.get_master_address_and_port()
-                init_refit_collective(comps.policy, comps.generation, host, port)
-            comps.generation.prepare_refit_info(comps.policy.prepare_refit_info(generation_dtype(cfg)))
+                init_refit_collective(policy, generation, host, port)
+            generation.prepare_refit_info(policy.prepare_refit_info(generation_dtype(cfg)))
         except WorkerGroupError as exc:
             why = _checkpoint_load_failure(exc) if last is not None else None
             if why is not None:
                 raise CheckpointError(f"cannot load checkpoint {last}: {why}") from exc
             raise
     except BaseException:
-        comps.close()
+        _close_all(opened)
         raise
-    return comps
+    return GRPOComponents(
+        cfg=cfg, run_dir=run_dir, policy=policy, generation=generation, clusters=clusters, dataloader=dataloader,
+        val_rows=val_rows, loss_fn=loss_fn, logger=logger, checkpointer=checkpointer, save_state=save_state,
+        tokenizer=tokenizer, processor=processor, envs=envs, model_fp=model_fp, config_dict=config_dict,
+        colocated=colocated, started_at=started_at,
+    )
 
 
 def _checkpoint_load_failure(exc: BaseException) -> str | None:

@@ -11,20 +11,20 @@ engine is the bug this prevents.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from rlpost.models.fingerprint import FingerprintMismatch
+from rlpost.models.generation.interfaces import GenerationInterface
+from rlpost.models.policy.interfaces import ColocatablePolicyInterface
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 
 def refit_policy_generation(
-    policy: Any,
-    policy_generation: Any,
+    policy: ColocatablePolicyInterface,
+    policy_generation: GenerationInterface,
     colocated_inference: bool,
     dtype: str = "float32",
     refit_buffer_size_gb: float | None = None,
-    timer: Any = None,
 ) -> float:
     """Refit and check; returns the seconds it took."""
     t0 = time.perf_counter()
@@ -38,8 +38,7 @@ def refit_policy_generation(
         policy_fp = buckets.fingerprint
     else:
         futures = policy_generation.update_weights_from_collective_async()
-        sent = policy.worker_group.get(policy.broadcast_weights_collective_async(dtype))
-        policy_fp = sent[0]
+        policy_fp = policy.broadcast_weights_collective(dtype)
         engine_fp = policy_generation.wait_collective_update(futures, expected=policy_fp)
     if engine_fp != policy_fp:
         raise FingerprintMismatch(
@@ -52,9 +51,11 @@ def refit_policy_generation(
     return time.perf_counter() - t0
 
 
-def init_refit_collective(policy: Any, policy_generation: Any, host: str, port: int) -> None:
+def init_refit_collective(
+    policy: ColocatablePolicyInterface, policy_generation: GenerationInterface, host: str, port: int
+) -> None:
     """Non-colocated: policy rank 0 (rank 0) and every engine worker (ranks 1..) join one group."""
     world = 1 + policy_generation.engine_world_size
     engine_f = policy_generation.init_collective_async(host, port, 1, world)
-    policy.worker_group.get(policy.init_refit_collective_async(host, port, world))
+    policy.init_refit_collective(host, port, world)
     policy_generation.wait_collective_init(engine_f)

@@ -13,15 +13,19 @@ import time
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlpost.config.schema.env import EnvConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from rlpost.models.generation.interfaces import GenerationInterface
 from rlpost.runtime import console
 from rlpost.runtime.timer import Timer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -149,8 +153,8 @@ def _slow_note(name: str, env: EnvironmentInterface, ret: EnvironmentReturn, sec
 def run_rollout(
     rows: list[dict[str, Any]],
     group_ids: torch.Tensor,
-    generation: Any,
-    tokenizer: Any,
+    generation: GenerationInterface,
+    tokenizer: PreTrainedTokenizerBase,
     envs: dict[str, EnvironmentInterface],
     greedy: bool = False,
     seeds: list[int] | None = None,
@@ -170,10 +174,10 @@ def run_rollout(
         in_len = batch["input_lengths"]
         gl = gen["generation_lengths"]
         out = gen["output_ids"]
-        responses = [
-            tokenizer.decode(out[i, int(in_len[i]) : int(in_len[i]) + int(gl[i])].tolist(), skip_special_tokens=True)
-            for i in range(len(rows))
-        ]
+        responses = tokenizer.batch_decode(
+            [out[i, int(in_len[i]) : int(in_len[i]) + int(gl[i])].tolist() for i in range(len(rows))],
+            skip_special_tokens=True,
+        )
     with _phase(timer, "reward_calculation"):
         rewards, metrics = score(responses, rows, envs, label)
     return RolloutBatch(rows, group_ids, gen, in_len, responses, rewards, metrics)

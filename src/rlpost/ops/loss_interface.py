@@ -10,6 +10,7 @@ import enum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from rlpost.distributed.batched_data_dict import BatchedDataDict
@@ -41,6 +42,8 @@ class LossFunction(Protocol):
         data: BatchedDataDict,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
+        vocab_parallel_rank: int | None = None,
+        vocab_parallel_group: dist.ProcessGroup | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """Compute the loss of one micro-batch.
 
@@ -53,6 +56,9 @@ class LossFunction(Protocol):
                 batch on all data-parallel ranks.
             global_valid_toks: scalar, number of valid tokens (sum of token_mask[:, 1:] * sample_mask) over the
                 whole global batch on all data-parallel ranks.
+            vocab_parallel_rank, vocab_parallel_group: with tensor parallelism, the logits hold this rank's vocabulary
+                slice [B, S, V / tp] and logprobs need a log-softmax over the group (rlpost.ops.logprobs); None
+                when the logits are whole.
 
         Returns:
             (loss, metrics): a scalar loss whose sum over all micro-batches and ranks of a global batch is the

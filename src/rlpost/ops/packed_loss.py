@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from rlpost.ops.loss_interface import LossFunction, LossType
 
@@ -41,7 +42,8 @@ class SequencePackingLossWrapper:
         data: BatchedDataDict,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
-        **kwargs: Any,
+        vocab_parallel_rank: int | None = None,
+        vocab_parallel_group: dist.ProcessGroup | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         n_seq = self.cu_seqlens_q.numel() - 1
         if n_seq != data.size:
@@ -54,7 +56,8 @@ class SequencePackingLossWrapper:
             start = int(self.cu_seqlens_q_padded[i])
             logits_i = next_token_logits[:, start : start + length]  # [1, L, V]
             data_i = data.slice(i, i + 1).trim_seq(length, full_len)  # rows [1, L]
-            loss_i, metrics_i = self.loss_fn(logits_i, data_i, global_valid_seqs, global_valid_toks, **kwargs)
+            loss_i, metrics_i = self.loss_fn(logits_i, data_i, global_valid_seqs, global_valid_toks,
+                                             vocab_parallel_rank, vocab_parallel_group)
             total = loss_i if total is None else total + loss_i
             for k, v in metrics_i.items():
                 metrics[k] = metrics.get(k, 0.0) + v

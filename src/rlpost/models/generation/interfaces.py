@@ -77,6 +77,28 @@ class GenerationInterface(ABC):
         """
 
     @abstractmethod
+    def init_collective_async(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> list[Any]:
+        """`init_collective` without waiting: the handles for `wait_collective_init`."""
+
+    @abstractmethod
+    def wait_collective_init(self, futures: list[Any]) -> None:
+        """Wait for `init_collective_async`."""
+
+    @property
+    @abstractmethod
+    def engine_world_size(self) -> int:
+        """Processes of the engine that join the refit group."""
+
+    @abstractmethod
+    def update_weights_from_collective_async(self) -> list[Any]:
+        """Start receiving a broadcast; finish with `wait_collective_update`."""
+
+    @abstractmethod
+    def wait_collective_update(self, futures: list[Any], expected: str | None = None) -> str:
+        """Wait for a collective refit; the engine's workers must agree (and match `expected` when given);
+        returns the fingerprint."""
+
+    @abstractmethod
     def update_weights_from_collective(self) -> str:
         """Receive weights broadcast by the trainer's rank 0 and load them; returns the fingerprint."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +41,14 @@ class PolicyInterface(ABC):
         weights_path/hf."""
 
     @abstractmethod
+    def set_call_timeout(self, timeout_s: float) -> None:
+        """Bound every later call on the workers by `timeout_s`."""
+
+    @abstractmethod
+    def gpu_memory_metrics(self) -> dict[str, float]:
+        """Device memory of the workers (logger.monitor_gpus); {} on CPU."""
+
+    @abstractmethod
     def shutdown(self) -> None:
         """Release workers and process groups."""
 
@@ -55,6 +63,16 @@ class ColocatablePolicyInterface(PolicyInterface):
     @abstractmethod
     def export_weight_buckets(self, dtype: str, max_bucket_bytes: int) -> WeightBuckets:
         """Full weights under HF names, cast to `dtype`, as object-store buckets of at most max_bucket_bytes."""
+
+    @abstractmethod
+    def init_refit_collective(self, host: str, port: int, world_size: int) -> None:
+        """Non-colocated refit: rank 0 joins the group (rank 0 of `world_size`) whose other ranks are the engine's
+        workers; blocks until they join (start the engine's side first)."""
+
+    @abstractmethod
+    def broadcast_weights_collective(self, dtype: str) -> str:
+        """Broadcast the full weights (HF names, `dtype`) from rank 0 over the refit group; blocks until sent
+        (start the engine's receive first); returns the fingerprint of what was sent."""
 
     @abstractmethod
     def offload_before_refit(self) -> None:
@@ -81,3 +99,54 @@ class WeightBuckets(ABC):
     @abstractmethod
     def count(self) -> int:
         """Buckets sent."""
+
+
+class PolicyWorker(Protocol):
+    """What the `Policy` facade calls on every worker rank (by name, through `RayWorkerGroup`): both worker
+    families implement exactly these (tests/unit/models/test_policy_worker_contract.py checks the signatures
+    and that the facade calls nothing else)."""
+
+    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        """{'logprobs': [b, S]} for this rank's shard."""
+
+    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        """{'reference_logprobs': [b, S]} under the frozen initial weights."""
+
+    def train(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None = None) -> dict[str, Any]:
+        """Optimizer steps over this rank's shard in global batches of `gbs` (all ranks)."""
+
+    def prepare_for_training(self) -> None: ...
+
+    def prepare_for_lp_inference(self) -> None: ...
+
+    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None, hf_export: bool = True) -> None:
+        ...
+
+    def gpu_memory_stats(self) -> dict[str, float]: ...
+
+    def prepare_weights_for_export(self, dtype: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Gather full weights (collective); rank 0 keeps them for export. {name: (shape, dtype)}."""
+
+    def clear_export(self) -> None: ...
+
+    def plan_export_buckets(self, max_bytes: int) -> list[list[int]]:
+        """Rank 0: indices of the kept weights, cut into buckets of at most `max_bytes`."""
+
+    def put_export_bucket(self, indices: list[int]) -> list[Any]:
+        """Rank 0: one bucket into the object store; returns [its object ref]."""
+
+    def export_fingerprint(self) -> str: ...
+
+    def init_refit_collective(self, host: str, port: int, world_size: int) -> bool: ...
+
+    def broadcast_weights_collective(self, dtype: str) -> str: ...
+
+    def offload_before_refit(self) -> None: ...
+
+    def offload_after_refit(self) -> None: ...
+
+    def full_weights(self) -> dict[str, torch.Tensor]: ...
+
+    def state_fingerprint(self) -> dict[str, float]: ...
+
+    def shutdown(self) -> bool: ...

@@ -157,6 +157,12 @@ class Policy(ColocatablePolicyInterface):
         """Start the broadcast of full weights from rank 0 (engines must receive concurrently)."""
         return [w.broadcast_weights_collective.remote(dtype) for w in self.worker_group.workers]
 
+    def init_refit_collective(self, host: str, port: int, world_size: int) -> None:
+        self.worker_group.get(self.init_refit_collective_async(host, port, world_size))
+
+    def broadcast_weights_collective(self, dtype: str) -> str:
+        return str(self.worker_group.get(self.broadcast_weights_collective_async(dtype))[0])
+
     def offload_before_refit(self) -> None:
         self.worker_group.run_all("offload_before_refit")
 

@@ -1,0 +1,54 @@
+"""The PolicyWorker Protocol is the contract between the Policy facade and the worker families.
+
+Both families implement every method with the Protocol's parameters, and the facade calls (by name, through
+RayWorkerGroup) only methods the Protocol declares: a method renamed or added on one side fails here, not in a
+Ray actor at run time.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from rlpost.models.policy import lm_policy
+from rlpost.models.policy.dtensor_policy_worker import DTensorPolicyWorker
+from rlpost.models.policy.dtensor_policy_worker_v2 import DTensorPolicyWorkerV2
+from rlpost.models.policy.interfaces import PolicyWorker
+from rlpost.models.policy.megatron_policy_worker import MegatronPolicyWorker
+
+CONTRACT = {name for name, v in vars(PolicyWorker).items() if inspect.isfunction(v) and not name.startswith("_")}
+CALLERS = ("run_all", "run_rank0", "run_sharded", "_logprob_call")
+
+
+def _params(fn: object) -> list[str]:
+    fn = inspect.unwrap(fn)  # type: ignore[arg-type]
+    return [p.name for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("worker", [DTensorPolicyWorker, DTensorPolicyWorkerV2, MegatronPolicyWorker],
+                         ids=lambda c: c.__name__)
+def test_every_worker_family_implements_the_contract(worker: type) -> None:
+    assert len(CONTRACT) >= 19
+    for name in sorted(CONTRACT):
+        impl = getattr(worker, name, None)
+        assert callable(impl), f"{worker.__name__} has no {name}"
+        assert _params(impl) == _params(getattr(PolicyWorker, name)), f"{worker.__name__}.{name} signature"
+
+
+def test_the_facade_calls_only_contract_methods() -> None:
+    tree = ast.parse(Path(inspect.getfile(lm_policy)).read_text())
+    called: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in CALLERS and node.args and isinstance(node.args[0], ast.Constant):
+                called.add(node.args[0].value)
+            if node.func.attr == "remote" and isinstance(node.func.value, ast.Attribute):
+                called.add(node.func.value.attr)  # w.<method>.remote(...)
+        if isinstance(node, ast.keyword) and node.arg == "graceful_method" and isinstance(node.value, ast.Constant):
+            called.add(node.value.value)
+    assert {"train", "get_logprobs", "put_export_bucket", "broadcast_weights_collective", "shutdown"} <= called
+    assert called <= CONTRACT, f"called but not in PolicyWorker: {sorted(called - CONTRACT)}"
+    assert CONTRACT <= called, f"in PolicyWorker but never called: {sorted(CONTRACT - called)}"
