@@ -20,7 +20,9 @@ from rlpost.algorithms.advantages import (
     scale_rewards,
 )
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
+from rlpost.algorithms.grpo_setup import GRPOComponents
 from rlpost.algorithms.rollouts import RolloutBatch, run_rollout
+from rlpost.config.schema.grpo import GRPOConfig
 from rlpost.runtime.timer import Timer
 
 
@@ -29,20 +31,20 @@ def sample_seeds(seed: int, step: int, n: int, salt: int = 0) -> list[int]:
     return [(seed * 1_000_003 + step * 10_007 + salt * 7919 + i) % (2**31 - 1) for i in range(n)]
 
 
-def shaped_rewards(grpo_cfg: Any, batch: RolloutBatch) -> torch.Tensor:
+def shaped_rewards(grpo_cfg: GRPOConfig, batch: RolloutBatch) -> torch.Tensor:
     """[B] rewards after grpo.reward_scaling and grpo.reward_shaping (overlong penalty)."""
     rewards = scale_rewards(batch.rewards, grpo_cfg.reward_scaling)
     return apply_overlong_reward_shaping(rewards, batch.gen["generation_lengths"].float(), grpo_cfg.reward_shaping)
 
 
-def group_std(grpo_cfg: Any, batch: RolloutBatch) -> torch.Tensor:
+def group_std(grpo_cfg: GRPOConfig, batch: RolloutBatch) -> torch.Tensor:
     """Per-sample std of its whole group's shaped rewards: what dynamic sampling decides on."""
     rewards = shaped_rewards(grpo_cfg, batch)
     _, std = calculate_baseline_and_std_per_prompt(batch.group_ids, rewards, torch.ones_like(rewards), False)
     return std
 
 
-def rollout_rows(components: Any, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], torch.Tensor]:
+def rollout_rows(components: GRPOComponents, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], torch.Tensor]:
     """The rows tokenized and repeated num_generations_per_prompt times, and their group ids."""
     per_prompt = components.cfg.grpo.num_generations_per_prompt
     processed = [components.processor(r) for r in rows]
@@ -64,7 +66,7 @@ class Collected:
 
 
 def collect_batch(
-    components: Any,
+    components: GRPOComponents,
     rows: list[dict[str, Any]],
     next_rows: Callable[[], list[dict[str, Any]]],
     step: int,

@@ -2,8 +2,9 @@
 
 Public names: GRPOConfig, GRPOSaveState, GRPOLoggerConfig, MasterConfig (typed dataclasses),
 setup, grpo_train, validate, refit_policy_generation, _should_use_async_rollouts.
-`grpo_train` reads top to bottom, one phase per helper module:
-rollouts (generate + rewards) -> advantages -> dynamic sampling -> train data -> logprobs -> train.
+`grpo_train` reads as DESIGN §4, one named phase each: collect_batch (refit when stale, generate, score,
+dynamic sampling) -> prepare (advantages, train data) -> logprobs -> train -> record (save state, health
+gate) and checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rlpost.algorithms.train_data import build_train_data
 from rlpost.config.schema.grpo import GRPOConfig, GRPOSaveState, _default_grpo_save_state
 from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.master import MasterConfig
+from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.runtime import console as say
 from rlpost.runtime.timer import Timer
 
@@ -58,34 +60,34 @@ def _should_use_async_rollouts(master_config: MasterConfig) -> bool:
     return master_config.policy.generation.async_rollouts()
 
 
-def _advantages(c: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:
-    g = c.cfg.grpo
-    rewards = shaped_rewards(g, batch)
+def _advantages(components: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:
+    grpo_cfg = components.cfg.grpo
+    rewards = shaped_rewards(grpo_cfg, batch)
     valid = torch.ones_like(rewards)
-    baseline, std = calculate_baseline_and_std_per_prompt(batch.group_ids, rewards, valid, g.use_leave_one_out_baseline)
-    return compute_advantages(rewards, baseline, std, g.normalize_rewards)
+    baseline, std = calculate_baseline_and_std_per_prompt(batch.group_ids, rewards, valid, grpo_cfg.use_leave_one_out_baseline)
+    return compute_advantages(rewards, baseline, std, grpo_cfg.normalize_rewards)
 
 
-def validate(c: GRPOComponents, step: int) -> dict[str, float]:
+def validate(components: GRPOComponents, step: int) -> dict[str, float]:
     """Accuracy (share of samples with reward 1) and mean generated length on the validation rows."""
-    g = c.cfg.grpo
-    rows = c.val_rows[: g.max_val_samples]
+    grpo_cfg = components.cfg.grpo
+    rows = components.val_rows[: grpo_cfg.max_val_samples]
     if not rows:
         return {}
     t0 = time.perf_counter()
     rewards, lengths = [], []
-    to_print = c.cfg.logger.num_val_samples_to_print
-    for start in range(0, len(rows), g.val_batch_size):
-        part = [c.processor(r) for r in rows[start : start + g.val_batch_size]]
-        seeds = sample_seeds(g.seed, step, len(part), salt=1 + start)
-        batch = run_rollout(part, torch.arange(len(part)), c.generation, c.tokenizer, c.envs, seeds=seeds,
+    to_print = components.cfg.logger.num_val_samples_to_print
+    for start in range(0, len(rows), grpo_cfg.val_batch_size):
+        part = [components.processor(r) for r in rows[start : start + grpo_cfg.val_batch_size]]
+        seeds = sample_seeds(grpo_cfg.seed, step, len(part), salt=1 + start)
+        batch = run_rollout(part, torch.arange(len(part)), components.generation, components.tokenizer, components.envs, seeds=seeds,
                             label=f"validation at step {step}")
         rewards.append(batch.rewards)
         lengths.append(batch.gen["generation_lengths"].float())
         for i in range(min(batch.size, max(to_print - start, 0))):  # logger.num_val_samples_to_print
-            say.info(val_sample_line(c.tokenizer, batch, i, step, start + i + 1, min(to_print, len(rows))))
+            say.info(val_sample_line(components.tokenizer, batch, i, step, start + i + 1, min(to_print, len(rows))))
     r = torch.cat(rewards)
-    c.generation.finish_generation()
+    components.generation.finish_generation()
     return {
         "validation/accuracy": float((r == 1.0).float().mean()),
         "validation/avg_length": float(torch.cat(lengths).mean()),
@@ -108,28 +110,28 @@ def val_sample_line(tokenizer: Any, batch: RolloutBatch, i: int, step: int, k: i
     return f"{head}{short(prompt, room // 2)} -> {short(batch.responses[i], room - room // 2)}{tail}"
 
 
-def save_checkpoint(c: GRPOComponents, step: int, metrics: dict[str, float]) -> None:
+def save_checkpoint(components: GRPOComponents, step: int, metrics: dict[str, float]) -> None:
     """Write step_N (policy weights + optimizer, dataloader, RNG, config) atomically."""
-    s = c.save_state
-    name = c.cfg.checkpointing.metric_name
+    save_state = components.save_state
+    name = components.cfg.checkpointing.metric_name
     if name:
         # Only a value measured at this step ranks this checkpoint; an unmeasured one ranks below
         # every measured one in keep_top_k (a stale value from an earlier step would misrank it).
         kind, key = name.split(":", 1)
         value = metrics.get(f"{'validation' if kind == 'val' else 'train'}/{key}")
-        s.extra.pop(name, None)
+        save_state.extra.pop(name, None)
         if value is not None:
-            s.extra[name] = value
-    tmp = c.checkpointer.begin(step)
-    c.policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"),
-                             hf_export=c.cfg.checkpointing.save_consolidated)
-    (tmp / "train_dataloader.json").write_text(json.dumps(c.dataloader.state_dict()))
+            save_state.extra[name] = value
+    tmp = components.checkpointer.begin(step)
+    components.policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"),
+                             hf_export=components.cfg.checkpointing.save_consolidated)
+    (tmp / "train_dataloader.json").write_text(json.dumps(components.dataloader.state_dict()))
     (tmp / "rng_state.json").write_text(json.dumps(save_rng_state()))
-    (tmp / "config.yaml").write_text(json.dumps(c.config_dict, indent=1, default=str))
-    c.checkpointer.finalize(tmp, step, s.to_dict(), c.model_fp, c.config_dict)
+    (tmp / "config.yaml").write_text(json.dumps(components.config_dict, indent=1, default=str))
+    components.checkpointer.finalize(tmp, step, save_state.to_dict(), components.model_fp, components.config_dict)
 
 
-def _health_gate(c: GRPOComponents, metrics: dict[str, float], step: int) -> None:
+def _health_gate(components: GRPOComponents, metrics: dict[str, float], step: int) -> None:
     """Stop before a broken step is checkpointed: non-finite loss or grad norm, or engine/trainer drift."""
     broken = [f"{key}={metrics[key]} is not finite" for key in ("train/loss", "train/grad_norm")
               if key in metrics and not math.isfinite(metrics[key])]
@@ -138,23 +140,23 @@ def _health_gate(c: GRPOComponents, metrics: dict[str, float], step: int) -> Non
     if broken:
         raise HealthCheckError(
             f"step {step}: {broken[0]}; the run stopped before saving this step "
-            f"(policy.optimizer.kwargs.lr={_lr(c)} may be too high; the last good checkpoint is kept)"
+            f"(policy.optimizer.kwargs.lr={_lr(components)} may be too high; the last good checkpoint is kept)"
         )
     err = metrics.get("train/token_mult_prob_error")
     if err is None:
         return
-    g = c.cfg.grpo
-    if err > g.token_mult_prob_error_abort_threshold:
+    grpo_cfg = components.cfg.grpo
+    if err > grpo_cfg.token_mult_prob_error_abort_threshold:
         raise HealthCheckError(
             f"step {step}: train/token_mult_prob_error={err:.4f} > abort threshold "
-            f"{g.token_mult_prob_error_abort_threshold} (grpo.token_mult_prob_error_abort_threshold): "
+            f"{grpo_cfg.token_mult_prob_error_abort_threshold} (grpo.token_mult_prob_error_abort_threshold): "
             "the engine's and the trainer's logprobs disagree; check refit and precision"
         )
-    if err > g.token_mult_prob_error_warn_threshold:
+    if err > grpo_cfg.token_mult_prob_error_warn_threshold:
         metrics["train/health_warnings"] = 1.0
         say.warn(
             f"step {step}: train/token_mult_prob_error={err:.4f} > warn threshold "
-            f"{g.token_mult_prob_error_warn_threshold} (grpo.token_mult_prob_error_warn_threshold)"
+            f"{grpo_cfg.token_mult_prob_error_warn_threshold} (grpo.token_mult_prob_error_warn_threshold)"
         )
 
 
@@ -164,115 +166,159 @@ def call_timeout_for(cluster_cfg: Any, slowest_step_s: float) -> float:
     return min(max(bound, cluster_cfg.min_call_timeout_s), cluster_cfg.call_timeout_s)
 
 
-def _tighten_call_timeouts(c: GRPOComponents, slowest_step_s: float) -> None:
-    timeout = call_timeout_for(c.cfg.cluster, slowest_step_s)
-    c.policy.set_call_timeout(timeout)
-    c.generation.set_call_timeout(timeout)
+def _tighten_call_timeouts(components: GRPOComponents, slowest_step_s: float) -> None:
+    timeout = call_timeout_for(components.cfg.cluster, slowest_step_s)
+    components.policy.set_call_timeout(timeout)
+    components.generation.set_call_timeout(timeout)
 
 
-def _lr(c: GRPOComponents) -> object:
-    optimizer = getattr(c.cfg.policy, "optimizer", None)
-    kwargs = getattr(optimizer, "kwargs", None) or {}
-    return kwargs.get("lr", "?")
+def _lr(components: GRPOComponents) -> object:
+    return components.cfg.policy.optimizer.kwargs.get("lr", "?")
 
 
-def grpo_train(c: GRPOComponents, on_step: Callable[[int, dict[str, float]], None] | None = None) -> GRPOSaveState:
+class _EngineWeights:
+    """Which policy version the engine serves: training bumps the policy's, `sync` refits (timed) when the
+    engine's is older."""
+
+    def __init__(self, components: GRPOComponents, timer: Timer) -> None:
+        self.components, self.timer = components, timer
+        self.dtype = generation_dtype(components.cfg)
+        self.policy_version, self.engine_version = 0, -1  # the engine starts with the checkpoint's weights, unchecked
+
+    def policy_updated(self) -> None:
+        self.policy_version += 1
+
+    def refit(self) -> float:
+        components = self.components
+        took = refit_policy_generation(components.policy, components.generation, components.colocated, self.dtype,
+                                       components.cfg.policy.refit_buffer_size_gb)
+        self.engine_version = self.policy_version
+        return took
+
+    def sync(self) -> None:
+        if self.engine_version != self.policy_version:
+            with self.timer.time("refit"):
+                self.refit()
+
+
+# ---- the phases of one step (DESIGN §4) ------------------------------------------------------------------
+
+
+def prepare(components: GRPOComponents, batch: RolloutBatch, timer: Timer) -> tuple[BatchedDataDict, torch.Tensor]:
+    """Advantages of the collected batch, then the [B, S] training tensors."""
+    grpo_cfg = components.cfg.grpo
+    with timer.time("reward_calculation"):
+        advantages = _advantages(components, batch)
+    with timer.time("data_processing"):
+        mask = torch.tensor([r["loss_multiplier"] for r in batch.rows])
+        if grpo_cfg.overlong_filtering:
+            mask = mask * (~batch.gen["truncated"].bool()).float()
+        train_data = build_train_data(batch, advantages, mask, components.tokenizer.pad_token_id,
+                                      components.cfg.policy.make_sequence_length_divisible_by)
+    return train_data, advantages
+
+
+def logprobs(components: GRPOComponents, train_data: BatchedDataDict, timer: Timer) -> None:
+    """The trainer's own prev / reference logprobs, only those the loss reads."""
+    loss_fn, policy = components.loss_fn, components.policy
+    if not (loss_fn.needs_prev_logprobs or loss_fn.needs_reference_logprobs):
+        return
+    with timer.time("policy_and_reference_logprobs"):
+        policy.prepare_for_lp_inference()
+        if loss_fn.needs_prev_logprobs:
+            train_data["prev_logprobs"] = policy.get_logprobs(train_data)["logprobs"]
+        if loss_fn.needs_reference_logprobs:
+            train_data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(train_data)[
+                "reference_logprobs"]
+
+
+def train(components: GRPOComponents, train_data: BatchedDataDict, weights: _EngineWeights,
+          timer: Timer) -> dict[str, Any]:
+    """Optimizer steps over the batch; the engine's weights are now behind the policy's."""
+    with timer.time("policy_training"):
+        components.policy.prepare_for_training()
+        results = components.policy.train(train_data, components.loss_fn)
+        weights.policy_updated()
+    return results
+
+
+def record(components: GRPOComponents, step: int, train_data: BatchedDataDict, metrics: dict[str, float],
+           loader_position: tuple[int, int]) -> None:
+    """Advance the save state to this step and stop on a broken one (before it can be saved)."""
+    save_state, grpo_cfg = components.save_state, components.cfg.grpo
+    save_state.current_epoch, save_state.current_step = loader_position
+    save_state.total_steps = step
+    save_state.consumed_samples += grpo_cfg.num_prompts_per_step
+    save_state.total_valid_tokens += int(valid_response_tokens(train_data).sum())
+    _health_gate(components, metrics, step)
+
+
+def grpo_train(
+    components: GRPOComponents, on_step: Callable[[int, dict[str, float]], None] | None = None
+) -> GRPOSaveState:
     """Run GRPO until grpo.max_num_steps or grpo.max_num_epochs (or, with checkpointing.checkpoint_must_save_by,
-    until the next step would pass the wall-clock budget: then it saves and returns); the final save state."""
-    cfg, g, s = c.cfg, c.cfg.grpo, c.save_state
+    until the next step would pass the wall-clock budget: then it saves and returns); the final save state.
+
+    Each step: collect a batch (refit when stale, dynamic sampling) -> prepare -> logprobs -> train ->
+    validate (every val_period) -> record and checkpoint -> log."""
+    cfg, grpo_cfg, save_state = components.cfg, components.cfg.grpo, components.save_state
     timer = Timer()
     slowest = 0.0
-    deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, c.started_at)
-    weights = _EngineWeights(c, timer)
-    if g.val_at_start and s.total_steps == 0:
+    deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, components.started_at)
+    weights = _EngineWeights(components, timer)
+    if grpo_cfg.val_at_start and save_state.total_steps == 0:
         # Validate what the engine really serves: refit (with its fingerprint check) first.
         took = weights.refit()
-        c.logger.log({**validate(c, 0), "timing/validation/refit": took}, 0)
-    loader = c.dataloader
-    while loader.epochs_done() < g.max_num_epochs and s.total_steps < g.max_num_steps:
+        components.logger.log({**validate(components, 0), "timing/validation/refit": took}, 0)
+    loader = components.dataloader
+    while loader.epochs_done() < grpo_cfg.max_num_epochs and save_state.total_steps < grpo_cfg.max_num_steps:
         prompt_rows = loader.next_batch()
-        step = s.total_steps + 1
+        step = save_state.total_steps + 1
         timer.reset()
         step_t0 = time.perf_counter()
         with timer.time("total_step_time"):
-            metrics: dict[str, float] = {}
-            collected = collect_batch(c, prompt_rows, loader.next_batch, step, timer, weights.sync)
-            batch, sampler = collected.batch, collected.sampler
-            metrics["train/reward"] = float(collected.generated_rewards.mean())  # every sample generated this step
-            with timer.time("reward_calculation"):
-                adv = _advantages(c, batch)
-            with timer.time("data_processing"):
-                mask = torch.tensor([r["loss_multiplier"] for r in batch.rows])
-                if g.overlong_filtering:
-                    mask = mask * (~batch.gen["truncated"].bool()).float()
-                train_data = build_train_data(batch, adv, mask, c.tokenizer.pad_token_id,
-                                              cfg.policy.make_sequence_length_divisible_by)
-            if c.loss_fn.needs_prev_logprobs or c.loss_fn.needs_reference_logprobs:
-                with timer.time("policy_and_reference_logprobs"):
-                    c.policy.prepare_for_lp_inference()
-                    if c.loss_fn.needs_prev_logprobs:
-                        train_data["prev_logprobs"] = c.policy.get_logprobs(train_data)["logprobs"]
-                    if c.loss_fn.needs_reference_logprobs:
-                        ref = c.policy.get_reference_policy_logprobs(train_data)["reference_logprobs"]
-                        train_data["reference_policy_logprobs"] = ref
-            with timer.time("policy_training"):
-                c.policy.prepare_for_training()
-                results = c.policy.train(train_data, c.loss_fn)
-                weights.stale = True
-            metrics.update(_step_metrics(batch, train_data, adv, results, sampler))
-            if g.val_period > 0 and step % g.val_period == 0:
+            collected = collect_batch(components, prompt_rows, loader.next_batch, step, timer, weights.sync)
+            batch = collected.batch
+            train_data, advantages = prepare(components, batch, timer)
+            logprobs(components, train_data, timer)
+            results = train(components, train_data, weights, timer)
+            metrics = {"train/reward": float(collected.generated_rewards.mean()),  # every sample generated
+                       **_step_metrics(batch, train_data, advantages, results, collected.sampler)}
+            if grpo_cfg.val_period > 0 and step % grpo_cfg.val_period == 0:
                 weights.sync()
-                val = validate(c, step)
+                val = validate(components, step)
                 metrics.update(val)
-                s.val_reward = val.get("validation/accuracy", s.val_reward)
-            s.current_epoch, s.current_step = loader.epoch, loader.index
-            s.total_steps = step
-            s.consumed_samples += g.num_prompts_per_step
-            s.total_valid_tokens += int(valid_response_tokens(train_data).sum())
-            _health_gate(c, metrics, step)
-            last = step >= g.max_num_steps
+                save_state.val_reward = val.get("validation/accuracy", save_state.val_reward)
+            record(components, step, train_data, metrics, (loader.epoch, loader.index))
+            last = step >= grpo_cfg.max_num_steps
             deadline.step_took(time.perf_counter() - step_t0)
             out_of_time = deadline.due() and not last
             if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last or out_of_time):
                 save_t0 = time.perf_counter()
                 with timer.time("checkpointing"):
-                    save_checkpoint(c, step, metrics)
+                    save_checkpoint(components, step, metrics)
                 deadline.save_took(time.perf_counter() - save_t0)
             if cfg.logger.monitor_gpus:
-                metrics.update(c.policy.gpu_memory_metrics())
-        metrics.update(timer.metrics("timing/train"))
-        n_tok = float(train_data["input_lengths"].sum())
-        metrics["performance/tokens_per_sec"] = n_tok / max(timer.times["total_step_time"], 1e-9)
-        gen_tok = float(batch.gen["generation_lengths"].sum())
-        metrics["performance/generation_tokens_per_sec"] = gen_tok / max(timer.times.get("generation", 0.0), 1e-9)
-        c.logger.log(metrics, step)
+                metrics.update(components.policy.gpu_memory_metrics())
+        metrics.update(_throughput(timer, train_data, batch))
+        components.logger.log(metrics, step)
         slowest = max(slowest, timer.times["total_step_time"])
-        _tighten_call_timeouts(c, slowest)
+        _tighten_call_timeouts(components, slowest)
         if on_step is not None:
             on_step(step, metrics)
         if out_of_time:
             say.info(deadline.message(step))
             break
-    return s
+    return save_state
 
 
-class _EngineWeights:
-    """Whether the engine serves the policy's current weights; `sync` refits (timed) when not."""
-
-    def __init__(self, c: GRPOComponents, timer: Timer) -> None:
-        self.c, self.timer, self.stale = c, timer, True
-        self.dtype = generation_dtype(c.cfg)
-
-    def refit(self) -> float:
-        took = refit_policy_generation(self.c.policy, self.c.generation, self.c.colocated, self.dtype,
-                                       self.c.cfg.policy.refit_buffer_size_gb)
-        self.stale = False
-        return took
-
-    def sync(self) -> None:
-        if self.stale:
-            with self.timer.time("refit"):
-                self.refit()
+def _throughput(timer: Timer, train_data: BatchedDataDict, batch: RolloutBatch) -> dict[str, float]:
+    metrics = timer.metrics("timing/train")
+    n_tok = float(train_data["input_lengths"].sum())
+    metrics["performance/tokens_per_sec"] = n_tok / max(timer.times["total_step_time"], 1e-9)
+    gen_tok = float(batch.gen["generation_lengths"].sum())
+    metrics["performance/generation_tokens_per_sec"] = gen_tok / max(timer.times.get("generation", 0.0), 1e-9)
+    return metrics
 
 
 def valid_response_tokens(train_data: Any) -> torch.Tensor:

@@ -174,10 +174,10 @@ def run_rollout(
         in_len = batch["input_lengths"]
         gl = gen["generation_lengths"]
         out = gen["output_ids"]
-        responses = tokenizer.batch_decode(
-            [out[i, int(in_len[i]) : int(in_len[i]) + int(gl[i])].tolist() for i in range(len(rows))],
-            skip_special_tokens=True,
-        )
+        responses = [
+            str(tokenizer.decode(out[i, int(in_len[i]) : int(in_len[i]) + int(gl[i])].tolist(), skip_special_tokens=True))
+            for i in range(len(rows))
+        ]
     with _phase(timer, "reward_calculation"):
         rewards, metrics = score(responses, rows, envs, label)
     return RolloutBatch(rows, group_ids, gen, in_len, responses, rewards, metrics)
