@@ -1,8 +1,10 @@
-"""Shared test setup: one torch thread per process, GPU tests skipped without a GPU."""
+"""Shared test setup: one torch thread per process, GPU tests skipped without a GPU, and the tiny model
+(built once per session) that every model test loads."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +31,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny model (a tied Qwen2 of `model=tiny`), built once per session into a temporary cache."""
+    from rlpost.config.schema.model import TinyModelConfig
+    from rlpost.models.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("models") / "tiny")

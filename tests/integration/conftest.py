@@ -4,18 +4,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default tiny model, built once per session into a temporary cache."""
-    from rlpost.config.schema.model import TinyModelConfig
-    from rlpost.models.tiny import ensure_tiny_model
-
-    return ensure_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("models") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -33,11 +33,8 @@ PROMPTS = [
 
 # ---------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlpost.config.schema.model import TinyModelConfig
-    from rlpost.models.tiny import ensure_tiny_model
-
-    return ensure_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("gen_models") / "tiny")
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")

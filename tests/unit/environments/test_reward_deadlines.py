@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from pool_fns import hang_or_match, logged_sleep, slow_warmup  # noqa: E402
-from slow_import_fns import match  # noqa: E402
-
-from rlpost.config.errors import ConfigError  # noqa: E402
-from rlpost.config.schema.env import SyntheticEnvConfig  # noqa: E402
-from rlpost.environments.verifier_pool import VerifierPool  # noqa: E402
+from rlpost.config.errors import ConfigError
+from rlpost.config.schema.env import SyntheticEnvConfig
+from rlpost.environments.verifier_pool import VerifierPool
+from tests.unit.environments.pool_fns import hang_or_match, logged_sleep, slow_warmup
+from tests.unit.environments.slow_import_fns import match
 
 
 def _max_overlap(intervals: list[tuple[float, float]]) -> int:

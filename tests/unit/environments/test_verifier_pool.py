@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from hang_fns import maybe_hang  # noqa: E402
-
-from rlpost.config.schema.env import MathEnvConfig, SyntheticEnvConfig  # noqa: E402
-from rlpost.data.synthetic_tasks import make_rows  # noqa: E402
-from rlpost.environments.math_environment import MathEnvironment  # noqa: E402
-from rlpost.environments.synthetic import SyntheticEnvironment, exact_match_reward  # noqa: E402
-from rlpost.environments.verifier_pool import VerifierPool  # noqa: E402
+from rlpost.config.schema.env import MathEnvConfig, SyntheticEnvConfig
+from rlpost.data.synthetic_tasks import make_rows
+from rlpost.environments.math_environment import MathEnvironment
+from rlpost.environments.synthetic import SyntheticEnvironment, exact_match_reward
+from rlpost.environments.verifier_pool import VerifierPool
+from tests.unit.environments.hang_fns import maybe_hang
 
 
 def test_hanging_verifier_is_timed_out_and_the_batch_goes_on() -> None:

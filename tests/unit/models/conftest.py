@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,22 +19,20 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def one_rank(tiny_model_dir: Path) -> Iterator[Any]:
     """A factory of world-size-1 DTensor workers on the tied tiny model (keyword arguments go to the worker;
     the gloo group is torn down after the module)."""
     import torch.distributed as dist
 
     from rlpost.config.load import load_master_config
-    from rlpost.config.schema.model import TinyModelConfig
     from rlpost.models.policy.dtensor_policy_worker import DTensorPolicyWorker
-    from rlpost.models.tiny import ensure_tiny_model
 
     mp = pytest.MonkeyPatch()
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                  "RLPOST_DEVICE": "cpu"}.items():
         mp.setenv(k, v)
     threads = torch.get_num_threads()
-    model_dir = ensure_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("models") / "tiny")
+    model_dir = tiny_model_dir
     _, cfg = load_master_config(["cluster.gpus_per_node=1"])  # AdamW + the default LambdaLR scheduler
     cfg_p = dataclasses.replace(cfg.policy, model_name=str(model_dir))
     cfg_p.tokenizer.name = str(model_dir)

@@ -17,11 +17,8 @@ OVERRIDES = {"rms_norm_eps": 0.5}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlpost.config.schema.model import TinyModelConfig
-    from rlpost.models.tiny import ensure_tiny_model
-
-    return ensure_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("models") / "tiny")
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 def _logprobs(model: Any, ids: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import megatron_test_helpers as h
 import pytest
 import torch
 
@@ -20,6 +19,7 @@ from rlpost.models.megatron.convert import (
     transformer_config_from_hf,
 )
 from rlpost.models.megatron.model import check_right_padded, load_hf_checkpoint, scale_and_mask_logits
+from tests.unit.models.megatron import megatron_test_helpers as h
 
 
 @pytest.fixture(scope="module")

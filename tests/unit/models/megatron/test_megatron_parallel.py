@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import megatron_test_helpers as h
 import pytest
 import torch
+
+from tests.unit.models.megatron import megatron_test_helpers as h
 
 pytestmark = pytest.mark.slow
 
