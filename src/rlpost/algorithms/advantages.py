@@ -1,25 +1,11 @@
-"""GRPO advantages: per-prompt baselines and stds (reference §4.3), reward scaling and DAPO overlong shaping.
+"""GRPO advantages: per-prompt baselines and stds, reward scaling and DAPO overlong shaping.
 
-`calculate_baseline_and_std_per_prompt(prompts, rewards, valid_mask, leave_one_out)`: samples are grouped by
-identical prompt rows (torch.unique over dim 0 of a [B, P] tensor), or by value for a [B] group-id tensor. For a
-group with n valid samples (valid_mask = 1):
-  - leave-one-out: b_i = sum_{j != i, valid} r_j / (n - 1) and std_i = sqrt(var of the other n - 1 valid rewards,
-    unbiased), i.e. (mean_{j != i} r_j^2 - b_i^2) * (n - 1) / (n - 2); 0 when n - 2 <= 0 (the reference's nan -> 0).
-  - no leave-one-out: b = mean of the valid rewards, std = unbiased sample std (factor n / (n - 1)).
-  - n <= 1: b_i = r_i (advantage 0) and std_i = 0, for every sample of the group.
-  Reading / numerics: the variance is computed in the two-pass form sum_j (r_j - b_i)^2 / (count - 1), which is
-  algebraically the reference formula but exactly 0 for a zero-variance group (the one-pass form can leave a tiny
-  positive residue that the 1e-6 division would blow up). An INVALID sample of a group (valid_mask 0) gets the
-  baseline/std of all n valid samples of its group (with leave-one-out there is no "one" of it to leave out);
-  NeMo RL v0.4 divides that sum by n - 1 instead, and its driver passes an all-ones valid_mask anyway.
-
-`compute_advantages(rewards, baseline, std, normalize)`: A = r - b, then A / (std + 1e-6) where std > 0 if
-normalize (zero-variance groups keep A = 0, not 0/1e-6 noise).
-Variants: `grpo_advantages` (LOO baseline + std normalisation, NeMo RL defaults), `dr_grpo_advantages`
-(Dr. GRPO: group-mean baseline, no std division), `rloo_advantages` (RLOO: leave-one-out baseline, no std).
-`scale_rewards`: clamp to [source_min, source_max], then affine map onto [target_min, target_max].
-`apply_overlong_reward_shaping` (DAPO): r + min(-(len - (max_len - buffer)) / buffer * penalty, 0).
-Both return the rewards unchanged when their config has enabled = False.
+`calculate_baseline_and_std_per_prompt` groups samples by prompt (identical prompt rows, or a [B] group id) and
+gives each the mean of its group's other valid rewards (leave-one-out) or of all of them, with the matching
+unbiased std; a group with one valid sample gets advantage 0. `compute_advantages` is A = r - b, divided by
+std + 1e-6 where std > 0 when normalising. `grpo_advantages`, `dr_grpo_advantages` (no std division) and
+`rloo_advantages` (leave-one-out, no std) are the named variants. tests/unit/algorithms/test_advantages.py
+holds the exact formulas and the comparison with NeMo RL.
 """
 
 from __future__ import annotations
@@ -42,7 +28,7 @@ def calculate_baseline_and_std_per_prompt(
     valid_mask: torch.Tensor,
     leave_one_out: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample baseline [B] and std [B] within prompt groups (see module docstring)."""
+    """Per-sample baseline [B] and unbiased std [B] within prompt groups (see the module docstring)."""
     rewards_f = rewards.double()  # [B]
     valid = valid_mask.to(torch.float64)  # [B]
     groups = _group_ids(prompts.to(rewards.device))  # [B]
@@ -59,8 +45,11 @@ def calculate_baseline_and_std_per_prompt(
         others = v.unsqueeze(0).expand(len(idx), -1).clone()  # [n_g, n_g]
         if leave_one_out:
             others = others * (1.0 - torch.eye(len(idx), dtype=others.dtype, device=others.device) * v.unsqueeze(1))
+        # An invalid sample of the group leaves nothing out: it gets the baseline of all valid samples.
         count = others.sum(dim=1)  # [n_g]
         b = (others @ r) / count  # [n_g]
+        # Two-pass variance around each baseline: exactly 0 for a zero-variance group, where the one-pass
+        # form leaves a residue the 1e-6 division would blow up.
         sq_dev = others * (r.unsqueeze(0) - b.unsqueeze(1)).square()  # [n_g, n_g]
         var = torch.where(count > 1, sq_dev.sum(dim=1) / (count - 1).clamp(min=1), torch.zeros_like(b))
         baseline[idx] = b

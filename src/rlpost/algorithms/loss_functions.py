@@ -1,40 +1,13 @@
 """Policy losses: `ClippedPGLossFn` (GRPO/PPO/GSPO/REINFORCE) and `NLLLoss` (SFT), NeMo RL v0.4 semantics.
 
-Notation (after the `[:, 1:]` shift of every per-token tensor; logits[:, :-1] predict input_ids[:, 1:]):
-  tm = token_mask, s = sample_mask [B], m = tm * s, Gt / Gs = global valid tokens / sequences,
-  A = advantages, lp = current logprobs (fp32), lp_old = prev_logprobs, lp_gen = generation_logprobs,
-  lp_ref = reference_policy_logprobs, beta = reference_policy_kl_penalty.
-  masked_mean(x, m, N) = sum(x * m) / (N + 1e-8).
-  Token-level reduction:    R(x) = sum(x * m) / (Gt + 1e-8).
-  Sequence-level reduction: R(x) = sum_i s_i * [sum_t x * tm / (sum_t tm + 1e-8)] / (Gs + 1e-8).
-
-ClippedPGLossFn (reference §3.3, v0.4; KL estimator types and clamps from HEAD):
-  1. KL (only if beta != 0): logr = clamp(lp_ref - lp, +-kl_input_clamp_value);
-     k1 = -logr, k2 = logr^2 / 2, k3 = exp(logr) - 1 - logr;
-     w_kl = exp(lp - lp_gen).detach() (nan/inf -> 0) if use_on_policy_kl_approximation else 1;
-     kl_t = beta * clamp(w_kl * k, +-kl_output_clamp_value); KL = R(kl_t).
-     Reading: HEAD multiplies the estimator by the weights and then clamps the output; we keep that order and
-     v0.4's detached weights (HEAD's non-detached variant is not implemented).
-  2. Ratio: log rho = lp - lp_old (lp_old = sg(lp) under force_on_policy_ratio: rho = 1, same gradient); rho = exp(log rho) per token, or for GSPO
-     (sequence_level_importance_ratios) rho_i = exp(masked_mean_t(log rho, tm)) broadcast over tokens;
-     rho_hat = clamp(rho, 1 - ratio_clip_min, 1 + ratio_clip_max). disable_ppo_ratio: rho = rho_hat = lp.
-  3. l = max(-A * rho, -A * rho_hat); dual clip (ratio_clip_c = c): where A < 0, l = min(l, -c * A).
-  4. IS weights: w = exp(lp_old - lp_gen) per token, or for GSPO w_i = exp(sum_t m * (lp_old - lp_gen))
-     (detached, broadcast); nan/inf -> 0; TIS: w = min(w, truncated_importance_sampling_ratio).
-     Used only if use_importance_sampling_correction (else w = 1).
-  5. loss = R(w * l) + KL.
-
-Metrics (reference §3.5, v0.4) — python floats, each already normalised by the GLOBAL count (Gt for per-token
-means), exactly like the loss: the value for the whole global batch is the SUM over its micro-batches (and
-data-parallel ranks). num_valid_samples is this micro-batch's sum of sample_mask (so it also sums up).
-  probs_ratio / probs_ratio_clamped = token mean of rho / rho_hat; kl_penalty = KL / beta (0 if beta = 0);
-  token_mult_prob_error = token mean of exp(|lp_gen - lp_old|);
-  gen_kl_error = token mean of k3 with logr = lp_old - lp_gen; policy_kl_error = k3 with logr = lp_gen - lp_old;
-  js_divergence_error = token mean of 0.5 k3(P_old||M) + 0.5 k3(P_gen||M), log M = log(0.5 p_old + 0.5 p_gen);
-  sampling_importance_ratio = token mean of the IS weights w of step 4 (whether or not they are used);
-  approx_entropy = -token mean of exp(lp - lp_gen) * lp.
-  Reading: the diagnostic KLs use k3 (v0.4), not the configured estimator (HEAD), and are token means even for
-  a sequence-level loss (as in v0.4).
+Every per-token tensor is shifted by one (logits[:, :-1] predict input_ids[:, 1:]) and masked by
+m = token_mask * sample_mask. Losses and metrics are normalised by the GLOBAL counts the worker passes in
+(valid tokens Gt or sequences Gs of the whole global batch, all data-parallel ranks), so the global value is
+the SUM over micro-batches and ranks. `ClippedPGLossFn.__call__` computes, in numbered steps: the KL penalty
+to the reference (k1/k2/k3, clamped), the ratio and its clipped version (per token, or per sequence for GSPO),
+the pessimistic surrogate with optional dual clip, the train/inference importance weights (optionally
+truncated), then loss = reduce(w * surrogate) + KL. tests/unit/algorithms/test_loss_functions.py holds the
+formulas term by term and checks them against NeMo RL's to 1e-7.
 """
 
 from __future__ import annotations
@@ -149,7 +122,7 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 class ClippedPGLossFn:
     """Clipped policy-gradient loss with optional KL penalty, dual clip, IS correction, GSPO, REINFORCE.
 
-    See the module docstring for the exact math. Built from a ClippedPGLossConfig (or an equivalent mapping /
+    Built from a ClippedPGLossConfig (or an equivalent mapping /
     DictConfig); invalid option combinations raise ConfigError here, at build time.
     """
 
@@ -219,7 +192,8 @@ class ClippedPGLossFn:
         with torch.no_grad():
             diag = _diagnostics(lp_old, lp_gen, mask, gvt)
 
-        # 1. KL penalty to the reference policy.
+        # 1. KL penalty to the reference policy: the estimator times the (detached) on-policy weights, then the
+        #    output clamp, in that order (NeMo RL HEAD's order with v0.4's detached weights).
         beta = self.reference_policy_kl_penalty
         if beta != 0:
             lp_ref = data["reference_policy_logprobs"][:, 1:].to(lp.dtype)  # [B, S-1]
@@ -292,7 +266,10 @@ class ClippedPGLossFn:
 
 
 def _diagnostics(lp_old: torch.Tensor, lp_gen: torch.Tensor, mask: torch.Tensor, gvt: torch.Tensor) -> dict[str, float]:
-    """Train/inference mismatch metrics: the trainer's prev logprobs vs the engine's (token means, global Gt)."""
+    """Train/inference mismatch metrics: the trainer's prev logprobs vs the engine's (token means, global Gt).
+
+    The KLs use k3 whatever the configured estimator, and are token means even for a sequence-level loss (v0.4).
+    """
 
     def tmean(x: torch.Tensor) -> float:
         return float(masked_mean(x, mask, global_normalization_factor=gvt).item())
