@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -50,7 +50,73 @@ class ParallelDims:
         return c["tp"] == 0 and c["cp"] == 0 and c["pp"] == self.pp - 1
 
 
-class RayWorkerGroup:
+class ActorGroup:
+    """Ray actors called together: every call bounded by a timeout, a dead or failing actor named in one line
+    (WorkerGroupError; the group is killed on a timeout or a death), shutdown graceful first, then kill."""
+
+    def __init__(self, workers: list[Any], name_prefix: str, timeout_s: float) -> None:
+        self.workers = workers
+        self.name_prefix = name_prefix
+        self.timeout_s = timeout_s
+
+    def describe(self, index: int) -> str:
+        return f"{self.name_prefix} {index}"
+
+    def get(self, futures: list[Any], timeout_s: float | None = None, indices: list[int] | None = None) -> list[Any]:
+        """ray.get with a timeout; `indices[i]` is the actor of futures[i] (default: the i-th actor)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        who = indices if indices is not None else list(range(len(futures)))
+        deadline = time.monotonic() + timeout
+        pending = list(futures)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = [who[futures.index(f)] for f in pending]
+                self._fail(f"call did not finish within {timeout:.0f}s on " + ", ".join(self.describe(r) for r in late))
+            done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
+            for f in done:
+                try:
+                    ray.get(f, timeout=0)
+                except RayActorError as exc:
+                    self._fail(f"{self.describe(who[futures.index(f)])} died: {str(exc).splitlines()[0]}")
+                except RayTaskError as exc:
+                    cause = getattr(exc, "cause", None)
+                    head = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}" \
+                        if cause is not None else str(exc).splitlines()[0]
+                    # One line first (what the console shows), then the remote traceback for train.log.
+                    raise WorkerGroupError(f"{self.describe(who[futures.index(f)])} raised {head}\n{exc}") from None
+                except GetTimeoutError:  # pragma: no cover - done futures don't time out
+                    pass
+        return ray.get(list(futures), timeout=max(deadline - time.monotonic(), 1.0))
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` on every actor with the same arguments; results in actor order."""
+        return self.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def _fail(self, msg: str) -> NoReturn:
+        self.shutdown()
+        raise WorkerGroupError(msg)
+
+    def shutdown(self, graceful_method: str | None = None, timeout_s: float = 30.0) -> None:
+        """Optionally call `graceful_method` on every rank (bounded), then kill the actors."""
+        if graceful_method and self.workers:
+            try:
+                ray.wait(
+                    [getattr(w, graceful_method).remote() for w in self.workers],
+                    num_returns=len(self.workers),
+                    timeout=timeout_s,
+                )
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        self.workers = []
+
+
+class RayWorkerGroup(ActorGroup):
     """Actors of `actor_cls` (a plain class; wrapped with ray.remote here), one per rank."""
 
     def __init__(
@@ -71,11 +137,9 @@ class RayWorkerGroup:
                 f"{name_prefix}: parallel dims {self.dims} need {self.dims.world_size} workers, "
                 f"the cluster has {cluster.world_size}"
             )
-        self.name_prefix = name_prefix
-        self.timeout_s = timeout_s
+        super().__init__([], name_prefix, timeout_s)
         addr, port = cluster.get_master_address_and_port()
         remote_cls: Any = ray.remote(actor_cls)
-        self.workers: list[Any] = []
         for rank in range(self.dims.world_size):
             env = {
                 **WORKER_ENV,
@@ -102,7 +166,7 @@ class RayWorkerGroup:
     # ---- dispatch -------------------------------------------------------------------------
     def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every rank with the same arguments; results in rank order."""
-        return self.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return self.call_all(method, *args, **kwargs)
 
     def run_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self.get([getattr(self.workers[0], method).remote(*args, **kwargs)])[0]
@@ -127,54 +191,3 @@ class RayWorkerGroup:
                 out[self.dims.coords(r)["dp"]] = res
         return out
 
-    def get(self, futures: list[Any], timeout_s: float | None = None) -> list[Any]:
-        """ray.get with a timeout; a dead worker or a timeout raises WorkerGroupError naming the rank."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
-        pending = list(futures)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                ranks = [futures.index(f) for f in pending]
-                self._fail(
-                    f"call did not finish within {timeout:.0f}s on " + ", ".join(self.describe(r) for r in ranks)
-                )
-            done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
-            for f in done:
-                try:
-                    ray.get(f, timeout=0)
-                except RayActorError as exc:
-                    rank = futures.index(f)
-                    self._fail(f"{self.describe(rank)} died: {str(exc).splitlines()[0]}")
-                except RayTaskError as exc:
-                    rank = futures.index(f)
-                    cause = getattr(exc, "cause", None)
-                    head = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}" \
-                        if cause is not None else str(exc).splitlines()[0]
-                    # One line first (what the console shows), then the remote traceback for train.log.
-                    raise WorkerGroupError(f"{self.describe(rank)} raised {head}\n{exc}") from None
-                except GetTimeoutError:  # pragma: no cover - done futures don't time out
-                    pass
-        return ray.get(list(futures), timeout=max(deadline - time.monotonic(), 1.0))
-
-    def _fail(self, msg: str) -> None:
-        self.shutdown()
-        raise WorkerGroupError(msg)
-
-    def shutdown(self, graceful_method: str | None = None, timeout_s: float = 30.0) -> None:
-        """Optionally call `graceful_method` on every rank (bounded), then kill the actors."""
-        if graceful_method and self.workers:
-            try:
-                ray.wait(
-                    [getattr(w, graceful_method).remote() for w in self.workers],
-                    num_returns=len(self.workers),
-                    timeout=timeout_s,
-                )
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-        for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
-        self.workers = []

@@ -37,17 +37,15 @@ to that tensor inside the engine before loading it.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rlpost.config.schema.generation import VllmConfig
 from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
-from rlpost.distributed.worker_groups import WorkerGroupError
+from rlpost.distributed.worker_groups import ActorGroup
 from rlpost.models.fingerprint import check_fingerprints, fingerprint_of_digests, weight_fingerprint
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
 from rlpost.models.generation.outputs import assemble_outputs, contiguous_splits, unpack_prompts
@@ -130,7 +128,6 @@ class VllmGeneration(GenerationInterface):
     ) -> None:
         self.cfg = cfg
         self.cluster = cluster
-        self.timeout_s = timeout_s
         self.model_path = model_path or cfg.model_name
         if not self.model_path:
             raise ValueError("VllmGeneration needs model_path or cfg.model_name")
@@ -143,7 +140,7 @@ class VllmGeneration(GenerationInterface):
             )
         self.num_replicas = cluster.world_size // self.slots_per_replica
         self.use_gpus = cluster.use_gpus
-        self.workers: list[Any] = []
+        self.group = ActorGroup([], f"vLLM {name_prefix} replica", timeout_s)
         self._refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
         remote_cls = ray.remote(VllmEngineWorker)
         passthrough = {k: os.environ[k] for k in os.environ if k.startswith("VLLM_") and k != "VLLM_CPU_KVCACHE_SPACE"}
@@ -160,7 +157,7 @@ class VllmGeneration(GenerationInterface):
                 )
             opts["runtime_env"] = {"env_vars": env}
             opts["name"] = f"{name_prefix}-replica{r}-{id(self):x}"
-            self.workers.append(
+            self.group.workers.append(
                 remote_cls.options(**opts).remote(
                     self.model_path,
                     engine_kwargs(cfg, r, self.use_gpus, hf_overrides),
@@ -170,7 +167,7 @@ class VllmGeneration(GenerationInterface):
                 )
             )
         try:
-            infos = self._get([w.info.remote() for w in self.workers], "start")
+            infos = self.group.call_all("info")
         except BaseException:
             self.shutdown()
             raise
@@ -179,31 +176,18 @@ class VllmGeneration(GenerationInterface):
 
     # ------------------------------------------------------------------ plumbing
     def set_call_timeout(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
+        self.group.timeout_s = timeout_s
 
-    def _get(self, futures: list[Any], what: str, replicas: list[int] | None = None) -> list[Any]:
-        """ray.get with the timeout; failures name the replica."""
-        replicas = replicas if replicas is not None else list(range(len(futures)))
-        deadline = time.monotonic() + self.timeout_s
-        pending = list(futures)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                late = [replicas[futures.index(f)] for f in pending]
-                raise WorkerGroupError(f"vLLM {what}: replica(s) {late} did not answer within {self.timeout_s:.0f}s")
-            done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
-            for f in done:
-                try:
-                    ray.get(f, timeout=0)
-                except (RayActorError, RayTaskError) as exc:
-                    r = replicas[futures.index(f)]
-                    raise WorkerGroupError(f"vLLM {what}: replica {r} failed: {exc}") from None
-                except GetTimeoutError:  # pragma: no cover
-                    pass
-        return ray.get(list(futures), timeout=max(deadline - time.monotonic(), 1.0))
+    @property
+    def workers(self) -> list[Any]:
+        """One actor per replica (the replica's leader)."""
+        return self.group.workers
+
+    def _get(self, futures: list[Any], replicas: list[int] | None = None) -> list[Any]:
+        return self.group.get(futures, indices=replicas)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
-        return self._get([getattr(w, method).remote(*args) for w in self.workers], method)
+        return self.group.call_all(method, *args)
 
     # ------------------------------------------------------------------ generation
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
@@ -217,7 +201,7 @@ class VllmGeneration(GenerationInterface):
             if b > a:
                 futures.append(self.workers[r].generate.remote(prompts[a:b], spec, seeds[a:b] if seeds else None))
                 used.append(r)
-        samples = [s for part in self._get(futures, "generate", used) for s in part]
+        samples = [s for part in self._get(futures, used) for s in part]
         return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
 
     def prepare_for_generation(self, tags: list[str] | None = None, **kwargs: Any) -> bool:
@@ -253,19 +237,17 @@ class VllmGeneration(GenerationInterface):
         expected = weight_fingerprint(items)
         ref = ray.put(items)
         fps = self._get(
-            [w.update_weights.remote(ref, self._fault(r)) for r, w in enumerate(self.workers)], "update_weights"
-        )
+            [w.update_weights.remote(ref, self._fault(r)) for r, w in enumerate(self.workers)])
         return self._check_fingerprints(fps, expected)
 
     def update_weights_from_buckets(self, buckets: Iterable[list[Any]]) -> str:
         """Every replica loads each bucket straight from the object store; the checked fingerprint."""
         digests: list[dict[str, str]] = [{} for _ in self.workers]
         for box in buckets:
-            parts = self._get([w.load_bucket.remote(box, self._fault(r)) for r, w in enumerate(self.workers)],
-                              "load_bucket")
+            parts = self._get([w.load_bucket.remote(box, self._fault(r)) for r, w in enumerate(self.workers)])
             for r, part in enumerate(parts):
                 digests[r].update(part)
-        self._get([w.end_refit.remote() for w in self.workers], "end_refit")
+        self._get([w.end_refit.remote() for w in self.workers])
         return self._check_fingerprints([self._complete_fingerprint(d) for d in digests], None)
 
     def _complete_fingerprint(self, digests: dict[str, str]) -> str:
@@ -291,11 +273,11 @@ class VllmGeneration(GenerationInterface):
         return self.num_replicas * self.slots_per_replica
 
     def wait_collective_init(self, futures: list[Any]) -> None:
-        self._get(futures, "init_collective")
+        self._get(futures)
 
     def init_collective(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> None:
         """Join the refit group; blocks until the trainer's rank 0 joins too (from another process/thread)."""
-        self._get(self.init_collective_async(master_addr, master_port, rank_offset, world_size), "init_collective")
+        self._get(self.init_collective_async(master_addr, master_port, rank_offset, world_size))
 
     def update_weights_from_collective_async(self) -> list[Any]:
         """Start receiving a broadcast; finish with `wait_collective_update(futures)`."""
@@ -303,7 +285,7 @@ class VllmGeneration(GenerationInterface):
 
     def wait_collective_update(self, futures: list[Any], expected: str | None = None) -> str:
         """Wait for a collective refit; replicas must agree (and match `expected`, the sender's, if given)."""
-        return self._check_fingerprints(self._get(futures, "update_weights_from_collective"), expected)
+        return self._check_fingerprints(self._get(futures), expected)
 
     def update_weights_from_collective(self) -> str:
         """Receive the trainer's broadcast (it must be sent concurrently) and load it; the common fingerprint."""
@@ -311,18 +293,7 @@ class VllmGeneration(GenerationInterface):
 
     def shutdown(self) -> None:
         """Stop the engines and kill the actors (bounded; idempotent)."""
-        if not self.workers:
-            return
-        try:
-            ray.wait([w.shutdown.remote() for w in self.workers], num_returns=len(self.workers), timeout=30)
-        except Exception:  # noqa: BLE001 - best effort
-            pass
-        for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
-        self.workers = []
+        self.group.shutdown("shutdown")
 
     def __del__(self) -> None:  # pragma: no cover - safety net
         try:

@@ -25,9 +25,10 @@ from torch.distributed.tensor import DTensor
 from rlpost.config.schema.policy import DTensorPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.models.policy import dtensor_checkpoint
+from rlpost.models.policy.global_batches import finish_result, train_global_batches
 from rlpost.models.policy.memory_phases import OffloadState, cuda_memory_stats
 from rlpost.models.policy.optim import build_optimizer, build_scheduler
-from rlpost.models.policy.weight_export import WeightExportMixin, params_finite
+from rlpost.models.policy.weight_export import WeightExportMixin
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -197,20 +198,13 @@ class DTensorWorkerBase(WeightExportMixin):
             raise RuntimeError("the policy was built without an optimizer (init_optimizer=False)")
         self._onload(with_optimizer=True)
         self.model.train()
-        gbs = gbs or self.cfg.train_global_batch_size
-        local_gbs = gbs // self.dp_size
-        n_global = data.size // local_gbs
-        losses, grad_norms = [], []
-        mb_metrics: dict[str, list[float]] = {}
-        for g in range(n_global):
-            gb = data.get_batch(g, local_gbs)
-            sm = gb["sample_mask"].float()
-            tm = gb["token_mask"][:, 1:].float()
-            counts = torch.stack([sm.sum(), (tm * sm[:, None]).sum()]).to(self.device)
-            dist.all_reduce(counts, group=self.dp_group)
-            gs, gt = counts[0], counts[1]
-            self.optimizer.zero_grad(set_to_none=True)
+        optimizer = self.optimizer
+        local_gbs = (gbs or self.cfg.train_global_batch_size) // self.dp_size
+
+        def step(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor) -> tuple[float, float, list[dict[str, Any]]]:
+            optimizer.zero_grad(set_to_none=True)
             gb_loss = torch.zeros((), device=self.device)
+            recorded = []
             for mb in self._microbatches(gb, self.cfg.train_micro_batch_size):
                 logits, rows, pk = self._forward_logits(mb)
                 rows = rows.to(self.device)
@@ -224,24 +218,17 @@ class DTensorWorkerBase(WeightExportMixin):
                     loss = loss * 0.0
                 (loss * self.dp_size).backward()
                 gb_loss += loss.detach()
-                for k, v in metrics.items():
-                    mb_metrics.setdefault(k, []).append(float(v))
+                recorded.append(metrics)
                 self._maybe_clear_cache()
             grad_norm = self._clip_grad_norm()
-            self.optimizer.step()
+            optimizer.step()
             dist.all_reduce(gb_loss, group=self.dp_group)
-            losses.append(float(gb_loss))
-            grad_norms.append(grad_norm)
+            return float(gb_loss), grad_norm, recorded
+
+        result = train_global_batches(data, local_gbs, self.device, self.dp_group, step)
         if self.scheduler is not None:
             self.scheduler.step()
-        return {
-            "loss": sum(losses) / max(len(losses), 1),
-            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "num_global_batches": n_global,
-            "all_mb_metrics": mb_metrics,
-            "params_finite": params_finite(self.model.parameters()),
-        }
+        return finish_result(result, optimizer.param_groups[0]["lr"], self.model.parameters())
 
     def _clip_grad_norm(self) -> float:
         """Global L2 grad norm over every parameter (TP-sharded and not), then clip to max_grad_norm.

@@ -51,7 +51,8 @@ import torch.distributed as dist
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.models.policy.weight_export import WeightExportMixin, params_finite
+from rlpost.models.policy.global_batches import finish_result, train_global_batches
+from rlpost.models.policy.weight_export import WeightExportMixin
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -304,18 +305,10 @@ class MegatronPolicyWorker(WeightExportMixin):
         if pp > 1 and local_gbs % mbs:
             raise ValueError(f"with pipeline parallelism the local batch {local_gbs} (gbs {gbs} / dp {self.dp_size}) "
                              f"must split into equal micro-batches of policy.train_micro_batch_size={mbs}")
-        n_global = data.size // local_gbs if local_gbs else 0
         step_state = dataclasses.replace(self.train_state, scheduler=_NoSchedulerStep())
         vp = self._vp_kwargs()
-        losses, grad_norms = [], []
-        mb_metrics: dict[str, list[float]] = {}
-        for g in range(n_global):
-            gb = data.get_batch(g, local_gbs)
-            sm = gb["sample_mask"].float()
-            tm = gb["token_mask"][:, 1:].float()
-            counts = torch.stack([sm.sum(), (tm * sm[:, None]).sum()]).to(self.device)
-            dist.all_reduce(counts, group=ps.get_data_parallel_group())
-            gs, gt = counts[0], counts[1]
+
+        def step(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor) -> tuple[float, float, list[dict[str, Any]]]:
             gb = self._pad_seq(gb, self._seq_multiple())
             micro = [mb.to(self.device) for mb in gb.make_microbatch_iterator(mbs)]
             recorded: list[dict[str, Any]] = []
@@ -327,21 +320,12 @@ class MegatronPolicyWorker(WeightExportMixin):
                     box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
                 )
                 recorded = box[0]
-            for metrics in recorded:
-                for k, v in metrics.items():
-                    mb_metrics.setdefault(k, []).append(float(v))
-            losses.append(res.loss)
-            grad_norms.append(res.grad_norm)
             self._empty_cache(1)
+            return res.loss, res.grad_norm, recorded
+
+        result = train_global_batches(data, local_gbs, self.device, ps.get_data_parallel_group(), step)
         self.train_state.scheduler.step(increment=1)
-        return {
-            "loss": sum(losses) / max(len(losses), 1),
-            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-            "lr": float(self.train_state.optimizer.param_groups[0]["lr"]),
-            "num_global_batches": n_global,
-            "all_mb_metrics": mb_metrics,
-            "params_finite": params_finite(self.model.parameters()),
-        }
+        return finish_result(result, self.train_state.optimizer.param_groups[0]["lr"], self.model.parameters())
 
     # ---- memory phases (GPU: optimizer state to / from the CPU; no-ops on CPU) ------------------
     def _offload_optimizer_state(self) -> None:
