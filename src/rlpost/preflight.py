@@ -25,8 +25,8 @@ from rlpost.config.errors import ConfigError
 from rlpost.config.layout import model_dir_key, read_hf_config
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.policy import PytorchOptimizerConfig, SinglePytorchSchedulerConfig, parse_scheduler
-from rlpost.data.datasets import load_rows
-from rlpost.runtime.build import check_target
+from rlpost.data.datasets import DataError, load_rows
+from rlpost.runtime.build import check_target, resolve
 
 # What a GRPO step logs (rlpost.algorithms.grpo: `validate` as validation/*, `_step_metrics` and the
 # rollout's reward counters as train/*), i.e. the names `checkpointing.metric_name` may rank by.
@@ -97,6 +97,7 @@ def preflight_checks(master: MasterConfig, run_dir: Path | None = None) -> None:
     check_metric_name(master)
     check_output_dirs(master, run_dir)
     check_prompt_files(master)
+    check_chat_template(master)
     check_data(master)
 
 
@@ -129,7 +130,8 @@ def check_model_dir(master: MasterConfig) -> None:
     d = Path(path).expanduser()
     expected = "a local HF model directory (config.json, *.safetensors weights, tokenizer files)"
     if not d.exists():
-        raise ConfigError(key, path, f"no such directory; expected {expected}")
+        hint = f"build it with `{master.model.prepare}`" if master.model.prepare else None
+        raise ConfigError(key, path, f"no such directory; expected {expected}", hint)
     if not d.is_dir():
         raise ConfigError(key, path, f"is a file; expected {expected}")
     if not any(d.iterdir()):
@@ -449,6 +451,41 @@ def prompts_per_step(master: MasterConfig) -> int:
     return int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
 
 
+def check_answers(master: MasterConfig, rows: list[dict[str, Any]]) -> None:
+    """Every expected answer is one the data's environment can match; the first that is not is named by
+    file and line."""
+    env_cls = resolve(master.env[master.data.env_name]._target_, key=f"env.{master.data.env_name}._target_")
+    for row in rows:
+        why = env_cls.answer_problem(row["expected_answer"])
+        if why is not None:
+            raise DataError(f"{row['source']}: {master.data.output_key}={row['expected_answer']!r}: {why}")
+
+
+def check_chat_template(master: MasterConfig) -> None:
+    """The chat template renders a prompt, as the run will: a missing *.jinja file, a tokenizer without a
+    template of its own under 'default', and a template that fails to render are named before anything starts.
+    Skipped for the tiny model (built on first use; its prompts are raw)."""
+    tok_cfg = master.policy.tokenizer
+    key, ct = "policy.tokenizer.chat_template", tok_cfg.chat_template
+    if master.model.tiny is not None or ct is None:
+        return
+    if ct.endswith(".jinja") and not Path(ct).is_file():
+        raise ConfigError(key, ct, "no such template file")
+    from rlpost.data.prompts import PromptProcessor, load_tokenizer
+
+    tokenizer = load_tokenizer(tok_cfg, master.policy.trust_remote_code)
+    if ct == "default" and not tokenizer.chat_template:
+        raise ConfigError(key, ct, f"the tokenizer at {tok_cfg.name} has no chat template of its own",
+                          "use policy.tokenizer.chat_template=null for raw prompts, or give a template")
+    processor = PromptProcessor(master.data, tokenizer, tok_cfg.chat_template_kwargs)
+    try:
+        processor({"problem": "1 + 1"})
+    except Exception as exc:  # noqa: BLE001 - jinja's and transformers' errors, named with the key
+        shown = ct if len(ct) <= 60 else ct[:57] + "..."
+        raise ConfigError(key, shown, f"fails to render a prompt ({type(exc).__name__}: "
+                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None
+
+
 def check_data(master: MasterConfig) -> None:
     """Read the train (and validation) files once: bad rows raise DataError; too few rows for one step
     raise ConfigError naming grpo.num_prompts_per_step."""
@@ -457,9 +494,11 @@ def check_data(master: MasterConfig) -> None:
     if d.dataset_name == "synthetic":
         have, source = d.synthetic.num_train, "data.synthetic.num_train"
     else:
-        have, source = len(load_rows(d, "train")), f"data.train_data_path={d.train_data_path}"
+        rows = load_rows(d, "train", with_source=True)
+        have, source = len(rows), f"data.train_data_path={d.train_data_path}"
         if g.val_period > 0 or g.val_at_start:
-            load_rows(d, "val")
+            rows += load_rows(d, "val", with_source=True)
+        check_answers(master, rows)
     if have < need:
         how = ""
         if need != g.num_prompts_per_step:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -249,6 +251,13 @@ def test_incomplete_model_dir(tmp_path: Path, remove: str | None, rule: str) -> 
 def test_missing_model_dir(tmp_path: Path) -> None:
     err = refused(master("model.tiny=null", f"model.path={tmp_path / 'absent'}"))
     assert err.key == "model.path" and err.rule.startswith("no such directory")
+    assert err.hint is None
+
+
+def test_a_missing_prepared_model_names_the_command_that_builds_it(tmp_path: Path) -> None:
+    err = refused(master("model=smollm2_135m", f"model.cache_dir={tmp_path}"))
+    assert err.key == "model.path" and err.value == str(tmp_path / "smollm2-135m-instruct")
+    assert err.rule.startswith("no such directory") and err.hint == "build it with `make smollm2`"
 
 
 def test_tp_must_divide_the_vocabulary(tmp_path: Path) -> None:
@@ -262,3 +271,44 @@ def test_tp_must_divide_the_vocabulary(tmp_path: Path) -> None:
     (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_attention_heads": 2,
                                                 "num_key_value_heads": 2, "vocab_size": 384}))
     preflight_checks(master(*overrides), tmp_path)
+
+
+def _tiny_copy(tiny_model_dir: Path, dest: Path) -> Path:
+    shutil.copytree(tiny_model_dir, dest)
+    return dest
+
+
+@pytest.mark.parametrize(
+    ("template", "rule"),
+    [("missing.jinja", "no such template file"),
+     ("{% for m in messages %}{{ m['content'] | no_such_filter }}{% endfor %}", "fails to render a prompt"),
+     ("{% for m in messages %}{{ m['content'] }", "fails to render a prompt")],
+    ids=["missing_file", "unknown_filter", "syntax"],
+)
+def test_a_chat_template_that_cannot_render_is_named(tiny_model_dir: Path, tmp_path: Path, template: str,
+                                                     rule: str) -> None:
+    d = _tiny_copy(tiny_model_dir, tmp_path / "m")
+    path = tmp_path / "template.jinja"
+    if template != "missing.jinja":
+        path.write_text(template)
+    err = refused(master("model.tiny=null", f"model.path={d}", f"policy.tokenizer.chat_template={path}"))
+    assert err.key == "policy.tokenizer.chat_template" and err.rule.startswith(rule), str(err)
+
+
+def test_default_template_needs_one_in_the_tokenizer(tiny_model_dir: Path, tmp_path: Path) -> None:
+    d = _tiny_copy(tiny_model_dir, tmp_path / "m")
+    good = ("model.tiny=null", f"model.path={d}", "policy.tokenizer.chat_template=default")
+    preflight_checks(master(*good), tmp_path / "run")  # the tiny tokenizer ships chat_template.jinja
+    (d / "chat_template.jinja").unlink()
+    err = refused(master(*good))
+    assert err.key == "policy.tokenizer.chat_template" and "has no chat template of its own" in err.rule
+
+
+def test_an_answer_math_verify_cannot_parse_is_named_by_file_and_line(tmp_path: Path) -> None:
+    train = jsonl(tmp_path / "train.jsonl", 40)
+    preflight_checks(math_data(train), tmp_path / "run")
+    lines = train.read_text().splitlines()
+    lines[6] = json.dumps({"problem": "what?", "expected_answer": "???"})
+    train.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=rf"{re.escape(str(train))}:7: expected_answer='\?\?\?': math-verify cannot parse"):
+        preflight_checks(math_data(train), tmp_path / "run")

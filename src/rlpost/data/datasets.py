@@ -33,16 +33,17 @@ def _text_field(value: Any, key: str, where: str) -> str:
     return str(value)
 
 
-def _check_row(row: Any, cfg: DataConfig, where: str) -> dict[str, Any]:
+def _check_row(row: Any, cfg: DataConfig, where: str, with_source: bool = False) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     for key in (cfg.input_key, cfg.output_key):
         if key not in row:
             raise DataError(f"{where}: missing key {key!r} (data.input_key / data.output_key)")
-    return {
+    checked = {
         "problem": _text_field(row[cfg.input_key], cfg.input_key, where),
         "expected_answer": _text_field(row[cfg.output_key], cfg.output_key, where),
     }
+    return {**checked, "source": where} if with_source else checked
 
 
 def sniff(path: str) -> str | None:
@@ -63,7 +64,7 @@ def sniff(path: str) -> str | None:
     return None
 
 
-def read_jsonl(path: str, cfg: DataConfig) -> list[dict[str, Any]]:
+def read_jsonl(path: str, cfg: DataConfig, with_source: bool = False) -> list[dict[str, Any]]:
     """Rows of a JSONL file, one JSON object per non-blank line."""
     p = Path(path)
     if not p.is_file():
@@ -93,13 +94,13 @@ def read_jsonl(path: str, cfg: DataConfig) -> list[dict[str, Any]]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
-            rows.append(_check_row(obj, cfg, f"{path}:{lineno}"))
+            rows.append(_check_row(obj, cfg, f"{path}:{lineno}", with_source))
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
 
 
-def read_parquet(path: str, cfg: DataConfig) -> list[dict[str, Any]]:
+def read_parquet(path: str, cfg: DataConfig, with_source: bool = False) -> list[dict[str, Any]]:
     """Rows of a parquet file (read through `datasets`)."""
     if not Path(path).is_file():
         raise DataError(f"{path}: no such file")
@@ -122,14 +123,15 @@ def read_parquet(path: str, cfg: DataConfig) -> list[dict[str, Any]]:
         ds = load_dataset("parquet", data_files=str(path), split="train")
     except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file: name it, no traceback
         raise DataError(f"{path}: cannot be read as parquet ({type(exc).__name__}: {exc})") from None
-    rows = [_check_row(row, cfg, f"{path}: row {i}") for i, row in enumerate(ds)]
+    rows = [_check_row(row, cfg, f"{path}: row {i}", with_source) for i, row in enumerate(ds)]
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
 
 
-def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
-    """Training (split='train') or validation rows, each tagged with cfg.env_name."""
+def load_rows(cfg: DataConfig, split: str, with_source: bool = False) -> list[dict[str, Any]]:
+    """Training (split='train') or validation rows, each tagged with cfg.env_name (and, with_source, with
+    'source': the file and line it came from)."""
     if cfg.dataset_name == "synthetic":
         from rlpost.data.synthetic_tasks import make_rows
 
@@ -139,9 +141,9 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
         reader = read_jsonl if cfg.dataset_name == "jsonl" else read_parquet
         if split == "train":
             assert cfg.train_data_path is not None
-            rows = reader(cfg.train_data_path, cfg)
+            rows = reader(cfg.train_data_path, cfg, with_source)
         else:
-            rows = [r for p in cfg.val_data_paths for r in reader(p, cfg)]
+            rows = [r for p in cfg.val_data_paths for r in reader(p, cfg, with_source)]
     for r in rows:
         r["env_name"] = cfg.env_name
     return rows

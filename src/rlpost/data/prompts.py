@@ -25,7 +25,7 @@ def load_tokenizer(cfg: TokenizerConfig, trust_remote_code: bool = False) -> Any
         tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     elif ct != "default":
         p = Path(ct)
-        tok.chat_template = p.read_text() if p.suffix == ".jinja" and p.is_file() else ct
+        tok.chat_template = p.read_text() if p.suffix == ".jinja" else ct  # a missing *.jinja is an error, not a template
     return tok
 
 

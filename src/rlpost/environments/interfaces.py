@@ -33,3 +33,9 @@ class EnvironmentInterface(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop worker processes."""
+
+    @classmethod
+    def answer_problem(cls, answer: str) -> str | None:
+        """Why a data row's expected answer can never be matched (the pre-flight names the row), or None.
+        Runs in the driver before anything starts; the default accepts every answer."""
+        return None

@@ -33,6 +33,15 @@ class MathEnvironment(EnvironmentInterface):
         self.cfg = cfg
         self.pool = VerifierPool.from_config(math_verify_reward, cfg, warmup=warm_up_math_verify)
 
+    @classmethod
+    def answer_problem(cls, answer: str) -> str | None:
+        from math_verify import parse
+
+        parsed = parse(f"${answer}$") or parse(str(answer))
+        if any(not isinstance(p, str) for p in parsed):  # a sympy expression, not just the raw text back
+            return None
+        return "math-verify cannot parse it as math (it would only ever match the same literal text)"
+
     def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         res = self.pool.run([(r, m["expected_answer"]) for r, m in zip(responses, metadata, strict=True)])
         return EnvironmentReturn(res.rewards, res.timeouts, res.errors, unfinished=res.unfinished)

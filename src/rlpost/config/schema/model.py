@@ -73,7 +73,9 @@ class ModelConfig:
     tiny: TinyModelConfig | None = None
     """If set, build this tiny model at `path` on first use (then it is cached)."""
     cache_dir: str = "${oc.env:RLPOST_CACHE_DIR,${oc.env:HOME,/tmp}/.cache/rlpost}"
-    """Where built tiny models are cached."""
+    """Where built tiny models (and prepared ones, e.g. `make smollm2`) are cached."""
+    prepare: str | None = None
+    """The command that builds `path` when it is missing (a model preset sets it; the error names it)."""
 
     def check(self, path: str) -> None:
         if self.tiny is not None:
