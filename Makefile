@@ -19,7 +19,8 @@ $(STAMP): requirements/$(STACK).txt pyproject.toml scripts/install.sh
 train: install
 	$(BIN)/rlpost train $(ARGS)
 
-test: install
+# The real-model smoke test (tests/integration/test_smollm2_smoke.py) needs SmolLM2 prepared: cached after the first run.
+test: install smollm2
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
