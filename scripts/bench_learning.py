@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""Does a real model learn? A wall-clock-bounded GRPO run of a real model, with the same evaluation before and
+after, and the validation curve in between. Prints and saves the numbers.
+
+    make smollm2 && .venv/bin/python scripts/bench_learning.py                 # SmolLM2 on arith_add1, 30 min
+    .venv/bin/python scripts/bench_learning.py --minutes 10 grpo.val_period=2  # extra args: Hydra overrides
+
+The run is `rlpost train experiment=smollm2_arith_cpu` stopped by checkpointing.checkpoint_must_save_by (it
+saves its last step and exits 0); "before" is `rlpost eval` of the prepared model, "after" the same eval of the
+last checkpoint's HF export: same prompts (the validation split), same sampling seeds. Results are appended to
+results/bench_learning.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
+
+
+def rlpost(*args: str, cwd: Path) -> None:
+    print("$ rlpost " + " ".join(args), flush=True)
+    done = subprocess.run([RLPOST, *args], cwd=cwd)
+    if done.returncode != 0:
+        sys.exit(f"rlpost {args[0]} failed with exit status {done.returncode}")
+
+
+def evaluate(model_args: list[str], overrides: list[str], prompts: int, k: int, out: Path, cwd: Path) -> dict:
+    rlpost("eval", *overrides, *model_args, f"eval.max_prompts={prompts}", f"eval.num_samples={k}",
+           f"eval.output={out}", cwd=cwd)
+    report = json.loads(out.read_text())
+    return {key: report[key] for key in ("model", "accuracy", f"pass@{k}", "mean_length", "num_prompts", "wall_s")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=30.0, help="wall-clock budget of the training run")
+    parser.add_argument("--experiment", default="smollm2_arith_cpu")
+    parser.add_argument("--eval-prompts", type=int, default=32)
+    parser.add_argument("--eval-k", type=int, default=4)
+    args, overrides = parser.parse_known_args()
+    base = [f"experiment={args.experiment}", *overrides]
+    work = Path(tempfile.mkdtemp(prefix="bench_learning_"))
+    run_dir = work / "run"
+    t0 = time.perf_counter()
+    before = evaluate([], base, args.eval_prompts, args.eval_k, work / "before.json", work)
+    minutes = int(args.minutes)
+    seconds = int(round((args.minutes - minutes) * 60))
+    rlpost("train", *base, f"hydra.run.dir={run_dir}", "grpo.val_at_start=true", "grpo.max_num_steps=100000",
+           f"checkpointing.checkpoint_must_save_by=00:00:{minutes:02d}:{seconds:02d}", cwd=work)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+    after = evaluate([f"eval.checkpoint={run_dir / 'checkpoints' / f'step_{last}'}"], base, args.eval_prompts,
+                     args.eval_k, work / "after.json", work)
+    curve = [{"step": r["step"], "validation/accuracy": r["validation/accuracy"]}
+             for r in rows if "validation/accuracy" in r]
+    rewards = [r["train/reward"] for r in rows if "train/reward" in r]
+    step_s = [r["timing/train/total_step_time"] for r in rows if "timing/train/total_step_time" in r]
+    result = {
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "experiment": args.experiment,
+        "overrides": overrides,
+        "budget_minutes": args.minutes,
+        "steps": last,
+        "mean_step_s": sum(step_s) / max(len(step_s), 1),
+        "validation_curve": curve,
+        "train_reward_first5": sum(rewards[:5]) / max(len(rewards[:5]), 1),
+        "train_reward_last5": sum(rewards[-5:]) / max(len(rewards[-5:]), 1),
+        "before": before,
+        "after": after,
+        "total_s": time.perf_counter() - t0,
+    }
+    print(f"\n{args.experiment}: {last} steps in {args.minutes:g} min ({result['mean_step_s']:.1f} s/step)")
+    for point in curve:
+        print(f"  step {point['step']:>4}  validation accuracy {point['validation/accuracy']:.3f}")
+    print(f"  train reward, first 5 steps {result['train_reward_first5']:.3f} -> last 5 {result['train_reward_last5']:.3f}")
+    k = args.eval_k
+    for name in ("before", "after"):
+        r = result[name]
+        print(f"  eval {name:<6} accuracy {r['accuracy']:.3f}  pass@{k} {r[f'pass@{k}']:.3f}  "
+              f"mean length {r['mean_length']:.1f}  ({r['model']})")
+    out = REPO / "results" / "bench_learning.json"
+    out.parent.mkdir(exist_ok=True)
+    history = json.loads(out.read_text()) if out.is_file() else []
+    out.write_text(json.dumps([*history, result], indent=1))
+    print(f"  saved: {out}")
+
+
+if __name__ == "__main__":
+    main()
