@@ -34,10 +34,16 @@ def rlpost(*args: str, cwd: Path) -> None:
 
 
 def evaluate(model_args: list[str], overrides: list[str], prompts: int, k: int, out: Path, cwd: Path) -> dict:
-    rlpost("eval", *overrides, *model_args, f"eval.max_prompts={prompts}", f"eval.num_samples={k}",
-           f"eval.output={out}", cwd=cwd)
-    report = json.loads(out.read_text())
-    return {key: report[key] for key in ("model", "accuracy", f"pass@{k}", "mean_length", "num_prompts", "wall_s")}
+    """Sampled at the run's temperature (k samples per prompt) and greedy (one), on the same prompts."""
+    result = {}
+    for mode, extra in (("sampled", [f"eval.num_samples={k}"]), ("greedy", ["eval.greedy=true", "eval.num_samples=1"])):
+        path = out.with_name(f"{out.stem}_{mode}.json")
+        rlpost("eval", *overrides, *model_args, f"eval.max_prompts={prompts}", *extra, f"eval.output={path}", cwd=cwd)
+        report = json.loads(path.read_text())
+        kk = k if mode == "sampled" else 1
+        result["model"] = report["model"]
+        result[mode] = {key: report[key] for key in ("accuracy", f"pass@{kk}", "mean_length", "num_prompts")}
+    return result
 
 
 def main() -> None:
@@ -85,8 +91,9 @@ def main() -> None:
     k = args.eval_k
     for name in ("before", "after"):
         r = result[name]
-        print(f"  eval {name:<6} accuracy {r['accuracy']:.3f}  pass@{k} {r[f'pass@{k}']:.3f}  "
-              f"mean length {r['mean_length']:.1f}  ({r['model']})")
+        s, g = r["sampled"], r["greedy"]
+        print(f"  eval {name:<6} sampled accuracy {s['accuracy']:.3f}  pass@{k} {s[f'pass@{k}']:.3f}  "
+              f"greedy accuracy {g['accuracy']:.3f}  mean length {s['mean_length']:.1f}  ({r['model']})")
     out = REPO / "results" / "bench_learning.json"
     out.parent.mkdir(exist_ok=True)
     history = json.loads(out.read_text()) if out.is_file() else []
