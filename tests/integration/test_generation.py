@@ -379,3 +379,16 @@ def test_async_engine_same_contract(
     finally:
         engine.shutdown()
         cluster.shutdown()
+
+
+def test_many_seeded_prompts_larger_than_one_step_generate(vllm_engine: Any, weights_a: dict) -> None:
+    """More seeded prompt tokens than one engine step takes (rlpost eval's 32 prompts x 4 samples on a real
+    model): vLLM's chunked prefill rewound the seeded CPU generators and failed; whole prompts only on CPU."""
+    vllm_engine.update_weights(weights_a.items())
+    g = torch.Generator().manual_seed(0)
+    n, width = 160, 100
+    batch = {"input_ids": torch.randint(3, 300, (n, width), generator=g), "input_lengths": torch.full((n,), width),
+             "seeds": torch.arange(n)}
+    with _cfg(vllm_engine, stop_token_ids=[]):
+        out = vllm_engine.generate(batch)
+    assert out["output_ids"].shape == (n, width + 12) and out["generation_lengths"].tolist() == [12] * n

@@ -92,6 +92,10 @@ def engine_kwargs(
         kw["distributed_executor_backend"] = "ray" if v.tensor_parallel_size * v.pipeline_parallel_size > 1 else "uni"
     else:
         kw["kv_cache_memory_bytes"] = int(v.kv_cache_space_gb * 2**30)
+        # A prompt prefilled in chunks has its sampled token discarded, and vLLM then rewinds that request's
+        # seeded generator (set_offset), which a CPU generator refuses: batches of seeded prompts larger than
+        # one step's token budget failed ("CPU Generator does not use offset"). Whole prompts only on CPU.
+        kw["enable_chunked_prefill"] = False
         kw["distributed_executor_backend"] = "uni" if v.tensor_parallel_size * v.pipeline_parallel_size == 1 else "mp"
     kw.update(cfg.vllm_kwargs or {})
     return kw
