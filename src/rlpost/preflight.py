@@ -296,6 +296,8 @@ def _dry_build(opt: PytorchOptimizerConfig, scheduler: list[dict[str, Any]], dev
 def check_precision(master: MasterConfig) -> None:
     """bf16 / fp16 training needs a GPU; then the backend's own device checks (GPU-only options on CPU)."""
     p = master.policy
+    if p.precision == "float32" and not p.has_device_checks:
+        return  # nothing depends on the device: do not import torch to find it
     device = run_device(master)
     if device == "cpu" and p.precision != "float32":
         raise ConfigError(

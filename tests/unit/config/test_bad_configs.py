@@ -101,6 +101,14 @@ def test_plan_reports_what_the_megatron_worker_cannot_run(capsys: pytest.Capture
     assert "policy.megatron_cfg.activation_checkpointing=True: activation recompute" in capsys.readouterr().err
 
 
+def test_plan_of_the_default_job_imports_nothing_heavy() -> None:
+    # the device is resolved (torch imported) only when a check depends on it
+    code = ("import sys; from rlpost.cli import main; rc = main(['plan']);"
+            "print(rc, sorted(m for m in ('torch', 'ray', 'vllm', 'megatron') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "0 []", out.stdout + out.stderr
+
+
 def test_bad_config_starts_nothing_heavy() -> None:
     code = (
         "import sys; from rlpost.cli import main; rc = main(['train', 'policy.train_global_batch_size=96']);"

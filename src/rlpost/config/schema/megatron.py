@@ -210,6 +210,8 @@ class MegatronPolicyConfig(PolicyConfig):
 
     pads_vocab: ClassVar[bool] = True
     """Megatron pads the vocabulary itself (make_vocab_size_divisible_by)."""
+    has_device_checks: ClassVar[bool] = True
+    """GPU-only megatron-core features are refused on CPU; the mixed-precision flags must match the precision."""
 
     def check(self, path: str) -> None:
         super().check(path)

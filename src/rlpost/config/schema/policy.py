@@ -323,6 +323,8 @@ class PolicyConfig:
     # ---- what each backend schema defines -----------------------------------------------
     pads_vocab: ClassVar[bool] = False
     """The backend pads the vocabulary to a multiple of TP itself (else TP must divide it)."""
+    has_device_checks: ClassVar[bool] = False
+    """`check_device` checks something (else the pre-flight need not resolve the device, which imports torch)."""
 
     def parallel_sizes(self) -> dict[str, int]:
         """TP, PP and CP of the backend (DP is derived from the world size)."""
