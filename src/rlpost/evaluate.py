@@ -55,6 +55,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     """Generate k samples per prompt, score them, return the report (and write it as JSON)."""
     import ray
 
+    from rlpost.algorithms.grpo_setup import close_all
     from rlpost.algorithms.rollouts import run_rollout
     from rlpost.config.layout import layout_of
     from rlpost.data.datasets import load_rows
@@ -91,13 +92,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         batch = run_rollout(prompts, torch.arange(len(prompts)) // k, engine, tokenizer, envs,
                             greedy=cfg.eval.greedy, seeds=seeds)
     finally:
-        closers = [e.shutdown for e in envs.values()]
-        closers[:0] = [x.shutdown for x in (engine, cluster) if x is not None]
-        for closer in closers:
-            try:
-                closer()
-            except Exception:  # noqa: BLE001 - keep closing the rest
-                pass
+        close_all([*[x.shutdown for x in (engine, cluster) if x is not None], *[e.shutdown for e in envs.values()]])
         if ray.is_initialized():
             ray.shutdown()
     report: dict[str, Any] = {

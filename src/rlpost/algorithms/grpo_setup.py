@@ -71,11 +71,12 @@ class GRPOComponents:
         """Release engines, workers, clusters, verifier processes and the logger (idempotent)."""
         if not self.closed:
             self.closed = True
-            _close_all([self.generation.shutdown, self.policy.shutdown, *[c.shutdown for c in self.clusters],
+            close_all([self.generation.shutdown, self.policy.shutdown, *[c.shutdown for c in self.clusters],
                         *[e.shutdown for e in self.envs.values()], self.logger.close])
 
 
-def _close_all(closers: list[Callable[[], object]]) -> None:
+def close_all(closers: list[Callable[[], object]]) -> None:
+    """Call every closer in order; one that raises does not stop the rest."""
     for closer in closers:
         try:
             closer()
@@ -192,7 +193,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
                 raise CheckpointError(f"cannot load checkpoint {last}: {why}") from exc
             raise
     except BaseException:
-        _close_all(opened)
+        close_all(opened)
         raise
     return GRPOComponents(
         cfg=cfg, run_dir=run_dir, policy=policy, generation=generation, clusters=clusters, dataloader=dataloader,
