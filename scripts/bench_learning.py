@@ -7,8 +7,10 @@ after, and the validation curve in between. Prints and saves the numbers.
 
 The run is `rlpost train experiment=smollm2_arith_cpu` stopped by checkpointing.checkpoint_must_save_by (it
 saves its last step and exits 0); "before" is `rlpost eval` of the prepared model, "after" the same eval of the
-last checkpoint's HF export: same prompts (the validation split), same sampling seeds. Results are appended to
-results/bench_learning.json.
+last checkpoint's HF export: same prompts (the validation split), same sampling seeds. The run ends with a
+validation (every run does), and `rlpost eval` of the last checkpoint with one sample per prompt re-scores it from
+the HF export alone (it uses validation's seeds), which shows the export is what was trained. Results are
+appended to results/bench_learning.json.
 """
 
 from __future__ import annotations
@@ -64,8 +66,15 @@ def main() -> None:
            f"checkpointing.checkpoint_must_save_by=00:00:{minutes:02d}:{seconds:02d}", cwd=work)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
-    after = evaluate([f"eval.checkpoint={run_dir / 'checkpoints' / f'step_{last}'}"], base, args.eval_prompts,
-                     args.eval_k, work / "after.json", work)
+    checkpoint = f"eval.checkpoint={run_dir / 'checkpoints' / f'step_{last}'}"
+    after = evaluate([checkpoint], base, args.eval_prompts, args.eval_k, work / "after.json", work)
+    # The run's final validation, re-scored from the HF export alone: one sample per prompt, validation's seeds.
+    final_val = next(r for r in reversed(rows) if "validation/accuracy" in r)
+    replay = work / "replay.json"
+    run_cfg = json.loads((run_dir / "checkpoints" / f"step_{last}" / "config.yaml").read_text())
+    rlpost("eval", *base, checkpoint, "eval.num_samples=1", f"eval.max_prompts={run_cfg['grpo']['max_val_samples']}",
+           f"eval.output={replay}", cwd=work)
+    replayed = json.loads(replay.read_text())
     curve = [{"step": r["step"], "validation/accuracy": r["validation/accuracy"]}
              for r in rows if "validation/accuracy" in r]
     rewards = [r["train/reward"] for r in rows if "train/reward" in r]
@@ -82,6 +91,8 @@ def main() -> None:
         "train_reward_last5": sum(rewards[-5:]) / max(len(rewards[-5:]), 1),
         "before": before,
         "after": after,
+        "final_validation": {"step": final_val["step"], "accuracy": final_val["validation/accuracy"],
+                             "eval_of_export": replayed["accuracy"], "num_prompts": replayed["num_prompts"]},
         "total_s": time.perf_counter() - t0,
     }
     print(f"\n{args.experiment}: {last} steps in {args.minutes:g} min ({result['mean_step_s']:.1f} s/step)")
@@ -94,6 +105,9 @@ def main() -> None:
         s, g = r["sampled"], r["greedy"]
         print(f"  eval {name:<6} sampled accuracy {s['accuracy']:.3f}  pass@{k} {s[f'pass@{k}']:.3f}  "
               f"greedy accuracy {g['accuracy']:.3f}  mean length {s['mean_length']:.1f}  ({r['model']})")
+    fv = result["final_validation"]
+    print(f"  final validation (step {fv['step']}) {fv['accuracy']:.3f}; rlpost eval of its HF export "
+          f"{fv['eval_of_export']:.3f} ({fv['num_prompts']:.0f} prompts, validation's seeds)")
     out = REPO / "results" / "bench_learning.json"
     out.parent.mkdir(exist_ok=True)
     history = json.loads(out.read_text()) if out.is_file() else []

@@ -2,6 +2,10 @@
 generation engine and the environments of the config: accuracy (share of samples with reward 1),
 pass@k (share of prompts with at least one such sample among k = eval.num_samples) and mean
 generated length, printed and written as JSON.
+
+Prompts go in validation's batches (grpo.val_batch_size) with validation's seeds for the checkpoint's step, so
+`rlpost eval eval.checkpoint=…/step_N` (eval.num_samples=1, eval.max_prompts=grpo.max_val_samples) scores
+exactly what the run's validation at step N scored, from the HF export alone.
 """
 
 from __future__ import annotations
@@ -34,6 +38,15 @@ def weights_dir(cfg: MasterConfig) -> str:
     return str(hf)
 
 
+def checkpoint_step(cfg: MasterConfig) -> int:
+    """The training step of eval.checkpoint (…/step_N), 0 for a model directory: sampling uses the seeds the
+    run's validation used at that step, so eval.num_samples=1 reproduces it (step 0 = the base model)."""
+    if cfg.eval.checkpoint is None:
+        return 0
+    name = Path(cfg.eval.checkpoint).expanduser().resolve().name
+    return int(name.split("_", 1)[1]) if name.startswith("step_") and name[5:].isdigit() else 0
+
+
 def default_output() -> Path:
     return Path("outputs") / "eval" / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S") / "eval.json"
 
@@ -55,6 +68,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     """Generate k samples per prompt, score them, return the report (and write it as JSON)."""
     import ray
 
+    from rlpost.algorithms.collect import validation_seeds
     from rlpost.algorithms.grpo_setup import close_all
     from rlpost.algorithms.rollouts import run_rollout
     from rlpost.config.layout import layout_of
@@ -88,22 +102,35 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         gen_cfg = dataclasses.replace(cfg.policy.generation, model_name=model)
         engine = build(gen_cfg, cluster, model_path=model, timeout_s=cfg.cluster.call_timeout_s,
                        key="policy.generation._target_")
-        seeds = [cfg.grpo.seed * 1_000_003 + i for i in range(len(prompts))]
-        batch = run_rollout(prompts, torch.arange(len(prompts)) // k, engine, tokenizer, envs,
-                            greedy=cfg.eval.greedy, seeds=seeds)
+        rewards: list[torch.Tensor] = []
+        lengths: list[torch.Tensor] = []
+        responses: list[str] = []
+        step = checkpoint_step(cfg)
+        for start in range(0, len(rows), cfg.grpo.val_batch_size):  # validate()'s batches and seeds
+            part = prompts[start * k : (start + cfg.grpo.val_batch_size) * k]
+            n = len(part) // k
+            per_repeat = [validation_seeds(cfg.grpo.seed, step, start, n, repeat=j) for j in range(k)]
+            seeds = [per_repeat[j][i] for i in range(n) for j in range(k)]
+            batch = run_rollout(part, torch.arange(len(part)) // k, engine, tokenizer, envs,
+                                greedy=cfg.eval.greedy, seeds=seeds)
+            rewards.append(batch.rewards)
+            lengths.append(batch.gen["generation_lengths"])
+            responses += batch.responses
     finally:
         close_all([*[x.shutdown for x in (engine, cluster) if x is not None], *[e.shutdown for e in envs.values()]])
         if ray.is_initialized():
             ray.shutdown()
+    all_rewards = torch.cat(rewards)
     report: dict[str, Any] = {
         "model": model,
         "data": cfg.data.dataset_name if cfg.data.dataset_name != "synthetic" else f"synthetic:{cfg.data.synthetic.task}",
         "split": cfg.eval.split,
         "k": k,
         "greedy": cfg.eval.greedy,
-        **summarize(batch.rewards, batch.gen["generation_lengths"], k),
+        "step": step,
+        **summarize(all_rewards, torch.cat(lengths), k),
         "wall_s": round(time.perf_counter() - t0, 2),
-        "samples": [{"prompt": r["problem"], "response": batch.responses[i * k], "reward": float(batch.rewards[i * k])}
+        "samples": [{"prompt": r["problem"], "response": responses[i * k], "reward": float(all_rewards[i * k])}
                     for i, r in enumerate(rows[:5])],
     }
     out.write_text(json.dumps(report, indent=1))

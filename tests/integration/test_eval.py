@@ -35,17 +35,25 @@ def test_eval_a_model_dir_and_a_trained_checkpoint(tmp_path: Path) -> None:
     assert all(re.match(r"^(rlpost eval: |  accuracy |  report: )", line) for line in lines), lines
     assert (tmp_path / "base.log").is_file()  # the engine's output went there
 
-    train = run(cache, "train", f"hydra.run.dir={tmp_path / 'run'}", "generation=hf", "grpo.max_num_steps=2",
-                "grpo.val_period=0", "checkpointing.metric_name=train:reward", "checkpointing.save_period=1",
+    # val_period=5 > max_num_steps: the only validation is the one every run ends with, in two batches of 8
+    val = ["grpo.max_val_samples=16", "grpo.val_batch_size=8"]
+    train = run(cache, "train", f"hydra.run.dir={tmp_path / 'run'}", "generation=hf", "grpo.max_num_steps=3",
+                "grpo.val_period=5", *val, "checkpointing.metric_name=train:reward", "checkpointing.save_period=1",
                 cwd=tmp_path)
     assert train.returncode == 0, train.stderr[-3000:]
-    step = tmp_path / "run" / "checkpoints" / "step_2"
-    out = run(cache, "eval", "generation=hf", "eval.greedy=true", "eval.max_prompts=8", f"eval.checkpoint={step}",
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    validated = [r for r in rows if "validation/reward" in r]
+    assert [r["step"] for r in validated] == [3]
+    step = tmp_path / "run" / "checkpoints" / "step_3"
+    out = run(cache, "eval", "generation=hf", *val, "eval.max_prompts=16", f"eval.checkpoint={step}",
               f"eval.output={tmp_path / 'trained.json'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     trained = json.loads((tmp_path / "trained.json").read_text())
     assert trained["model"] == str(step / "policy" / "weights" / "hf") and trained["k"] == 1
-    assert trained["accuracy"] == trained["pass@1"]
+    assert trained["step"] == 3 and trained["accuracy"] == trained["pass@1"]
+    # the HF export alone, sampled with validation's seeds, scores what the run's final validation scored
+    assert trained["accuracy"] == validated[0]["validation/accuracy"]
+    assert trained["mean_reward"] == pytest.approx(validated[0]["validation/reward"], abs=1e-9)
 
 
 def test_eval_refuses_a_checkpoint_without_an_export(tmp_path: Path) -> None:

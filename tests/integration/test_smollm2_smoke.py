@@ -31,7 +31,8 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_two_grpo_steps_and_an_eval_on_smollm2(tmp_path: Path) -> None:
     train = run("train", f"hydra.run.dir={tmp_path / 'run'}", *SMALL, "grpo.max_num_steps=2",
                 "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=8",
-                "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8", "grpo.val_period=0",
+                "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8", "grpo.val_period=2",
+                "grpo.max_val_samples=4", "grpo.val_batch_size=4",
                 "checkpointing.metric_name=train:reward", "checkpointing.save_period=2", cwd=tmp_path)
     assert train.returncode == 0, train.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -48,9 +49,12 @@ def test_two_grpo_steps_and_an_eval_on_smollm2(tmp_path: Path) -> None:
     assert exported.config.model_type == "llama" and exported.num_parameters() > 100_000_000
 
     report = tmp_path / "eval.json"
-    ev = run("eval", *SMALL, f"eval.checkpoint={step}", "eval.max_prompts=4", "eval.num_samples=2",
+    ev = run("eval", *SMALL, f"eval.checkpoint={step}", "eval.max_prompts=4", "grpo.val_batch_size=4",
              f"eval.output={report}", cwd=tmp_path)
     assert ev.returncode == 0, ev.stderr[-3000:]
     out = json.loads(report.read_text())
-    assert out["num_prompts"] == 4 and out["num_samples"] == 8 and out["k"] == 2
-    assert 0.0 <= out["accuracy"] <= out["pass@2"] <= 1.0 and 0 < out["mean_length"] <= 8
+    assert out["num_prompts"] == 4 and out["num_samples"] == 4 and out["k"] == 1
+    assert 0.0 <= out["accuracy"] <= 1.0 and 0 < out["mean_length"] <= 8
+    # the exported checkpoint reproduces the run's final validation (same prompts, batches and seeds)
+    assert out["accuracy"] == rows[-1]["validation/accuracy"]
+    assert out["mean_length"] == pytest.approx(rows[-1]["validation/avg_length"], abs=1e-6)

@@ -31,6 +31,13 @@ def sample_seeds(seed: int, step: int, n: int, salt: int = 0) -> list[int]:
     return [(seed * 1_000_003 + step * 10_007 + salt * 7919 + i) % (2**31 - 1) for i in range(n)]
 
 
+def validation_seeds(seed: int, step: int, start: int, n: int, repeat: int = 0) -> list[int]:
+    """Seeds of validation rows start..start+n-1 at `step` (one batch of grpo.val_batch_size). `rlpost eval` of
+    the checkpoint step_N draws its first sample per prompt with these (repeat 0), so it reproduces the run's
+    validation at step N; repeat j > 0 seeds its further samples."""
+    return sample_seeds(seed, step, n, salt=1 + start + repeat * 1_000_003)
+
+
 def shaped_rewards(grpo_cfg: GRPOConfig, batch: RolloutBatch) -> torch.Tensor:
     """[B] rewards after grpo.reward_scaling and grpo.reward_shaping (overlong penalty)."""
     rewards = scale_rewards(batch.rewards, grpo_cfg.reward_scaling)

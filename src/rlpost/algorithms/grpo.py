@@ -21,7 +21,7 @@ from rlpost.algorithms.advantages import (
     calculate_baseline_and_std_per_prompt,
     compute_advantages,
 )
-from rlpost.algorithms.collect import collect_batch, sample_seeds, shaped_rewards
+from rlpost.algorithms.collect import collect_batch, shaped_rewards, validation_seeds
 from rlpost.algorithms.deadline import SaveDeadline
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
 from rlpost.algorithms.grpo_setup import GRPOComponents, generation_dtype, save_rng_state, setup
@@ -79,7 +79,7 @@ def validate(components: GRPOComponents, step: int) -> dict[str, float]:
     to_print = components.cfg.logger.num_val_samples_to_print
     for start in range(0, len(rows), grpo_cfg.val_batch_size):
         part = [components.processor(r) for r in rows[start : start + grpo_cfg.val_batch_size]]
-        seeds = sample_seeds(grpo_cfg.seed, step, len(part), salt=1 + start)
+        seeds = validation_seeds(grpo_cfg.seed, step, start, len(part))
         batch = run_rollout(part, torch.arange(len(part)), components.generation, components.tokenizer, components.envs, seeds=seeds,
                             label=f"validation at step {step}")
         rewards.append(batch.rewards)
@@ -284,15 +284,17 @@ def grpo_train(
             results = train(components, train_data, weights, timer)
             metrics = {"train/reward": float(collected.generated_rewards.mean()),  # every sample generated
                        **_step_metrics(batch, train_data, advantages, results, collected.sampler)}
-            if grpo_cfg.val_period > 0 and step % grpo_cfg.val_period == 0:
+            last = step >= grpo_cfg.max_num_steps or loader.epochs_done() >= grpo_cfg.max_num_epochs
+            deadline.step_took(time.perf_counter() - step_t0)
+            out_of_time = deadline.due() and not last
+            # Every val_period steps, and at the run's final step (so its last checkpoint has a validation score).
+            if grpo_cfg.val_period > 0 and (step % grpo_cfg.val_period == 0 or last or out_of_time):
                 weights.sync()
                 val = validate(components, step)
                 metrics.update(val)
                 save_state.val_reward = val.get("validation/accuracy", save_state.val_reward)
             record(components, step, train_data, metrics, (loader.epoch, loader.index))
-            last = step >= grpo_cfg.max_num_steps
             deadline.step_took(time.perf_counter() - step_t0)
-            out_of_time = deadline.due() and not last
             if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last or out_of_time):
                 save_t0 = time.perf_counter()
                 with timer.time("checkpointing"):

@@ -71,7 +71,8 @@ class GRPOConfig:
     use_leave_one_out_baseline: bool = True
     """Leave-one-out baseline (RLOO) instead of the plain group mean."""
     val_period: int = 10
-    """Validate every this many steps; 0 = never."""
+    """Validate every this many steps and at the run's last step (max_num_steps, the last epoch, or the
+    checkpoint_must_save_by stop), so the final checkpoint always has a validation score; 0 = never."""
     val_batch_size: int = 256
     """Prompts per validation batch."""
     val_at_start: bool = False
