@@ -70,7 +70,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
 
     from rlpost.algorithms.collect import validation_seeds
     from rlpost.algorithms.grpo_setup import close_all
-    from rlpost.algorithms.rollouts import run_rollout
+    from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
     from rlpost.config.layout import layout_of
     from rlpost.data.datasets import load_rows
     from rlpost.data.prompts import PromptProcessor, load_tokenizer
@@ -111,8 +111,9 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             n = len(part) // k
             per_repeat = [validation_seeds(cfg.grpo.seed, step, start, n, repeat=j) for j in range(k)]
             seeds = [per_repeat[j][i] for i in range(n) for j in range(k)]
-            batch = run_rollout(part, torch.arange(len(part)) // k, engine, tokenizer, envs,
-                                greedy=cfg.eval.greedy, seeds=seeds)
+            batch = run_rollouts(part, torch.arange(len(part)) // k, engine, tokenizer, envs,
+                                 turn_settings(cfg, greedy=cfg.eval.greedy), cfg.policy.generation.async_rollouts(),
+                                 seeds=seeds)
             rewards.append(batch.rewards)
             lengths.append(batch.gen["generation_lengths"])
             responses += batch.responses

@@ -48,6 +48,7 @@ def plan_rows(cfg: MasterConfig) -> list[tuple[str, str]]:
         ("engine layout", f"{lay.gen_replicas} replica(s) x TP*PP={lay.gen_tp} ({lay.gen_world} workers)"),
         ("placement", placement),
         ("prev-logprobs pass", _PREV_PASS[prev_logprobs_pass(cfg)]),
+        ("rollouts", _rollouts(cfg)),
         ("steps", f"max {g.max_num_steps} steps / {g.max_num_epochs} epoch(s); validate every {g.val_period}"),
     ]
 
@@ -60,3 +61,14 @@ def print_plan(cfg: MasterConfig, console: Console | None = None) -> None:
     for label, value in plan_rows(cfg):
         table.add_row(label, value)
     (console or Console()).print(table)
+
+
+def _rollouts(cfg: MasterConfig) -> str:
+    """Single-turn, or multi-turn with its driver (rlpost.algorithms.multi_turn)."""
+    turns = cfg.grpo.max_rollout_turns
+    if turns == 1:
+        return "single-turn"
+    how = ("one coroutine per episode (vLLM async engine)" if cfg.policy.generation.async_rollouts()
+           else "turns in lock-step, one batched generate per turn")
+    return (f"multi-turn: up to {turns} model turns per episode within {cfg.policy.max_total_sequence_length} "
+            f"tokens; {how}; environment tokens masked out of the loss")

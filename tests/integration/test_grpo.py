@@ -85,6 +85,22 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_multi_turn_tool_episodes_on_the_async_engine(cache: Path, tmp_path: Path) -> None:
+    """experiment=tiny_lookup on vLLM's async engine: one coroutine per episode, two model turns around the
+    lookup tool's answer; only the model's tokens are trained and the trainer agrees with the engine on them."""
+    run = tmp_path / "lookup"
+    train(run, cache, "experiment=tiny_lookup", *SMALL, "policy.generation.vllm_cfg.async_engine=true",
+          "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.max_val_samples=16", "checkpointing=disabled")
+    lines = metrics(run)
+    steps = [m for m in lines if "train/token_mult_prob_error" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["train/rollout/mean_turns"] == 2.0 and m["train/rollout/mean_env_tokens"] > 0
+        assert m["train/valid_response_tokens"] == 2 * 32  # 32 episodes x 2 model tokens; the tool's are masked
+        assert m["train/token_mult_prob_error"] <= 1.001, m["train/token_mult_prob_error"]
+    assert "validation/accuracy" in lines[-1]
+
+
 def _weights(run: Path, step: int) -> dict[str, object]:
     from safetensors.torch import load_file
 

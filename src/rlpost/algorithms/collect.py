@@ -21,7 +21,8 @@ from rlpost.algorithms.advantages import (
 )
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
 from rlpost.algorithms.grpo_setup import GRPOComponents
-from rlpost.algorithms.rollouts import RolloutBatch, run_rollout
+from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
+from rlpost.algorithms.rollouts import RolloutBatch
 from rlpost.config.schema.grpo import GRPOConfig
 from rlpost.runtime.timer import Timer
 
@@ -91,8 +92,9 @@ def collect_batch(
         sync_weights()
         seeds = sample_seeds(grpo_cfg.seed, step, len(repeated), salt=sampler.gen_batches if sampler else 0)
         # books "generation" and "reward_calculation" (scoring) apart; warns on slow rewards
-        rollout = run_rollout(repeated, group_ids, components.generation, components.tokenizer, components.envs,
-                              seeds=seeds, timer=timer, label=f"step {step}")
+        rollout = run_rollouts(repeated, group_ids, components.generation, components.tokenizer, components.envs,
+                               turn_settings(components.cfg), components.cfg.policy.generation.async_rollouts(),
+                               seeds=seeds, timer=timer, label=f"step {step}")
         with timer.time("generation"):
             components.generation.finish_generation()
         generated.append(rollout.rewards)

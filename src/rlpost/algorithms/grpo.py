@@ -25,8 +25,9 @@ from rlpost.algorithms.collect import collect_batch, shaped_rewards, validation_
 from rlpost.algorithms.deadline import SaveDeadline
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
 from rlpost.algorithms.grpo_setup import GRPOComponents, generation_dtype, save_rng_state, setup
+from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
 from rlpost.algorithms.refit import refit_policy_generation
-from rlpost.algorithms.rollouts import RolloutBatch, run_rollout
+from rlpost.algorithms.rollouts import RolloutBatch
 from rlpost.algorithms.train_data import build_train_data
 from rlpost.config.schema.grpo import GRPOConfig, GRPOSaveState, _default_grpo_save_state
 from rlpost.config.schema.logger import GRPOLoggerConfig
@@ -80,8 +81,9 @@ def validate(components: GRPOComponents, step: int) -> dict[str, float]:
     for start in range(0, len(rows), grpo_cfg.val_batch_size):
         part = [components.processor(r) for r in rows[start : start + grpo_cfg.val_batch_size]]
         seeds = validation_seeds(grpo_cfg.seed, step, start, len(part))
-        batch = run_rollout(part, torch.arange(len(part)), components.generation, components.tokenizer, components.envs, seeds=seeds,
-                            label=f"validation at step {step}")
+        batch = run_rollouts(part, torch.arange(len(part)), components.generation, components.tokenizer,
+                             components.envs, turn_settings(components.cfg), _should_use_async_rollouts(components.cfg),
+                             seeds=seeds, label=f"validation at step {step}")
         rewards.append(batch.rewards)
         lengths.append(batch.gen["generation_lengths"].float())
         for i in range(min(batch.size, max(to_print - start, 0))):  # logger.num_val_samples_to_print

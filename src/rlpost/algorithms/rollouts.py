@@ -89,6 +89,51 @@ def prompts_batch(rows: list[dict[str, Any]], pad_id: int) -> BatchedDataDict:
     return BatchedDataDict(input_ids=ids, input_lengths=lengths)
 
 
+@dataclass
+class EnvTurn:
+    """One environment's answer to its share of a batch: the sample indices it got and its return."""
+
+    name: str
+    idx: list[int]
+    ret: EnvironmentReturn
+    seconds: float
+
+
+def step_envs(
+    responses: list[str], rows: list[dict[str, Any]], envs: dict[str, EnvironmentInterface]
+) -> list[EnvTurn]:
+    """Each row's environment (row["env_name"]) steps on its responses, one call per environment."""
+    by_env: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_env.setdefault(r["env_name"], []).append(i)
+    turns = []
+    for name, idx in by_env.items():
+        t0 = time.perf_counter()
+        ret = envs[name].step([responses[i] for i in idx], [rows[i] for i in idx])
+        turns.append(EnvTurn(name, idx, ret, time.perf_counter() - t0))
+    return turns
+
+
+def turn_metrics(turns: list[EnvTurn], envs: dict[str, EnvironmentInterface], n: int, label: str | None) -> dict[str, float]:
+    """reward_timeouts / reward_errors / reward_unfinished of one batch of env steps; with a `label` (e.g.
+    "step 3"), a slow or timed-out scoring prints one warning line."""
+    notes = [note for t in turns if (note := _slow_note(t.name, envs[t.name], t.ret, t.seconds)) is not None]
+    if label is not None and notes:
+        console.warn(
+            f"{label}: rewards took {sum(t.seconds for t in turns):.1f} s for {n} samples ({'; '.join(notes)}); "
+            "raise num_workers or lower timeout_s"
+        )
+    metrics = {
+        "reward_timeouts": float(sum(t.ret.timeouts for t in turns)),
+        "reward_errors": float(sum(t.ret.errors for t in turns)),
+        "reward_unfinished": float(sum(t.ret.unfinished for t in turns)),
+    }
+    for t in turns:  # the environments' own counters (e.g. calculator_calls), summed
+        for key, value in t.ret.metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + float(value)
+    return metrics
+
+
 def score(
     responses: list[str],
     rows: list[dict[str, Any]],
@@ -100,34 +145,10 @@ def score(
     With a `label` (e.g. "step 3"), a slow or timed-out scoring prints one warning line.
     """
     rewards = torch.zeros(len(rows))
-    timeouts = errors = unfinished = 0
-    by_env: dict[str, list[int]] = {}
-    for i, r in enumerate(rows):
-        by_env.setdefault(r["env_name"], []).append(i)
-    seconds = 0.0
-    notes: list[str] = []
-    for name, idx in by_env.items():
-        t0 = time.perf_counter()
-        ret = envs[name].step([responses[i] for i in idx], [rows[i] for i in idx])
-        dt = time.perf_counter() - t0
-        seconds += dt
-        rewards[torch.tensor(idx)] = torch.tensor(ret.rewards, dtype=torch.float32)
-        timeouts += ret.timeouts
-        errors += ret.errors
-        unfinished += ret.unfinished
-        note = _slow_note(name, envs[name], ret, dt)
-        if note is not None:
-            notes.append(note)
-    if label is not None and notes:
-        console.warn(
-            f"{label}: rewards took {seconds:.1f} s for {len(rows)} samples ({'; '.join(notes)}); "
-            "raise num_workers or lower timeout_s"
-        )
-    return rewards, {
-        "reward_timeouts": float(timeouts),
-        "reward_errors": float(errors),
-        "reward_unfinished": float(unfinished),
-    }
+    turns = step_envs(responses, rows, envs)
+    for t in turns:
+        rewards[torch.tensor(t.idx)] = torch.tensor(t.ret.rewards, dtype=torch.float32)
+    return rewards, turn_metrics(turns, envs, len(rows), label)
 
 
 def _slow_note(name: str, env: EnvironmentInterface, ret: EnvironmentReturn, seconds: float) -> str | None:

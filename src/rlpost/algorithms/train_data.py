@@ -1,7 +1,8 @@
 """Rollouts + advantages -> the [B, S] training batch (NeMo RL's layout).
 
 Per-token tensors are aligned with input_ids (the prompt then the response, right-padded to a
-multiple of policy.make_sequence_length_divisible_by); token_mask is 1 on response tokens only;
+multiple of policy.make_sequence_length_divisible_by); token_mask is 1 on response tokens only (in a
+multi-turn episode, on the model's turns only: the rollout's gen["token_mask"]);
 advantages are broadcast over the response; sample_mask = loss_multiplier (0 for over-long prompts
 and, with overlong filtering, truncated samples).
 """
@@ -24,10 +25,13 @@ def build_train_data(
     if s > s0:
         ids = torch.nn.functional.pad(ids, (0, s - s0), value=pad_id)
         lp = torch.nn.functional.pad(lp, (0, s - s0))
-    pos = torch.arange(s)[None, :]  # [1, S]
-    start = batch.input_lengths[:, None]  # [B, 1]
-    end = batch.gen["unpadded_sequence_lengths"][:, None]  # [B, 1]
-    token_mask = ((pos >= start) & (pos < end)).float()  # [B, S]
+    if "token_mask" in batch.gen:  # multi-turn: the model's tokens only, never the environment's
+        token_mask = torch.nn.functional.pad(batch.gen["token_mask"].float(), (0, s - s0))
+    else:
+        pos = torch.arange(s)[None, :]  # [1, S]
+        start = batch.input_lengths[:, None]  # [B, 1]
+        end = batch.gen["unpadded_sequence_lengths"][:, None]  # [B, 1]
+        token_mask = ((pos >= start) & (pos < end)).float()  # [B, S]
     return BatchedDataDict(
         input_ids=ids,
         input_lengths=batch.gen["unpadded_sequence_lengths"].long(),

@@ -4,7 +4,10 @@
 - copy_digit:  "Copy the digit 7"     -> "7"
 - add_mod10:   "3 + 4 mod 10 ="       -> "7"
 - arith_add1 / arith_add2 / arith_mixed: "What is 3 + 4? Put the final answer in \\boxed{}." -> "7", for real
-  models, scored by math-verify (env=math); the others by rlpost.environments.synthetic's exact match.
+  models, scored by math-verify (env=math); the ones above by rlpost.environments.synthetic's exact match.
+- lookup: "Key 7" -> table[7], a secret table of the row only the lookup tool knows (multi-turn, env=lookup).
+- calc_mul: "What is 37 * 24? You have a calculator: ..." -> "888", two-digit products for real models with
+  the calculator tool (multi-turn, env=calculator).
 
 Prompts end with the token the answer depends on most, so even a 2-layer model can learn the
 mapping quickly from bandit feedback.
@@ -17,7 +20,7 @@ import string
 
 
 def make_example(task: str, rng: random.Random) -> dict[str, str]:
-    """One {"problem", "expected_answer"} row of `task`."""
+    """One {"problem", "expected_answer"} row of `task` (lookup rows also carry their "key" and "table")."""
     if task == "next_letter":
         i = rng.randrange(26)
         return {"problem": f"Next letter after {string.ascii_lowercase[i]}",
@@ -30,6 +33,14 @@ def make_example(task: str, rng: random.Random) -> dict[str, str]:
         return {"problem": f"{a} + {b} mod 10 =", "expected_answer": str((a + b) % 10)}
     if task.startswith("arith_"):
         return _arith(task, rng)
+    if task == "lookup":
+        key, table = rng.randrange(10), "".join(rng.choice(string.digits) for _ in range(10))
+        return {"problem": f"Key {key}", "expected_answer": table[key], "key": str(key), "table": table}
+    if task == "calc_mul":
+        a, b = rng.randrange(11, 100), rng.randrange(11, 100)
+        return {"problem": f"What is {a} * {b}? You have a calculator: write <call>expression</call> and you will "
+                           "get <result>value</result>. Put the final answer in \\boxed{}.",
+                "expected_answer": str(a * b)}
     raise ValueError(f"unknown synthetic task {task!r}")
 
 

@@ -9,6 +9,7 @@ duplicated.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,17 +78,34 @@ class ActorGroup:
             for f in done:
                 try:
                     ray.get(f, timeout=0)
-                except RayActorError as exc:
-                    self._fail(f"{self.describe(who[futures.index(f)])} died: {str(exc).splitlines()[0]}")
-                except RayTaskError as exc:
-                    cause = getattr(exc, "cause", None)
-                    head = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}" \
-                        if cause is not None else str(exc).splitlines()[0]
-                    # One line first (what the console shows), then the remote traceback for train.log.
-                    raise WorkerGroupError(f"{self.describe(who[futures.index(f)])} raised {head}\n{exc}") from None
+                except (RayActorError, RayTaskError) as exc:
+                    self._raise_for(exc, who[futures.index(f)])
                 except GetTimeoutError:  # pragma: no cover - done futures don't time out
                     pass
         return ray.get(list(futures), timeout=max(deadline - time.monotonic(), 1.0))
+
+    async def get_async(self, future: Any, index: int) -> Any:
+        """`get` of one future of actor `index`, awaited from a coroutine (per-sample rollouts): the same
+        timeout and the same one-line errors."""
+
+        async def result() -> Any:
+            return await future
+
+        try:
+            return await asyncio.wait_for(result(), timeout=self.timeout_s)
+        except TimeoutError:
+            self._fail(f"call did not finish within {self.timeout_s:.0f}s on {self.describe(index)}")
+        except (RayActorError, RayTaskError) as exc:
+            self._raise_for(exc, index)
+
+    def _raise_for(self, exc: Exception, index: int) -> NoReturn:
+        if isinstance(exc, RayActorError):
+            self._fail(f"{self.describe(index)} died: {str(exc).splitlines()[0]}")
+        cause = getattr(exc, "cause", None)
+        head = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}" \
+            if cause is not None else str(exc).splitlines()[0]
+        # One line first (what the console shows), then the remote traceback for train.log.
+        raise WorkerGroupError(f"{self.describe(index)} raised {head}\n{exc}") from None
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every actor with the same arguments; results in actor order."""

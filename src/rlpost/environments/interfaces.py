@@ -21,14 +21,26 @@ class EnvironmentReturn:
     """Of the timeouts, samples still unscored when the batch deadline ran out."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Environment-specific metrics."""
+    observations: list[str] | None = None
+    """Multi-turn: per response, the environment's turn (e.g. a tool result) appended after it, tokenized as is and
+    masked out of the loss; None = single-turn (every episode ends with this response)."""
+    terminateds: list[bool] | None = None
+    """Multi-turn: per response, True when its episode is over (None = all over)."""
+    next_stop_strings: list[list[str] | None] | None = None
+    """Multi-turn: stop strings of each episode's next turn, on top of policy.generation.stop_strings (None = none)."""
+    next_metadata: list[dict[str, Any]] | None = None
+    """Multi-turn: each episode's metadata for its next turn (the environment's state); None keeps it."""
 
 
 class EnvironmentInterface(ABC):
-    """Single-turn scoring of responses against per-sample metadata (e.g. the ground truth)."""
+    """Scores responses against per-sample metadata (e.g. the ground truth) and, in multi-turn episodes,
+    answers them (grpo.max_rollout_turns > 1)."""
 
     @abstractmethod
     def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
-        """Score `responses`; metadata[i] belongs to responses[i]."""
+        """Score `responses`; metadata[i] belongs to responses[i]. In a multi-turn episode, responses[i] is the
+        model's latest turn and metadata[i] the row updated by the environment's earlier `next_metadata`; the
+        episode's reward is the sum of its turns' rewards."""
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -21,7 +21,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -87,6 +87,8 @@ class PoolResult:
     """Of the timeouts, samples still queued or running when batch_timeout_s ran out."""
     seconds: float = 0.0
     """Wall time of the batch, warm-up excluded."""
+    status: list[str] = field(default_factory=list)
+    """Per args tuple: 'ok', 'timeout' (killed after timeout_s), 'unfinished' (batch deadline) or 'error: ...'."""
 
 
 class VerifierPool:
@@ -124,7 +126,7 @@ class VerifierPool:
         self._await_ready()
         t0 = time.monotonic()
         batch_deadline = t0 + self.batch_timeout_s
-        res = PoolResult([0.0] * len(args_list))
+        res = PoolResult([0.0] * len(args_list), status=["unfinished"] * len(args_list))
         todo: deque[int] = deque(range(len(args_list)))
         done = 0
         while done < len(args_list):
@@ -149,6 +151,7 @@ class VerifierPool:
                     done += self._receive(w, res)
                 elif w.busy is not None and now >= w.busy[1]:
                     res.timeouts += 1
+                    res.status[w.busy[0]] = "timeout"
                     done += 1
                     self._replace(w)
                 elif not w.ready and now >= w.ready_by:
@@ -164,6 +167,7 @@ class VerifierPool:
             if w.busy is None:
                 raise RuntimeError(f"a verifier worker for {self._fn_name()} died while warming up") from None
             res.errors += 1
+            res.status[w.busy[0]] = "error: the worker died"
             self._replace(w)
             return 1
         if idx == _READY:
@@ -171,6 +175,7 @@ class VerifierPool:
             return 0
         res.rewards[idx] = value
         res.errors += err is not None
+        res.status[idx] = "ok" if err is None else f"error: {err}"
         w.busy = None
         return 1
 

@@ -43,7 +43,7 @@ BAD = [
     (["policy._target_=os.system"], "policy._target_", "allow-list"),
     (["policy.optimizer.name=builtins.eval"], "policy.optimizer.name", "allow-list"),
     (["grpo.async_grpo.enabled=true"], "grpo.async_grpo.enabled", "not implemented"),
-    (["grpo.max_rollout_turns=2"], "grpo.max_rollout_turns", "multi-turn"),
+    (["grpo.max_rollout_turns=0"], "grpo.max_rollout_turns", "must be > 0"),
     (["policy.dtensor_cfg.context_parallel_size=2", "cluster.gpus_per_node=2"],
      "policy.dtensor_cfg.context_parallel_size", "not implemented"),
     (["logger.wandb_enabled=true"], "logger.wandb_enabled", "not bundled"),

@@ -45,8 +45,6 @@ REFUSED: dict[tuple[str, str], tuple[list[str], str]] = {
     ("AsyncGRPOConfig", "recompute_kv_cache_after_weight_updates"): (
         ["grpo.async_grpo.recompute_kv_cache_after_weight_updates=true"],
         "grpo.async_grpo.recompute_kv_cache_after_weight_updates"),
-    # Multi-turn rollouts are not implemented: only 1 is accepted.
-    ("GRPOConfig", "max_rollout_turns"): (["grpo.max_rollout_turns=2"], "grpo.max_rollout_turns"),
     # W&B, MLflow and SwanLab are not bundled: only false is accepted.
     ("LoggerConfig", "wandb_enabled"): (["logger.wandb_enabled=true"], "logger.wandb_enabled"),
     ("LoggerConfig", "mlflow_enabled"): (["logger.mlflow_enabled=true"], "logger.mlflow_enabled"),

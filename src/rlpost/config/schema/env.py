@@ -60,3 +60,22 @@ class MathEnvConfig(EnvConfig):
         super().check(path)
         one_of(f"{path}.verifier_type", self.verifier_type, ("math",))
         one_of(f"{path}.math_verify_impl", self.math_verify_impl, ("hf_math_verify",))
+
+
+@dataclass
+class CalculatorEnvConfig(EnvConfig):
+    """A calculator tool for multi-turn episodes: `<call>EXPR</call>` -> `<result>VALUE</result>`, the final
+    answer scored with math-verify (rlpost.environments.calculator). Each call runs in a killable worker
+    bounded by timeout_s."""
+
+    _target_: str = "rlpost.environments.calculator.CalculatorEnvironment"
+    """Environment class."""
+
+
+@dataclass
+class LookupEnvConfig(EnvConfig):
+    """A two-turn lookup tool the tiny default model learns to use: ask a key, read its value, answer it
+    (rlpost.environments.lookup)."""
+
+    _target_: str = "rlpost.environments.lookup.LookupEnvironment"
+    """Environment class."""

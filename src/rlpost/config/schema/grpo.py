@@ -65,7 +65,9 @@ class GRPOConfig:
     max_num_steps: int = 1000000
     """Stop after this many GRPO steps."""
     max_rollout_turns: int = 1
-    """Environment interactions per sample (multi-turn)."""
+    """Model turns per episode: 1 = single-turn; more lets the environment answer each turn (a tool result, a
+    game's next state) until it ends the episode, this many turns pass, or policy.max_total_sequence_length is
+    reached (rlpost.algorithms.multi_turn)."""
     normalize_rewards: bool = True
     """Divide advantages by the group std (where std > 0). False = Dr.GRPO."""
     use_leave_one_out_baseline: bool = True
@@ -119,12 +121,6 @@ class GRPOConfig:
             "must be >= 2: the group baseline needs at least two samples per prompt",
         )
         require(self.val_period >= 0, f"{path}.val_period", self.val_period, "must be >= 0")
-        require(
-            self.max_rollout_turns == 1,
-            f"{path}.max_rollout_turns",
-            self.max_rollout_turns,
-            "multi-turn rollouts are not implemented in rlpost yet (single turn only)",
-        )
         require(self.batch_multiplier >= 1.0, f"{path}.batch_multiplier", self.batch_multiplier, "must be >= 1")
         require(
             not self.async_grpo.enabled,

@@ -38,7 +38,13 @@ from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
 from rlpost.models.fingerprint import FingerprintBuilder, check_fingerprints, fingerprint_of_digests, weight_fingerprint
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
-from rlpost.models.generation.outputs import GeneratedSample, assemble_outputs, contiguous_splits, unpack_prompts
+from rlpost.models.generation.outputs import (
+    GeneratedSample,
+    assemble_outputs,
+    contiguous_splits,
+    row_stop_strings,
+    unpack_prompts,
+)
 from rlpost.models.generation.vllm_extension import FAULT_ENV, check_against_info
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -158,15 +164,24 @@ class HFGenerationWorker:
         return out
 
     def generate(
-        self, prompts: list[list[int]], spec: dict[str, Any], seed: int | None = None
+        self, prompts: list[list[int]], spec: dict[str, Any], seed: int | None = None,
+        stops: list[list[str]] | None = None,
     ) -> list[GeneratedSample]:
-        """One sample per prompt, in order; `seed` reseeds the sampler first (reproducible shards)."""
+        """One sample per prompt, in order; `seed` reseeds the sampler first (reproducible shards); `stops[i]`
+        adds stop strings for prompt i (rows with the same stops are generated together)."""
         if seed is not None:
             torch.manual_seed(seed)
-        out: list[GeneratedSample] = []
-        for s in range(0, len(prompts), self.batch_size):
-            out += self._generate_batch(prompts[s : s + self.batch_size], spec)
-        return out
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i in range(len(prompts)):
+            groups.setdefault(tuple(stops[i]) if stops else (), []).append(i)
+        out: list[GeneratedSample | None] = [None] * len(prompts)
+        for extra, idx in groups.items():
+            group_spec = {**spec, "stop_strings": [*spec["stop_strings"], *extra]} if extra else spec
+            for s in range(0, len(idx), self.batch_size):
+                part = idx[s : s + self.batch_size]
+                for i, sample in zip(part, self._generate_batch([prompts[i] for i in part], group_spec), strict=True):
+                    out[i] = sample
+        return [x for x in out if x is not None]
 
     # ------------------------------------------------------------------ memory phases
     def to_device(self, device: str) -> bool:
@@ -276,14 +291,20 @@ class HFGeneration(GenerationInterface):
         spec = hf_sampling_spec(self.cfg, greedy, self.eos_token_id)
         splits = contiguous_splits(len(prompts), self.group.dims.dp)
         shards = [prompts[a:b] for a, b in splits]
-        if "seeds" in data:
-            seeds = [int(x) for x in data["seeds"]]
-            first = [seeds[a] if a < len(seeds) else None for a, _ in splits]
+        stops = row_stop_strings(data)
+        if "seeds" in data or stops is not None:
+            seeds = [int(x) for x in data["seeds"]] if "seeds" in data else None
+            first = [seeds[a] if seeds and a < len(seeds) else None for a, _ in splits]
+            dp = [self.group.dims.coords(r)["dp"] for r in range(len(self.group.workers))]
             futures = [
-                w.generate.remote(shards[self.group.dims.coords(r)["dp"]], spec, first[self.group.dims.coords(r)["dp"]])
+                w.generate.remote(shards[dp[r]], spec, first[dp[r]],
+                                  stops[splits[dp[r]][0] : splits[dp[r]][1]] if stops else None)
                 for r, w in enumerate(self.group.workers)
             ]
             parts = self.group.get(futures)
+            # every TP rank of a DP shard returns the same samples; keep one per shard, in shard order
+            by_shard = {dp[r]: part for r, part in enumerate(parts)}
+            parts = [by_shard[d] for d in range(len(splits))]
         else:
             parts = self.group.run_sharded("generate", shards, spec)
         samples = [s for part in parts for s in part]

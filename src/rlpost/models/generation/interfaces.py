@@ -2,7 +2,10 @@
 
 Input `data` (a BatchedDataDict or any dict of tensors):
 - `input_ids` [B, P] int64: prompts, RIGHT-padded with the tokenizer's pad id;
-- `input_lengths` [B] int64: true prompt lengths.
+- `input_lengths` [B] int64: true prompt lengths;
+- optional `seeds` [B] int64: per-row sampling seeds (vLLM: per request; HF: the first seed of each shard);
+- optional `stop_strings`: a list of B lists of strings (or None) that end that row, on top of the
+  config's `stop_strings` (a multi-turn environment's next stop strings).
 
 Output BatchedDataDict, one row per input row, in input order:
 - `output_ids` [B, P + N] int64: row i = its prompt (input_lengths[i] tokens), then its generated
@@ -45,6 +48,13 @@ class GenerationInterface(ABC):
     @abstractmethod
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
         """Generate for every row of `data` (see the module docstring for the contract); a BatchedDataDict."""
+
+    async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
+        """generate() awaited from a coroutine, so many small requests (one per multi-turn sample) run at once.
+        The default runs generate() in a thread; an engine with an async core (vLLM's AsyncLLM) overrides it."""
+        import asyncio
+
+        return await asyncio.to_thread(self.generate, data, greedy)
 
     @abstractmethod
     def prepare_for_generation(self, **kwargs: Any) -> bool:

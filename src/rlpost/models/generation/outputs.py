@@ -44,6 +44,15 @@ def unpack_prompts(data: Mapping[str, Any]) -> list[list[int]]:
     return [row[: int(n)].tolist() for row, n in zip(ids, lens, strict=True)]
 
 
+def row_stop_strings(data: Mapping[str, Any]) -> list[list[str]] | None:
+    """The optional per-row `stop_strings` of a generate() input (a multi-turn environment's next stops), as
+    lists of strings (None rows -> []), or None when the input has none."""
+    stops = data.get("stop_strings") if hasattr(data, "get") else None
+    if stops is None:
+        return None
+    return [list(s) if s else [] for s in stops]
+
+
 def contiguous_splits(n: int, parts: int) -> list[tuple[int, int]]:
     """[start, end) of `parts` contiguous chunks covering range(n), sizes differing by at most one."""
     if parts < 1:

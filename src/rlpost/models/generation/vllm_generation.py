@@ -48,7 +48,7 @@ from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
 from rlpost.distributed.worker_groups import ActorGroup
 from rlpost.models.fingerprint import check_fingerprints, fingerprint_of_digests, weight_fingerprint
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
-from rlpost.models.generation.outputs import assemble_outputs, contiguous_splits, unpack_prompts
+from rlpost.models.generation.outputs import assemble_outputs, contiguous_splits, row_stop_strings, unpack_prompts
 from rlpost.models.generation.vllm_extension import FAULT_ENV
 from rlpost.models.generation.vllm_worker import VllmEngineWorker
 
@@ -118,6 +118,10 @@ def sampling_spec(cfg: Any, greedy: bool, eos_token_id: int | None) -> dict[str,
     }
 
 
+ASYNC_ACTOR_CONCURRENCY = 256
+"""Threads of an async-engine replica's actor: concurrent generate calls (one per in-flight sample)."""
+
+
 class VllmGeneration(GenerationInterface):
     """vLLM rollout engines: `cluster.world_size // tensor_parallel_size` data-parallel replicas."""
 
@@ -145,6 +149,7 @@ class VllmGeneration(GenerationInterface):
         self.num_replicas = cluster.world_size // self.slots_per_replica
         self.use_gpus = cluster.use_gpus
         self.group = ActorGroup([], f"vLLM {name_prefix} replica", timeout_s)
+        self._next_replica = 0
         self._refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
         remote_cls = ray.remote(VllmEngineWorker)
         passthrough = {k: os.environ[k] for k in os.environ if k.startswith("VLLM_") and k != "VLLM_CPU_KVCACHE_SPACE"}
@@ -161,6 +166,8 @@ class VllmGeneration(GenerationInterface):
                 )
             opts["runtime_env"] = {"env_vars": env}
             opts["name"] = f"{name_prefix}-replica{r}-{id(self):x}"
+            if v.async_engine:  # per-sample rollouts send many small concurrent requests to the one AsyncLLM
+                opts["max_concurrency"] = ASYNC_ACTOR_CONCURRENCY
             self.group.workers.append(
                 remote_cls.options(**opts).remote(
                     self.model_path,
@@ -200,12 +207,26 @@ class VllmGeneration(GenerationInterface):
         spec = sampling_spec(self.cfg, greedy, self.eos_token_id)
         chunks = contiguous_splits(len(prompts), self.num_replicas)
         seeds = [int(x) for x in data["seeds"]] if "seeds" in data else None
+        stops = row_stop_strings(data)
         futures, used = [], []
         for r, (a, b) in enumerate(chunks):
             if b > a:
-                futures.append(self.workers[r].generate.remote(prompts[a:b], spec, seeds[a:b] if seeds else None))
+                futures.append(self.workers[r].generate.remote(prompts[a:b], spec, seeds[a:b] if seeds else None,
+                                                               stops[a:b] if stops else None))
                 used.append(r)
         samples = [s for part in self._get(futures, used) for s in part]
+        return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
+
+    async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
+        """One request set (typically one multi-turn sample's turn) on the next replica, awaited: with
+        vllm_cfg.async_engine the replicas' threaded actors serve many of these at once."""
+        prompts = unpack_prompts(data)
+        spec = sampling_spec(self.cfg, greedy, self.eos_token_id)
+        seeds = [int(x) for x in data["seeds"]] if "seeds" in data else None
+        replica = self._next_replica
+        self._next_replica = (self._next_replica + 1) % self.num_replicas
+        future = self.workers[replica].generate.remote(prompts, spec, seeds, row_stop_strings(data))
+        samples = await self.group.get_async(future, replica)
         return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
 
     def prepare_for_generation(self, tags: list[str] | None = None, **kwargs: Any) -> bool:

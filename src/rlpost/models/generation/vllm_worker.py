@@ -63,6 +63,7 @@ class VllmEngineWorker:
         )
         self._sleeping = False
         self._req = 0
+        self._req_lock = threading.Lock()
         kwargs = {"model": model_path, "worker_extension_cls": EXTENSION_CLS, **engine_kwargs}
         if "kv_cache_memory_bytes" in kwargs:  # the legacy env var would override the configured size
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -114,23 +115,34 @@ class VllmEngineWorker:
         return SamplingParams(**spec, output_kind=RequestOutputKind.FINAL_ONLY)
 
     def generate(
-        self, prompts: list[list[int]], sampling: dict[str, Any], seeds: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        sampling: dict[str, Any],
+        seeds: list[int] | None = None,
+        stops: list[list[str]] | None = None,
     ) -> list[GeneratedSample]:
         """Generate one sample per prompt (token-id lists) with SamplingParams(**sampling); input order kept.
 
-        With `seeds`, prompt i samples with its own seed (reproducible whatever ran before)."""
+        With `seeds`, prompt i samples with its own seed (reproducible whatever ran before); `stops[i]` adds
+        stop strings for prompt i. With the async engine, concurrent calls (the actor is threaded) share it."""
         if not prompts:
             return []
-        if seeds is not None:
-            per_prompt = [self._sampling_params({**sampling, "seed": int(s)}) for s in seeds]
-        else:
-            per_prompt = [self._sampling_params(sampling)] * len(prompts)
+        per_prompt = []
+        for i in range(len(prompts)):
+            spec = dict(sampling)
+            if seeds is not None:
+                spec["seed"] = int(seeds[i])
+            if stops is not None and stops[i]:
+                spec["stop"] = [*(sampling.get("stop") or []), *stops[i]]
+                spec["detokenize"] = True  # vLLM matches stop strings on the detokenized text
+            per_prompt.append(self._sampling_params(spec))
         token_prompts = [{"prompt_token_ids": list(p)} for p in prompts]
         if not self.async_engine:
             outs = self.engine.generate(token_prompts, per_prompt, use_tqdm=False)
             return [_to_sample(o.outputs[0]) for o in outs]
-        base = self._req
-        self._req += len(prompts)
+        with self._req_lock:  # request ids stay unique across the actor's threads
+            base = self._req
+            self._req += len(prompts)
 
         async def one(i: int, prompt: dict[str, Any]) -> GeneratedSample:
             final = None
