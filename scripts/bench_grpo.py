@@ -13,6 +13,11 @@ Extra arguments are Hydra overrides. Results go to results/bench_grpo.json (one 
 Peak memory is the largest sum of RSS over the driver and all its descendant processes (Ray's
 GCS/raylet, policy workers, engines, verifiers), sampled every 0.2 s.
 Printed ratios: step / (bare generation + bare training) (target <= 1.15), refit GB/s beside memcpy GB/s.
+
+    .venv/bin/python scripts/bench_grpo.py --async-compare --steps 20 [overrides]   # sync vs async GRPO
+
+`--async-compare` runs sync and async GRPO on the same split layout (engine on one worker slot, trainer on the
+other) and prints each step beside generation + training and max(generation, training).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -63,19 +69,15 @@ class TreeMemory:
         self._t.join(timeout=2)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=2, help="steps excluded from the averages")
-    ap.add_argument("--out", default=str(REPO / "results" / "bench_grpo.json"))
-    ap.add_argument("--no-limits", action="store_true", help="skip the bare-engine / bare-torch / memcpy limits")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+SPLIT = ["cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
+         "policy.generation.colocated.resources.gpus_per_node=1", "loss_fn.use_importance_sampling_correction=true"]
+"""The engine on one worker slot, the trainer on the other (what async GRPO needs), IS correction on."""
 
+
+def run_steps(overrides: list[str]) -> tuple[Any, list[dict[str, float]], float, float, int]:
+    """(config, per-step metrics, setup seconds, wall seconds, peak tree RSS bytes) of one training run."""
     from rlpost.algorithms.grpo import grpo_train, setup
 
-    overrides = [f"grpo.max_num_steps={args.steps}", "grpo.val_period=0", "checkpointing=disabled",
-                 "logger.console_progress=false", *args.overrides]
     _, cfg = load_master_config(overrides)
     steps: list[dict[str, float]] = []
     t0 = time.perf_counter()
@@ -83,13 +85,72 @@ def main() -> int:
         comps = setup(cfg, Path(run_dir))
         t_setup = time.perf_counter() - t0
         try:
-            grpo_train(comps, on_step=lambda step, m: steps.append(dict(m)))
+            if cfg.grpo.async_grpo.enabled:
+                from rlpost.algorithms.async_grpo import async_grpo_train
+
+                async_grpo_train(comps, on_step=lambda step, m: steps.append(dict(m)))
+            else:
+                grpo_train(comps, on_step=lambda step, m: steps.append(dict(m)))
         finally:
             comps.close()
             import ray
 
             ray.shutdown()
-    wall = time.perf_counter() - t0
+    return cfg, steps, t_setup, time.perf_counter() - t0, mem.peak
+
+
+def mean(measured: list[dict[str, float]], key: str) -> float:
+    return statistics.mean(m.get(key, 0.0) for m in measured)
+
+
+def compare_async(args: argparse.Namespace, base: list[str]) -> dict[str, Any]:
+    """Sync and async GRPO on the same split layout and workload, one after the other: each step beside
+    generation + training (sync's bound) and max(generation, training) (async's)."""
+    out: dict[str, Any] = {}
+    for mode, extra in (("sync", []), ("async", ["grpo.async_grpo.enabled=true"])):
+        _, steps, _, _, _ = run_steps([*base, *SPLIT, *extra])
+        measured = steps[args.warmup:] or steps
+        gen = mean(measured, "async/generation_s") if mode == "async" else mean(measured, "timing/train/generation")
+        train = mean(measured, "timing/train/policy_training") + mean(measured, "timing/train/policy_and_reference_logprobs")
+        step = mean(measured, "timing/train/total_step_time")
+        out[mode] = {"step_s": round(step, 4), "generation_s": round(gen, 4), "training_s": round(train, 4),
+                     "refit_s": round(mean(measured, "timing/train/refit"), 4),
+                     "step_over_sum": round(step / (gen + train), 3), "step_over_max": round(step / max(gen, train), 3),
+                     "final_reward": steps[-1].get("train/reward") if steps else None}
+        if mode == "async":
+            out[mode]["trainer_wait_s"] = round(mean(measured, "async/trainer_wait_s"), 4)
+            out[mode]["dropped_stale"] = steps[-1].get("async/dropped_stale") if steps else None
+    out["async_speedup"] = round(out["sync"]["step_s"] / out["async"]["step_s"], 3)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2, help="steps excluded from the averages")
+    ap.add_argument("--out", default=str(REPO / "results" / "bench_grpo.json"))
+    ap.add_argument("--no-limits", action="store_true", help="skip the bare-engine / bare-torch / memcpy limits")
+    ap.add_argument("--async-compare", action="store_true",
+                    help="sync vs async GRPO, engine and trainer on separate slots (instead of the default run)")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+
+    overrides = [f"grpo.max_num_steps={args.steps}", "grpo.val_period=0", "checkpointing=disabled",
+                 "logger.console_progress=false", *args.overrides]
+    if args.async_compare:
+        result: dict[str, Any] = {"overrides": overrides, "async_compare": compare_async(args, overrides),
+                                  "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+                                  "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        print(json.dumps(result, indent=1))
+        for mode in ("sync", "async"):
+            r = result["async_compare"][mode]
+            print(f"{mode:>5}: step {r['step_s']:.3f}s  generation {r['generation_s']:.3f}s  training "
+                  f"{r['training_s']:.3f}s  step/(gen+train) {r['step_over_sum']:.2f}  "
+                  f"step/max(gen,train) {r['step_over_max']:.2f}")
+        print(f"async speed-up {result['async_compare']['async_speedup']:.2f}x (target: async step/max <= 1.1)")
+        _save(args.out, result)
+        return 0
+    cfg, steps, t_setup, wall, peak = run_steps(overrides)
     measured = steps[args.warmup:] or steps
     limits: dict[str, float] = {}
     if not args.no_limits:
@@ -103,20 +164,18 @@ def main() -> int:
         "steps": len(steps),
         "setup_s": round(t_setup, 2),
         "wall_s": round(wall, 2),
-        "phase_mean_s": {k.removeprefix("timing/train/"): round(statistics.mean(m.get(k, 0.0) for m in measured), 4)
-                         for k in phases},
-        "tokens_per_sec": round(statistics.mean(m["performance/tokens_per_sec"] for m in measured), 1),
-        "generation_tokens_per_sec": round(
-            statistics.mean(m["performance/generation_tokens_per_sec"] for m in measured), 1),
-        "peak_memory_gib": round(mem.peak / 2**30, 3),
+        "phase_mean_s": {k.removeprefix("timing/train/"): round(mean(measured, k), 4) for k in phases},
+        "tokens_per_sec": round(mean(measured, "performance/tokens_per_sec"), 1),
+        "generation_tokens_per_sec": round(mean(measured, "performance/generation_tokens_per_sec"), 1),
+        "peak_memory_gib": round(peak / 2**30, 3),
         "time_to_first_step_s": round(t_setup + (steps[0].get("timing/train/total_step_time", 0.0) if steps else 0.0), 2),
         "final_reward": steps[-1].get("train/reward") if steps else None,
         "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     if limits:
-        step_s = statistics.mean(m["timing/train/total_step_time"] for m in measured)
-        refit_s = statistics.mean(m.get("timing/train/refit", 0.0) for m in measured) or float("nan")
+        step_s = mean(measured, "timing/train/total_step_time")
+        refit_s = mean(measured, "timing/train/refit") or float("nan")
         bare = limits["bare_generation_s"] + limits["bare_training_s"]
         result["limits"] = {k: round(v, 4) for k, v in limits.items()}
         result["step_over_bare"] = round(step_s / bare, 3)
@@ -127,12 +186,16 @@ def main() -> int:
               f"{limits['bare_training_s']:.3f}s: ratio {result['step_over_bare']:.2f} (target <= 1.15)")
         print(f"refit {result['refit_gbps']:.2f} GB/s vs memcpy {limits['memcpy_gbps']:.2f} GB/s "
               f"({limits['model_bytes'] / 1e6:.1f} MB)")
-    out = Path(args.out)
+    _save(args.out, result)
+    return 0
+
+
+def _save(path: str, result: dict[str, Any]) -> None:
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     history = json.loads(out.read_text()) if out.is_file() else []
     out.write_text(json.dumps([*history, result], indent=1))
     print(f"saved to {out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -137,13 +137,18 @@ def run(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
                         ck = cfg.checkpointing
                         saved = ck.enabled and (step % ck.save_period == 0 or step >= total)
                         if ck.enabled and ck.save_on_interrupt and not saved:
-                            save_checkpoint(comps, step, m)
+                            save_checkpoint(comps, step, m, loader_state=comps.extras.get("loader_state"))
                             saved = True
                         if saved:
                             say.info(f"stopped after step {step}; checkpoint saved")
                         raise stop.interrupted()
 
-                state = grpo_train(comps, on_step=on_step)
+                if cfg.grpo.async_grpo.enabled:
+                    from rlpost.algorithms.async_grpo import async_grpo_train
+
+                    state = async_grpo_train(comps, on_step=on_step)
+                else:
+                    state = grpo_train(comps, on_step=on_step)
         except Interrupted:
             raise
         except BaseException as exc:

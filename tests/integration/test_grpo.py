@@ -101,6 +101,59 @@ def test_multi_turn_tool_episodes_on_the_async_engine(cache: Path, tmp_path: Pat
     assert "validation/accuracy" in lines[-1]
 
 
+ASYNC = ["grpo.async_grpo.enabled=true", "cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
+         "policy.generation.colocated.resources.gpus_per_node=1", "loss_fn.use_importance_sampling_correction=true"]
+
+
+def test_async_grpo_learns_within_the_age_limit_and_resumes(cache: Path, tmp_path: Path) -> None:
+    """The default task on async GRPO (max age 1): the engine generates the next batch while the trainer
+    trains; every batch trained on is at most one version old, and the run still learns. Re-running with
+    more steps resumes from the last checkpoint and regenerates what was buffered."""
+    run = tmp_path / "async"
+    common = [*ASYNC, "checkpointing.save_period=40", "grpo.val_period=40"]
+    train(run, cache, *common, "grpo.max_num_steps=80")
+    steps = [m for m in metrics(run) if "async/trajectory_age" in m]
+    assert [m["step"] for m in steps] == list(range(1, 81))
+    assert all(0 <= m["async/trajectory_age"] <= 1 for m in steps)  # never trained past the age limit
+    assert steps[0]["async/trajectory_age"] == 0 and steps[0]["train/token_mult_prob_error"] <= 1.001
+    assert max(m["async/trajectory_age"] for m in steps) == 1  # generation really ran ahead of training
+    assert sum(m["train/reward"] for m in steps[-5:]) / 5 >= 0.9, [m["train/reward"] for m in steps[-5:]]
+    assert all(k in steps[-1] for k in ("async/buffer_size", "async/trainer_wait_s", "async/dropped_stale"))
+    loader = json.loads((run / "checkpoints" / "step_80" / "train_dataloader.json").read_text())
+    assert loader == {"epoch": 0, "index": 80}  # the position after the last *trained* batch (not the collector's)
+
+    out = train(run, cache, *common, "grpo.max_num_steps=82")
+    assert "resuming from step 80" in out.stderr
+    rows = [m for m in metrics(run) if "async/trajectory_age" in m]
+    assert [m["step"] for m in rows][-3:] == [80, 81, 82] and rows[-2]["async/trajectory_age"] == 0
+
+
+def test_a_killed_engine_actor_stops_async_grpo_with_its_name(cache: Path, tmp_path: Path) -> None:
+    import psutil
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([RLPOST, "train", f"hydra.run.dir={run}", *ASYNC, "grpo.max_num_steps=100000",
+                             "checkpointing=disabled"], env=env(cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None and not (
+                (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 3):
+            time.sleep(0.2)
+        engines = [p for p in psutil.process_iter(["cmdline"])
+                   if "VllmEngineWorker" in " ".join(p.info["cmdline"] or [])]
+        assert engines, "no engine actor process found"
+        for p in engines:
+            p.kill()
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 3, err[-2000:]
+    assert re.search(r"vLLM \S+ replica 0 died", err), err[-2000:]
+    assert "Traceback" not in err
+
+
 def _weights(run: Path, step: int) -> dict[str, object]:
     from safetensors.torch import load_file
 

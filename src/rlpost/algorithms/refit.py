@@ -38,7 +38,11 @@ def refit_policy_generation(
         policy_fp = buckets.fingerprint
     else:
         futures = policy_generation.update_weights_from_collective_async()
-        policy_fp = policy.broadcast_weights_collective(dtype)
+        try:
+            policy_fp = policy.broadcast_weights_collective(dtype)
+        except Exception:
+            policy_generation.check_alive()  # a receiver that died breaks the broadcast: name it, not the sender
+            raise
         engine_fp = policy_generation.wait_collective_update(futures, expected=policy_fp)
     if engine_fp != policy_fp:
         raise FingerprintMismatch(

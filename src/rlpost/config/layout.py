@@ -170,6 +170,7 @@ def compute_layout(cfg: MasterConfig) -> Layout:
             f"must be divisible by train_micro_batch_size x data-parallel size "
             f"({p.train_micro_batch_size} x {dp} = {p.train_micro_batch_size * dp})",
         )
+    _check_async(cfg)
     return Layout(
         colocated=cfg.policy.generation.colocated.enabled,
         train_nodes=tn,
@@ -201,6 +202,31 @@ def prev_logprobs_pass(cfg: MasterConfig) -> str:
     if loss.force_on_policy_ratio:
         return "forced"
     g = cfg.grpo
+    if g.async_grpo.enabled:  # trajectories of older weights: the ratio needs the trainer's logprobs
+        return "computed"
     if g.num_prompts_per_step * g.num_generations_per_prompt == cfg.policy.train_global_batch_size:
         return "on-policy"
     return "computed"
+
+
+def _check_async(cfg: MasterConfig) -> None:
+    """Async GRPO trains on trajectories of older weights while the engine keeps generating: it needs its own
+    engine slots, the trainer's logprobs of every batch, and importance-sampling correction."""
+    if not cfg.grpo.async_grpo.enabled:
+        return
+    key = "grpo.async_grpo.enabled"
+    if cfg.policy.generation.colocated.enabled:
+        raise ConfigError(key, True, "async GRPO needs the engine on its own workers",
+                          "policy.generation.colocated.enabled=false with colocated.resources for the engine "
+                          "(e.g. cluster.gpus_per_node=2 policy.generation.colocated.resources.gpus_per_node=1)")
+    loss = cfg.loss_fn
+    if not isinstance(loss, ClippedPGLossConfig) or not loss.use_importance_sampling_correction:
+        raise ConfigError("loss_fn.use_importance_sampling_correction",
+                          getattr(loss, "use_importance_sampling_correction", None),
+                          "async GRPO trains on trajectories of older weights: importance-sampling correction "
+                          "must be on", "loss_fn.use_importance_sampling_correction=true")
+    if loss.force_on_policy_ratio:
+        raise ConfigError("loss_fn.force_on_policy_ratio", True,
+                          "async GRPO's data is off-policy: the ratio must use the trainer's logprobs")
+    if cfg.grpo.use_dynamic_sampling:
+        raise ConfigError("grpo.use_dynamic_sampling", True, "is not supported with async GRPO (as in NeMo RL)")

@@ -10,6 +10,9 @@ import pytest
 from rlpost.cli import main
 
 # (overrides, key that must be named, words of the rule that must appear)
+SPLIT = ["cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
+         "policy.generation.colocated.resources.gpus_per_node=1"]
+
 BAD = [
     (["policy=megatorn"], "policy", "did you mean 'megatron'"),
     (["generation=vlm"], "generation", "did you mean 'vllm'"),
@@ -42,7 +45,12 @@ BAD = [
     (["policy.generation.top_p=1.5"], "policy.generation.top_p", "(0, 1]"),
     (["policy._target_=os.system"], "policy._target_", "allow-list"),
     (["policy.optimizer.name=builtins.eval"], "policy.optimizer.name", "allow-list"),
-    (["grpo.async_grpo.enabled=true"], "grpo.async_grpo.enabled", "not implemented"),
+    (["grpo.async_grpo.enabled=true"], "grpo.async_grpo.enabled", "needs the engine on its own workers"),
+    (["grpo.async_grpo.enabled=true", *SPLIT], "loss_fn.use_importance_sampling_correction",
+     "importance-sampling correction must be on"),
+    (["grpo.async_grpo.enabled=true", *SPLIT, "loss_fn.use_importance_sampling_correction=true",
+      "grpo.use_dynamic_sampling=true"], "grpo.use_dynamic_sampling", "not supported with async GRPO"),
+    (["grpo.async_grpo.max_trajectory_age_steps=0"], "grpo.async_grpo.max_trajectory_age_steps", "must be > 0"),
     (["grpo.max_rollout_turns=0"], "grpo.max_rollout_turns", "must be > 0"),
     (["policy.dtensor_cfg.context_parallel_size=2", "cluster.gpus_per_node=2"],
      "policy.dtensor_cfg.context_parallel_size", "not implemented"),

@@ -37,9 +37,7 @@ REFUSED: dict[tuple[str, str], tuple[list[str], str]] = {
     # torch_save would write pickles; rlpost writes safetensors only.
     ("CheckpointingConfig", "model_save_format"): (
         ["checkpointing.model_save_format=torch_save"], "checkpointing.model_save_format"),
-    # Async GRPO is not implemented (async_grpo.enabled is refused), so its options could do nothing.
-    ("AsyncGRPOConfig", "max_trajectory_age_steps"): (
-        ["grpo.async_grpo.max_trajectory_age_steps=2"], "grpo.async_grpo.max_trajectory_age_steps"),
+    # In-flight weight updates are not implemented: the engine finishes its batch, then refits.
     ("AsyncGRPOConfig", "in_flight_weight_updates"): (
         ["grpo.async_grpo.in_flight_weight_updates=true"], "grpo.async_grpo.in_flight_weight_updates"),
     ("AsyncGRPOConfig", "recompute_kv_cache_after_weight_updates"): (

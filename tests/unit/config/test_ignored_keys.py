@@ -100,9 +100,9 @@ def test_clear_cache_every_n_steps_must_be_positive() -> None:
     assert refused("policy.dtensor_cfg.clear_cache_every_n_steps=0").key == "policy.dtensor_cfg.clear_cache_every_n_steps"
 
 
-def test_async_grpo_options_are_refused_while_async_grpo_is() -> None:
+def test_in_flight_weight_updates_are_refused() -> None:
     err = refused("grpo.async_grpo.in_flight_weight_updates=true")
-    assert err.key == "grpo.async_grpo.in_flight_weight_updates" and "no effect" in err.rule
+    assert err.key == "grpo.async_grpo.in_flight_weight_updates" and "not implemented" in err.rule
 
 
 # ---- pre-flight: GPU-only keys on a CPU run ------------------------------------------------------

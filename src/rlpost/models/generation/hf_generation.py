@@ -285,6 +285,10 @@ class HFGeneration(GenerationInterface):
     def set_call_timeout(self, timeout_s: float) -> None:
         self.group.timeout_s = timeout_s
 
+    def check_alive(self) -> None:
+        """A quick call on every worker: a dead one is named (WorkerGroupError)."""
+        self.group.get([w.info.remote() for w in self.group.workers], timeout_s=30.0)
+
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
         """Generate for every row of `data` (contract in rlpost.models.generation.interfaces)."""
         prompts = unpack_prompts(data)

@@ -57,6 +57,11 @@ class GenerationInterface(ABC):
         return await asyncio.to_thread(self.generate, data, greedy)
 
     @abstractmethod
+    def check_alive(self) -> None:
+        """Raise, naming it, when an engine worker is dead (a refit broadcast fails when a receiver died, and
+        the receiver is the one to name)."""
+
+    @abstractmethod
     def prepare_for_generation(self, **kwargs: Any) -> bool:
         """Make the engine ready to generate (wake weights / KV cache on GPU); True when done."""
 

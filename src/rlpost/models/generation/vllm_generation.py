@@ -118,6 +118,9 @@ def sampling_spec(cfg: Any, greedy: bool, eos_token_id: int | None) -> dict[str,
     }
 
 
+ALIVE_TIMEOUT_S = 30.0
+"""Bound of check_alive's call (a live replica answers `info` at once)."""
+
 ASYNC_ACTOR_CONCURRENCY = 256
 """Threads of an async-engine replica's actor: concurrent generate calls (one per in-flight sample)."""
 
@@ -216,6 +219,10 @@ class VllmGeneration(GenerationInterface):
                 used.append(r)
         samples = [s for part in self._get(futures, used) for s in part]
         return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
+
+    def check_alive(self) -> None:
+        """A quick call on every replica: a dead one is named (WorkerGroupError)."""
+        self.group.get([w.info.remote() for w in self.workers], timeout_s=ALIVE_TIMEOUT_S)
 
     async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
         """One request set (typically one multi-turn sample's turn) on the next replica, awaited: with
