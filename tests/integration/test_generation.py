@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -376,9 +377,66 @@ def test_async_engine_same_contract(
         out = engine.generate(batch)
         eng, ref = _ref_logprobs(ref_model, weights_b, out, batch, TEMPERATURE)
         assert _mult_prob_error(eng, ref) <= 1.0001
+        _in_flight_refit_keeps_requests(engine, weights_b)
+        _multi_turn_sync_and_async_agree(vllm_engine, engine, weights_a, tokenizer)
     finally:
         engine.shutdown()
         cluster.shutdown()
+
+
+def _in_flight_refit_keeps_requests(engine: Any, weights: dict) -> None:
+    """Async GRPO's in-flight weight update: requests frozen mid-generation (pause), weights loaded, resumed.
+    With the same weights reloaded, every request finishes exactly as an uninterrupted run does."""
+    import threading
+
+    g = torch.Generator().manual_seed(1)
+    n, width = 128, 40
+    batch = {"input_ids": torch.randint(3, 300, (n, width), generator=g), "input_lengths": torch.full((n,), width),
+             "seeds": torch.arange(n) + 1000}
+    with _cfg(engine, stop_token_ids=[], max_new_tokens=80):
+        t0 = time.perf_counter()
+        straight = engine.generate(batch)
+        took = time.perf_counter() - t0
+        got: dict[str, Any] = {}
+        worker = threading.Thread(target=lambda: got.update(out=engine.generate(batch)))
+        worker.start()
+        time.sleep(took / 3)
+        in_flight = worker.is_alive()
+        engine.pause_for_refit()
+        engine.update_weights(weights.items())
+        engine.resume_after_refit()
+        worker.join(timeout=240)
+    assert in_flight, "the batch finished before the refit: the test needs a longer generation"
+    assert torch.equal(got["out"]["output_ids"], straight["output_ids"])
+    assert torch.allclose(got["out"]["logprobs"], straight["logprobs"], atol=1e-5)
+
+
+def _multi_turn_sync_and_async_agree(sync_engine: Any, async_engine: Any, weights: dict, tokenizer: Any) -> None:
+    """The lookup tool's two-turn episodes: lock-step turns on the sync engine and one coroutine per episode
+    on the async engine give the same tokens, masks and rewards for the same seeds."""
+    from rlpost.algorithms.multi_turn import TurnSettings, run_async_multi_turn_rollout, run_multi_turn_rollout
+    from rlpost.config.schema.env import LookupEnvConfig
+    from rlpost.data.synthetic_tasks import make_rows
+    from rlpost.environments.lookup import LookupEnvironment
+
+    rows = [{**r, "prompt_ids": tokenizer(r["problem"])["input_ids"], "env_name": "lookup", "loss_multiplier": 1.0}
+            for r in make_rows("lookup", 12, seed=5)]
+    env = LookupEnvironment(LookupEnvConfig())
+    try:
+        sync_engine.update_weights(weights.items())
+        async_engine.update_weights(weights.items())
+        settings = TurnSettings(max_turns=2, max_seq_len=64)
+        args = (torch.arange(12), tokenizer, {"lookup": env}, settings)
+        with _cfg(sync_engine, max_new_tokens=2), _cfg(async_engine, max_new_tokens=2):
+            a = run_multi_turn_rollout(rows, args[0], sync_engine, *args[1:], seeds=list(range(12)))
+            b = run_async_multi_turn_rollout(rows, args[0], async_engine, *args[1:], seeds=list(range(12)))
+    finally:
+        env.shutdown()
+    for key in ("output_ids", "token_mask", "generation_lengths"):
+        assert torch.equal(a.gen[key], b.gen[key]), key
+    assert torch.equal(a.rewards, b.rewards) and a.metrics["rollout/mean_turns"] == 2.0
+    # exactly the engine's tokens are marked: two turns of 2 tokens, the tool's answer between them unmarked
+    assert a.gen["token_mask"].sum(dim=1).tolist() == [4.0] * 12
 
 
 def test_many_seeded_prompts_larger_than_one_step_generate(vllm_engine: Any, weights_a: dict) -> None:

@@ -128,6 +128,20 @@ def test_async_grpo_learns_within_the_age_limit_and_resumes(cache: Path, tmp_pat
     assert [m["step"] for m in rows][-3:] == [80, 81, 82] and rows[-2]["async/trajectory_age"] == 0
 
 
+def test_async_grpo_with_in_flight_weight_updates(cache: Path, tmp_path: Path) -> None:
+    """Refits land while the engine is mid-batch (24 tokens a sample make generation the longer phase): its
+    requests freeze, take the new weights and go on; no batch is ever past the age limit."""
+    run = tmp_path / "in_flight"
+    train(run, cache, *ASYNC, "policy.generation.vllm_cfg.async_engine=true", "grpo.async_grpo.in_flight_weight_updates=true",
+          "policy.generation.max_new_tokens=24", "policy.generation.stop_token_ids=[]", "grpo.max_num_steps=6",
+          "grpo.val_period=0", "checkpointing=disabled")
+    steps = [m for m in metrics(run) if "async/trajectory_age" in m]
+    assert [m["step"] for m in steps] == list(range(1, 7))
+    assert all(0 <= m["async/trajectory_age"] <= 1 for m in steps)
+    assert steps[-1]["async/in_flight_refits"] >= 3, [m["async/in_flight_refits"] for m in steps]
+    assert all(m["train/mean_gen_length"] == 24 for m in steps)
+
+
 def test_a_killed_engine_actor_stops_async_grpo_with_its_name(cache: Path, tmp_path: Path) -> None:
     import psutil
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlpost.config.errors import ConfigError
+from rlpost.config.schema.grpo import AsyncGRPOConfig
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.master import MasterConfig
 
@@ -212,7 +213,14 @@ def prev_logprobs_pass(cfg: MasterConfig) -> str:
 def _check_async(cfg: MasterConfig) -> None:
     """Async GRPO trains on trajectories of older weights while the engine keeps generating: it needs its own
     engine slots, the trainer's logprobs of every batch, and importance-sampling correction."""
-    if not cfg.grpo.async_grpo.enabled:
+    a = cfg.grpo.async_grpo
+    if not a.enabled:
+        defaults = AsyncGRPOConfig()
+        for name in ("max_trajectory_age_steps", "in_flight_weight_updates", "recompute_kv_cache_after_weight_updates"):
+            if getattr(a, name) != getattr(defaults, name):
+                raise ConfigError(f"grpo.async_grpo.{name}", getattr(a, name),
+                                  "is an option of async GRPO, which is off: it would have no effect",
+                                  "grpo.async_grpo.enabled=true")
         return
     key = "grpo.async_grpo.enabled"
     if cfg.policy.generation.colocated.enabled:
@@ -230,3 +238,7 @@ def _check_async(cfg: MasterConfig) -> None:
                           "async GRPO's data is off-policy: the ratio must use the trainer's logprobs")
     if cfg.grpo.use_dynamic_sampling:
         raise ConfigError("grpo.use_dynamic_sampling", True, "is not supported with async GRPO (as in NeMo RL)")
+    if cfg.grpo.async_grpo.in_flight_weight_updates and not cfg.policy.generation.async_rollouts():
+        raise ConfigError("grpo.async_grpo.in_flight_weight_updates", True,
+                          "needs vLLM's async engine (it freezes requests in flight while the weights change)",
+                          "generation=vllm policy.generation.vllm_cfg.async_engine=true")

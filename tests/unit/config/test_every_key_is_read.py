@@ -37,12 +37,6 @@ REFUSED: dict[tuple[str, str], tuple[list[str], str]] = {
     # torch_save would write pickles; rlpost writes safetensors only.
     ("CheckpointingConfig", "model_save_format"): (
         ["checkpointing.model_save_format=torch_save"], "checkpointing.model_save_format"),
-    # In-flight weight updates are not implemented: the engine finishes its batch, then refits.
-    ("AsyncGRPOConfig", "in_flight_weight_updates"): (
-        ["grpo.async_grpo.in_flight_weight_updates=true"], "grpo.async_grpo.in_flight_weight_updates"),
-    ("AsyncGRPOConfig", "recompute_kv_cache_after_weight_updates"): (
-        ["grpo.async_grpo.recompute_kv_cache_after_weight_updates=true"],
-        "grpo.async_grpo.recompute_kv_cache_after_weight_updates"),
     # W&B, MLflow and SwanLab are not bundled: only false is accepted.
     ("LoggerConfig", "wandb_enabled"): (["logger.wandb_enabled=true"], "logger.wandb_enabled"),
     ("LoggerConfig", "mlflow_enabled"): (["logger.mlflow_enabled=true"], "logger.mlflow_enabled"),

@@ -100,9 +100,22 @@ def test_clear_cache_every_n_steps_must_be_positive() -> None:
     assert refused("policy.dtensor_cfg.clear_cache_every_n_steps=0").key == "policy.dtensor_cfg.clear_cache_every_n_steps"
 
 
-def test_in_flight_weight_updates_are_refused() -> None:
-    err = refused("grpo.async_grpo.in_flight_weight_updates=true")
-    assert err.key == "grpo.async_grpo.in_flight_weight_updates" and "not implemented" in err.rule
+def test_async_grpo_options_are_refused_while_async_grpo_is_off() -> None:
+    for key, value in (("max_trajectory_age_steps", "2"), ("in_flight_weight_updates", "true")):
+        err = refused(f"grpo.async_grpo.{key}={value}")
+        assert err.key == f"grpo.async_grpo.{key}" and "no effect" in err.rule
+    err = refused("grpo.async_grpo.recompute_kv_cache_after_weight_updates=true")
+    assert err.key == "grpo.async_grpo.recompute_kv_cache_after_weight_updates" and "in-flight" in err.rule
+
+
+def test_in_flight_weight_updates_need_the_async_engine() -> None:
+    split = ["cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
+             "policy.generation.colocated.resources.gpus_per_node=1", "loss_fn.use_importance_sampling_correction=true",
+             "grpo.async_grpo.enabled=true", "grpo.async_grpo.in_flight_weight_updates=true"]
+    err = refused(*split)
+    assert err.key == "grpo.async_grpo.in_flight_weight_updates" and "async engine" in err.rule
+    err = refused(*split[:-1], "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true")
+    assert err.key == "grpo.async_grpo.recompute_kv_cache_after_weight_updates"
 
 
 # ---- pre-flight: GPU-only keys on a CPU run ------------------------------------------------------

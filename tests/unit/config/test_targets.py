@@ -17,6 +17,10 @@ COMPANIONS = {
     ("cluster", "ray"): ["policy.train_micro_batch_size=8"],
     ("model", "local"): ["model.path=/models/any"],
     ("data", "arith"): ["env=math"],
+    ("data", "calc"): ["env=calculator"],
+    ("env", "calculator"): ["data=calc"],
+    ("data", "lookup"): ["env=lookup"],
+    ("env", "lookup"): ["data=lookup"],
 }
 
 

@@ -20,9 +20,10 @@ class AsyncGRPOConfig:
     older batches are dropped (async/dropped_stale). Also sizes the replay buffer (this many batches, plus the
     one the engine is generating)."""
     in_flight_weight_updates: bool = False
-    """Swap weights mid-generation: not implemented (the engine finishes its batch, then refits); only false."""
+    """Refit without waiting for the engine's batch: its in-flight requests freeze, take the new weights and go on
+    (needs policy.generation.vllm_cfg.async_engine=true). False: the engine finishes its batch, then refits."""
     recompute_kv_cache_after_weight_updates: bool = False
-    """Recompute the KV cache after an in-flight update: only with in-flight updates, so only false."""
+    """With in-flight updates: drop the frozen requests' KV cache so it is recomputed with the new weights."""
 
 
 @dataclass
@@ -126,15 +127,9 @@ class GRPOConfig:
         require(self.val_period >= 0, f"{path}.val_period", self.val_period, "must be >= 0")
         require(self.batch_multiplier >= 1.0, f"{path}.batch_multiplier", self.batch_multiplier, "must be >= 1")
         positive(f"{path}.async_grpo.max_trajectory_age_steps", self.async_grpo.max_trajectory_age_steps)
-        for name in ("in_flight_weight_updates", "recompute_kv_cache_after_weight_updates"):
-            require(
-                not getattr(self.async_grpo, name),
-                f"{path}.async_grpo.{name}",
-                True,
-                "in-flight weight updates are not implemented in rlpost: the engine finishes its current batch, "
-                "then takes the new weights",
-                "leave it false",
-            )
+        require(not self.async_grpo.recompute_kv_cache_after_weight_updates or self.async_grpo.in_flight_weight_updates,
+                f"{path}.async_grpo.recompute_kv_cache_after_weight_updates", True,
+                "only applies to in-flight weight updates", "grpo.async_grpo.in_flight_weight_updates=true")
         rs = self.reward_scaling
         require(rs.source_min < rs.source_max, f"{path}.reward_scaling.source_min", rs.source_min, "must be < source_max")
         sh = self.reward_shaping

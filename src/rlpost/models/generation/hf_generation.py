@@ -285,6 +285,13 @@ class HFGeneration(GenerationInterface):
     def set_call_timeout(self, timeout_s: float) -> None:
         self.group.timeout_s = timeout_s
 
+    def pause_for_refit(self, recompute_kv_cache: bool = False) -> None:
+        raise RuntimeError("the HF engine cannot take weights mid-generation (in-flight weight updates need vLLM's "
+                           "async engine)")
+
+    def resume_after_refit(self) -> None:
+        raise RuntimeError("the HF engine has no paused requests to resume")
+
     def check_alive(self) -> None:
         """A quick call on every worker: a dead one is named (WorkerGroupError)."""
         self.group.get([w.info.remote() for w in self.group.workers], timeout_s=30.0)

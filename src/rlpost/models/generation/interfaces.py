@@ -57,6 +57,15 @@ class GenerationInterface(ABC):
         return await asyncio.to_thread(self.generate, data, greedy)
 
     @abstractmethod
+    def pause_for_refit(self, recompute_kv_cache: bool = False) -> None:
+        """Freeze in-flight requests so new weights can be loaded under them (grpo.async_grpo.in_flight_weight_updates);
+        they go on after `resume_after_refit`. An engine that cannot raises."""
+
+    @abstractmethod
+    def resume_after_refit(self) -> None:
+        """Let the requests frozen by `pause_for_refit` go on."""
+
+    @abstractmethod
     def check_alive(self) -> None:
         """Raise, naming it, when an engine worker is dead (a refit broadcast fails when a receiver died, and
         the receiver is the one to name)."""

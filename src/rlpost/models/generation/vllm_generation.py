@@ -220,6 +220,13 @@ class VllmGeneration(GenerationInterface):
         samples = [s for part in self._get(futures, used) for s in part]
         return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
 
+    def pause_for_refit(self, recompute_kv_cache: bool = False) -> None:
+        """Freeze every replica's in-flight requests (vLLM pause_generation(mode='keep')); async engine only."""
+        self._all("pause", recompute_kv_cache)
+
+    def resume_after_refit(self) -> None:
+        self._all("resume")
+
     def check_alive(self) -> None:
         """A quick call on every replica: a dead one is named (WorkerGroupError)."""
         self.group.get([w.info.remote() for w in self.workers], timeout_s=ALIVE_TIMEOUT_S)

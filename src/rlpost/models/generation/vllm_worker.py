@@ -157,6 +157,20 @@ class VllmEngineWorker:
 
         return self._run(all_())
 
+    # ------------------------------------------------------------------ in-flight weight updates (async engine)
+    def pause(self, clear_cache: bool = False) -> bool:
+        """Freeze the requests in flight (they resume where they were); with `clear_cache` their KV cache is
+        dropped and recomputed on resume with the new weights. Async engine only."""
+        if not self.async_engine:
+            raise RuntimeError("in-flight weight updates need vllm_cfg.async_engine=true")
+        self._run(self.engine.pause_generation(mode="keep", clear_cache=clear_cache))
+        return True
+
+    def resume(self) -> bool:
+        """Let the frozen requests go on (with whatever weights were loaded meanwhile)."""
+        self._run(self.engine.resume_generation())
+        return True
+
     # ------------------------------------------------------------------ memory phases (GPU only)
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Wake weights and/or KV cache after sleep (GPU with enable_sleep_mode; a no-op otherwise)."""
