@@ -37,12 +37,11 @@ from rlpost.algorithms.deadline import SaveDeadline
 from rlpost.algorithms.grpo import (
     _EngineWeights,
     _step_metrics,
-    _throughput,
-    _tighten_call_timeouts,
+    log_step,
     logprobs,
     prepare,
     record,
-    save_checkpoint,
+    save_step,
     train,
     validate,
 )
@@ -141,7 +140,9 @@ def async_grpo_train(
             timer.reset()
             step_t0 = time.perf_counter()
             with timer.time("total_step_time"):
-                entry = _next_batch(collector, buffer, weights.policy_version - max_age, timer)
+                wait_t0 = time.perf_counter()
+                entry = _next_batch(collector, buffer, weights.policy_version - max_age)
+                waited = time.perf_counter() - wait_t0
                 if entry is None:  # the data ran out
                     break
                 age = weights.policy_version - entry.version
@@ -166,21 +167,14 @@ def async_grpo_train(
                 components.extras["loader_state"] = entry.loader_state  # what an interrupt's checkpoint resumes from
                 deadline.step_took(time.perf_counter() - step_t0)
                 if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last or out_of_time):
-                    with timer.time("checkpointing"):
-                        save_checkpoint(components, step, metrics, loader_state=entry.loader_state)
+                    save_step(components, step, metrics, timer, deadline, loader_state=entry.loader_state)
                 stats = ray.get(buffer.stats.remote(), timeout=cfg.cluster.call_timeout_s)
                 metrics.update({"async/trajectory_age": float(age), "async/buffer_size": stats["size"],
                                 "async/dropped_stale": stats["dropped_stale"],
                                 "async/generation_s": entry.generation_s,
                                 "async/in_flight_refits": float(collector.in_flight_refits)})
-            metrics.update(_throughput(timer, train_data, batch))
-            metrics["async/trainer_wait_s"] = timer.times.get("trainer_wait", 0.0)
-            metrics.pop("timing/train/trainer_wait", None)
-            components.logger.log(metrics, step)
-            slowest = max(slowest, timer.times["total_step_time"])
-            _tighten_call_timeouts(components, slowest)
-            if on_step is not None:
-                on_step(step, metrics)
+            metrics["async/trainer_wait_s"] = waited
+            slowest = log_step(components, step, metrics, timer, train_data, batch, slowest, on_step)
             if out_of_time:
                 say.info(deadline.message(step))
                 break
@@ -190,18 +184,17 @@ def async_grpo_train(
     return save_state
 
 
-def _next_batch(collector: Collector, buffer: Any, min_version: int, timer: Timer) -> Trajectories | None:
+def _next_batch(collector: Collector, buffer: Any, min_version: int) -> Trajectories | None:
     """The next trainable batch (waiting for the collector), or None when the data ran out."""
-    with timer.time("trainer_wait"):
-        while True:
+    while True:
+        collector.check()
+        entry: Trajectories | None = ray.get(buffer.take.remote(min_version), timeout=collector.call_timeout_s)
+        if entry is not None:
+            return entry
+        if not collector.thread.is_alive():
             collector.check()
-            entry: Trajectories | None = ray.get(buffer.take.remote(min_version), timeout=collector.call_timeout_s)
-            if entry is not None:
-                return entry
-            if not collector.thread.is_alive():
-                collector.check()
-                return None
-            time.sleep(_POLL_S)
+            return None
+        time.sleep(_POLL_S)
 
 
 class _engine:

@@ -303,22 +303,37 @@ def grpo_train(
             record(components, step, train_data, metrics, (loader.epoch, loader.index))
             deadline.step_took(time.perf_counter() - step_t0)
             if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last or out_of_time):
-                save_t0 = time.perf_counter()
-                with timer.time("checkpointing"):
-                    save_checkpoint(components, step, metrics)
-                deadline.save_took(time.perf_counter() - save_t0)
-            if cfg.logger.monitor_gpus:
-                metrics.update(components.policy.gpu_memory_metrics())
-        metrics.update(_throughput(timer, train_data, batch))
-        components.logger.log(metrics, step)
-        slowest = max(slowest, timer.times["total_step_time"])
-        _tighten_call_timeouts(components, slowest)
-        if on_step is not None:
-            on_step(step, metrics)
+                save_step(components, step, metrics, timer, deadline)
+        slowest = log_step(components, step, metrics, timer, train_data, batch, slowest, on_step)
         if out_of_time:
             say.info(deadline.message(step))
             break
     return save_state
+
+
+def save_step(components: GRPOComponents, step: int, metrics: dict[str, float], timer: Timer, deadline: SaveDeadline,
+              loader_state: dict[str, int] | None = None) -> None:
+    """Checkpoint the step (timed, and its duration told to the save deadline); GPU memory metrics if asked."""
+    save_t0 = time.perf_counter()
+    with timer.time("checkpointing"):
+        save_checkpoint(components, step, metrics, loader_state=loader_state)
+    deadline.save_took(time.perf_counter() - save_t0)
+
+
+def log_step(components: GRPOComponents, step: int, metrics: dict[str, float], timer: Timer,
+             train_data: BatchedDataDict, batch: RolloutBatch, slowest: float,
+             on_step: Callable[[int, dict[str, float]], None] | None) -> float:
+    """Throughput, the step's metrics row, call timeouts tightened to the slowest step, the on_step hook;
+    returns the slowest step time so far."""
+    if components.cfg.logger.monitor_gpus:
+        metrics.update(components.policy.gpu_memory_metrics())
+    metrics.update(_throughput(timer, train_data, batch))
+    components.logger.log(metrics, step)
+    slowest = max(slowest, timer.times["total_step_time"])
+    _tighten_call_timeouts(components, slowest)
+    if on_step is not None:
+        on_step(step, metrics)
+    return slowest
 
 
 def _throughput(timer: Timer, train_data: BatchedDataDict, batch: RolloutBatch) -> dict[str, float]:
