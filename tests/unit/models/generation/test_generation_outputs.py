@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -110,3 +112,26 @@ def test_interface_is_abstract() -> None:
     with pytest.raises(TypeError):
         GenerationInterface()  # type: ignore[abstract]
     assert SimpleNamespace  # keep import used
+
+
+def test_auto_kv_cache_is_sized_from_the_model(tmp_path: Path) -> None:
+    from rlpost.models.generation.vllm_generation import AUTO_KV_MAX_BYTES, AUTO_KV_MIN_BYTES, auto_kv_cache_bytes
+
+    def model(**cfg: int) -> str:
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        return str(d)
+
+    mid = model(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, hidden_size=512)
+    # K and V x 4 layers x 2 kv heads x 64 dims x 4 bytes, 256 sequences of 128 tokens
+    assert auto_kv_cache_bytes(mid, 128, "float32") == 2 * 4 * 2 * 64 * 4 * 128 * 256
+    assert auto_kv_cache_bytes(mid, 128, "bfloat16") == 2 * 4 * 2 * 64 * 2 * 128 * 256
+    tiny = model(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    assert auto_kv_cache_bytes(tiny, 64, "float32") == AUTO_KV_MIN_BYTES
+    big = model(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    assert auto_kv_cache_bytes(big, 2048, "float32") == AUTO_KV_MAX_BYTES
+    assert auto_kv_cache_bytes(str(tmp_path / "missing"), 64, "float32") == AUTO_KV_MAX_BYTES
+    cfg = VllmConfig()
+    cfg.vllm_cfg.max_model_len = 128
+    assert engine_kwargs(cfg, 0, use_gpus=False, model_path=mid)["kv_cache_memory_bytes"] == 2 * 4 * 2 * 64 * 4 * 128 * 256
