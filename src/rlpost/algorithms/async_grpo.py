@@ -53,6 +53,9 @@ from rlpost.runtime import console as say
 from rlpost.runtime.timer import Timer
 
 _POLL_S = 0.01
+"""How often the trainer, waiting for the engine lock, re-checks the collector for a failure."""
+_WAKE_S = 0.5
+"""Longest sleep of a side waiting for the other (a safety net: every change notifies)."""
 
 
 class Collector:
@@ -67,7 +70,25 @@ class Collector:
         self.error: BaseException | None = None
         self.version = 0  # policy version of the weights the engine holds
         self.in_flight_refits = 0  # refits that landed while a batch was being generated
+        # Both sides sleep on this until the other changes something (a push, a take, the end of a pause),
+        # instead of polling the buffer actor; the timeout only re-checks stop and errors.
+        self.changed = threading.Condition()
+        self._ticks = 0  # changes so far: a wait returns at once if one happened since the caller looked
         self.thread = threading.Thread(target=self._run, name="rlpost-async-collector", daemon=True)
+
+    def notify(self) -> None:
+        with self.changed:
+            self._ticks += 1
+            self.changed.notify_all()
+
+    def ticks(self) -> int:
+        with self.changed:
+            return self._ticks
+
+    def wait_for_change(self, seen: int) -> None:
+        """Sleep until a change after the caller's look (`seen` = ticks() then), at most _WAKE_S."""
+        with self.changed:
+            self.changed.wait_for(lambda: self._ticks != seen, timeout=_WAKE_S)
 
     def start(self) -> None:
         self.thread.start()
@@ -77,17 +98,21 @@ class Collector:
         try:
             while not self.stop.is_set() and c.dataloader.epochs_done() < c.cfg.grpo.max_num_epochs:
                 # Generate only what the buffer can take: a batch made early would wait and age out.
-                while not self.stop.is_set() and (
-                        self.pause.is_set() or not ray.get(self.buffer.has_room.remote(), timeout=self.call_timeout_s)):
-                    time.sleep(_POLL_S)
+                while not self.stop.is_set():
+                    seen = self.ticks()
+                    if not self.pause.is_set() and ray.get(self.buffer.has_room.remote(), timeout=self.call_timeout_s):
+                        break
+                    self.wait_for_change(seen)
                 with self.engine_lock:
                     if self.stop.is_set():
                         return
                     entry = self._generate()
                 while not self.stop.is_set():
+                    seen = self.ticks()
                     if ray.get(self.buffer.push.remote(entry), timeout=self.call_timeout_s):
+                        self.notify()
                         break
-                    time.sleep(_POLL_S)  # full: generation is far enough ahead of training
+                    self.wait_for_change(seen)  # full: generation is far enough ahead of training
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which stops the run with it
             self.error = exc
 
@@ -112,6 +137,7 @@ class Collector:
 
     def close(self) -> None:
         self.stop.set()
+        self.notify()
         self.thread.join(timeout=self.call_timeout_s)
 
 
@@ -188,13 +214,15 @@ def _next_batch(collector: Collector, buffer: Any, min_version: int) -> Trajecto
     """The next trainable batch (waiting for the collector), or None when the data ran out."""
     while True:
         collector.check()
+        seen = collector.ticks()
         entry: Trajectories | None = ray.get(buffer.take.remote(min_version), timeout=collector.call_timeout_s)
         if entry is not None:
+            collector.notify()  # room in the buffer: the collector may start the next batch
             return entry
         if not collector.thread.is_alive():
             collector.check()
             return None
-        time.sleep(_POLL_S)
+        collector.wait_for_change(seen)
 
 
 class _engine:
@@ -211,6 +239,7 @@ class _engine:
     def __exit__(self, *exc: object) -> None:
         self.collector.engine_lock.release()
         self.collector.pause.clear()
+        self.collector.notify()
 
 
 def _refit(collector: Collector, weights: _EngineWeights, timer: Timer) -> None:
