@@ -38,8 +38,9 @@ def make_example(task: str, rng: random.Random) -> dict[str, str]:
         return {"problem": f"Key {key}", "expected_answer": table[key], "key": str(key), "table": table}
     if task == "calc_mul":
         a, b = rng.randrange(11, 100), rng.randrange(11, 100)
-        return {"problem": f"What is {a} * {b}? You have a calculator: write <call>expression</call> and you will "
-                           "get <result>value</result>. Put the final answer in \\boxed{}.",
+        return {"problem": f"What is {a} * {b}? Use the calculator: write <call>expression</call> and you will get "
+                           "<result>value</result>, then give the final answer in \\boxed{}. Example: "
+                           "<call>12*34</call><result>408</result> The answer is \\boxed{408}.",
                 "expected_answer": str(a * b)}
     raise ValueError(f"unknown synthetic task {task!r}")
 
