@@ -9,7 +9,13 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from rlpost.config.schema.env import CalculatorEnvConfig, LookupEnvConfig, MathEnvConfig, SyntheticEnvConfig
+from rlpost.config.schema.env import (
+    CalculatorEnvConfig,
+    GuessGameEnvConfig,
+    LookupEnvConfig,
+    MathEnvConfig,
+    SyntheticEnvConfig,
+)
 from rlpost.config.schema.generation import GenerationConfig, HFGenerationConfig, VllmConfig
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig, NLLLossConfig
 from rlpost.config.schema.master import MasterConfig
@@ -50,4 +56,5 @@ def register_configs() -> None:
     cs.store(group="schema/env", name="math", node=MathEnvConfig)
     cs.store(group="schema/env", name="calculator", node=CalculatorEnvConfig)
     cs.store(group="schema/env", name="lookup", node=LookupEnvConfig)
+    cs.store(group="schema/env", name="guess_game", node=GuessGameEnvConfig)
     _REGISTERED = True

@@ -6,6 +6,7 @@
 - arith_add1 / arith_add2 / arith_mixed: "What is 3 + 4? Put the final answer in \\boxed{}." -> "7", for real
   models, scored by math-verify (env=math); the ones above by rlpost.environments.synthetic's exact match.
 - lookup: "Key 7" -> table[7], a secret table of the row only the lookup tool knows (multi-turn, env=lookup).
+- guess_digit: "Guess my digit:" -> the row's secret digit, found with "higher"/"lower" hints (env=guess_game).
 - calc_mul: "What is 37 * 24? You have a calculator: ..." -> "888", two-digit products for real models with
   the calculator tool (multi-turn, env=calculator).
 
@@ -36,6 +37,8 @@ def make_example(task: str, rng: random.Random) -> dict[str, str]:
     if task == "lookup":
         key, table = rng.randrange(10), "".join(rng.choice(string.digits) for _ in range(10))
         return {"problem": f"Key {key}", "expected_answer": table[key], "key": str(key), "table": table}
+    if task == "guess_digit":
+        return {"problem": "Guess my digit:", "expected_answer": str(rng.randrange(10))}
     if task == "calc_mul":
         a, b = rng.randrange(11, 100), rng.randrange(11, 100)
         return {"problem": f"What is {a} * {b}? Use the calculator: write <call>expression</call> and you will get "

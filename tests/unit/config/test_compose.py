@@ -25,6 +25,8 @@ COMPANIONS = {
     ("env", "calculator"): ["data=calc"],
     ("data", "lookup"): ["env=lookup"],
     ("env", "lookup"): ["data=lookup"],
+    ("data", "guess_game"): ["env=guess_game"],
+    ("env", "guess_game"): ["data=guess_game"],
 }
 ALL = [(g, o) for g in groups() for o in group_options(g)]
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlpost.config.schema.env import CalculatorEnvConfig, LookupEnvConfig
+from rlpost.config.schema.env import CalculatorEnvConfig, GuessGameEnvConfig, LookupEnvConfig
 from rlpost.environments.calculator import CalculatorEnvironment, calculate, parse_turn
+from rlpost.environments.guess_game import GuessGameEnvironment
 from rlpost.environments.lookup import LookupEnvironment
 
 
@@ -56,3 +57,21 @@ def test_lookup_turns_add_up_to_one_for_a_perfect_episode() -> None:
     assert second.terminateds == [True] * 3
     assert first.rewards[0] + second.rewards[0] == 1.0
     assert first.rewards[1:] == [0.0625, 0.0] and second.rewards[1:] == [0.0625, 0.0]
+
+
+def test_guess_game_hints_until_found_or_out_of_guesses() -> None:
+    env = GuessGameEnvironment(GuessGameEnvConfig(max_guesses=3))
+    row = {"expected_answer": "6"}
+    try:
+        first = env.step(["3", "9", "x"], [row] * 3)
+        assert first.observations == [" higher", " lower", " a digit"] and first.terminateds == [False] * 3
+        assert first.rewards == [0.0] * 3  # nothing until the episode is over
+        meta = [{**row, **m} for m in first.next_metadata or []]
+        second = env.step(["6", "7", "x"], meta)
+        assert second.terminateds == [True, False, False] and second.rewards[0] == 1.0
+        assert second.metrics["guess_game_found"] == 1.0
+        third = env.step(["5", "x"], [{**row, **m} for m in (second.next_metadata or [])[1:]])
+    finally:
+        env.shutdown()
+    assert third.terminateds == [True, True]  # out of guesses
+    assert third.rewards == [0.0625, 0.0]  # format credit: the share of turns that were digits (3/3, 0/3)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from rlpost.config.errors import one_of, positive, require
 
 SYNTHETIC_TASKS = ("next_letter", "copy_digit", "add_mod10", "arith_add1", "arith_add2", "arith_mixed", "lookup",
-                   "calc_mul")
+                   "guess_digit", "calc_mul")
 
 
 @dataclass
@@ -17,8 +17,8 @@ class SyntheticTaskConfig:
     task: str = "copy_digit"
     """'copy_digit' (repeat the digit), 'next_letter', 'add_mod10' (one-token answers, env=synthetic), or the
     arithmetic levels 'arith_add1' (single-digit addition), 'arith_add2' (two-digit), 'arith_mixed' (+, -, * on
-    one and two digits) asking for a \\boxed{} answer (env=math); multi-turn: 'lookup' (env=lookup) and 'calc_mul'
-    (env=calculator); see rlpost.data.synthetic_tasks."""
+    one and two digits) asking for a \\boxed{} answer (env=math); multi-turn: 'lookup' (env=lookup), 'guess_digit'
+    (env=guess_game) and 'calc_mul' (env=calculator); see rlpost.data.synthetic_tasks."""
     num_train: int = 4096
     """Training prompts generated."""
     num_val: int = 64

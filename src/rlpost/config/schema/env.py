@@ -79,3 +79,17 @@ class LookupEnvConfig(EnvConfig):
 
     _target_: str = "rlpost.environments.lookup.LookupEnvironment"
     """Environment class."""
+
+
+@dataclass
+class GuessGameEnvConfig(EnvConfig):
+    """A guessing game: find the row's secret digit with "higher"/"lower" hints (rlpost.environments.guess_game)."""
+
+    _target_: str = "rlpost.environments.guess_game.GuessGameEnvironment"
+    """Environment class."""
+    max_guesses: int = "${grpo.max_rollout_turns}"  # type: ignore[assignment]
+    """Guesses per episode (the episode's turns; by default grpo.max_rollout_turns)."""
+
+    def check(self, path: str) -> None:
+        super().check(path)
+        positive(f"{path}.max_guesses", self.max_guesses)
