@@ -158,56 +158,70 @@ def async_grpo_train(
     collector = Collector(components, buffer, save_state.total_steps + 1, cfg.cluster.call_timeout_s)
     collector.version = weights.policy_version
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, components.started_at)
-    slowest = 0.0
     collector.start()
     try:
-        while save_state.total_steps < g.max_num_steps:
-            step = save_state.total_steps + 1
-            timer.reset()
-            step_t0 = time.perf_counter()
-            with timer.time("total_step_time"):
-                wait_t0 = time.perf_counter()
-                entry = _next_batch(collector, buffer, weights.policy_version - max_age)
-                waited = time.perf_counter() - wait_t0
-                if entry is None:  # the data ran out
-                    break
-                age = weights.policy_version - entry.version
-                if not 0 <= age <= max_age:  # the buffer's take() makes this impossible; never train on it
-                    raise RuntimeError(f"batch {entry.index} is {age} versions old (max {max_age})")
-                batch = entry.batch
-                train_data, advantages = prepare(components, batch, timer)
-                logprobs(components, train_data, timer)
-                results = train(components, train_data, weights, timer)
-                metrics = {"train/reward": float(batch.rewards.mean()),
-                           **_step_metrics(batch, train_data, advantages, results, None)}
-                _refit(collector, weights, timer)
-                last = step >= g.max_num_steps
-                deadline.step_took(time.perf_counter() - step_t0)
-                out_of_time = deadline.due() and not last
-                if g.val_period > 0 and (step % g.val_period == 0 or last or out_of_time):
-                    with _engine(collector):
-                        metrics.update(validate(components, step))
-                    save_state.val_reward = metrics.get("validation/accuracy", save_state.val_reward)
-                record(components, step, train_data, metrics, (entry.loader_state["epoch"], entry.loader_state["index"]),
-                       same_weights=age == 0)
-                components.extras["loader_state"] = entry.loader_state  # what an interrupt's checkpoint resumes from
-                deadline.step_took(time.perf_counter() - step_t0)
-                if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last or out_of_time):
-                    save_step(components, step, metrics, timer, deadline, loader_state=entry.loader_state)
-                stats = ray.get(buffer.stats.remote(), timeout=cfg.cluster.call_timeout_s)
-                metrics.update({"async/trajectory_age": float(age), "async/buffer_size": stats["size"],
-                                "async/dropped_stale": stats["dropped_stale"],
-                                "async/generation_s": entry.generation_s,
-                                "async/in_flight_refits": float(collector.in_flight_refits)})
-            metrics["async/trainer_wait_s"] = waited
-            slowest = log_step(components, step, metrics, timer, train_data, batch, slowest, on_step)
-            if out_of_time:
-                say.info(deadline.message(step))
-                break
+        _train_steps(components, collector, buffer, weights, timer, deadline, on_step)
+    except BaseException as exc:
+        # The engine's failure surfaces in the collector and, through a broken refit, in the trainer too:
+        # the collector's is the cause, so it is the one the run ends with.
+        if collector.error is not None and collector.error is not exc:
+            raise collector.error from exc
+        raise
     finally:
         collector.close()
         ray.kill(buffer)
     return save_state
+
+
+def _train_steps(components: GRPOComponents, collector: Collector, buffer: Any, weights: _EngineWeights, timer: Timer,
+                 deadline: SaveDeadline, on_step: Callable[[int, dict[str, float]], None] | None) -> None:
+    """The trainer's loop: take a batch, train on it, refit, validate, save, log."""
+    cfg, g, save_state = components.cfg, components.cfg.grpo, components.save_state
+    max_age = g.async_grpo.max_trajectory_age_steps
+    slowest = 0.0
+    while save_state.total_steps < g.max_num_steps:
+        step = save_state.total_steps + 1
+        timer.reset()
+        step_t0 = time.perf_counter()
+        with timer.time("total_step_time"):
+            wait_t0 = time.perf_counter()
+            entry = _next_batch(collector, buffer, weights.policy_version - max_age)
+            waited = time.perf_counter() - wait_t0
+            if entry is None:  # the data ran out
+                break
+            age = weights.policy_version - entry.version
+            if not 0 <= age <= max_age:  # the buffer's take() makes this impossible; never train on it
+                raise RuntimeError(f"batch {entry.index} is {age} versions old (max {max_age})")
+            batch = entry.batch
+            train_data, advantages = prepare(components, batch, timer)
+            logprobs(components, train_data, timer)
+            results = train(components, train_data, weights, timer)
+            metrics = {"train/reward": float(batch.rewards.mean()),
+                       **_step_metrics(batch, train_data, advantages, results, None)}
+            _refit(collector, weights, timer)
+            last = step >= g.max_num_steps
+            deadline.step_took(time.perf_counter() - step_t0)
+            out_of_time = deadline.due() and not last
+            if g.val_period > 0 and (step % g.val_period == 0 or last or out_of_time):
+                with _engine(collector):
+                    metrics.update(validate(components, step))
+                save_state.val_reward = metrics.get("validation/accuracy", save_state.val_reward)
+            record(components, step, train_data, metrics, (entry.loader_state["epoch"], entry.loader_state["index"]),
+                   same_weights=age == 0)
+            components.extras["loader_state"] = entry.loader_state  # what an interrupt's checkpoint resumes from
+            deadline.step_took(time.perf_counter() - step_t0)
+            if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last or out_of_time):
+                save_step(components, step, metrics, timer, deadline, loader_state=entry.loader_state)
+            stats = ray.get(buffer.stats.remote(), timeout=cfg.cluster.call_timeout_s)
+            metrics.update({"async/trajectory_age": float(age), "async/buffer_size": stats["size"],
+                            "async/dropped_stale": stats["dropped_stale"],
+                            "async/generation_s": entry.generation_s,
+                            "async/in_flight_refits": float(collector.in_flight_refits)})
+        metrics["async/trainer_wait_s"] = waited
+        slowest = log_step(components, step, metrics, timer, train_data, batch, slowest, on_step)
+        if out_of_time:
+            say.info(deadline.message(step))
+            break
 
 
 def _next_batch(collector: Collector, buffer: Any, min_version: int) -> Trajectories | None:

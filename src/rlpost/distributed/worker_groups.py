@@ -59,6 +59,8 @@ class ActorGroup:
         self.workers = workers
         self.name_prefix = name_prefix
         self.timeout_s = timeout_s
+        self.failure: str | None = None
+        """What shut the group down (a dead or hung actor), once one did."""
 
     def describe(self, index: int) -> str:
         return f"{self.name_prefix} {index}"
@@ -112,8 +114,14 @@ class ActorGroup:
         return self.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
     def _fail(self, msg: str) -> NoReturn:
+        self.failure = msg
         self.shutdown()
         raise WorkerGroupError(msg)
+
+    def raise_if_failed(self) -> None:
+        """Raise the failure that shut this group down (a later caller then names the real cause)."""
+        if self.failure is not None:
+            raise WorkerGroupError(self.failure)
 
     def shutdown(self, graceful_method: str | None = None, timeout_s: float = 30.0) -> None:
         """Optionally call `graceful_method` on every rank (bounded), then kill the actors."""

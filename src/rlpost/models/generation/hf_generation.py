@@ -294,6 +294,7 @@ class HFGeneration(GenerationInterface):
 
     def check_alive(self) -> None:
         """A quick call on every worker: a dead one is named (WorkerGroupError)."""
+        self.group.raise_if_failed()  # already shut down by a failure another call saw first
         self.group.get([w.info.remote() for w in self.group.workers], timeout_s=30.0)
 
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:

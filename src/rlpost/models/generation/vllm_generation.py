@@ -254,6 +254,7 @@ class VllmGeneration(GenerationInterface):
 
     def check_alive(self) -> None:
         """A quick call on every replica: a dead one is named (WorkerGroupError)."""
+        self.group.raise_if_failed()  # already shut down by a failure another call saw first
         self.group.get([w.info.remote() for w in self.workers], timeout_s=ALIVE_TIMEOUT_S)
 
     async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
