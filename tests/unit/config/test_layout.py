@@ -40,6 +40,19 @@ def test_layout_with_tp_dp_and_split() -> None:
     rows = dict(plan_rows(cfg))
     assert rows["training layout"].startswith("DP=2 TP=2 PP=1 CP=1")
     assert "split" in rows["placement"]
+    assert rows["generation and training"].startswith("one after the other")
+
+
+def test_plan_explains_async_grpo() -> None:
+    _, cfg = load_master_config([
+        "grpo.async_grpo.enabled=true", "cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.gpus_per_node=1", "loss_fn.use_importance_sampling_correction=true",
+        "grpo.async_grpo.max_trajectory_age_steps=2",
+    ])
+    rows = dict(plan_rows(cfg))
+    assert rows["generation and training"] == ("overlapped (async GRPO): batches at most 2 policy version(s) old; "
+                                               "refit at the engine's next batch boundary")
+    assert rows["prev-logprobs pass"].startswith("computed: async GRPO")
 
 
 def test_megatron_pp_layout() -> None:
