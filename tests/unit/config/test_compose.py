@@ -12,22 +12,8 @@ from rlpost.config.schema.loss import ClippedPGLossConfig, NLLLossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.config.schema.policy import DTensorPolicyConfig
+from tests.unit.config.companions import COMPANIONS
 
-# Options that need a companion override to form a valid job.
-COMPANIONS = {
-    ("data", "math_jsonl"): ["env=math", "data.train_data_path=/tmp/train.jsonl"],
-    ("env", "math"): ["data=math_jsonl", "data.train_data_path=/tmp/train.jsonl"],
-    ("experiment", "qwen2_5_1_5b_math"): ["data.train_data_path=/tmp/train.jsonl"],
-    ("cluster", "ray"): ["policy.train_micro_batch_size=8"],
-    ("model", "local"): ["model.path=/models/any"],
-    ("data", "arith"): ["env=math"],
-    ("data", "calc"): ["env=calculator"],
-    ("env", "calculator"): ["data=calc"],
-    ("data", "lookup"): ["env=lookup"],
-    ("env", "lookup"): ["data=lookup"],
-    ("data", "guess_game"): ["env=guess_game"],
-    ("env", "guess_game"): ["data=guess_game"],
-}
 ALL = [(g, o) for g in groups() for o in group_options(g)]
 
 

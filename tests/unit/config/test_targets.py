@@ -9,21 +9,7 @@ import pytest
 
 from rlpost.config.load import group_options, groups, load_master_config
 from rlpost.runtime.build import resolve
-
-COMPANIONS = {
-    ("data", "math_jsonl"): ["env=math", "data.train_data_path=/tmp/train.jsonl"],
-    ("env", "math"): ["data=math_jsonl", "data.train_data_path=/tmp/train.jsonl"],
-    ("experiment", "qwen2_5_1_5b_math"): ["data.train_data_path=/tmp/train.jsonl"],
-    ("cluster", "ray"): ["policy.train_micro_batch_size=8"],
-    ("model", "local"): ["model.path=/models/any"],
-    ("data", "arith"): ["env=math"],
-    ("data", "calc"): ["env=calculator"],
-    ("env", "calculator"): ["data=calc"],
-    ("data", "lookup"): ["env=lookup"],
-    ("env", "lookup"): ["data=lookup"],
-    ("data", "guess_game"): ["env=guess_game"],
-    ("env", "guess_game"): ["data=guess_game"],
-}
+from tests.unit.config.companions import COMPANIONS
 
 
 def targets_of_all_options() -> dict[str, tuple[str, Any, list[Any], dict[str, Any]]]:

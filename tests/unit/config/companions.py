@@ -1,0 +1,18 @@
+"""Config options that need a companion override to form a valid job (shared by the compose and target tests)."""
+
+from __future__ import annotations
+
+COMPANIONS: dict[tuple[str, str], list[str]] = {
+    ("data", "math_jsonl"): ["env=math", "data.train_data_path=/tmp/train.jsonl"],
+    ("env", "math"): ["data=math_jsonl", "data.train_data_path=/tmp/train.jsonl"],
+    ("experiment", "qwen2_5_1_5b_math"): ["data.train_data_path=/tmp/train.jsonl"],
+    ("cluster", "ray"): ["policy.train_micro_batch_size=8"],
+    ("model", "local"): ["model.path=/models/any"],
+    ("data", "arith"): ["env=math"],
+    ("data", "calc"): ["env=calculator"],
+    ("env", "calculator"): ["data=calc"],
+    ("data", "lookup"): ["env=lookup"],
+    ("env", "lookup"): ["data=lookup"],
+    ("data", "guess_game"): ["env=guess_game"],
+    ("env", "guess_game"): ["data=guess_game"],
+}
