@@ -39,6 +39,7 @@ from rlpost.algorithms.grpo import (
     _step_metrics,
     log_step,
     logprobs,
+    on_schedule,
     prepare,
     record,
     save_step,
@@ -61,14 +62,15 @@ _WAKE_S = 0.5
 class Collector:
     """The generation side: a thread that fills the replay buffer, pausing at batch boundaries for refits."""
 
-    def __init__(self, components: GRPOComponents, buffer: Any, first_index: int, call_timeout_s: float) -> None:
-        self.components, self.buffer, self.index = components, buffer, first_index
+    def __init__(self, components: GRPOComponents, buffer: Any, version: int, call_timeout_s: float) -> None:
+        self.components, self.buffer = components, buffer
+        self.index = version + 1  # generation batch number: it seeds the batch (batch k+1 after step k)
         self.call_timeout_s = call_timeout_s
         self.engine_lock = threading.Lock()
         self.pause = threading.Event()  # set by the trainer while it waits to refit
         self.stop = threading.Event()
         self.error: BaseException | None = None
-        self.version = 0  # policy version of the weights the engine holds
+        self.version = version  # policy version of the weights the engine holds
         self.in_flight_refits = 0  # refits that landed while a batch was being generated
         # Both sides sleep on this until the other changes something (a push, a take, the end of a pause),
         # instead of polling the buffer actor; the timeout only re-checks stop and errors.
@@ -155,8 +157,7 @@ def async_grpo_train(
         components.logger.log(validate(components, 0), 0)
     # Capacity max_age: with one more batch in the making, nothing generated ages out before it is trained on.
     buffer: Any = ray.remote(ReplayBuffer).options(num_cpus=0).remote(max_age)
-    collector = Collector(components, buffer, save_state.total_steps + 1, cfg.cluster.call_timeout_s)
-    collector.version = weights.policy_version
+    collector = Collector(components, buffer, weights.policy_version, cfg.cluster.call_timeout_s)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, components.started_at)
     collector.start()
     try:
@@ -202,7 +203,7 @@ def _train_steps(components: GRPOComponents, collector: Collector, buffer: Any, 
             last = step >= g.max_num_steps
             deadline.step_took(time.perf_counter() - step_t0)
             out_of_time = deadline.due() and not last
-            if g.val_period > 0 and (step % g.val_period == 0 or last or out_of_time):
+            if on_schedule(g.val_period, step, last or out_of_time):
                 with _engine(collector):
                     metrics.update(validate(components, step))
                 save_state.val_reward = metrics.get("validation/accuracy", save_state.val_reward)
@@ -210,7 +211,7 @@ def _train_steps(components: GRPOComponents, collector: Collector, buffer: Any, 
                    same_weights=age == 0)
             components.extras["loader_state"] = entry.loader_state  # what an interrupt's checkpoint resumes from
             deadline.step_took(time.perf_counter() - step_t0)
-            if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last or out_of_time):
+            if cfg.checkpointing.enabled and on_schedule(cfg.checkpointing.save_period, step, last or out_of_time):
                 save_step(components, step, metrics, timer, deadline, loader_state=entry.loader_state)
             stats = ray.get(buffer.stats.remote(), timeout=cfg.cluster.call_timeout_s)
             metrics.update({"async/trajectory_age": float(age), "async/buffer_size": stats["size"],

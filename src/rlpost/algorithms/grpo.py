@@ -295,14 +295,14 @@ def grpo_train(
             deadline.step_took(time.perf_counter() - step_t0)
             out_of_time = deadline.due() and not last
             # Every val_period steps, and at the run's final step (so its last checkpoint has a validation score).
-            if grpo_cfg.val_period > 0 and (step % grpo_cfg.val_period == 0 or last or out_of_time):
+            if on_schedule(grpo_cfg.val_period, step, last or out_of_time):
                 weights.sync()
                 val = validate(components, step)
                 metrics.update(val)
                 save_state.val_reward = val.get("validation/accuracy", save_state.val_reward)
             record(components, step, train_data, metrics, (loader.epoch, loader.index))
             deadline.step_took(time.perf_counter() - step_t0)
-            if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last or out_of_time):
+            if cfg.checkpointing.enabled and on_schedule(cfg.checkpointing.save_period, step, last or out_of_time):
                 save_step(components, step, metrics, timer, deadline)
         slowest = log_step(components, step, metrics, timer, train_data, batch, slowest, on_step)
         if out_of_time:
@@ -311,9 +311,15 @@ def grpo_train(
     return save_state
 
 
+def on_schedule(period: int, step: int, final: bool) -> bool:
+    """Whether a periodic action (validation, checkpoint) runs at `step`: every `period` steps (0 = never) and at
+    the run's final step."""
+    return period > 0 and (step % period == 0 or final)
+
+
 def save_step(components: GRPOComponents, step: int, metrics: dict[str, float], timer: Timer, deadline: SaveDeadline,
               loader_state: dict[str, int] | None = None) -> None:
-    """Checkpoint the step (timed, and its duration told to the save deadline); GPU memory metrics if asked."""
+    """Checkpoint the step (timed, and its duration told to the save deadline)."""
     save_t0 = time.perf_counter()
     with timer.time("checkpointing"):
         save_checkpoint(components, step, metrics, loader_state=loader_state)

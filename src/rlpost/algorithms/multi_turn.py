@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlpost.algorithms.rollouts import EnvTurn, RolloutBatch, _phase, run_rollout, step_envs, turn_metrics
+from rlpost.algorithms.rollouts import (
+    EnvTurn,
+    RolloutBatch,
+    _phase,
+    padded_batch,
+    run_rollout,
+    step_envs,
+    turn_metrics,
+)
 from rlpost.config.schema.master import MasterConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
@@ -96,11 +104,7 @@ class MultiTurn:
 
     def request(self, episodes: list[Episode]) -> BatchedDataDict:
         """The generate() input continuing `episodes` (their sequences, seeds of this turn, stop strings)."""
-        lengths = torch.tensor([len(e.ids) for e in episodes], dtype=torch.long)
-        ids = torch.full((len(episodes), int(lengths.max())), self.pad_id, dtype=torch.long)
-        for i, e in enumerate(episodes):
-            ids[i, : len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
-        data = BatchedDataDict(input_ids=ids, input_lengths=lengths)
+        data = padded_batch([e.ids for e in episodes], self.pad_id)
         if all(e.seed is not None for e in episodes):
             data["seeds"] = torch.tensor([turn_seed(int(e.seed), e.turns) for e in episodes  # type: ignore[arg-type]
                                           ], dtype=torch.long)
@@ -129,7 +133,7 @@ class MultiTurn:
         if ret.next_metadata is not None:
             e.metadata = {**e.metadata, **ret.next_metadata[k]}
         over = ret.observations is None or ret.terminateds is None or bool(ret.terminateds[k])
-        if self.out_of_room(e) or over or e.turns >= self.settings.max_turns:
+        if self.cut_if_full(e) or over or e.turns >= self.settings.max_turns:
             e.done = True
             return
         obs = ret.observations[k] if ret.observations is not None else ""
@@ -140,10 +144,10 @@ class MultiTurn:
         e.env_tokens += len(obs_ids)
         e.text.append(obs)
         e.stops = list(s) if ret.next_stop_strings is not None and (s := ret.next_stop_strings[k]) else None
-        self.out_of_room(e)
+        self.cut_if_full(e)
 
-    def out_of_room(self, e: Episode) -> bool:
-        """End an episode whose sequence has no room for another generated token (cut to the budget)."""
+    def cut_if_full(self, e: Episode) -> bool:
+        """True (and the episode ended, cut to the budget) when its sequence has no room for another token."""
         budget = self.settings.max_seq_len
         if len(e.ids) < budget:
             return False
@@ -205,7 +209,7 @@ def run_multi_turn_rollout(
     episodes = [Episode.start(r, seeds[i] if seeds else None) for i, r in enumerate(rows)]
     metrics: dict[str, float] = {}
     for _ in range(settings.max_turns):
-        running = [e for e in episodes if not e.done and not mt.out_of_room(e)]
+        running = [e for e in episodes if not e.done and not mt.cut_if_full(e)]
         if not running:
             break
         with _phase(timer, "generation"):
@@ -240,7 +244,7 @@ def run_async_multi_turn_rollout(
 
     async def play(e: Episode, locks: dict[str, asyncio.Lock]) -> None:
         name = e.row["env_name"]
-        while not e.done and not mt.out_of_room(e):
+        while not e.done and not mt.cut_if_full(e):
             out = await generation.generate_async(mt.request([e]), greedy=settings.greedy)
             text = mt.take_generation(e, out, 0)
             async with locks[name]:

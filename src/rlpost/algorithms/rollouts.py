@@ -79,14 +79,19 @@ class RolloutBatch:
         )
 
 
-def prompts_batch(rows: list[dict[str, Any]], pad_id: int) -> BatchedDataDict:
-    """Right-padded input_ids [B, P] and input_lengths [B] from rows' prompt_ids."""
-    lengths = torch.tensor([len(r["prompt_ids"]) for r in rows], dtype=torch.long)
-    width = int(lengths.max()) if len(rows) else 0
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r["prompt_ids"])] = torch.tensor(r["prompt_ids"], dtype=torch.long)
+def padded_batch(seqs: list[list[int]], pad_id: int) -> BatchedDataDict:
+    """Right-padded input_ids [B, P] and input_lengths [B] of token sequences (a generate() input)."""
+    lengths = torch.tensor([len(q) for q in seqs], dtype=torch.long)
+    width = int(lengths.max()) if len(seqs) else 0
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    for i, q in enumerate(seqs):
+        ids[i, : len(q)] = torch.tensor(q, dtype=torch.long)
     return BatchedDataDict(input_ids=ids, input_lengths=lengths)
+
+
+def prompts_batch(rows: list[dict[str, Any]], pad_id: int) -> BatchedDataDict:
+    """The generate() input of rows' prompt_ids."""
+    return padded_batch([r["prompt_ids"] for r in rows], pad_id)
 
 
 @dataclass

@@ -192,7 +192,8 @@ def compute_layout(cfg: MasterConfig) -> Layout:
 
 
 def prev_logprobs_pass(cfg: MasterConfig) -> str:
-    """Why the prev-logprobs forward pass runs or is skipped: 'computed', 'on-policy' or 'forced'.
+    """Why the prev-logprobs forward pass runs or is skipped: 'computed', 'off-policy' (async GRPO), 'on-policy'
+    or 'forced'.
 
     With one optimizer step per rollout batch the weights that compute the training pass are the
     ones the prev pass would use, so rho = exp(lp - sg(lp)) exactly (NeMo RL's force_on_policy_ratio).
@@ -204,7 +205,7 @@ def prev_logprobs_pass(cfg: MasterConfig) -> str:
         return "forced"
     g = cfg.grpo
     if g.async_grpo.enabled:  # trajectories of older weights: the ratio needs the trainer's logprobs
-        return "computed"
+        return "off-policy"
     if g.num_prompts_per_step * g.num_generations_per_prompt == cfg.policy.train_global_batch_size:
         return "on-policy"
     return "computed"

@@ -51,6 +51,10 @@ class ParallelDims:
         return c["tp"] == 0 and c["cp"] == 0 and c["pp"] == self.pp - 1
 
 
+ALIVE_TIMEOUT_S = 30.0
+"""Bound of a liveness check (a live actor answers a cheap call at once)."""
+
+
 class ActorGroup:
     """Ray actors called together: every call bounded by a timeout, a dead or failing actor named in one line
     (WorkerGroupError; the group is killed on a timeout or a death), shutdown graceful first, then kill."""
@@ -118,10 +122,12 @@ class ActorGroup:
         self.shutdown()
         raise WorkerGroupError(msg)
 
-    def raise_if_failed(self) -> None:
-        """Raise the failure that shut this group down (a later caller then names the real cause)."""
+    def check_alive(self, method: str, timeout_s: float) -> None:
+        """Call the cheap `method` on every actor: a dead one is named (WorkerGroupError). A group already shut down
+        by a failure another call saw first raises that failure (it has no actors left to ask)."""
         if self.failure is not None:
             raise WorkerGroupError(self.failure)
+        self.get([getattr(w, method).remote() for w in self.workers], timeout_s=timeout_s)
 
     def shutdown(self, graceful_method: str | None = None, timeout_s: float = 30.0) -> None:
         """Optionally call `graceful_method` on every rank (bounded), then kill the actors."""
@@ -198,14 +204,17 @@ class RayWorkerGroup(ActorGroup):
         return self.get([getattr(self.workers[0], method).remote(*args, **kwargs)])[0]
 
     def run_sharded(
-        self, method: str, shards: Sequence[Any], *args: Any, output_only: bool = True, **kwargs: Any
+        self, method: str, shards: Sequence[Any], *args: Any, output_only: bool = True,
+        shard_kwargs: Sequence[dict[str, Any]] | None = None, **kwargs: Any
     ) -> list[Any]:
-        """Send `shards[dp]` to every rank of data-parallel index dp; one result per shard (dp order)."""
+        """Send `shards[dp]` (and `shard_kwargs[dp]`, keyword arguments of that shard) to every rank of
+        data-parallel index dp; one result per shard (dp order)."""
         if len(shards) != self.dims.dp:
             raise ValueError(f"{len(shards)} shards for data-parallel size {self.dims.dp}")
         refs = [ray.put(s) for s in shards]
+        dps = [self.dims.coords(r)["dp"] for r in range(len(self.workers))]
         futures = [
-            getattr(w, method).remote(refs[self.dims.coords(r)["dp"]], *args, **kwargs)
+            getattr(w, method).remote(refs[dps[r]], *args, **kwargs, **(shard_kwargs[dps[r]] if shard_kwargs else {}))
             for r, w in enumerate(self.workers)
         ]
         results = self.get(futures)

@@ -35,7 +35,7 @@ import torch
 
 from rlpost.config.schema.generation import HFGenerationConfig
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
-from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
+from rlpost.distributed.worker_groups import ALIVE_TIMEOUT_S, ParallelDims, RayWorkerGroup
 from rlpost.models.fingerprint import FingerprintBuilder, check_fingerprints, fingerprint_of_digests, weight_fingerprint
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
 from rlpost.models.generation.outputs import (
@@ -293,9 +293,7 @@ class HFGeneration(GenerationInterface):
         raise RuntimeError("the HF engine has no paused requests to resume")
 
     def check_alive(self) -> None:
-        """A quick call on every worker: a dead one is named (WorkerGroupError)."""
-        self.group.raise_if_failed()  # already shut down by a failure another call saw first
-        self.group.get([w.info.remote() for w in self.group.workers], timeout_s=30.0)
+        self.group.check_alive("info", ALIVE_TIMEOUT_S)
 
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
         """Generate for every row of `data` (contract in rlpost.models.generation.interfaces)."""
@@ -304,21 +302,10 @@ class HFGeneration(GenerationInterface):
         splits = contiguous_splits(len(prompts), self.group.dims.dp)
         shards = [prompts[a:b] for a, b in splits]
         stops = row_stop_strings(data)
-        if "seeds" in data or stops is not None:
-            seeds = [int(x) for x in data["seeds"]] if "seeds" in data else None
-            first = [seeds[a] if seeds and a < len(seeds) else None for a, _ in splits]
-            dp = [self.group.dims.coords(r)["dp"] for r in range(len(self.group.workers))]
-            futures = [
-                w.generate.remote(shards[dp[r]], spec, first[dp[r]],
-                                  stops[splits[dp[r]][0] : splits[dp[r]][1]] if stops else None)
-                for r, w in enumerate(self.group.workers)
-            ]
-            parts = self.group.get(futures)
-            # every TP rank of a DP shard returns the same samples; keep one per shard, in shard order
-            by_shard = {dp[r]: part for r, part in enumerate(parts)}
-            parts = [by_shard[d] for d in range(len(splits))]
-        else:
-            parts = self.group.run_sharded("generate", shards, spec)
+        seeds = [int(x) for x in data["seeds"]] if "seeds" in data else None
+        per_shard = [{"seed": seeds[a] if seeds and a < len(seeds) else None, "stops": stops[a:b] if stops else None}
+                     for a, b in splits]
+        parts = self.group.run_sharded("generate", shards, spec, shard_kwargs=per_shard)
         samples = [s for part in parts for s in part]
         return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
 

@@ -48,7 +48,7 @@ import torch
 
 from rlpost.config.schema.generation import VllmConfig
 from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
-from rlpost.distributed.worker_groups import ActorGroup
+from rlpost.distributed.worker_groups import ALIVE_TIMEOUT_S, ActorGroup
 from rlpost.models.fingerprint import check_fingerprints, fingerprint_of_digests, weight_fingerprint
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
 from rlpost.models.generation.outputs import assemble_outputs, contiguous_splits, row_stop_strings, unpack_prompts
@@ -142,9 +142,6 @@ def sampling_spec(cfg: Any, greedy: bool, eos_token_id: int | None) -> dict[str,
         "detokenize": bool(cfg.stop_strings),
     }
 
-
-ALIVE_TIMEOUT_S = 30.0
-"""Bound of check_alive's call (a live replica answers `info` at once)."""
 
 ASYNC_ACTOR_CONCURRENCY = 256
 """Threads of an async-engine replica's actor: concurrent generate calls (one per in-flight sample)."""
@@ -253,9 +250,7 @@ class VllmGeneration(GenerationInterface):
         self._all("resume")
 
     def check_alive(self) -> None:
-        """A quick call on every replica: a dead one is named (WorkerGroupError)."""
-        self.group.raise_if_failed()  # already shut down by a failure another call saw first
-        self.group.get([w.info.remote() for w in self.workers], timeout_s=ALIVE_TIMEOUT_S)
+        self.group.check_alive("info", ALIVE_TIMEOUT_S)
 
     async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
         """One request set (typically one multi-turn sample's turn) on the next replica, awaited: with
