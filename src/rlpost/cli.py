@@ -294,7 +294,13 @@ def _eval(argv: list[str]) -> int:
     from rlpost.config.load import load_master_config
     from rlpost.evaluate import evaluate
 
+    from rlpost.config.schema.master import MasterConfig
+
     _, master = load_master_config(argv)
+    if not isinstance(master, MasterConfig):
+        report_config_error(ConfigError("algo", master.algo, "rlpost eval generates and scores answers with GRPO's "
+                                        "engine and environments", "run it with algo=grpo (the default)"))
+        return 2
     try:
         report = evaluate(master)
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - one line and the documented status

@@ -99,7 +99,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         use_gpus = resolve_device(cfg.cluster) == "cuda"
         cluster = RayVirtualCluster("rlpost_eval", layout_of(cfg).gen_tp, 1, use_gpus,
                                     cfg.cluster.worker_num_cpus, 1, cfg.cluster.placement_timeout_s)
-        gen_cfg = dataclasses.replace(cfg.policy.generation, model_name=model)
+        gen_cfg = dataclasses.replace(cfg.generation, model_name=model)
         engine = build(gen_cfg, cluster, model_path=model, timeout_s=cfg.cluster.call_timeout_s,
                        key="policy.generation._target_")
         rewards: list[torch.Tensor] = []
@@ -112,7 +112,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             per_repeat = [validation_seeds(cfg.grpo.seed, step, start, n, repeat=j) for j in range(k)]
             seeds = [per_repeat[j][i] for i in range(n) for j in range(k)]
             batch = run_rollouts(part, torch.arange(len(part)) // k, engine, tokenizer, envs,
-                                 turn_settings(cfg, greedy=cfg.eval.greedy), cfg.policy.generation.async_rollouts(),
+                                 turn_settings(cfg, greedy=cfg.eval.greedy), cfg.generation.async_rollouts(),
                                  seeds=seeds)
             rewards.append(batch.rewards)
             lengths.append(batch.gen["generation_lengths"])

@@ -7,6 +7,7 @@ from rich.table import Table
 
 from rlpost.config.layout import Layout, layout_of, prev_logprobs_pass
 from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 
 _PREV_PASS = {
     "on-policy": "skipped: one optimizer step per rollout batch, so the ratio is exactly 1",
@@ -17,12 +18,48 @@ _PREV_PASS = {
 }
 
 
-def plan_rows(cfg: MasterConfig) -> list[tuple[str, str]]:
+_WHAT = {
+    "sft": "supervised fine-tuning: token-level NLL on the assistant tokens only",
+    "dpo": "DPO: preference pairs, implicit reward beta * (log pi - log pi_ref) summed over the response",
+    "rm": "reward model: a one-label sequence classifier trained with the Bradley-Terry loss on pairs",
+}
+
+
+def supervised_plan_rows(cfg: SupervisedMasterConfig) -> list[tuple[str, str]]:
+    """(label, value) rows of an SFT / DPO / RM run."""
+    p, loop, d = cfg.policy, cfg.loop, cfg.rows
+    rows = p.train_global_batch_size // (2 if cfg.pairs else 1)
+    unit = "pairs (chosen and rejected side by side)" if cfg.pairs else "rows"
+    source = (f"generated ({d.synthetic.task}, {d.synthetic.num_train} train / {d.synthetic.num_val} val)"
+              if d.dataset_name == "synthetic" else f"{d.dataset_name}: {d.train_data_path}")
+    reference = ("computed once per batch (and per validation batch) by the policy with its starting weights"
+                 if cfg.algo == "dpo" else "none")
+    return [
+        ("algorithm", _WHAT[cfg.algo]),
+        ("model", str(p.model_name)),
+        ("policy backend", p._target_.rsplit(".", 1)[-1]),
+        ("loss", cfg.loss_fn._target_.rsplit(".", 1)[-1]),
+        ("device", cfg.cluster.device),
+        ("data", source),
+        ("rows per step", f"{rows} {unit} = global batch {p.train_global_batch_size} sequences"),
+        ("training layout", f"DP={cfg.dp} ({cfg.cluster.num_nodes * cfg.cluster.gpus_per_node} workers), "
+                            f"micro-batch {p.train_micro_batch_size}"),
+        ("reference policy", reference),
+        ("batching", "sequence packing" if p.sequence_packing.enabled else
+         "dynamic batching" if p.dynamic_batching.enabled else "fixed micro-batches"),
+        ("steps", f"max {loop.max_num_steps} steps / {loop.max_num_epochs} epoch(s); validate every "
+                  f"{loop.val_period} ({loop.val_global_batch_size} sequences a batch)"),
+    ]
+
+
+def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str]]:
     """(label, value) rows describing what one run will do."""
+    if isinstance(cfg, SupervisedMasterConfig):
+        return supervised_plan_rows(cfg)
     lay: Layout = layout_of(cfg)
     p, g = cfg.policy, cfg.grpo
     backend = p._target_.rsplit(".", 1)[-1]
-    engine = p.generation._target_.rsplit(".", 1)[-1]
+    engine = cfg.generation._target_.rsplit(".", 1)[-1]
     placement = (
         f"colocated: policy and engine share {lay.train_world} worker slot(s) on {lay.train_nodes} node(s)"
         if lay.colocated
@@ -55,7 +92,7 @@ def plan_rows(cfg: MasterConfig) -> list[tuple[str, str]]:
     ]
 
 
-def print_plan(cfg: MasterConfig, console: Console | None = None) -> None:
+def print_plan(cfg: MasterConfig | SupervisedMasterConfig, console: Console | None = None) -> None:
     """Render the plan as a table."""
     table = Table(title="rlpost plan", show_header=False)
     table.add_column("what", style="bold")
@@ -70,7 +107,7 @@ def _rollouts(cfg: MasterConfig) -> str:
     turns = cfg.grpo.max_rollout_turns
     if turns == 1:
         return "single-turn"
-    how = ("one coroutine per episode (vLLM async engine)" if cfg.policy.generation.async_rollouts()
+    how = ("one coroutine per episode (vLLM async engine)" if cfg.generation.async_rollouts()
            else "turns in lock-step, one batched generate per turn")
     return (f"multi-turn: up to {turns} model turns per episode within {cfg.policy.max_total_sequence_length} "
             f"tokens; {how}; environment tokens masked out of the loss")

@@ -24,9 +24,13 @@ from typing import Any
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import model_dir_key, read_hf_config
 from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.config.schema.policy import PytorchOptimizerConfig, SinglePytorchSchedulerConfig, parse_scheduler
 from rlpost.data.datasets import DataError, load_rows
 from rlpost.runtime.build import check_target, resolve
+
+AnyMaster = MasterConfig | SupervisedMasterConfig
+"""The master config of any algorithm."""
 
 # What a GRPO step logs (rlpost.algorithms.grpo: `validate` as validation/*, `_step_metrics` and the
 # rollout's reward counters as train/*), i.e. the names `checkpointing.metric_name` may rank by.
@@ -70,7 +74,8 @@ LOSS_METRICS: dict[str, tuple[str, ...]] = {
         "num_valid_samples",
         "approx_entropy",
     ),
-    "rlpost.algorithms.loss_functions.NLLLoss": ("loss", "num_unmasked_tokens", "num_valid_samples"),
+    "rlpost.algorithms.loss_functions.NLLLoss": ("loss", "token_accuracy", "num_unmasked_tokens",
+                                                 "num_valid_samples"),
 }
 # Files that make a local HF tokenizer loadable (any one of them).
 TOKENIZER_FILES: tuple[str, ...] = (
@@ -86,7 +91,7 @@ WEIGHT_PATTERNS: tuple[str, ...] = ("*.safetensors", "*.bin")
 DEVICE_KWARGS = frozenset({"fused", "foreach", "capturable"})
 
 
-def preflight_checks(master: MasterConfig, run_dir: Path | None = None) -> None:
+def preflight_checks(master: AnyMaster, run_dir: Path | None = None) -> None:
     """Raise ConfigError or DataError for anything that would fail after Ray starts. Loads no model."""
     check_model_dir(master)
     check_hf_config_overrides(master)
@@ -94,6 +99,10 @@ def preflight_checks(master: MasterConfig, run_dir: Path | None = None) -> None:
     check_optimizer(master)
     check_precision(master)
     check_gpu_only_keys(master)
+    if isinstance(master, SupervisedMasterConfig):
+        check_output_dirs(master, run_dir)
+        check_supervised_data(master)
+        return
     check_metric_name(master)
     check_output_dirs(master, run_dir)
     check_prompt_files(master)
@@ -106,7 +115,7 @@ def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
     return f"did you mean {match[0]!r}?" if match else None
 
 
-def run_device(master: MasterConfig) -> str:
+def run_device(master: AnyMaster) -> str:
     """'cuda' or 'cpu', decided as the driver's `resolve_device` decides it (no Ray, no CUDA context)."""
     if master.cluster.device != "auto":
         return master.cluster.device
@@ -118,7 +127,7 @@ def run_device(master: MasterConfig) -> str:
 # ---- model directory --------------------------------------------------------------------------
 
 
-def check_model_dir(master: MasterConfig) -> None:
+def check_model_dir(master: AnyMaster) -> None:
     """A local HF model directory: config.json with a model_type, weights and tokenizer files.
 
     Skipped for `model.tiny` (that directory is built on first use).
@@ -152,7 +161,7 @@ def check_model_dir(master: MasterConfig) -> None:
         raise ConfigError(tok_key, tok, f"has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
 
 
-def check_hf_config_overrides(master: MasterConfig) -> None:
+def check_hf_config_overrides(master: AnyMaster) -> None:
     """Every policy.hf_config_overrides key must be a field of the model's HF config. The trainer, the HF engine
     and vLLM (`hf_overrides`) all apply the same dict; transformers would silently drop an unknown key (e.g.
     `rope_theta`, which transformers 5 keeps inside `rope_parameters`) while vLLM sets it, so the engine and
@@ -179,7 +188,7 @@ def check_hf_config_overrides(master: MasterConfig) -> None:
                               "transformers would ignore it while vLLM would set it", hint)
 
 
-def check_vocab_shards(master: MasterConfig) -> None:
+def check_vocab_shards(master: AnyMaster) -> None:
     """DTensor TP shards the vocabulary in equal slices (vocab-parallel logprobs): TP must divide it.
 
     Megatron pads its vocabulary itself (make_vocab_size_divisible_by), so only DTensor is checked.
@@ -241,7 +250,7 @@ def _check_kwargs(cls: Any, name: str, kwargs: dict[str, Any], key: str, passed_
             raise ConfigError(f"{key}.{p.name}", None, f"is a required argument of {name}")
 
 
-def check_optimizer(master: MasterConfig) -> None:
+def check_optimizer(master: AnyMaster) -> None:
     """policy.optimizer / policy.scheduler: importable classes, known arguments, values the constructors accept
     (a dry build on one CPU parameter)."""
     p = master.policy
@@ -293,7 +302,7 @@ def _dry_build(opt: PytorchOptimizerConfig, scheduler: list[dict[str, Any]], dev
 # ---- precision on the device ------------------------------------------------------------------
 
 
-def check_precision(master: MasterConfig) -> None:
+def check_precision(master: AnyMaster) -> None:
     """bf16 / fp16 training needs a GPU; then the backend's own device checks (GPU-only options on CPU)."""
     p = master.policy
     if p.precision == "float32" and not p.has_device_checks:
@@ -309,7 +318,7 @@ def check_precision(master: MasterConfig) -> None:
     p.check_device("policy", device)
 
 
-def _cpu_reason(master: MasterConfig) -> str:
+def _cpu_reason(master: AnyMaster) -> str:
     return "cluster.device=cpu" if master.cluster.device == "cpu" else "cluster.device=auto and no CUDA device"
 
 
@@ -317,17 +326,19 @@ MOE_CONFIG_KEYS: tuple[str, ...] = ("num_experts", "num_local_experts", "n_route
 """config.json keys that give an HF model's expert count."""
 
 
-def check_gpu_only_keys(master: MasterConfig) -> None:
+def check_gpu_only_keys(master: AnyMaster) -> None:
     """Keys that act on GPU memory or GPU engines: on a CPU run they would do nothing, so a non-default value is
     refused naming the key. On GPU, vLLM expert parallelism also needs a mixture-of-experts model."""
     p = master.policy
-    ep = p.generation.expert_parallel_size()
+    ep = p.generation.expert_parallel_size() if p.generation is not None else 1
     keys: list[tuple[str, Any, str]] = [
         ("logger.monitor_gpus", master.logger.monitor_gpus, "it logs the workers' CUDA memory"),
         ("policy.offload_optimizer_for_logprob", p.offload_optimizer_for_logprob,
          "it moves the optimizer state from the GPU to the CPU during logprob passes"),
     ]
-    keys += p.gpu_only_keys("policy") + p.generation.gpu_only_keys("policy.generation")
+    keys += p.gpu_only_keys("policy")
+    if p.generation is not None:
+        keys += p.generation.gpu_only_keys("policy.generation")
     if not any(value for _, value, _ in keys):
         return
     if run_device(master) == "cpu":
@@ -399,7 +410,7 @@ def _check_writable_dir(key: str, path: Path) -> None:
         raise ConfigError(key, str(path), f"cannot be created: {parent} is not writable")
 
 
-def output_dirs(master: MasterConfig, run_dir: Path | None) -> list[tuple[str, Path]]:
+def output_dirs(master: AnyMaster, run_dir: Path | None) -> list[tuple[str, Path]]:
     """(key, directory) of every directory the run writes; defaults resolved under `run_dir` when given."""
     out: list[tuple[str, Path]] = []
 
@@ -418,7 +429,7 @@ def output_dirs(master: MasterConfig, run_dir: Path | None) -> list[tuple[str, P
     return out
 
 
-def check_output_dirs(master: MasterConfig, run_dir: Path | None = None) -> None:
+def check_output_dirs(master: AnyMaster, run_dir: Path | None = None) -> None:
     """Checkpoint and log directories are directories (or can be created) and writable."""
     for key, path in output_dirs(master, run_dir):
         _check_writable_dir(key, path)
@@ -512,3 +523,20 @@ def check_data(master: MasterConfig) -> None:
             "lower grpo.num_prompts_per_step or use a larger training set",
         )
 
+
+
+def check_supervised_data(master: SupervisedMasterConfig) -> None:
+    """SFT / DPO / RM rows: every file read and every row checked (DataError naming file and line); the
+    tokenization (and its skip-and-count rule) runs at setup, where the tokenizer is loaded."""
+    from rlpost.data.supervised_rows import load_supervised_rows
+
+    d = master.rows
+    if d.dataset_name == "synthetic":
+        return
+    rows = load_supervised_rows(d, "train")
+    need = master.policy.train_global_batch_size // (2 if master.pairs else 1)
+    if len(rows) < need:
+        raise ConfigError("policy.train_global_batch_size", master.policy.train_global_batch_size,
+                          f"one step takes {need} rows but data.train_data_path={d.train_data_path} has {len(rows)}")
+    if master.loop.val_period > 0 or master.loop.val_at_start:
+        load_supervised_rows(d, "val")

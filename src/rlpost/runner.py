@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.failures import EXIT_INTERRUPT, EXIT_TERMINATED, Interrupted
 from rlpost.runtime import console as say
 from rlpost.runtime.checkpointing import CheckpointError, CheckpointManager, read_json
@@ -100,7 +101,85 @@ def _completed_steps(cfg: MasterConfig, run_dir: Path) -> int | None:
     return steps if steps >= cfg.grpo.max_num_steps else None
 
 
-def run(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
+def run(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path) -> dict[str, Any]:
+    """Train with the configured algorithm; returns a summary (final metrics, where the outputs are)."""
+    if isinstance(cfg, SupervisedMasterConfig):
+        return run_supervised(cfg, run_dir)
+    return run_grpo(cfg, run_dir)
+
+
+def run_supervised(cfg: SupervisedMasterConfig, run_dir: Path) -> dict[str, Any]:
+    """SFT / DPO / RM: setup -> supervised_train -> summary, releasing everything at the end."""
+    from rlpost.algorithms.supervised import save_checkpoint, setup, supervised_train
+
+    console = Console(stderr=True)
+    t0 = time.perf_counter()
+    last: dict[str, float] = {}
+    comps = None
+    loop = cfg.loop
+    key = "accuracy" if cfg.pairs else "token_accuracy"
+    with StopOnSignal() as stop:
+        try:
+            comps = setup(cfg, run_dir)
+            start = comps.save_state.total_steps
+            if start:
+                say.info(f"resuming from step {start} ({comps.checkpointer.latest()})")
+            with Progress(
+                TextColumn(f"[bold]{cfg.algo.upper()}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+                disable=not cfg.logger.console_progress,
+            ) as progress:
+                task = progress.add_task("train", total=loop.max_num_steps, completed=start, info="")
+
+                def on_step(step: int, m: dict[str, float]) -> None:
+                    last.update(m)
+                    info = f"loss {m.get('train/loss', float('nan')):.4f}  {key} {m.get(f'train/{key}', float('nan')):.3f}"
+                    if f"validation/{key}" in m:
+                        info += f"  val loss {m['validation/loss']:.4f}  val {key} {m[f'validation/{key}']:.3f}"
+                    progress.update(task, completed=step, info=info)
+                    if stop.requested:
+                        ck = cfg.checkpointing
+                        saved = ck.enabled and (step % ck.save_period == 0 or step >= loop.max_num_steps)
+                        if ck.enabled and ck.save_on_interrupt and not saved:
+                            save_checkpoint(comps, step, m)
+                            saved = True
+                        if saved:
+                            say.info(f"stopped after step {step}; checkpoint saved")
+                        raise stop.interrupted()
+
+                state = supervised_train(comps, on_step=on_step)
+        except Interrupted:
+            raise
+        except BaseException as exc:
+            if stop.requested:
+                raise stop.interrupted() from exc
+            raise
+        finally:
+            _quiet_close(comps)
+    summary = {
+        "run_dir": str(run_dir),
+        "steps": state.total_steps,
+        "final_loss": last.get("train/loss"),
+        f"val_{key}": last.get(f"validation/{key}"),
+        "val_loss": last.get("validation/loss"),
+        "wall_s": time.perf_counter() - t0,
+        "metrics": str(comps.logger.dir / "metrics.jsonl"),
+        "tensorboard": str(comps.logger.tb_dir),
+    }
+    val = f", validation loss {summary['val_loss']:.4f}, {key} {summary[f'val_{key}']:.3f}" \
+        if summary["val_loss"] is not None else ""
+    result = f"final train/loss {summary['final_loss']:.4f}{val}" if summary["final_loss"] is not None \
+        else "no step left to run (run complete)"
+    console.print(
+        f"[bold green]done[/]: {summary['steps']} {cfg.algo.upper()} steps in {summary['wall_s']:.0f}s, {result}\n"
+        f"  metrics:     {summary['metrics']}\n  tensorboard: {summary['tensorboard']}\n"
+        f"  checkpoints: {comps.checkpointer.dir if cfg.checkpointing.enabled else '(disabled)'}",
+        soft_wrap=True,
+    )
+    return summary
+
+
+def run_grpo(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
     """Train with GRPO; returns a summary (final reward, accuracy, where the outputs are)."""
     from rlpost.algorithms.grpo import grpo_train, save_checkpoint, setup
 

@@ -125,7 +125,7 @@ class Collector:
         t0 = time.perf_counter()
         repeated, group_ids = rollout_rows(c, rows)
         batch = run_rollouts(repeated, group_ids, c.generation, c.tokenizer, c.envs, turn_settings(c.cfg),
-                             c.cfg.policy.generation.async_rollouts(), seeds=sample_seeds(g.seed, self.index,
+                             c.cfg.generation.async_rollouts(), seeds=sample_seeds(g.seed, self.index,
                                                                                           len(repeated)),
                              label=f"generation batch {self.index}")
         entry = Trajectories(batch, version, self.index, c.dataloader.state_dict(), time.perf_counter() - t0)

@@ -93,7 +93,7 @@ def collect_batch(
         seeds = sample_seeds(grpo_cfg.seed, step, len(repeated), salt=sampler.gen_batches if sampler else 0)
         # books "generation" and "reward_calculation" (scoring) apart; warns on slow rewards
         rollout = run_rollouts(repeated, group_ids, components.generation, components.tokenizer, components.envs,
-                               turn_settings(components.cfg), components.cfg.policy.generation.async_rollouts(),
+                               turn_settings(components.cfg), components.cfg.generation.async_rollouts(),
                                seeds=seeds, timer=timer, label=f"step {step}")
         with timer.time("generation"):
             components.generation.finish_generation()

@@ -58,7 +58,7 @@ class HealthCheckError(RuntimeError):
 def _should_use_async_rollouts(master_config: MasterConfig) -> bool:
     """Async rollouts (vLLM's async engine inside the synchronous, on-policy loop) iff the engine is
     vLLM and `vllm_cfg.async_engine` is on."""
-    return master_config.policy.generation.async_rollouts()
+    return master_config.generation.async_rollouts()
 
 
 def _advantages(components: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:

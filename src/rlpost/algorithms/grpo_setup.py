@@ -133,7 +133,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     init_ray(cfg.cluster)
     device = resolve_device(cfg.cluster)
     use_gpus = device == "cuda"
-    colocated = cfg.policy.generation.colocated.enabled
+    colocated = cfg.generation.colocated.enabled
     from rlpost.config.layout import layout_of
 
     lay = layout_of(cfg)
@@ -156,7 +156,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         )
         clusters = [train_cluster, gen_cluster]
 
-    gen_cfg = cfg.policy.generation
+    gen_cfg = cfg.generation
     if gen_cfg.model_name is None:
         gen_cfg.model_name = cfg.policy.model_name
     opened: list[Callable[[], object]] = [*[c.shutdown for c in clusters], *[e.shutdown for e in envs.values()],
@@ -230,7 +230,7 @@ def _loss_config(cfg: MasterConfig) -> Any:
 
 def generation_dtype(cfg: MasterConfig) -> str:
     """The dtype weights are cast to for the engine."""
-    return cfg.policy.generation.weight_dtype()
+    return cfg.generation.weight_dtype()
 
 
 def save_rng_state() -> dict[str, Any]:

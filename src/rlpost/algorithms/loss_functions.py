@@ -314,8 +314,29 @@ class NLLLoss:
         del global_valid_seqs
         lp, _, sample_mask, mask = _slice_inputs(next_token_logits, data, vocab_parallel_group, vocab_parallel_rank)
         loss = -masked_mean(lp, mask, global_normalization_factor=global_valid_toks)
+        with torch.no_grad():
+            correct = _is_argmax(next_token_logits[:, :-1], lp.detach(), vocab_parallel_group).to(lp.dtype)
+            accuracy = masked_mean(correct, mask, global_normalization_factor=global_valid_toks)
         return loss, {
             "loss": float(loss.item()),
+            "token_accuracy": float(accuracy.item()),
             "num_unmasked_tokens": float(mask.sum().item()),
             "num_valid_samples": float(sample_mask.sum().item()),
         }
+
+
+def _is_argmax(logits: torch.Tensor, target_lp: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[B, S-1] bool: the target token has the highest logit (greedy decoding would emit it).
+
+    logits [B, S-1, V] (or this rank's vocabulary slice under tensor parallelism); target_lp the target's
+    logprob. The target's logit is target_lp + logsumexp, compared with the (global) max logit.
+    """
+    logits = logits.detach().float()
+    top = logits.max(dim=-1).values  # [B, S-1]
+    if group is not None:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    total = torch.exp(logits - top.unsqueeze(-1)).sum(-1)  # [B, S-1]
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    target_logit = target_lp.float() + top + torch.log(total)
+    return target_logit >= top - 1e-4

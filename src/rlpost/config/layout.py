@@ -15,6 +15,7 @@ from rlpost.config.errors import ConfigError
 from rlpost.config.schema.grpo import AsyncGRPOConfig
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 
 _CACHE_ATTR = "_rlpost_layout"
 
@@ -51,7 +52,7 @@ class Layout:
 def _placement(cfg: MasterConfig) -> tuple[int, int, int, int]:
     """(train_nodes, train_per_node, gen_nodes, gen_per_node)."""
     cl = cfg.cluster
-    gen = cfg.policy.generation
+    gen = cfg.generation
     if gen.colocated.enabled:
         return cl.num_nodes, cl.gpus_per_node, cl.num_nodes, cl.gpus_per_node
     res = gen.colocated.resources
@@ -76,7 +77,7 @@ def _placement(cfg: MasterConfig) -> tuple[int, int, int, int]:
     return cl.num_nodes - n, cl.gpus_per_node, n, cl.gpus_per_node
 
 
-def model_dir_key(cfg: MasterConfig) -> str:
+def model_dir_key(cfg: MasterConfig | SupervisedMasterConfig) -> str:
     """The key a user sets to choose the model directory: `model.path`, or `policy.model_name` if overridden."""
     return "model.path" if cfg.policy.model_name == cfg.model.path else "policy.model_name"
 
@@ -145,7 +146,7 @@ def compute_layout(cfg: MasterConfig) -> Layout:
             backend_key, tp, f"tensor-parallel size must divide the model's {kv_heads} key/value heads"
         )
 
-    gen_tp, engine_tp, engine_tp_key = cfg.policy.generation.model_parallel()
+    gen_tp, engine_tp, engine_tp_key = cfg.generation.model_parallel()
     gen_world = gn * gpn
     if gen_world % gen_tp != 0:
         raise ConfigError(engine_tp_key, engine_tp,
@@ -173,7 +174,7 @@ def compute_layout(cfg: MasterConfig) -> Layout:
         )
     _check_async(cfg)
     return Layout(
-        colocated=cfg.policy.generation.colocated.enabled,
+        colocated=cfg.generation.colocated.enabled,
         train_nodes=tn,
         train_workers_per_node=tpn,
         gen_nodes=gn,
@@ -224,7 +225,7 @@ def _check_async(cfg: MasterConfig) -> None:
                                   "grpo.async_grpo.enabled=true")
         return
     key = "grpo.async_grpo.enabled"
-    if cfg.policy.generation.colocated.enabled:
+    if cfg.generation.colocated.enabled:
         raise ConfigError(key, True, "async GRPO needs the engine on its own workers",
                           "policy.generation.colocated.enabled=false with colocated.resources for the engine "
                           "(e.g. cluster.gpus_per_node=2 policy.generation.colocated.resources.gpus_per_node=1)")
@@ -239,7 +240,7 @@ def _check_async(cfg: MasterConfig) -> None:
                           "async GRPO's data is off-policy: the ratio must use the trainer's logprobs")
     if cfg.grpo.use_dynamic_sampling:
         raise ConfigError("grpo.use_dynamic_sampling", True, "is not supported with async GRPO (as in NeMo RL)")
-    if cfg.grpo.async_grpo.in_flight_weight_updates and not cfg.policy.generation.async_rollouts():
+    if cfg.grpo.async_grpo.in_flight_weight_updates and not cfg.generation.async_rollouts():
         raise ConfigError("grpo.async_grpo.in_flight_weight_updates", True,
                           "needs vLLM's async engine (it freezes requests in flight while the weights change)",
                           "generation=vllm policy.generation.vllm_cfg.async_engine=true")

@@ -20,6 +20,8 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import layout_of
 from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.root import RootConfig, narrow
+from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.config.store import register_configs
 
 CONFIG_NAME = "config"
@@ -171,8 +173,9 @@ def translate_exception(exc: BaseException, cfg: DictConfig | None = None) -> Co
     return ConfigError("<overrides>", None, " ".join(line.strip() for line in first if line.strip())[:500])
 
 
-def to_master_config(cfg: DictConfig) -> MasterConfig:
-    """DictConfig (with or without a `hydra` node) -> validated MasterConfig, or ConfigError."""
+def to_master_config(cfg: DictConfig) -> MasterConfig | SupervisedMasterConfig:
+    """DictConfig (with or without a `hydra` node) -> the algorithm's validated master config (GRPO's
+    MasterConfig, or SFT / DPO / RM's), or ConfigError."""
     node = cfg.copy()
     if "hydra" in node:
         with_struct = OmegaConf.is_struct(node)
@@ -182,11 +185,13 @@ def to_master_config(cfg: DictConfig) -> MasterConfig:
     # to_object would keep a key the schema lacks as a stray attribute, and use it or not: refuse it first.
     check_unknown_keys(node)
     try:
-        obj = OmegaConf.to_object(node)
+        root = OmegaConf.to_object(node)
+        assert isinstance(root, RootConfig)
+        obj = narrow(root)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a ConfigError
         raise translate_exception(exc, node) from None
-    assert isinstance(obj, MasterConfig)
-    layout_of(obj)  # the layout's rules are the last config check; computed once, reused by setup
+    if isinstance(obj, MasterConfig):
+        layout_of(obj)  # the layout's rules are the last config check; computed once, reused by setup
     return obj
 
 
@@ -203,10 +208,33 @@ def compose_config(overrides: list[str] | None = None, config_name: str = CONFIG
         with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
             return compose(config_name=config_name, overrides=overrides)
     except Exception as exc:  # noqa: BLE001
-        raise translate_exception(exc) from None
+        raise (_algorithm_mismatch(overrides) or translate_exception(exc)) from None
 
 
-def load_master_config(overrides: list[str] | None = None) -> tuple[DictConfig, MasterConfig]:
+GRPO_ONLY = {"grpo": "block", "env": "group", "generation": "group", "eval": "block", "policy.generation": "block"}
+"""What only algo=grpo has: config groups (`generation=hf`) and blocks (`grpo.x=...`)."""
+
+
+def _algorithm_mismatch(overrides: list[str]) -> ConfigError | None:
+    """A failed composition caused by an override that the chosen algorithm has no place for: a key of another
+    algorithm's block (`algo=sft grpo.max_num_steps=3`), or a group only GRPO chooses (`algo=dpo generation=hf`)."""
+    from rlpost.config.schema.root import ALGORITHMS
+
+    algo = next((o.split("=", 1)[1] for o in overrides if o.startswith("algo=")), "grpo")
+    if algo not in ALGORITHMS:
+        return None
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        first = key.split(".", 1)[0]
+        owner = first if first in ALGORITHMS else "grpo" if (
+            first in GRPO_ONLY or key.startswith("policy.generation")) else None
+        if owner is not None and owner != algo and first != "algo":
+            return ConfigError(key, value, f"algo={algo} has no such {'group' if '.' not in key else 'key'}: it "
+                               f"belongs to algo={owner}")
+    return None
+
+
+def load_master_config(overrides: list[str] | None = None) -> tuple[DictConfig, MasterConfig | SupervisedMasterConfig]:
     """Compose and validate: the resolved DictConfig and the typed MasterConfig."""
     cfg = compose_config(overrides)
     return cfg, to_master_config(cfg)

@@ -16,9 +16,17 @@ from rlpost.config.schema.env import (
     MathEnvConfig,
     SyntheticEnvConfig,
 )
-from rlpost.config.schema.generation import GenerationConfig, HFGenerationConfig, VllmConfig
-from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig, NLLLossConfig
-from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.data import DataConfig
+from rlpost.config.schema.generation import HFGenerationConfig, VllmConfig
+from rlpost.config.schema.loss import (
+    ClippedPGLossConfig,
+    DPOLossConfig,
+    LossConfig,
+    NLLLossConfig,
+    PreferenceLossConfig,
+)
+from rlpost.config.schema.root import RootConfig
+from rlpost.config.schema.supervised import PreferenceDataConfig, SFTDataConfig
 from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.config.schema.policy import DTensorPolicyConfig, PolicyConfig
 
@@ -26,9 +34,8 @@ _REGISTERED = False
 
 
 def _policy_schema(cls: type[PolicyConfig]) -> DictConfig:
-    """A policy schema whose `generation` is the base type (the generation option merges its engine in later)."""
+    """A policy schema without an engine (algo=grpo's generation option merges its engine in later)."""
     node = OmegaConf.structured(cls)
-    node.generation = OmegaConf.structured(GenerationConfig)
     if cls is PolicyConfig:  # each backend brings its optimizer kwargs (Megatron's hold only the lr)
         node.optimizer.kwargs = {}
     return node
@@ -40,11 +47,9 @@ def register_configs() -> None:
     if _REGISTERED:
         return
     cs = ConfigStore.instance()
-    root = OmegaConf.structured(MasterConfig)
+    root = OmegaConf.structured(RootConfig)
     # Polymorphic blocks start as their base type so any option's subclass can merge in.
-    root.env = {}
     root.policy = _policy_schema(PolicyConfig)
-    root.loss_fn = OmegaConf.structured(LossConfig)
     cs.store(name="rlpost_schema", node=root)
     cs.store(group="schema/policy", name="dtensor", node=_policy_schema(DTensorPolicyConfig))
     cs.store(group="schema/policy", name="megatron", node=_policy_schema(MegatronPolicyConfig))
@@ -52,6 +57,11 @@ def register_configs() -> None:
     cs.store(group="schema/generation", name="hf", node=HFGenerationConfig)
     cs.store(group="schema/loss", name="clipped_pg", node=ClippedPGLossConfig)
     cs.store(group="schema/loss", name="nll", node=NLLLossConfig)
+    cs.store(group="schema/loss", name="dpo", node=DPOLossConfig)
+    cs.store(group="schema/loss", name="preference", node=PreferenceLossConfig)
+    cs.store(group="schema/data", name="prompts", node=DataConfig)
+    cs.store(group="schema/data", name="sft", node=SFTDataConfig)
+    cs.store(group="schema/data", name="preference", node=PreferenceDataConfig)
     cs.store(group="schema/env", name="synthetic", node=SyntheticEnvConfig)
     cs.store(group="schema/env", name="math", node=MathEnvConfig)
     cs.store(group="schema/env", name="calculator", node=CalculatorEnvConfig)

@@ -64,8 +64,8 @@ def sniff(path: str) -> str | None:
     return None
 
 
-def read_jsonl(path: str, cfg: DataConfig, with_source: bool = False) -> list[dict[str, Any]]:
-    """Rows of a JSONL file, one JSON object per non-blank line."""
+def jsonl_objects(path: str) -> list[tuple[Any, str]]:
+    """(parsed JSON value, 'file:line') of every non-blank line of a local JSONL file; DataError on bad input."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{path}: no such file")
@@ -76,7 +76,7 @@ def read_jsonl(path: str, cfg: DataConfig, with_source: bool = False) -> list[di
         raise DataError(
             f"{path}: not a JSONL text file ({kind}); data.dataset_name=jsonl reads one JSON object per line"
         )
-    rows = []
+    out = []
     offset = 0
     with p.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -94,14 +94,14 @@ def read_jsonl(path: str, cfg: DataConfig, with_source: bool = False) -> list[di
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
-            rows.append(_check_row(obj, cfg, f"{path}:{lineno}", with_source))
-    if not rows:
+            out.append((obj, f"{path}:{lineno}"))
+    if not out:
         raise DataError(f"{path}: no rows")
-    return rows
+    return out
 
 
-def read_parquet(path: str, cfg: DataConfig, with_source: bool = False) -> list[dict[str, Any]]:
-    """Rows of a parquet file (read through `datasets`)."""
+def parquet_objects(path: str) -> list[tuple[Any, str]]:
+    """(row, 'file: row i') of every row of a local parquet file (read through `datasets`); DataError on bad input."""
     if not Path(path).is_file():
         raise DataError(f"{path}: no such file")
     with open(path, "rb") as f:
@@ -123,10 +123,25 @@ def read_parquet(path: str, cfg: DataConfig, with_source: bool = False) -> list[
         ds = load_dataset("parquet", data_files=str(path), split="train")
     except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file: name it, no traceback
         raise DataError(f"{path}: cannot be read as parquet ({type(exc).__name__}: {exc})") from None
-    rows = [_check_row(row, cfg, f"{path}: row {i}", with_source) for i, row in enumerate(ds)]
-    if not rows:
+    out = [(row, f"{path}: row {i}") for i, row in enumerate(ds)]
+    if not out:
         raise DataError(f"{path}: no rows")
-    return rows
+    return out
+
+
+def read_objects(path: str, dataset_name: str) -> list[tuple[Any, str]]:
+    """Rows of a local file of data.dataset_name 'jsonl' or 'parquet', each with where it came from."""
+    return jsonl_objects(path) if dataset_name == "jsonl" else parquet_objects(path)
+
+
+def read_jsonl(path: str, cfg: DataConfig, with_source: bool = False) -> list[dict[str, Any]]:
+    """Prompt rows of a JSONL file, one JSON object per non-blank line."""
+    return [_check_row(obj, cfg, where, with_source) for obj, where in jsonl_objects(path)]
+
+
+def read_parquet(path: str, cfg: DataConfig, with_source: bool = False) -> list[dict[str, Any]]:
+    """Prompt rows of a parquet file (read through `datasets`)."""
+    return [_check_row(row, cfg, where, with_source) for row, where in parquet_objects(path)]
 
 
 def load_rows(cfg: DataConfig, split: str, with_source: bool = False) -> list[dict[str, Any]]:

@@ -51,8 +51,9 @@ class _TableEnv:
 
 def _cfg(grpo: GRPOConfig) -> SimpleNamespace:
     """The config pieces collect reads: grpo, the sequence budget and the engine's rollout mode."""
-    policy = SimpleNamespace(max_total_sequence_length=64, generation=SimpleNamespace(async_rollouts=lambda: False))
-    return SimpleNamespace(grpo=grpo, policy=policy)
+    generation = SimpleNamespace(async_rollouts=lambda: False)
+    policy = SimpleNamespace(max_total_sequence_length=64, generation=generation)
+    return SimpleNamespace(grpo=grpo, policy=policy, generation=generation)
 
 
 def _rows(spread: float, n: int = 2) -> list[dict[str, Any]]:

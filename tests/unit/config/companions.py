@@ -15,4 +15,11 @@ COMPANIONS: dict[tuple[str, str], list[str]] = {
     ("env", "lookup"): ["data=lookup"],
     ("data", "guess_game"): ["env=guess_game"],
     ("env", "guess_game"): ["data=guess_game"],
+    ("data", "sft_synthetic"): ["algo=sft"],
+    ("data", "sft_jsonl"): ["algo=sft", "data.train_data_path=/tmp/train.jsonl"],
+    ("data", "preference_synthetic"): ["algo=dpo"],
+    ("data", "preference_jsonl"): ["algo=dpo", "data.train_data_path=/tmp/pairs.jsonl"],
+    ("loss", "nll"): ["algo=sft"],
+    ("loss", "dpo"): ["algo=dpo"],
+    ("loss", "preference"): ["algo=rm"],
 }

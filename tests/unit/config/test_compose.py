@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlpost.config.errors import ConfigError
+from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.config.load import group_options, groups, load_master_config
 from rlpost.config.schema.env import MathEnvConfig, SyntheticEnvConfig
 from rlpost.config.schema.generation import HFGenerationConfig, VllmConfig
@@ -28,7 +29,7 @@ def test_groups_are_the_documented_ones() -> None:
 @pytest.mark.parametrize(("group", "option"), ALL, ids=[f"{g}={o}" for g, o in ALL])
 def test_every_option_composes(group: str, option: str) -> None:
     _, cfg = load_master_config([f"{group}={option}", *COMPANIONS.get((group, option), [])])
-    assert isinstance(cfg, MasterConfig)
+    assert isinstance(cfg, (MasterConfig, SupervisedMasterConfig))
 
 
 def test_default_is_typed() -> None:

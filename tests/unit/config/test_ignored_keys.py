@@ -72,9 +72,15 @@ def test_data_num_workers_is_refused() -> None:
 
 
 @pytest.mark.parametrize("policy", ["dtensor", "dtensor_v2", "megatron"])
-def test_reward_model_mode_is_refused_on_every_backend(policy: str) -> None:
-    err = refused(f"policy={policy}", "policy.reward_model_cfg.enabled=true")
-    assert err.key == "policy.reward_model_cfg.enabled" and "not implemented" in err.rule
+def test_reward_model_mode_is_refused_outside_algo_rm(policy: str) -> None:
+    for algo in ("grpo", "sft", "dpo"):
+        err = refused(f"algo={algo}", f"policy={policy}", "policy.reward_model_cfg.enabled=true")
+        assert err.key == "policy.reward_model_cfg.enabled" and "algo=rm" in err.rule
+
+
+def test_reward_model_is_refused_by_the_megatron_backend() -> None:
+    err = refused("algo=rm", "policy=megatron")
+    assert err.key == "policy._target_" and "DTensor" in err.rule
 
 
 def test_policy_generation_batch_size_feeds_the_hf_engine_and_is_refused_for_vllm() -> None:

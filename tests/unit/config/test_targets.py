@@ -21,9 +21,10 @@ def targets_of_all_options() -> dict[str, tuple[str, Any, list[Any], dict[str, A
             p = cfg.policy
             found[f"policy:{p._target_}"] = (p._target_, p, [], {})
             gen = p.generation
-            found[f"generation:{gen._target_}"] = (gen._target_, gen, ["<cluster>"], {"model_path": "m"})
+            if gen is not None:  # only algo=grpo has an engine
+                found[f"generation:{gen._target_}"] = (gen._target_, gen, ["<cluster>"], {"model_path": "m"})
             found[f"loss:{cfg.loss_fn._target_}"] = (cfg.loss_fn._target_, cfg.loss_fn, [], {})
-            for e in cfg.env.values():
+            for e in getattr(cfg, "env", {}).values():
                 found[f"env:{e._target_}"] = (e._target_, e, [], {})
     return found
 

@@ -33,8 +33,17 @@ class SyntheticTaskConfig:
 
 
 @dataclass
-class DataConfig:
-    """Where prompts come from and how they are turned into token ids."""
+class DatasetConfig:
+    """Base of every `data` option's schema: GRPO's prompts (DataConfig) or the rows of SFT / DPO / RM
+    (rlpost.config.schema.supervised)."""
+
+    def check(self, path: str) -> None:
+        """Range checks; subclasses extend."""
+
+
+@dataclass
+class DataConfig(DatasetConfig):
+    """Where GRPO's prompts come from and how they are turned into token ids (`data=synthetic|arith|...`)."""
 
     dataset_name: str = "synthetic"
     """'synthetic' (generated), 'jsonl' or 'parquet' (local files through `datasets`)."""

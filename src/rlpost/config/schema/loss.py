@@ -90,3 +90,37 @@ class NLLLossConfig(LossConfig):
 
     _target_: str = "rlpost.algorithms.loss_functions.NLLLoss"
     """Loss class."""
+
+
+@dataclass
+class DPOLossConfig(LossConfig):
+    """NeMo RL's DPO loss (`loss=dpo`, algo=dpo): w_p * -log sigmoid(beta * (r_chosen - r_rejected)) + w_s * NLL of
+    the chosen response, with the implicit reward r = sum (or mean) over response tokens of (lp - lp_ref)."""
+
+    _target_: str = "rlpost.algorithms.preference_losses.DPOLossFn"
+    """Loss class."""
+    reference_policy_kl_penalty: float = 0.05
+    """beta: the strength of the implicit KL to the reference policy."""
+    preference_loss_weight: float = 1.0
+    """w_p: weight of the preference term."""
+    sft_loss_weight: float = 0.0
+    """w_s: weight of the NLL of the chosen responses."""
+    preference_average_log_probs: bool = False
+    """Implicit reward from the mean instead of the sum of the response's token log-ratios."""
+    sft_average_log_probs: bool = False
+    """SFT term from the mean instead of the sum of the chosen response's token logprobs."""
+
+    def check(self, path: str) -> None:
+        positive(f"{path}.reference_policy_kl_penalty", self.reference_policy_kl_penalty)
+        non_negative(f"{path}.preference_loss_weight", self.preference_loss_weight)
+        non_negative(f"{path}.sft_loss_weight", self.sft_loss_weight)
+        require(self.preference_loss_weight + self.sft_loss_weight > 0, f"{path}.preference_loss_weight",
+                self.preference_loss_weight, "preference_loss_weight and sft_loss_weight cannot both be 0")
+
+
+@dataclass
+class PreferenceLossConfig(LossConfig):
+    """Bradley-Terry loss of a reward model (`loss=preference`, algo=rm): -log sigmoid(s_chosen - s_rejected)."""
+
+    _target_: str = "rlpost.algorithms.preference_losses.PreferenceLoss"
+    """Loss class."""

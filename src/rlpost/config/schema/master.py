@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlpost.config.errors import require
+from rlpost.config.errors import ConfigError, require
 from rlpost.config.schema.checkpoint import CheckpointingConfig
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.data import DataConfig
 from rlpost.config.schema.env import EnvConfig, SyntheticEnvConfig
 from rlpost.config.schema.eval import EvalConfig
+from rlpost.config.schema.generation import GenerationConfig
 from rlpost.config.schema.grpo import GRPOConfig
 from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
@@ -45,6 +46,15 @@ class MasterConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def generation(self) -> GenerationConfig:
+        """The rollout engine's config, policy.generation (GRPO always has one)."""
+        gen = self.policy.generation
+        if gen is None:
+            raise ConfigError("policy.generation", None, "algo=grpo needs a rollout engine",
+                              "choose it with generation=vllm|hf")
+        return gen
+
     def validate(self) -> None:
         """Every per-block range check, then the rules that span blocks."""
         self.model.check("model")
@@ -61,7 +71,13 @@ class MasterConfig:
         self._cross_checks()
 
     def _cross_checks(self) -> None:
-        p, g = self.policy, self.grpo
+        p, g, gen = self.policy, self.grpo, self.generation
+        require(
+            not p.reward_model_cfg.enabled,
+            "policy.reward_model_cfg.enabled",
+            True,
+            "algo=grpo trains a causal LM; a reward model is trained with algo=rm",
+        )
         require(
             self.data.env_name in self.env,
             "data.env_name",
@@ -75,9 +91,9 @@ class MasterConfig:
             f"must be <= policy.max_total_sequence_length ({p.max_total_sequence_length})",
         )
         require(
-            p.generation.max_new_tokens <= p.max_total_sequence_length,
+            gen.max_new_tokens <= p.max_total_sequence_length,
             "policy.generation.max_new_tokens",
-            p.generation.max_new_tokens,
+            gen.max_new_tokens,
             f"must be <= policy.max_total_sequence_length ({p.max_total_sequence_length})",
         )
         if self.checkpointing.enabled and (self.checkpointing.metric_name or "").startswith("val:"):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from rlpost.config.errors import one_of, positive, require, safe_env_vars
-from rlpost.config.schema.generation import GenerationConfig, VllmConfig
+from rlpost.config.schema.generation import GenerationConfig
 
 PRECISIONS = ("float32", "bfloat16", "float16")
 PACKING_ALGORITHMS = (
@@ -193,19 +193,13 @@ class RewardModelConfig:
     """Use the policy worker as a reward model instead of a causal LM."""
 
     enabled: bool = False
-    """Turn the reward-model mode on (not implemented by rlpost's policy workers: must stay false)."""
+    """The worker builds a sequence-classification model (one score per sequence) instead of a causal LM.
+    Set by algo=rm; the DTensor workers serve it, the others refuse it."""
     reward_model_type: str = "bradley_terry"
-    """Only 'bradley_terry' (sequence classification, one label)."""
+    """Only 'bradley_terry' (HF AutoModelForSequenceClassification, num_labels=1, trained on preference pairs)."""
 
     def check(self, path: str) -> None:
         one_of(f"{path}.reward_model_type", self.reward_model_type, ("bradley_terry",))
-        require(
-            not self.enabled,
-            f"{path}.enabled",
-            self.enabled,
-            "reward-model training is not implemented by rlpost's policy workers (they train causal LMs)",
-            "rewards come from the environments (env=...)",
-        )
 
 
 @dataclass
@@ -226,8 +220,9 @@ class PolicyConfig:
     """Samples per micro-batch of the logprob (previous / reference) passes."""
     logprob_chunk_size: int | None = None
     """Compute logprobs in chunks of this many positions (bounds fp32 logit memory)."""
-    generation: GenerationConfig = field(default_factory=VllmConfig)
-    """Rollout engine (`generation=vllm|hf`)."""
+    generation: GenerationConfig | None = None
+    """Rollout engine (`generation=vllm|hf`, chosen by algo=grpo); None for the algorithms that do not generate
+    (algo=sft|dpo|rm)."""
     generation_batch_size: int = 32
     """Prompts per `generate` call of the HF engine (generation=hf fills policy.generation.generation_batch_size
     from it); vLLM schedules whole batches itself, so with generation=vllm only the default is accepted."""
@@ -283,7 +278,8 @@ class PolicyConfig:
             self.train_micro_batch_size,
             f"must be <= train_global_batch_size ({self.train_global_batch_size})",
         )
-        self.generation.check(f"{path}.generation")
+        if self.generation is not None:
+            self.generation.check(f"{path}.generation")
         self.reward_model_cfg.check(f"{path}.reward_model_cfg")
         self._check_generation_batch_size(path)
         self.dynamic_batching.check(f"{path}.dynamic_batching")
@@ -321,6 +317,8 @@ class PolicyConfig:
             )
 
     # ---- what each backend schema defines -----------------------------------------------
+    serves_reward_model: ClassVar[bool] = False
+    """The backend can build a reward model (policy.reward_model_cfg.enabled, algo=rm)."""
     pads_vocab: ClassVar[bool] = False
     """The backend pads the vocabulary to a multiple of TP itself (else TP must divide it)."""
     has_device_checks: ClassVar[bool] = False
@@ -353,6 +351,9 @@ class DTensorPolicyConfig(PolicyConfig):
 
     dtensor_cfg: DTensorConfig = field(default_factory=DTensorConfig)
     """DTensor backend knobs."""
+
+    serves_reward_model: ClassVar[bool] = True
+    """The DTensor workers build HF sequence classifiers for algo=rm."""
 
     def check(self, path: str) -> None:
         super().check(path)

@@ -221,8 +221,10 @@ def train_step(
     temperature: float = 1.0,
     loss_input: Literal["logits", "logprobs"] = "logits",
     chunk_size: int | None = None,
+    forward_only: bool = False,
 ) -> TrainStepResult:
-    """Forward/backward every micro-batch of one global batch, then one optimizer and scheduler step.
+    """Forward/backward every micro-batch of one global batch, then one optimizer and scheduler step
+    (forward_only: the losses and metrics only, under no_grad, with no step: validation).
 
     Each micro-batch maps "input_ids" ([mbs, S], right-padded; with PP every micro-batch must share [mbs, S]) to
     whatever loss_fn reads. loss_fn gets, per micro-batch on the last stage, either this TP rank's logits
@@ -257,19 +259,30 @@ def train_step(
 
         return output, loss_func
 
+    first = microbatches[0]["input_ids"]
+
+    def run() -> Any:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches),
+            model=[ddp],
+            num_microbatches=len(microbatches),
+            seq_length=int(first.shape[1]),
+            micro_batch_size=int(first.shape[0]),
+            forward_only=forward_only,
+        )
+
+    if forward_only:
+        ddp.eval()
+        with torch.no_grad():
+            results = run()
+        ddp.train()
+        loss, metrics = _reduce_sums(float(sum(float(r["loss"]) for r in results)) if results else 0.0, metric_sums)
+        return TrainStepResult(loss, 0.0, float(optimizer.param_groups[0]["lr"]), metrics, len(microbatches), True)
     ddp.train()
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    first = microbatches[0]["input_ids"]
-    results = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(microbatches),
-        model=[ddp],
-        num_microbatches=len(microbatches),
-        seq_length=int(first.shape[1]),
-        micro_batch_size=int(first.shape[0]),
-        forward_only=False,
-    )
+    results = run()
     lr = float(optimizer.param_groups[0]["lr"])
     if state.manual_clip:
         success, grad_norm = _step_with_manual_clip(optimizer, state.clip_grad)

@@ -193,29 +193,26 @@ class DTensorWorkerBase(WeightExportMixin):
         return old
 
     # ---- training ----------------------------------------------------------------------
-    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: int | None = None) -> dict[str, Any]:
+    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: int | None = None,
+              eval_mode: bool = False) -> dict[str, Any]:
+        """One optimizer step per global batch of `data` (eval_mode: the loss and metrics only, under no_grad,
+        with no update and no scheduler step: validation)."""
         if self.optimizer is None:
             raise RuntimeError("the policy was built without an optimizer (init_optimizer=False)")
-        self._onload(with_optimizer=True)
-        self.model.train()
+        self._onload(with_optimizer=not eval_mode)
+        self.model.train(not eval_mode)
         optimizer = self.optimizer
         local_gbs = (gbs or self.cfg.train_global_batch_size) // self.dp_size
 
         def step(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor) -> tuple[float, float, list[dict[str, Any]]]:
+            if eval_mode:
+                with torch.no_grad():
+                    return forward_only(gb, gs, gt)
             optimizer.zero_grad(set_to_none=True)
             gb_loss = torch.zeros((), device=self.device)
             recorded = []
             for mb in self._microbatches(gb, self.cfg.train_micro_batch_size):
-                logits, rows, pk = self._forward_logits(mb)
-                rows = rows.to(self.device)
-                fn = loss_fn
-                if pk is not None:
-                    from rlpost.ops.packed_loss import SequencePackingLossWrapper
-
-                    fn = SequencePackingLossWrapper(loss_fn, pk.cu_seqlens, pk.cu_seqlens_padded)
-                loss, metrics = fn(logits, rows, gs, gt, **self._vp_kwargs())
-                if getattr(mb, "is_padding", False) or getattr(rows, "is_padding", False):
-                    loss = loss * 0.0
+                loss, metrics = self._micro_loss(mb, loss_fn, gs, gt)
                 (loss * self.dp_size).backward()
                 gb_loss += loss.detach()
                 recorded.append(metrics)
@@ -225,10 +222,36 @@ class DTensorWorkerBase(WeightExportMixin):
             dist.all_reduce(gb_loss, group=self.dp_group)
             return float(gb_loss), grad_norm, recorded
 
+        def forward_only(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor
+                         ) -> tuple[float, float, list[dict[str, Any]]]:
+            gb_loss = torch.zeros((), device=self.device)
+            recorded = []
+            for mb in self._microbatches(gb, self.cfg.train_micro_batch_size):
+                loss, metrics = self._micro_loss(mb, loss_fn, gs, gt)
+                gb_loss += loss
+                recorded.append(metrics)
+            dist.all_reduce(gb_loss, group=self.dp_group)
+            return float(gb_loss), 0.0, recorded
+
         result = train_global_batches(data, local_gbs, self.device, self.dp_group, step)
-        if self.scheduler is not None:
+        if self.scheduler is not None and not eval_mode:
             self.scheduler.step()
         return finish_result(result, optimizer.param_groups[0]["lr"], self.model.parameters())
+
+    def _micro_loss(self, mb: Any, loss_fn: Any, gs: torch.Tensor, gt: torch.Tensor
+                    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The loss (zero for a padding micro-batch) and metrics of one micro-batch, packed or not."""
+        logits, rows, pk = self._forward_logits(mb)
+        rows = rows.to(self.device)
+        fn = loss_fn
+        if pk is not None:
+            from rlpost.ops.packed_loss import SequencePackingLossWrapper
+
+            fn = SequencePackingLossWrapper(loss_fn, pk.cu_seqlens, pk.cu_seqlens_padded)
+        loss, metrics = fn(logits, rows, gs, gt, **self._vp_kwargs())
+        if getattr(mb, "is_padding", False) or getattr(rows, "is_padding", False):
+            loss = loss * 0.0
+        return loss, metrics
 
     def _clip_grad_norm(self) -> float:
         """Global L2 grad norm over every parameter (TP-sharded and not), then clip to max_grad_norm.

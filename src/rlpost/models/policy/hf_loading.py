@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,14 +12,22 @@ from rlpost.config.schema.policy import PolicyConfig
 
 
 def load_hf_causal_lm(cfg: PolicyConfig, dtype: torch.dtype) -> nn.Module:
-    """`AutoModelForCausalLM.from_pretrained` on a local directory, fp32 master weights, SDPA attention."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """`from_pretrained` on a local directory, fp32 master weights, SDPA attention: a causal LM, or with
+    policy.reward_model_cfg.enabled a one-label sequence classifier on the same body (a new `score` head when
+    the directory holds a causal LM; HF pools the score at each row's last non-pad token)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     path = Path(cfg.model_name)
     if not path.is_dir():
         raise FileNotFoundError(f"policy.model_name={cfg.model_name!r}: not a local model directory")
     hf_cfg = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, **cfg.hf_config_overrides)
-    return AutoModelForCausalLM.from_pretrained(
+    auto: Any = AutoModelForCausalLM
+    if cfg.reward_model_cfg.enabled:
+        auto = AutoModelForSequenceClassification
+        hf_cfg.num_labels = 1
+        if hf_cfg.pad_token_id is None:  # the loader pads with EOS when a tokenizer has no pad token
+            hf_cfg.pad_token_id = hf_cfg.eos_token_id
+    model = auto.from_pretrained(
         path,
         config=hf_cfg,
         dtype=dtype,
@@ -26,3 +35,6 @@ def load_hf_causal_lm(cfg: PolicyConfig, dtype: torch.dtype) -> nn.Module:
         use_safetensors=True,
         attn_implementation="sdpa",
     )
+    if cfg.reward_model_cfg.enabled:
+        model.config.architectures = [type(model).__name__]  # the export loads as what it is
+    return model

@@ -24,8 +24,10 @@ class PolicyInterface(ABC):
         """{'reference_logprobs': [B, S]} under the frozen initial weights."""
 
     @abstractmethod
-    def train(self, data: BatchedDataDict, loss_fn: LossFunction) -> dict[str, Any]:
-        """Optimizer steps over `data` in global batches; returns loss, grad_norm and per-micro-batch metrics."""
+    def train(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None = None,
+              eval_mode: bool = False) -> dict[str, Any]:
+        """Optimizer steps over `data` in global batches of `gbs` (default policy.train_global_batch_size); returns
+        loss, grad_norm and per-micro-batch metrics. eval_mode: the same losses and metrics, no update."""
 
     @abstractmethod
     def prepare_for_training(self) -> None:
@@ -112,8 +114,9 @@ class PolicyWorker(Protocol):
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         """{'reference_logprobs': [b, S]} under the frozen initial weights."""
 
-    def train(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None = None) -> dict[str, Any]:
-        """Optimizer steps over this rank's shard in global batches of `gbs` (all ranks)."""
+    def train(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None = None,
+              eval_mode: bool = False) -> dict[str, Any]:
+        """Optimizer steps over this rank's shard in global batches of `gbs` (all ranks); eval_mode: no update."""
 
     def prepare_for_training(self) -> None: ...
 

@@ -103,10 +103,11 @@ class Policy(ColocatablePolicyInterface):
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         return self._logprob_call("get_reference_policy_logprobs", "reference_logprobs", data)
 
-    def train(self, data: BatchedDataDict, loss_fn: Any) -> dict[str, Any]:
-        gbs = self.cfg.train_global_batch_size
+    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: int | None = None,
+              eval_mode: bool = False) -> dict[str, Any]:
+        gbs = gbs or self.cfg.train_global_batch_size
         shards, _ = self._shard(data, gbs, for_training=True)
-        results = self.worker_group.run_sharded("train", shards, loss_fn, gbs)
+        results = self.worker_group.run_sharded("train", shards, loss_fn, gbs, eval_mode)
         first = results[0]
         metrics: dict[str, float] = {}
         for k in first["all_mb_metrics"]:

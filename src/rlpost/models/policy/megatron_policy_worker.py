@@ -290,7 +290,9 @@ class MegatronPolicyWorker(WeightExportMixin):
 
     # ---- training ----------------------------------------------------------------------
     @_megatron_call
-    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: int | None = None) -> dict[str, Any]:
+    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: int | None = None,
+              eval_mode: bool = False) -> dict[str, Any]:
+        """One optimizer step per global batch of `data` (eval_mode: the loss and metrics only, no update)."""
         from megatron.core import parallel_state as ps
 
         from rlpost.models.megatron.train_step import train_step
@@ -313,7 +315,8 @@ class MegatronPolicyWorker(WeightExportMixin):
             micro = [mb.to(self.device) for mb in gb.make_microbatch_iterator(mbs)]
             recorded: list[dict[str, Any]] = []
             mb_loss = functools.partial(_normalised_loss, loss_fn, gs, gt, vp, recorded)
-            res = train_step(step_state, micro, mb_loss, temperature=self.temperature, loss_input="logits")
+            res = train_step(step_state, micro, mb_loss, temperature=self.temperature, loss_input="logits",
+                             forward_only=eval_mode)
             if pp > 1:  # only the last stage ran the loss function
                 box = [recorded]
                 dist.broadcast_object_list(
@@ -324,7 +327,8 @@ class MegatronPolicyWorker(WeightExportMixin):
             return res.loss, res.grad_norm, recorded
 
         result = train_global_batches(data, local_gbs, self.device, ps.get_data_parallel_group(), step)
-        self.train_state.scheduler.step(increment=1)
+        if not eval_mode:
+            self.train_state.scheduler.step(increment=1)
         return finish_result(result, self.train_state.optimizer.param_groups[0]["lr"], self.model.parameters())
 
     # ---- memory phases (GPU: optimizer state to / from the CPU; no-ops on CPU) ------------------

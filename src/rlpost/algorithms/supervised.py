@@ -1,0 +1,287 @@
+"""SFT, DPO and reward-model training (`algo=sft|dpo|rm`): one loop over fixed rows on the GRPO machinery (the
+Policy workers, global-batch normalisation, checkpoints, metrics.jsonl / TensorBoard, resume).
+
+Each step takes policy.train_global_batch_size rows (DPO / RM: half as many pairs, chosen and rejected side by
+side), builds the [B, S] tensors (input_ids, token_mask = the trained tokens, sample_mask), adds what the loss
+reads (DPO: the reference policy's logprobs, computed for this batch by the policy with its starting weights
+swapped in) and runs one optimizer step. Validation runs the same loss with eval_mode (no update) over the
+validation rows. The only algorithm-specific parts are the loss and how a row becomes sequences
+(rlpost.data.supervised_rows).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from omegaconf import OmegaConf
+
+from rlpost.algorithms.grpo_setup import close_all, save_rng_state, set_seed
+from rlpost.config.schema.supervised import SupervisedSaveState
+from rlpost.config.schema.supervised_master import SupervisedMasterConfig
+from rlpost.data.dataloader import PromptLoader
+from rlpost.data.datasets import DataError
+from rlpost.data.prompts import load_tokenizer
+from rlpost.data.supervised_rows import ConversationTokenizer, Tokenized, load_supervised_rows, tokenize_rows
+from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
+from rlpost.models.policy.interfaces import ColocatablePolicyInterface
+from rlpost.ops.loss_interface import LossFunction
+from rlpost.runtime import console as say
+from rlpost.runtime.build import build
+from rlpost.runtime.checkpointing import CheckpointManager, checkpoint_errors, model_fingerprint, read_json
+from rlpost.runtime.metrics_logger import MetricsLogger
+from rlpost.runtime.timer import Timer
+
+Row = list[Tokenized]
+"""A training row: its sequences (SFT: one; a preference pair: chosen, rejected)."""
+
+
+@dataclass
+class SupervisedComponents:
+    """What `supervised_train` runs on."""
+
+    cfg: SupervisedMasterConfig
+    run_dir: Path
+    policy: ColocatablePolicyInterface
+    cluster: RayVirtualCluster
+    loader: PromptLoader
+    val_rows: list[Row]
+    loss_fn: LossFunction
+    logger: MetricsLogger
+    checkpointer: CheckpointManager
+    save_state: SupervisedSaveState
+    pad_id: int
+    model_fp: str
+    config_dict: dict[str, Any]
+    data_metrics: dict[str, float] = field(default_factory=dict)
+    closed: bool = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            close_all([self.policy.shutdown, self.cluster.shutdown, self.logger.close])
+
+
+def rows_per_step(cfg: SupervisedMasterConfig) -> int:
+    """Dataset rows one step takes: the global batch's sequences, two per pair."""
+    return cfg.policy.train_global_batch_size // (2 if cfg.pairs else 1)
+
+
+def load_rows(cfg: SupervisedMasterConfig, tokenizer: Any) -> tuple[list[Row], list[Row], dict[str, float]]:
+    """Tokenized training and validation rows (over-length ones skipped and counted); DataError when too few
+    training rows are left for one step."""
+    conv = ConversationTokenizer(tokenizer, cfg.rows.add_eos, cfg.policy.tokenizer.chat_template_kwargs)
+    limit = cfg.policy.max_total_sequence_length
+    train, skipped = tokenize_rows(load_supervised_rows(cfg.rows, "train"), conv, limit)
+    val, val_skipped = tokenize_rows(load_supervised_rows(cfg.rows, "val"), conv, limit)
+    if skipped or val_skipped:
+        say.warn(f"skipped {skipped} training and {val_skipped} validation rows longer than "
+                 f"policy.max_total_sequence_length={limit} tokens (data/skipped_too_long)")
+    need = rows_per_step(cfg)
+    if len(train) < need:
+        raise DataError(f"one step takes {need} rows but only {len(train)} training rows are usable "
+                        f"({skipped} longer than policy.max_total_sequence_length={limit}); lower "
+                        "policy.train_global_batch_size or use more rows")
+    return train, val, {"data/skipped_too_long": float(skipped), "data/val_skipped_too_long": float(val_skipped),
+                        "data/train_rows": float(len(train)), "data/val_rows": float(len(val))}
+
+
+def batch_tensors(rows: list[Row], pad_id: int, multiple: int = 1, masked: int = 0) -> BatchedDataDict:
+    """[B, S] input_ids (right-padded with pad_id), token_mask (trained tokens), input_lengths, sample_mask; a
+    row's sequences stay adjacent (pairs: chosen at 2k, rejected at 2k + 1). The last `masked` rows are padding
+    (sample_mask 0)."""
+    seqs = [s for row in rows for s in row]
+    width = max(len(s.ids) for s in seqs)
+    width = -(-width // multiple) * multiple
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.float32)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s.ids)] = torch.tensor(s.ids)
+        mask[i, : len(s.mask)] = torch.tensor(s.mask, dtype=torch.float32)
+    sample_mask = torch.ones(len(seqs))
+    per_row = len(seqs) // max(len(rows), 1)
+    if masked:
+        sample_mask[len(seqs) - masked * per_row:] = 0.0
+    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(s.ids) for s in seqs]), token_mask=mask,
+                           sample_mask=sample_mask)
+
+
+def setup(cfg: SupervisedMasterConfig, run_dir: Path) -> SupervisedComponents:
+    """Seeds, logger, checkpoints (and resume), rows, the cluster and the policy."""
+    loop = cfg.loop
+    set_seed(loop.seed)
+    if cfg.model.tiny is not None:
+        from rlpost.models.tiny import ensure_tiny_model
+
+        ensure_tiny_model(cfg.model.tiny, cfg.model.path)
+    logger = MetricsLogger(cfg.logger, run_dir)
+    config_dict = cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    logger.log_hyperparams(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
+    checkpointer = CheckpointManager(cfg.checkpointing, run_dir)
+    model_fp = model_fingerprint(cfg.policy.model_name)
+    last = checkpointer.latest_verified() if cfg.checkpointing.enabled else None
+    save_state = SupervisedSaveState()
+    if last is not None:
+        with checkpoint_errors(last / "fingerprint.json"):
+            checkpointer.check_resume(last, model_fp, config_dict)
+        with checkpoint_errors(last / "training_info.json"):
+            save_state = SupervisedSaveState.from_dict(read_json(last / "training_info.json"))
+    logger.truncate_after(save_state.total_steps)
+    tokenizer = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
+    train_rows, val_rows, data_metrics = load_rows(cfg, tokenizer)
+    loader = PromptLoader(cast(list[Any], train_rows), rows_per_step(cfg), cfg.rows.shuffle, cfg.rows.seed)
+    if last is not None:
+        with checkpoint_errors(last / "train_dataloader.json"):
+            loader.load_state_dict(read_json(last / "train_dataloader.json"))
+        with checkpoint_errors(last / "rng_state.json"):
+            rng = read_json(last / "rng_state.json")
+            random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
+    init_ray(cfg.cluster)
+    device = resolve_device(cfg.cluster)
+    cl = cfg.cluster
+    cluster = RayVirtualCluster(f"{cfg.algo}_cluster", cl.gpus_per_node, cl.num_nodes, device == "cuda",
+                                cl.worker_num_cpus, 1, cl.placement_timeout_s)
+    opened: list[Callable[[], object]] = [cluster.shutdown, logger.close]
+    try:
+        from rlpost.models.policy.lm_policy import Policy
+
+        loss_fn: LossFunction = build(cfg.loss_fn, key="loss_fn._target_")
+        weights = optim = None
+        if last is not None:
+            weights, optim = str(last / "policy" / "weights"), str(last / "policy" / "optimizer")
+        policy = Policy(cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
+                        init_reference_model=loss_fn.needs_reference_logprobs, device=device,
+                        timeout_s=cl.call_timeout_s)
+    except BaseException:
+        close_all(opened)
+        raise
+    return SupervisedComponents(cfg=cfg, run_dir=run_dir, policy=policy, cluster=cluster, loader=loader,
+                                val_rows=val_rows, loss_fn=loss_fn, logger=logger, checkpointer=checkpointer,
+                                save_state=save_state, pad_id=int(tokenizer.pad_token_id), model_fp=model_fp,
+                                config_dict=config_dict, data_metrics=data_metrics)
+
+
+def _prepare(comps: SupervisedComponents, data: BatchedDataDict) -> None:
+    """What the loss reads besides the batch: DPO's reference logprobs."""
+    if comps.loss_fn.needs_reference_logprobs:
+        comps.policy.prepare_for_lp_inference()
+        data["reference_policy_logprobs"] = comps.policy.get_reference_policy_logprobs(data)["reference_logprobs"]
+
+
+def _metrics(prefix: str, results: dict[str, Any]) -> dict[str, float]:
+    m = {f"{prefix}/{k}": float(v) for k, v in results["metrics"].items()}
+    m[f"{prefix}/loss"] = float(results["loss"])
+    return m
+
+
+def validate(comps: SupervisedComponents) -> dict[str, float]:
+    """The loss and its metrics on the validation rows (eval_mode: no update), averaged over batches."""
+    loop, cfg = comps.cfg.loop, comps.cfg
+    rows = comps.val_rows
+    per_batch = loop.val_global_batch_size // (2 if cfg.pairs else 1)
+    if loop.val_batches:
+        rows = rows[: loop.val_batches * per_batch]
+    if not rows:
+        return {}
+    t0 = time.perf_counter()
+    sums: dict[str, float] = {}
+    weight = 0
+    for start in range(0, len(rows), per_batch):
+        part = rows[start : start + per_batch]
+        pad = per_batch - len(part)
+        data = batch_tensors(part + [part[-1]] * pad, comps.pad_id, cfg.policy.make_sequence_length_divisible_by,
+                             masked=pad)
+        _prepare(comps, data)
+        results = comps.policy.train(data, comps.loss_fn, gbs=loop.val_global_batch_size, eval_mode=True)
+        for k, v in _metrics("validation", results).items():
+            sums[k] = sums.get(k, 0.0) + v * len(part)
+        weight += len(part)
+    out = {k: v / weight for k, v in sums.items()}
+    out.pop("validation/num_valid_samples", None)
+    out.pop("validation/num_unmasked_tokens", None)
+    out["timing/validation/total_validation_time"] = time.perf_counter() - t0
+    return out
+
+
+def save_checkpoint(comps: SupervisedComponents, step: int, metrics: dict[str, float]) -> None:
+    """Write step_N (weights + optimizer, loader position, RNG, config) atomically."""
+    st = comps.save_state
+    name = comps.cfg.checkpointing.metric_name
+    if name:
+        kind, key = name.split(":", 1)
+        st.extra.pop(name, None)
+        value = metrics.get(f"{'validation' if kind == 'val' else 'train'}/{key}")
+        if value is not None:
+            st.extra[name] = value
+    tmp = comps.checkpointer.begin(step)
+    comps.policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"),
+                                 hf_export=comps.cfg.checkpointing.save_consolidated)
+    (tmp / "train_dataloader.json").write_text(json.dumps(comps.loader.state_dict()))
+    (tmp / "rng_state.json").write_text(json.dumps(save_rng_state()))
+    (tmp / "config.yaml").write_text(json.dumps(comps.config_dict, indent=1, default=str))
+    comps.checkpointer.finalize(tmp, step, st.to_dict(), comps.model_fp, comps.config_dict)
+
+
+def supervised_train(comps: SupervisedComponents,
+                     on_step: Callable[[int, dict[str, float]], None] | None = None) -> SupervisedSaveState:
+    """Train until {algo}.max_num_steps or max_num_epochs; validate every val_period steps and at the end;
+    checkpoint every checkpointing.save_period steps and at the end."""
+    from rlpost.algorithms.grpo import on_schedule
+
+    cfg, loop, st, loader = comps.cfg, comps.cfg.loop, comps.save_state, comps.loader
+    if loop.val_at_start and st.total_steps == 0:
+        comps.logger.log({**validate(comps), **comps.data_metrics}, 0)
+    timer = Timer()
+    while loader.epochs_done() < loop.max_num_epochs and st.total_steps < loop.max_num_steps:
+        rows = cast(list[Row], loader.next_batch())
+        step = st.total_steps + 1
+        timer.reset()
+        with timer.time("total_step_time"):
+            with timer.time("data_processing"):
+                data = batch_tensors(rows, comps.pad_id, cfg.policy.make_sequence_length_divisible_by)
+            if comps.loss_fn.needs_reference_logprobs:
+                with timer.time("reference_logprobs"):
+                    _prepare(comps, data)
+            with timer.time("policy_training"):
+                comps.policy.prepare_for_training()
+                results = comps.policy.train(data, comps.loss_fn)
+            metrics = _metrics("train", results)
+            metrics["train/grad_norm"] = float(results["grad_norm"])
+            metrics["train/lr"] = float(results["lr"])
+            metrics["train/num_tokens"] = float(data["input_lengths"].sum())
+            last = step >= loop.max_num_steps or loader.epochs_done() >= loop.max_num_epochs
+            if on_schedule(loop.val_period, step, last):
+                metrics.update(validate(comps))
+            st.total_steps, st.current_epoch, st.current_step = step, loader.epoch, loader.index
+            st.consumed_samples += len(rows)
+            _check_finite(metrics, step)
+            if cfg.checkpointing.enabled and on_schedule(cfg.checkpointing.save_period, step, last):
+                with timer.time("checkpointing"):
+                    save_checkpoint(comps, step, metrics)
+        metrics.update(timer.metrics("timing/train"))
+        metrics["performance/tokens_per_sec"] = metrics["train/num_tokens"] / max(timer.times["total_step_time"], 1e-9)
+        comps.logger.log(metrics, step)
+        if on_step is not None:
+            on_step(step, metrics)
+    return st
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm is no longer finite."""
+
+
+def _check_finite(metrics: dict[str, float], step: int) -> None:
+    import math
+
+    for key in ("train/loss", "train/grad_norm"):
+        if not math.isfinite(metrics.get(key, 0.0)):
+            raise TrainingDiverged(f"step {step}: {key}={metrics[key]} is not finite; the run stopped before saving "
+                                   "this step (policy.optimizer.kwargs.lr may be too high; the last good checkpoint "
+                                   "is kept)")
