@@ -292,9 +292,8 @@ def _eval(argv: list[str]) -> int:
     if rc:
         return rc
     from rlpost.config.load import load_master_config
-    from rlpost.evaluate import evaluate
-
     from rlpost.config.schema.master import MasterConfig
+    from rlpost.evaluate import evaluate
 
     _, master = load_master_config(argv)
     if not isinstance(master, MasterConfig):

@@ -24,8 +24,8 @@ from typing import Any
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import model_dir_key, read_hf_config
 from rlpost.config.schema.master import MasterConfig
-from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.config.schema.policy import PytorchOptimizerConfig, SinglePytorchSchedulerConfig, parse_scheduler
+from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.data.datasets import DataError, load_rows
 from rlpost.runtime.build import check_target, resolve
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from rlpost.config.schema.data import DataConfig
 from rlpost.config.schema.env import (
     CalculatorEnvConfig,
     GuessGameEnvConfig,
@@ -16,19 +17,17 @@ from rlpost.config.schema.env import (
     MathEnvConfig,
     SyntheticEnvConfig,
 )
-from rlpost.config.schema.data import DataConfig
 from rlpost.config.schema.generation import HFGenerationConfig, VllmConfig
 from rlpost.config.schema.loss import (
     ClippedPGLossConfig,
     DPOLossConfig,
-    LossConfig,
     NLLLossConfig,
     PreferenceLossConfig,
 )
-from rlpost.config.schema.root import RootConfig
-from rlpost.config.schema.supervised import PreferenceDataConfig, SFTDataConfig
 from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.config.schema.policy import DTensorPolicyConfig, PolicyConfig
+from rlpost.config.schema.root import RootConfig
+from rlpost.config.schema.supervised import PreferenceDataConfig, SFTDataConfig
 
 _REGISTERED = False
 

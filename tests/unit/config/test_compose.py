@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from rlpost.config.errors import ConfigError
-from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.config.load import group_options, groups, load_master_config
 from rlpost.config.schema.env import MathEnvConfig, SyntheticEnvConfig
 from rlpost.config.schema.generation import HFGenerationConfig, VllmConfig
@@ -13,6 +12,7 @@ from rlpost.config.schema.loss import ClippedPGLossConfig, NLLLossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.config.schema.policy import DTensorPolicyConfig
+from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from tests.unit.config.companions import COMPANIONS
 
 ALL = [(g, o) for g in groups() for o in group_options(g)]
