@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An RLPOST_CACHE_DIR for the module's `rlpost train` subprocesses (tiny models are built there once)."""
+    return tmp_path_factory.mktemp("rlpost-cache")
 
 
 @pytest.fixture(scope="module")

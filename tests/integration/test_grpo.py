@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -14,32 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.cli_runs import RLPOST, TIMING, env, metrics, train
+
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
-RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
-TIMING = ("timing/", "performance/")
-
-
-def env(cache: Path) -> dict[str, str]:
-    return {**os.environ, "RLPOST_CACHE_DIR": str(cache), "RAY_AUTH_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("rlpost-cache")
-
-
-def train(run_dir: Path, cache: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([RLPOST, "train", f"hydra.run.dir={run_dir}", *overrides], env=env(cache),
-                         capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    return out
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
 
 SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=32",
          "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16"]

@@ -131,7 +131,8 @@ class PreferenceLoss:
         vocab_parallel_group: dist.ProcessGroup | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         del global_valid_toks, vocab_parallel_rank, vocab_parallel_group
-        scores = next_token_logits.float().reshape(next_token_logits.shape[0], -1)
+        scores = next_token_logits.to(torch.promote_types(next_token_logits.dtype, torch.float32))
+        scores = scores.reshape(scores.shape[0], -1)
         if scores.shape[1] != 1:
             raise ValueError(f"PreferenceLoss needs one score per sequence (a reward model); got {tuple(scores.shape)}"
                              " (a causal LM's logits?)")

@@ -1,0 +1,87 @@
+"""algo=grpo|sft|dpo|rm: each composes only the blocks its algorithm reads, and a key of another algorithm's block
+is refused naming the key and the algorithm it belongs to."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from rlpost.config.errors import ConfigError
+from rlpost.config.load import load_master_config
+from rlpost.config.schema.loss import DPOLossConfig, NLLLossConfig, PreferenceLossConfig
+from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.supervised import PreferenceDataConfig, SFTDataConfig
+from rlpost.config.schema.supervised_master import (
+    DPOMasterConfig,
+    RMMasterConfig,
+    SFTMasterConfig,
+    SupervisedMasterConfig,
+)
+from rlpost.plan import plan_rows
+
+
+def refused(*overrides: str) -> ConfigError:
+    with pytest.raises(ConfigError) as err:
+        load_master_config(list(overrides))
+    return err.value
+
+
+@pytest.mark.parametrize("algo,cls,loss,data", [
+    ("sft", SFTMasterConfig, NLLLossConfig, SFTDataConfig),
+    ("dpo", DPOMasterConfig, DPOLossConfig, PreferenceDataConfig),
+    ("rm", RMMasterConfig, PreferenceLossConfig, PreferenceDataConfig),
+])
+def test_each_algorithm_composes_only_what_it_reads(algo: str, cls: type, loss: type, data: type) -> None:
+    _, m = load_master_config([f"algo={algo}"])
+    assert type(m) is cls and type(m.loss_fn) is loss and type(m.data) is data
+    assert isinstance(m, SupervisedMasterConfig)
+    assert m.policy.generation is None and m.policy.reward_model_cfg.enabled == (algo == "rm")
+    written = OmegaConf.to_container(OmegaConf.structured(m))
+    assert isinstance(written, dict)
+    assert algo in written and not {"grpo", "env", "eval"} & set(written)  # the run's resolved_config.yaml
+    rows = dict(plan_rows(m))
+    assert rows["loss"] == m.loss_fn._target_.rsplit(".", 1)[-1] and "algorithm" in rows
+
+
+def test_grpo_keeps_its_engine_and_environments() -> None:
+    _, m = load_master_config([])
+    assert isinstance(m, MasterConfig) and m.policy.generation is not None and m.env
+    assert m.policy.generation.max_new_tokens == 1 and m.policy.train_global_batch_size == 256
+
+
+@pytest.mark.parametrize("overrides,key,belongs", [
+    (["algo=sft", "grpo.max_num_steps=3"], "grpo.max_num_steps", "algo=grpo"),
+    (["algo=dpo", "generation=hf"], "generation", "algo=grpo"),
+    (["algo=rm", "env=math"], "env", "algo=grpo"),
+    (["algo=sft", "policy.generation.temperature=0.5"], "policy.generation.temperature", "algo=grpo"),
+    (["sft.max_num_steps=3"], "sft.max_num_steps", "algo=sft"),
+    (["algo=rm", "dpo.seed=1"], "dpo.seed", "algo=dpo"),
+])
+def test_a_key_of_another_algorithm_is_refused(overrides: list[str], key: str, belongs: str) -> None:
+    err = refused(*overrides)
+    assert err.key == key and belongs in err.rule
+
+
+@pytest.mark.parametrize("overrides,key,needle", [
+    (["algo=sft", "data=synthetic"], "data", "SFTDataConfig"),
+    (["algo=dpo", "data=sft_synthetic"], "data", "PreferenceDataConfig"),
+    (["algo=sft", "loss=token_level"], "loss_fn._target_", "NLLLossConfig"),
+    (["algo=dpo", "policy.train_micro_batch_size=3"], "policy.train_micro_batch_size", "even"),
+    (["algo=dpo", "cluster.gpus_per_node=2", "policy.train_global_batch_size=34"],
+     "policy.train_global_batch_size", "multiple of 4"),
+    (["algo=rm", "policy.sequence_packing.enabled=true"], "policy.sequence_packing.enabled", "split pairs"),
+    (["algo=rm", "policy=megatron"], "policy._target_", "DTensor"),
+    (["algo=rm", "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2"],
+     "policy.dtensor_cfg.tensor_parallel_size", "model parallelism"),
+    (["algo=sft", "policy.reward_model_cfg.enabled=true"], "policy.reward_model_cfg.enabled", "algo=rm"),
+    (["algo=sft", "sft.val_period=0"], "checkpointing.metric_name", "val_period"),
+    (["algo=sft", "logger.num_val_samples_to_print=2"], "logger.num_val_samples_to_print", "GRPO only"),
+])
+def test_supervised_rules(overrides: list[str], key: str, needle: str) -> None:
+    err = refused(*overrides)
+    assert err.key == key and needle in err.rule, err
+
+
+def test_sft_packs_sequences_like_grpo() -> None:
+    _, m = load_master_config(["algo=sft", "policy.sequence_packing.enabled=true"])
+    assert m.policy.sequence_packing.enabled
