@@ -1,0 +1,157 @@
+"""SFT, DPO and reward-model training end to end through the installed `rlpost train algo=...`: each learns on
+its tiny generated default, DTensor and Megatron agree on SFT, resume after kill -9 continues the same run,
+and the exports load with transformers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.cli_runs import RLPOST, TIMING, env, metrics, train
+
+pytestmark = pytest.mark.slow
+
+
+def validations(run: Path) -> list[dict]:
+    return [m for m in metrics(run) if "validation/loss" in m]
+
+
+def _hf(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step}" / "policy" / "weights" / "hf"
+
+
+def test_sft_held_out_loss_falls(cache: Path, tmp_path: Path) -> None:
+    """The default `rlpost train algo=sft` (copy_digit) with a reduced budget: the loss on held-out rows falls
+    and greedy decoding of the held-out answers becomes right."""
+    run = tmp_path / "sft"
+    out = train(run, cache, "algo=sft", "sft.max_num_steps=20", "checkpointing=disabled")
+    val = validations(run)
+    assert [m["step"] for m in val] == [0, 10, 20]
+    assert val[-1]["validation/loss"] < 0.5 * val[0]["validation/loss"], val
+    assert val[-1]["validation/token_accuracy"] >= 0.9, val
+    assert "done: 20 SFT steps" in out.stderr
+
+
+def test_sft_memorises_a_mapping_and_the_export_reproduces_it(cache: Path, tmp_path: Path) -> None:
+    """16 random keys -> two-digit values: after training, greedy decoding from the HF export (transformers,
+    outside rlpost) answers every key exactly."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlpost.config.schema.supervised import SFTDataConfig, SupervisedTaskConfig
+    from rlpost.data.supervised_rows import load_supervised_rows
+
+    run = tmp_path / "memorise"
+    task = ["data.synthetic.task=memorise", "data.synthetic.num_train=16", "data.synthetic.num_val=16"]
+    train(run, cache, "algo=sft", *task, "sft.max_num_epochs=1000", "sft.max_num_steps=120", "sft.val_period=60",
+          "sft.val_global_batch_size=16", "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16",
+          "policy.optimizer.kwargs.lr=5e-3", "checkpointing.save_period=120")
+    assert validations(run)[-1]["validation/token_accuracy"] == 1.0
+    model = AutoModelForCausalLM.from_pretrained(_hf(run, 120))
+    tok = AutoTokenizer.from_pretrained(_hf(run, 120))
+    rows = load_supervised_rows(SFTDataConfig(synthetic=SupervisedTaskConfig(task="memorise", num_train=16)), "train")
+    for row in rows:
+        prompt, answer = row["messages"][0]["content"], row["messages"][1]["content"]
+        ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+        assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == answer, prompt
+
+
+def test_dpo_learns_the_preference_with_a_finite_kl(cache: Path, tmp_path: Path) -> None:
+    run = tmp_path / "dpo"
+    train(run, cache, "algo=dpo", "dpo.max_num_steps=30", "checkpointing=disabled")
+    val = validations(run)
+    assert val[0]["validation/accuracy"] == 0.0 and val[0]["validation/kl_to_reference"] == pytest.approx(0.0)
+    assert val[-1]["validation/accuracy"] > 0.9, val
+    assert val[-1]["validation/reward_margin"] > 0
+    assert all(0 <= m["validation/kl_to_reference"] < 10 for m in val), val
+
+
+def test_reward_model_ranks_pairs_and_exports_a_sequence_classifier(cache: Path, tmp_path: Path) -> None:
+    """algo=rm: pairwise accuracy above 0.9, and the HF export, loaded with AutoModelForSequenceClassification,
+    scores the chosen answers of held-out pairs above the rejected ones on its own."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlpost.config.schema.supervised import PreferenceDataConfig
+    from rlpost.data.supervised_rows import load_supervised_rows
+
+    run = tmp_path / "rm"
+    train(run, cache, "algo=rm", "checkpointing.save_period=1000")
+    assert validations(run)[-1]["validation/accuracy"] > 0.9
+    hf = _hf(run, 120)
+    model = AutoModelForSequenceClassification.from_pretrained(hf).eval()
+    tok = AutoTokenizer.from_pretrained(hf)
+    assert model.config.num_labels == 1 and model.config.architectures == ["Qwen2ForSequenceClassification"]
+    pairs = load_supervised_rows(PreferenceDataConfig(), "val")
+    right = 0
+    with torch.no_grad():
+        for p in pairs:
+            text = p["prompt"][0]["content"]
+            score = [float(model(torch.tensor([tok(text + r, add_special_tokens=False)["input_ids"]
+                                               + [tok.eos_token_id]])).logits[0, 0]) for r in (p["chosen"], p["rejected"])]
+            right += score[0] > score[1]
+    assert right / len(pairs) > 0.9
+
+
+def test_dtensor_and_megatron_give_the_same_sft_loss_curve(cache: Path, tmp_path: Path) -> None:
+    """Same data, weights and Adam settings (no clipping: Megatron on CPU has none): per-step training losses and
+    the validation losses agree to 1e-4."""
+    common = ["algo=sft", "sft.max_num_steps=6", "sft.val_period=3", "checkpointing=disabled",
+              "policy.max_grad_norm=null", "data.shuffle=false"]
+    curves = {}
+    for backend in ("dtensor", "megatron"):
+        run = tmp_path / backend
+        train(run, cache, f"policy={backend}", *common)
+        curves[backend] = {(m["step"], k): v for m in metrics(run) for k, v in m.items()
+                           if k in ("train/loss", "validation/loss")}
+    assert len(curves["dtensor"]) == 6 + 3
+    for key, value in curves["dtensor"].items():
+        assert curves["megatron"][key] == pytest.approx(value, abs=1e-4), key
+
+
+def test_sft_resume_after_kill_9_matches_a_straight_run(cache: Path, tmp_path: Path) -> None:
+    common = ["algo=sft", "sft.max_num_steps=8", "sft.val_period=4", "checkpointing.save_period=2"]
+    straight = tmp_path / "straight"
+    train(straight, cache, *common)
+    resumed = tmp_path / "resumed"
+    proc = subprocess.Popen([RLPOST, "train", f"hydra.run.dir={resumed}", *common], env=env(cache),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = resumed / "checkpoints" / "step_2" / "training_info.json"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert marker.exists(), "the first run never wrote step_2"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    subprocess.run(["pkill", "-9", "-f", str(resumed)], check=False)
+    time.sleep(2)
+    out = train(resumed, cache, *common)
+    found = re.search(r"resuming from step (\d+)", out.stderr)
+    assert found is not None and 2 <= int(found.group(1)) < 8, out.stderr[-2000:]
+    a = {m["step"]: m for m in metrics(straight)}
+    b = {m["step"]: m for m in metrics(resumed)}
+    assert sorted(a) == sorted(b) == list(range(0, 9))
+    for step in range(int(found.group(1)) + 1, 9):
+        for k, v in a[step].items():
+            if not k.startswith(TIMING):
+                assert b[step][k] == pytest.approx(v, abs=1e-6), (step, k)
+
+
+def test_sft_multirun_sweeps_the_learning_rate(cache: Path, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [RLPOST, "train", "-m", "algo=sft", "policy.optimizer.kwargs.lr=1e-3,3e-3", "sft.max_num_steps=3",
+         "sft.val_period=3", "checkpointing=disabled", f"hydra.sweep.dir={tmp_path}"],
+        env=env(cache), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = sorted(p for p in tmp_path.iterdir() if (p / "metrics.jsonl").is_file())
+    assert len(runs) == 2
+    losses = [metrics(r)[-1]["validation/loss"] for r in runs]
+    assert losses[0] != losses[1]
