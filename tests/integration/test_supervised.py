@@ -74,9 +74,10 @@ def test_dpo_learns_the_preference_with_a_finite_kl(cache: Path, tmp_path: Path)
     assert all(0 <= m["validation/kl_to_reference"] < 10 for m in val), val
 
 
-def test_reward_model_ranks_pairs_and_exports_a_sequence_classifier(cache: Path, tmp_path: Path) -> None:
-    """algo=rm: pairwise accuracy above 0.9, and the HF export, loaded with AutoModelForSequenceClassification,
-    scores the chosen answers of held-out pairs above the rejected ones on its own."""
+def test_reward_model_ranks_pairs_and_serves_as_a_grpo_environment(cache: Path, tmp_path: Path) -> None:
+    """algo=rm: pairwise accuracy above 0.9; the HF export, loaded with AutoModelForSequenceClassification, scores
+    the chosen answers of held-out pairs above the rejected ones on its own; and GRPO with env=reward_model
+    raises the reward model's score."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -99,6 +100,27 @@ def test_reward_model_ranks_pairs_and_exports_a_sequence_classifier(cache: Path,
                                                + [tok.eos_token_id]])).logits[0, 0]) for r in (p["chosen"], p["rejected"])]
             right += score[0] > score[1]
     assert right / len(pairs) > 0.9
+
+    # The trained reward model as GRPO's environment: GRPO raises its score.
+    grpo = tmp_path / "grpo_with_rm"
+    train(grpo, cache, "env=reward_model", "data.env_name=reward_model", f"env.reward_model.model_path={hf}",
+          "grpo.max_num_steps=40", "grpo.val_period=0", "checkpointing=disabled")
+    rewards = [m["train/reward"] for m in metrics(grpo)]
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 1.0, rewards
+
+
+def test_a_directory_that_is_not_a_reward_model_is_refused(cache: Path, tmp_path: Path) -> None:
+    from tests.integration.cli_runs import RLPOST
+
+    causal = tmp_path / "causal"
+    causal.mkdir()
+    (causal / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
+    out = subprocess.run([RLPOST, "train", f"hydra.run.dir={tmp_path / 'run'}", "env=reward_model",
+                          "data.env_name=reward_model", f"env.reward_model.model_path={causal}"],
+                         env=env(cache), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "env.reward_model.model_path" in out.stderr and "not a reward model" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_dtensor_and_megatron_give_the_same_sft_loss_curve(cache: Path, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from rlpost.config.schema.env import (
     GuessGameEnvConfig,
     LookupEnvConfig,
     MathEnvConfig,
+    RewardModelEnvConfig,
     SyntheticEnvConfig,
 )
 from rlpost.config.schema.generation import HFGenerationConfig, VllmConfig
@@ -66,4 +67,5 @@ def register_configs() -> None:
     cs.store(group="schema/env", name="calculator", node=CalculatorEnvConfig)
     cs.store(group="schema/env", name="lookup", node=LookupEnvConfig)
     cs.store(group="schema/env", name="guess_game", node=GuessGameEnvConfig)
+    cs.store(group="schema/env", name="reward_model", node=RewardModelEnvConfig)
     _REGISTERED = True

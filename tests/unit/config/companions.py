@@ -15,6 +15,7 @@ COMPANIONS: dict[tuple[str, str], list[str]] = {
     ("env", "lookup"): ["data=lookup"],
     ("data", "guess_game"): ["env=guess_game"],
     ("env", "guess_game"): ["data=guess_game"],
+    ("env", "reward_model"): ["data.env_name=reward_model", "env.reward_model.model_path=/tmp/rm"],
     ("data", "sft_synthetic"): ["algo=sft"],
     ("data", "sft_jsonl"): ["algo=sft", "data.train_data_path=/tmp/train.jsonl"],
     ("data", "preference_synthetic"): ["algo=dpo"],

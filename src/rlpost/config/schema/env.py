@@ -93,3 +93,30 @@ class GuessGameEnvConfig(EnvConfig):
     def check(self, path: str) -> None:
         super().check(path)
         positive(f"{path}.max_guesses", self.max_guesses)
+
+
+@dataclass
+class RewardModelEnvConfig(EnvConfig):
+    """A trained reward model as GRPO's reward (`env=reward_model`): a Ray actor scores prompt + response with the
+    HF export of an `algo=rm` run (AutoModelForSequenceClassification, one label)."""
+
+    _target_: str = "rlpost.environments.reward_model.RewardModelEnvironment"
+    """Environment class."""
+    model_path: str = "???"
+    """The reward model's HF directory, e.g. RUN/checkpoints/step_N/policy/weights/hf of an algo=rm run."""
+    chat_template: str | None = None
+    """How the prompt was rendered when the reward model was trained (policy.tokenizer.chat_template of that run):
+    null = the text as is, 'default' = the tokenizer's template, or a Jinja template."""
+    batch_size: int = 32
+    """Sequences per forward of the scoring actor."""
+    num_cpus: float = 0.25
+    """Ray num_cpus of the scoring actor."""
+
+    def check(self, path: str) -> None:
+        super().check(path)
+        positive(f"{path}.batch_size", self.batch_size)
+        positive(f"{path}.num_cpus", self.num_cpus)
+        require(self.num_workers == 1, f"{path}.num_workers", self.num_workers,
+                "the reward model scores in one Ray actor (batch_size sets its batches)")
+        require(self.timeout_s == EnvConfig.timeout_s, f"{path}.timeout_s", self.timeout_s,
+                "the reward model scores whole batches, bounded by batch_timeout_s; there is no per-sample kill")
