@@ -167,13 +167,30 @@ def test_sft_resume_after_kill_9_matches_a_straight_run(cache: Path, tmp_path: P
                 assert b[step][k] == pytest.approx(v, abs=1e-6), (step, k)
 
 
-def test_sft_multirun_sweeps_the_learning_rate(cache: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("algo", ["sft", "dpo", "rm"])
+def test_multirun_sweeps_the_learning_rate(algo: str, cache: Path, tmp_path: Path) -> None:
     out = subprocess.run(
-        [RLPOST, "train", "-m", "algo=sft", "policy.optimizer.kwargs.lr=1e-3,3e-3", "sft.max_num_steps=3",
-         "sft.val_period=3", "checkpointing=disabled", f"hydra.sweep.dir={tmp_path}"],
+        [RLPOST, "train", "-m", f"algo={algo}", "policy.optimizer.kwargs.lr=1e-3,3e-3", f"{algo}.max_num_steps=2",
+         f"{algo}.val_period=2", f"{algo}.val_at_start=false", "checkpointing=disabled",
+         f"hydra.sweep.dir={tmp_path}"],
         env=env(cache), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     runs = sorted(p for p in tmp_path.iterdir() if (p / "metrics.jsonl").is_file())
     assert len(runs) == 2
     losses = [metrics(r)[-1]["validation/loss"] for r in runs]
     assert losses[0] != losses[1]
+
+
+def test_sft_packing_and_dynamic_batching_train_the_same_steps(cache: Path, tmp_path: Path) -> None:
+    """Sequence packing and dynamic batching cut the micro-batches differently; the globally normalised loss
+    and the update are the same as with fixed micro-batches."""
+    losses = {}
+    for name, extra in (("fixed", []), ("packing", ["policy.sequence_packing.enabled=true"]),
+                        ("dynamic", ["policy.dynamic_batching.enabled=true"])):
+        run = tmp_path / name
+        train(run, cache, "algo=sft", "sft.max_num_steps=3", "sft.val_period=0", "sft.val_at_start=false",
+              "checkpointing=disabled", *extra)
+        losses[name] = [m["train/loss"] for m in metrics(run)]
+    assert len(losses["fixed"]) == 3
+    for name in ("packing", "dynamic"):
+        assert losses[name] == pytest.approx(losses["fixed"], abs=1e-5), name
