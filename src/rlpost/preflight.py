@@ -76,6 +76,12 @@ LOSS_METRICS: dict[str, tuple[str, ...]] = {
     ),
     "rlpost.algorithms.loss_functions.NLLLoss": ("loss", "token_accuracy", "num_unmasked_tokens",
                                                  "num_valid_samples"),
+    "rlpost.algorithms.preference_losses.DPOLossFn": ("loss", "preference_loss", "sft_loss", "kl_to_reference",
+                                                      "accuracy", "rewards_chosen_mean", "rewards_rejected_mean",
+                                                      "reward_margin", "num_valid_samples"),
+    "rlpost.algorithms.preference_losses.PreferenceLoss": ("loss", "accuracy", "rewards_chosen_mean",
+                                                           "rewards_rejected_mean", "reward_margin",
+                                                           "num_valid_samples"),
 }
 # Files that make a local HF tokenizer loadable (any one of them).
 TOKENIZER_FILES: tuple[str, ...] = (
@@ -99,11 +105,11 @@ def preflight_checks(master: AnyMaster, run_dir: Path | None = None) -> None:
     check_optimizer(master)
     check_precision(master)
     check_gpu_only_keys(master)
+    check_metric_name(master)
     if isinstance(master, SupervisedMasterConfig):
         check_output_dirs(master, run_dir)
         check_supervised_data(master)
         return
-    check_metric_name(master)
     check_output_dirs(master, run_dir)
     check_prompt_files(master)
     check_chat_template(master)
@@ -359,11 +365,20 @@ def check_gpu_only_keys(master: AnyMaster) -> None:
 # ---- checkpoint metric ------------------------------------------------------------------------
 
 
-def produced_metrics(master: MasterConfig) -> list[str] | None:
+SUPERVISED_TRAIN_METRICS: tuple[str, ...] = ("grad_norm", "lr", "num_tokens")
+"""What an SFT / DPO / RM step logs besides its loss's metrics (train/<name>)."""
+SUPERVISED_VAL_DROPPED: tuple[str, ...] = ("num_valid_samples", "num_unmasked_tokens")
+"""Loss metrics validation does not log (counts, not means)."""
+
+
+def produced_metrics(master: AnyMaster) -> list[str] | None:
     """'val:x' / 'train:x' names some step logs; None when a custom loss makes the train metrics unknown."""
     loss = LOSS_METRICS.get(master.loss_fn._target_)
     if loss is None:
         return None
+    if isinstance(master, SupervisedMasterConfig):
+        val = [f"val:{m}" for m in loss if m not in SUPERVISED_VAL_DROPPED] if master.loop.val_period > 0 else []
+        return val + [f"train:{m}" for m in (*loss, *SUPERVISED_TRAIN_METRICS)]
     val = [f"val:{m}" for m in VAL_METRICS] if master.grpo.val_period > 0 else []
     train = list(TRAIN_STEP_METRICS) + [m for m in loss if m not in TRAIN_STEP_METRICS]
     if master.grpo.use_dynamic_sampling:
@@ -371,7 +386,7 @@ def produced_metrics(master: MasterConfig) -> list[str] | None:
     return val + [f"train:{m}" for m in train]
 
 
-def check_metric_name(master: MasterConfig) -> None:
+def check_metric_name(master: AnyMaster) -> None:
     """checkpointing.metric_name must be a metric that a training step logs."""
     ck = master.checkpointing
     if not ck.enabled or not ck.metric_name:
@@ -379,8 +394,9 @@ def check_metric_name(master: MasterConfig) -> None:
     valid = produced_metrics(master)
     if valid is None or ck.metric_name in valid:
         return
-    if ck.metric_name.startswith("val:") and master.grpo.val_period == 0:
-        rule = "no step validates (grpo.val_period=0), so no 'val:' metric is logged"
+    loop = master.loop if isinstance(master, SupervisedMasterConfig) else master.grpo
+    if ck.metric_name.startswith("val:") and loop.val_period == 0:
+        rule = "no step validates (val_period=0), so no 'val:' metric is logged"
     else:
         rule = "no training step logs this metric"
     raise ConfigError(

@@ -42,3 +42,21 @@ def test_run_saves_and_stops_before_the_deadline_then_resumes(tmp_path: Path) ->
     assert all(abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3 for r in rows), rows
     hf = json.loads((run / "checkpoints" / "step_2" / "policy" / "weights" / "hf" / "config.json").read_text())
     assert hf["rms_norm_eps"] == 0.5
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo"])
+def test_supervised_runs_honour_the_deadline_too(algo: str, tmp_path: Path) -> None:
+    """algo=sft|dpo read checkpointing.checkpoint_must_save_by like GRPO: save the step, stop with exit 0, and
+    the re-run resumes from it."""
+    run = tmp_path / "run"
+    env = {**os.environ, "RLPOST_CACHE_DIR": str(tmp_path / "cache"), "RAY_AUTH_MODE": "disabled"}
+    cmd = [RLPOST, "train", f"hydra.run.dir={run}", f"algo={algo}", f"{algo}.val_at_start=false",
+           "checkpointing.save_period=1000", "checkpointing.checkpoint_must_save_by=00:00:00:01"]
+    for step in (1, 2):
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        stop = [ln for ln in out.stderr.splitlines() if "checkpoint_must_save_by" in ln]
+        assert len(stop) == 1 and f"saved step {step} and stopped" in stop[0], out.stderr[-2000:]
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{s}" for s in range(1, step + 1)]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("validation/loss" in r for r in rows)

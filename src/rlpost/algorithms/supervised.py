@@ -61,6 +61,8 @@ class SupervisedComponents:
     model_fp: str
     config_dict: dict[str, Any]
     data_metrics: dict[str, float] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
+    """time.monotonic() when setup began: checkpointing.checkpoint_must_save_by counts from here."""
     closed: bool = False
 
     def close(self) -> None:
@@ -115,6 +117,7 @@ def batch_tensors(rows: list[Row], pad_id: int, multiple: int = 1, masked: int =
 
 def setup(cfg: SupervisedMasterConfig, run_dir: Path) -> SupervisedComponents:
     """Seeds, logger, checkpoints (and resume), rows, the cluster and the policy."""
+    started_at = time.monotonic()
     loop = cfg.loop
     set_seed(loop.seed)
     if cfg.model.tiny is not None:
@@ -165,7 +168,7 @@ def setup(cfg: SupervisedMasterConfig, run_dir: Path) -> SupervisedComponents:
     return SupervisedComponents(cfg=cfg, run_dir=run_dir, policy=policy, cluster=cluster, loader=loader,
                                 val_rows=val_rows, loss_fn=loss_fn, logger=logger, checkpointer=checkpointer,
                                 save_state=save_state, pad_id=int(tokenizer.pad_token_id), model_fp=model_fp,
-                                config_dict=config_dict, data_metrics=data_metrics)
+                                config_dict=config_dict, data_metrics=data_metrics, started_at=started_at)
 
 
 def _prepare(comps: SupervisedComponents, data: BatchedDataDict) -> None:
@@ -231,46 +234,68 @@ def save_checkpoint(comps: SupervisedComponents, step: int, metrics: dict[str, f
 
 def supervised_train(comps: SupervisedComponents,
                      on_step: Callable[[int, dict[str, float]], None] | None = None) -> SupervisedSaveState:
-    """Train until {algo}.max_num_steps or max_num_epochs; validate every val_period steps and at the end;
-    checkpoint every checkpointing.save_period steps and at the end."""
-    from rlpost.algorithms.grpo import on_schedule
+    """Train until {algo}.max_num_steps or max_num_epochs (or, with checkpointing.checkpoint_must_save_by, until
+    the next step would pass the wall-clock budget: then it saves and returns); validate every val_period steps
+    and at the end; checkpoint every checkpointing.save_period steps and at the end."""
+    from rlpost.algorithms.deadline import SaveDeadline
+    from rlpost.algorithms.grpo import call_timeout_for, on_schedule
 
     cfg, loop, st, loader = comps.cfg, comps.cfg.loop, comps.save_state, comps.loader
+    deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, comps.started_at)
     if loop.val_at_start and st.total_steps == 0:
         comps.logger.log({**validate(comps), **comps.data_metrics}, 0)
     timer = Timer()
+    slowest = 0.0
     while loader.epochs_done() < loop.max_num_epochs and st.total_steps < loop.max_num_steps:
         rows = cast(list[Row], loader.next_batch())
         step = st.total_steps + 1
         timer.reset()
+        step_t0 = time.perf_counter()
         with timer.time("total_step_time"):
-            with timer.time("data_processing"):
-                data = batch_tensors(rows, comps.pad_id, cfg.policy.make_sequence_length_divisible_by)
-            if comps.loss_fn.needs_reference_logprobs:
-                with timer.time("reference_logprobs"):
-                    _prepare(comps, data)
-            with timer.time("policy_training"):
-                comps.policy.prepare_for_training()
-                results = comps.policy.train(data, comps.loss_fn)
-            metrics = _metrics("train", results)
-            metrics["train/grad_norm"] = float(results["grad_norm"])
-            metrics["train/lr"] = float(results["lr"])
-            metrics["train/num_tokens"] = float(data["input_lengths"].sum())
+            metrics = _train_step(comps, rows, timer)
             last = step >= loop.max_num_steps or loader.epochs_done() >= loop.max_num_epochs
-            if on_schedule(loop.val_period, step, last):
+            deadline.step_took(time.perf_counter() - step_t0)
+            out_of_time = deadline.due() and not last
+            if on_schedule(loop.val_period, step, last or out_of_time):
                 metrics.update(validate(comps))
             st.total_steps, st.current_epoch, st.current_step = step, loader.epoch, loader.index
             st.consumed_samples += len(rows)
             _check_finite(metrics, step)
-            if cfg.checkpointing.enabled and on_schedule(cfg.checkpointing.save_period, step, last):
+            if cfg.checkpointing.enabled and on_schedule(cfg.checkpointing.save_period, step, last or out_of_time):
+                save_t0 = time.perf_counter()
                 with timer.time("checkpointing"):
                     save_checkpoint(comps, step, metrics)
+                deadline.save_took(time.perf_counter() - save_t0)
         metrics.update(timer.metrics("timing/train"))
         metrics["performance/tokens_per_sec"] = metrics["train/num_tokens"] / max(timer.times["total_step_time"], 1e-9)
+        if cfg.logger.monitor_gpus:
+            metrics.update(comps.policy.gpu_memory_metrics())
         comps.logger.log(metrics, step)
+        slowest = max(slowest, timer.times["total_step_time"])
+        comps.policy.set_call_timeout(call_timeout_for(cfg.cluster, slowest))
         if on_step is not None:
             on_step(step, metrics)
+        if out_of_time:
+            say.info(deadline.message(step))
+            break
     return st
+
+
+def _train_step(comps: SupervisedComponents, rows: list[Row], timer: Timer) -> dict[str, float]:
+    """One optimizer step on `rows`: the batch, what the loss reads besides it, the update; its metrics."""
+    with timer.time("data_processing"):
+        data = batch_tensors(rows, comps.pad_id, comps.cfg.policy.make_sequence_length_divisible_by)
+    if comps.loss_fn.needs_reference_logprobs:
+        with timer.time("reference_logprobs"):
+            _prepare(comps, data)
+    with timer.time("policy_training"):
+        comps.policy.prepare_for_training()
+        results = comps.policy.train(data, comps.loss_fn)
+    metrics = _metrics("train", results)
+    metrics["train/grad_norm"] = float(results["grad_norm"])
+    metrics["train/lr"] = float(results["lr"])
+    metrics["train/num_tokens"] = float(data["input_lengths"].sum())
+    return metrics
 
 
 class TrainingDiverged(RuntimeError):

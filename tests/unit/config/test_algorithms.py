@@ -85,3 +85,15 @@ def test_supervised_rules(overrides: list[str], key: str, needle: str) -> None:
 def test_sft_packs_sequences_like_grpo() -> None:
     _, m = load_master_config(["algo=sft", "policy.sequence_packing.enabled=true"])
     assert m.policy.sequence_packing.enabled
+
+
+def test_checkpoint_metric_must_be_one_the_algorithm_logs() -> None:
+    from rlpost.preflight import preflight_checks
+
+    _, m = load_master_config(["algo=sft", "checkpointing.metric_name=val:accuracy"])
+    with pytest.raises(ConfigError) as err:
+        preflight_checks(m, None)
+    assert err.value.key == "checkpointing.metric_name" and err.value.hint == "did you mean 'val:token_accuracy'?"
+    for algo, name in (("sft", "val:loss"), ("dpo", "train:reward_margin"), ("rm", "val:accuracy")):
+        _, m = load_master_config([f"algo={algo}", f"checkpointing.metric_name={name}"])
+        preflight_checks(m, None)
