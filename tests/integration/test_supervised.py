@@ -194,3 +194,24 @@ def test_sft_packing_and_dynamic_batching_train_the_same_steps(cache: Path, tmp_
     assert len(losses["fixed"]) == 3
     for name in ("packing", "dynamic"):
         assert losses[name] == pytest.approx(losses["fixed"], abs=1e-5), name
+
+
+@pytest.mark.parametrize("algo,layout", [
+    ("sft", ["cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2"]),  # vocab-parallel accuracy
+    ("dpo", ["cluster.gpus_per_node=2"]),  # each data-parallel rank gets whole pairs
+    ("rm", ["cluster.gpus_per_node=2"]),
+])
+def test_two_workers_train_the_same_steps_as_one(algo: str, layout: list[str], cache: Path, tmp_path: Path) -> None:
+    common = [f"algo={algo}", f"{algo}.max_num_steps=3", f"{algo}.val_period=3", f"{algo}.val_at_start=false",
+              "checkpointing=disabled"]
+    runs = {}
+    for name, extra in (("one", []), ("two", layout)):
+        runs[name] = tmp_path / name
+        train(runs[name], cache, *common, *extra)
+    keys = ("train/loss", "train/grad_norm", "validation/loss", "train/accuracy", "train/token_accuracy")
+    one, two = metrics(runs["one"]), metrics(runs["two"])
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two, strict=True):
+        for k in keys:
+            if k in a:
+                assert b[k] == pytest.approx(a[k], abs=1e-5), (a["step"], k)
