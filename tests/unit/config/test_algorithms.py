@@ -97,3 +97,11 @@ def test_checkpoint_metric_must_be_one_the_algorithm_logs() -> None:
     for algo, name in (("sft", "val:loss"), ("dpo", "train:reward_margin"), ("rm", "val:accuracy")):
         _, m = load_master_config([f"algo={algo}", f"checkpointing.metric_name={name}"])
         preflight_checks(m, None)
+
+
+def test_validation_needs_validation_rows() -> None:
+    err = refused("algo=sft", "data=sft_jsonl", "data.train_data_path=/tmp/t.jsonl")
+    assert err.key == "data.val_data_paths" and "sft.val_period=0" in (err.hint or "")
+    _, m = load_master_config(["algo=sft", "data=sft_jsonl", "data.train_data_path=/tmp/t.jsonl", "sft.val_period=0",
+                               "sft.val_at_start=false", "checkpointing.metric_name=train:loss"])
+    assert m.loop.val_period == 0

@@ -85,6 +85,11 @@ class SupervisedMasterConfig:
                               else "use data=preference_synthetic|preference_jsonl")
         self.data.check("data")
         self.loop.check(a)
+        d = self.rows
+        if d.dataset_name != "synthetic" and not d.val_data_paths and (self.loop.val_period or self.loop.val_at_start):
+            raise ConfigError("data.val_data_paths", [], f"{a}.val_period={self.loop.val_period} validates, but there "
+                              "are no validation rows", f"set data.val_data_paths=[...] or {a}.val_period=0 "
+                              f"{a}.val_at_start=false checkpointing.metric_name=train:loss")
         self.logger.check("logger")
         require(self.logger.num_val_samples_to_print == 0, "logger.num_val_samples_to_print",
                 self.logger.num_val_samples_to_print, f"algo={a} generates no samples to print (GRPO only)")
