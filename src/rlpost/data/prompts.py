@@ -14,10 +14,20 @@ from rlpost.config.schema.policy import TokenizerConfig
 
 
 def load_tokenizer(cfg: TokenizerConfig, trust_remote_code: bool = False) -> Any:
-    """AutoTokenizer from a local path; pad = eos if missing; chat template from cfg.chat_template."""
-    from transformers import AutoTokenizer
+    """The tokenizer of a local path; pad = eos if missing; chat template from cfg.chat_template.
 
-    tok = AutoTokenizer.from_pretrained(cfg.name, trust_remote_code=trust_remote_code)
+    A directory with a tokenizer.json loads through the `tokenizers` backend class itself (what AutoTokenizer
+    returns for it in transformers 5): importing AutoTokenizer's model registry would cost the driver ~130 MB
+    (it pulls in torch._dynamo and DTensor). Other tokenizers (sentencepiece only, remote code) use
+    AutoTokenizer."""
+    if (Path(cfg.name) / "tokenizer.json").is_file() and not trust_remote_code:
+        from transformers import PreTrainedTokenizerFast
+
+        tok = PreTrainedTokenizerFast.from_pretrained(cfg.name)
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(cfg.name, trust_remote_code=trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     ct = cfg.chat_template

@@ -112,6 +112,9 @@ def init_ray(cfg: ClusterConfig) -> None:
         log_to_driver=to_console,
         configure_logging=to_console,
         logging_level=logging.WARNING,
+        # No idle worker processes started ahead of tasks: every rlpost actor has its own runtime env, so a
+        # prestarted default worker (~125 MB, a CPU's worth of imports at start) would never be used.
+        _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
     )
 
 
@@ -212,7 +215,10 @@ class RayVirtualCluster:
         return node_id[:8] or "?"
 
     def get_master_address_and_port(self) -> tuple[str, int]:
-        """An address and a free port on the node of rank 0 (for torch.distributed rendezvous)."""
+        """An address and a free port on the node of rank 0 (for torch.distributed rendezvous): found here when
+        that node is the driver's, else by a task there (whose worker process then stays, idle, ~125 MB)."""
+        if self.bundle_for_rank(0).node_id == ray.get_runtime_context().get_node_id():
+            return _free_port_here()
         opts = self.scheduling(0, fraction=0.001 / max(self.cpus_per_bundle, 1e-3))
         opts["num_cpus"] = 0
         ref = _free_port.options(**opts).remote()
@@ -228,12 +234,14 @@ class RayVirtualCluster:
             self._pg = None
 
 
-@ray.remote(num_cpus=0)
-def _free_port() -> tuple[str, int]:
+def _free_port_here() -> tuple[str, int]:
     addr = ray.util.get_node_ip_address()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return addr, int(s.getsockname()[1])
+
+
+_free_port = ray.remote(num_cpus=0)(_free_port_here)
 
 
 def _fmt(res: dict[str, float]) -> str:
