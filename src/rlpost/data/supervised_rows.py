@@ -16,6 +16,7 @@ message adds is tokenized on its own, and an assistant message's tokens after it
 from __future__ import annotations
 
 import random
+import re
 import string
 from dataclasses import dataclass
 from typing import Any
@@ -64,11 +65,25 @@ def _memorise_rows(n: int, seed: int) -> list[tuple[str, str]]:
     return [(f"Code {k}", f"{rng.randrange(10)}{rng.randrange(10)}") for k in keys]
 
 
+def _calc_tool_rows(n: int, seed: int) -> list[tuple[str, str]]:
+    """GRPO's calc_mul prompts, answered by calling the calculator and copying its result."""
+    from rlpost.data.synthetic_tasks import make_rows
+
+    out = []
+    for row in make_rows("calc_mul", n, seed):
+        a, b = re.match(r"What is (\d+) \* (\d+)\?", row["problem"]).groups()  # type: ignore[union-attr]
+        v = row["expected_answer"]
+        out.append((row["problem"], f"<call>{a}*{b}</call><result>{v}</result> The answer is \\boxed{{{v}}}."))
+    return out
+
+
 def _sft_generated(cfg: SFTDataConfig, split: str) -> list[dict[str, Any]]:
     s = cfg.synthetic
     if s.task == "memorise":  # validation asks the training keys again: the mapping is the thing to learn
         pairs = _memorise_rows(s.num_train, s.seed)
         pairs = pairs if split == "train" else pairs[: s.num_val]
+    elif s.task == "calc_tool":
+        pairs = _calc_tool_rows(*((s.num_train, s.seed) if split == "train" else (s.num_val, s.seed + 1)))
     else:
         n, seed = (s.num_train, s.seed) if split == "train" else (s.num_val, s.seed + 1)
         pairs = [(p, right) for p, right, _ in _answer_pairs(s.task, n, seed)]

@@ -105,3 +105,18 @@ def test_generated_rows() -> None:
     assert [r["messages"] for r in val] == [r["messages"] for r in train[:10]]  # validation asks memorised keys
     pairs = load_supervised_rows(PreferenceDataConfig(), "train")
     assert all(p["chosen"] == p["prompt"][0]["content"][-1] != p["rejected"] for p in pairs)
+
+
+def test_calc_tool_rows_answer_grpo_prompts_with_a_working_call() -> None:
+    """The warm-up transcripts: GRPO's own calc_mul prompt, a call the calculator env accepts, its true result."""
+    from rlpost.data.synthetic_tasks import make_rows
+    from rlpost.environments.calculator import calculate
+
+    cfg = SFTDataConfig(synthetic=SupervisedTaskConfig(task="calc_tool", num_train=8, num_val=2, seed=3))
+    rows = load_supervised_rows(cfg, "train")
+    assert [r["messages"][0]["content"] for r in rows] == [r["problem"] for r in make_rows("calc_mul", 8, 3)]
+    for row in rows:
+        reply = row["messages"][1]["content"]
+        call = reply.split("<call>")[1].split("</call>")[0]
+        value = int(calculate(call))
+        assert reply.endswith(f"<result>{value}</result> The answer is \\boxed{{{value}}}.")

@@ -9,9 +9,11 @@ from typing import Any, ClassVar
 from rlpost.config.errors import non_negative, one_of, positive, require
 from rlpost.config.schema.data import DatasetConfig
 
-SFT_TASKS = ("copy_digit", "next_letter", "memorise")
+SFT_TASKS = ("copy_digit", "next_letter", "memorise", "calc_tool")
 """Generated SFT tasks: prompt -> answer pairs; 'memorise' pairs random keys with random values (nothing to
-generalise, so the held-out rows are the training rows' keys)."""
+generalise, so the held-out rows are the training rows' keys); 'calc_tool' answers GRPO's calc_mul prompts with a
+calculator transcript (`<call>a*b</call><result>v</result> The answer is \\boxed{v}.`), a warm-up for
+env=calculator."""
 PREFERENCE_TASKS = ("copy_digit", "next_letter")
 """Generated preference tasks: the right answer is chosen, a wrong one rejected."""
 
@@ -65,7 +67,8 @@ class SupervisedTaskConfig:
     """A task generated in-process (no files, no downloads)."""
 
     task: str = "copy_digit"
-    """SFT: 'copy_digit', 'next_letter' or 'memorise'; preference data: 'copy_digit' or 'next_letter'."""
+    """SFT: 'copy_digit', 'next_letter', 'memorise' or 'calc_tool'; preference data: 'copy_digit' or
+    'next_letter'."""
     num_train: int = 2048
     """Training rows generated."""
     num_val: int = 64
