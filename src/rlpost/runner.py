@@ -77,20 +77,21 @@ def _quiet_close(comps: Any) -> None:
             signal.signal(signal.SIGINT, old)
 
 
-def _completed_steps(cfg: MasterConfig, run_dir: Path) -> int | None:
-    """Steps of the newest verified checkpoint when it already reaches grpo.max_num_steps (else None).
+def _completed_steps(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path) -> int | None:
+    """Steps of the newest verified checkpoint when it already reaches the algorithm's max_num_steps (else None).
 
     Checked before anything starts, so re-running a finished job costs nothing. (A run that ended by
-    max_num_epochs is noticed after setup, by grpo_train doing no step.)
+    max_num_epochs is noticed after setup, by the loop doing no step.)
     """
     if not cfg.checkpointing.enabled:
         return None
+    goal = cfg.loop.max_num_steps if isinstance(cfg, SupervisedMasterConfig) else cfg.grpo.max_num_steps
     manager = CheckpointManager(cfg.checkpointing, run_dir)
     newest = manager.latest()
     if newest is None:
         return None
     try:  # cheap first: steps only grow, so if the newest is short of the goal, none is complete
-        if int(read_json(newest / "training_info.json").get("total_steps", 0)) < cfg.grpo.max_num_steps:
+        if int(read_json(newest / "training_info.json").get("total_steps", 0)) < goal:
             return None  # setup verifies (hashes) the checkpoint it resumes from, once
     except CheckpointError:
         pass  # unreadable: the verification below decides, as setup's would
@@ -98,7 +99,7 @@ def _completed_steps(cfg: MasterConfig, run_dir: Path) -> int | None:
     if last is None:
         return None
     steps = int(read_json(last / "training_info.json").get("total_steps", 0))
-    return steps if steps >= cfg.grpo.max_num_steps else None
+    return steps if steps >= goal else None
 
 
 def run(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path) -> dict[str, Any]:
@@ -118,6 +119,12 @@ def run_supervised(cfg: SupervisedMasterConfig, run_dir: Path) -> dict[str, Any]
     comps = None
     loop = cfg.loop
     key = "accuracy" if cfg.pairs else "token_accuracy"
+    done = _completed_steps(cfg, run_dir)
+    if done is not None:
+        say.info(f"run already complete: {done} steps, {cfg.algo}.max_num_steps={loop.max_num_steps} (checkpoints "
+                 f"in {CheckpointManager(cfg.checkpointing, run_dir).dir}); nothing to do. Raise "
+                 f"{cfg.algo}.max_num_steps to train further.")
+        return {"run_dir": str(run_dir), "steps": done, "complete": True}
     with StopOnSignal() as stop:
         try:
             comps = setup(cfg, run_dir)

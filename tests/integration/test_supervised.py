@@ -165,6 +165,9 @@ def test_sft_resume_after_kill_9_matches_a_straight_run(cache: Path, tmp_path: P
         for k, v in a[step].items():
             if not k.startswith(TIMING):
                 assert b[step][k] == pytest.approx(v, abs=1e-6), (step, k)
+    again = train(resumed, cache, *common)  # complete: answered before anything starts
+    assert "run already complete: 8 steps, sft.max_num_steps=8" in again.stderr
+    assert "rlpost plan" in again.stdout + again.stderr and "SFT steps" not in again.stderr
 
 
 @pytest.mark.parametrize("algo", ["sft", "dpo", "rm"])
