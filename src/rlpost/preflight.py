@@ -26,8 +26,8 @@ from rlpost.config.layout import model_dir_key, read_hf_config
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.policy import PytorchOptimizerConfig, SinglePytorchSchedulerConfig, parse_scheduler
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
-from rlpost.data.datasets import DataError, load_rows
-from rlpost.runtime.build import check_target, resolve
+from rlpost.preflight_data import check_chat_template, check_data, check_prompt_files, check_supervised_data
+from rlpost.runtime.build import check_target
 
 AnyMaster = MasterConfig | SupervisedMasterConfig
 """The master config of any algorithm."""
@@ -449,110 +449,3 @@ def check_output_dirs(master: AnyMaster, run_dir: Path | None = None) -> None:
     """Checkpoint and log directories are directories (or can be created) and writable."""
     for key, path in output_dirs(master, run_dir):
         _check_writable_dir(key, path)
-
-
-# ---- data -------------------------------------------------------------------------------------
-
-
-def check_prompt_files(master: MasterConfig) -> None:
-    """data.prompt_file is a readable template with one '{}'; data.system_prompt_file exists."""
-    d = master.data
-    for key, value in (("data.prompt_file", d.prompt_file), ("data.system_prompt_file", d.system_prompt_file)):
-        if value and not Path(value).is_file():
-            raise ConfigError(key, value, "no such file")
-    if d.prompt_file:
-        try:
-            template = Path(d.prompt_file).read_text(encoding="utf-8")
-            filled = template.format("\x00")
-        except (UnicodeDecodeError, KeyError, IndexError, ValueError) as exc:
-            raise ConfigError(
-                "data.prompt_file", d.prompt_file,
-                f"not a valid template ({type(exc).__name__}: {exc})",
-                "one '{}' marks the problem; write other braces as '{{' and '}}'",
-            ) from None
-        if "\x00" not in filled:
-            raise ConfigError("data.prompt_file", d.prompt_file, "has no '{}' where the problem goes")
-
-
-def prompts_per_step(master: MasterConfig) -> int:
-    """Rows one GRPO step takes from the dataloader (grpo_setup's batch size)."""
-    g = master.grpo
-    return int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
-
-
-def check_answers(master: MasterConfig, rows: list[dict[str, Any]]) -> None:
-    """Every expected answer is one the data's environment can match; the first that is not is named by
-    file and line."""
-    env_cls = resolve(master.env[master.data.env_name]._target_, key=f"env.{master.data.env_name}._target_")
-    for row in rows:
-        why = env_cls.answer_problem(row["expected_answer"])
-        if why is not None:
-            raise DataError(f"{row['source']}: {master.data.output_key}={row['expected_answer']!r}: {why}")
-
-
-def check_chat_template(master: MasterConfig) -> None:
-    """The chat template renders a prompt, as the run will: a missing *.jinja file, a tokenizer without a
-    template of its own under 'default', and a template that fails to render are named before anything starts.
-    Skipped for the tiny model (built on first use; its prompts are raw)."""
-    tok_cfg = master.policy.tokenizer
-    key, ct = "policy.tokenizer.chat_template", tok_cfg.chat_template
-    if master.model.tiny is not None or ct is None:
-        return
-    if ct.endswith(".jinja") and not Path(ct).is_file():
-        raise ConfigError(key, ct, "no such template file")
-    from rlpost.data.prompts import PromptProcessor, load_tokenizer
-
-    tokenizer = load_tokenizer(tok_cfg, master.policy.trust_remote_code)
-    if ct == "default" and not tokenizer.chat_template:
-        raise ConfigError(key, ct, f"the tokenizer at {tok_cfg.name} has no chat template of its own",
-                          "use policy.tokenizer.chat_template=null for raw prompts, or give a template")
-    processor = PromptProcessor(master.data, tokenizer, tok_cfg.chat_template_kwargs)
-    try:
-        processor({"problem": "1 + 1"})
-    except Exception as exc:  # noqa: BLE001 - jinja's and transformers' errors, named with the key
-        shown = ct if len(ct) <= 60 else ct[:57] + "..."
-        raise ConfigError(key, shown, f"fails to render a prompt ({type(exc).__name__}: "
-                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None
-
-
-def check_data(master: MasterConfig) -> None:
-    """Read the train (and validation) files once: bad rows raise DataError; too few rows for one step
-    raise ConfigError naming grpo.num_prompts_per_step."""
-    d, g = master.data, master.grpo
-    need = prompts_per_step(master)
-    if d.dataset_name == "synthetic":
-        have, source = d.synthetic.num_train, "data.synthetic.num_train"
-    else:
-        rows = load_rows(d, "train", with_source=True)
-        have, source = len(rows), f"data.train_data_path={d.train_data_path}"
-        if g.val_period > 0 or g.val_at_start:
-            rows += load_rows(d, "val", with_source=True)
-        check_answers(master, rows)
-    if have < need:
-        how = ""
-        if need != g.num_prompts_per_step:
-            how = f" ({g.num_prompts_per_step} x grpo.batch_multiplier={g.batch_multiplier}, dynamic sampling)"
-        raise ConfigError(
-            "grpo.num_prompts_per_step",
-            g.num_prompts_per_step,
-            f"one GRPO step takes {need} prompts{how} but the training set has only {have} rows ({source})",
-            "lower grpo.num_prompts_per_step or use a larger training set",
-        )
-
-
-
-def check_supervised_data(master: SupervisedMasterConfig) -> None:
-    """SFT / DPO / RM rows: every file read and every row checked (DataError naming file and line); the
-    tokenization (and its skip-and-count rule) runs at setup, where the tokenizer is loaded."""
-    from rlpost.data.supervised_rows import load_supervised_rows
-
-    d = master.rows
-    if d.dataset_name == "synthetic":
-        return
-    rows = load_supervised_rows(d, "train")
-    need = master.policy.train_global_batch_size // (2 if master.pairs else 1)
-    if len(rows) < need:
-        raise ConfigError("policy.train_global_batch_size", master.policy.train_global_batch_size,
-                          f"one step takes {need} rows but data.train_data_path={d.train_data_path} has {len(rows)}")
-    if master.loop.val_period > 0 or master.loop.val_at_start:
-        load_supervised_rows(d, "val")
