@@ -365,7 +365,7 @@ def check_gpu_only_keys(master: AnyMaster) -> None:
 # ---- checkpoint metric ------------------------------------------------------------------------
 
 
-SUPERVISED_TRAIN_METRICS: tuple[str, ...] = ("grad_norm", "lr", "num_tokens")
+SUPERVISED_TRAIN_METRICS: tuple[str, ...] = ("grad_norm", "lr", "num_tokens", "params_finite")
 """What an SFT / DPO / RM step logs besides its loss's metrics (train/<name>)."""
 SUPERVISED_VAL_DROPPED: tuple[str, ...] = ("num_valid_samples", "num_unmasked_tokens")
 """Loss metrics validation does not log (counts, not means)."""

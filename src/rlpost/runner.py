@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rlpost.config.schema.checkpoint import CheckpointingConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.failures import EXIT_INTERRUPT, EXIT_TERMINATED, Interrupted
@@ -54,6 +56,19 @@ class StopOnSignal:
     @property
     def requested(self) -> bool:
         return self.signum is not None
+
+    def stop_after(self, step: int, last_step: int, ck: CheckpointingConfig, save: Callable[[], None]) -> None:
+        """At a step boundary, when a stop was requested: make sure the step is saved if it should be (it was on
+        schedule, or checkpointing.save_on_interrupt: `save` now), then raise Interrupted."""
+        if not self.requested:
+            return
+        saved = ck.enabled and (step % ck.save_period == 0 or step >= last_step)
+        if ck.enabled and ck.save_on_interrupt and not saved:
+            save()
+            saved = True
+        if saved:
+            say.info(f"stopped after step {step}; checkpoint saved")
+        raise self.interrupted()
 
     def interrupted(self) -> Interrupted:
         assert self.signum is not None
@@ -144,15 +159,7 @@ def run_supervised(cfg: SupervisedMasterConfig, run_dir: Path) -> dict[str, Any]
                     if f"validation/{key}" in m:
                         info += f"  val loss {m['validation/loss']:.4f}  val {key} {m[f'validation/{key}']:.3f}"
                     progress.update(task, completed=step, info=info)
-                    if stop.requested:
-                        ck = cfg.checkpointing
-                        saved = ck.enabled and (step % ck.save_period == 0 or step >= loop.max_num_steps)
-                        if ck.enabled and ck.save_on_interrupt and not saved:
-                            save_checkpoint(comps, step, m)
-                            saved = True
-                        if saved:
-                            say.info(f"stopped after step {step}; checkpoint saved")
-                        raise stop.interrupted()
+                    stop.stop_after(step, loop.max_num_steps, cfg.checkpointing, lambda: save_checkpoint(comps, step, m))
 
                 state = supervised_train(comps, on_step=on_step)
         except Interrupted:
@@ -219,15 +226,8 @@ def run_grpo(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
                     if "validation/accuracy" in m:
                         info += f"  val acc {m['validation/accuracy']:.3f}"
                     progress.update(task, completed=step, info=info)
-                    if stop.requested:
-                        ck = cfg.checkpointing
-                        saved = ck.enabled and (step % ck.save_period == 0 or step >= total)
-                        if ck.enabled and ck.save_on_interrupt and not saved:
-                            save_checkpoint(comps, step, m, loader_state=comps.extras.get("loader_state"))
-                            saved = True
-                        if saved:
-                            say.info(f"stopped after step {step}; checkpoint saved")
-                        raise stop.interrupted()
+                    stop.stop_after(step, total, cfg.checkpointing, lambda: save_checkpoint(
+                        comps, step, m, loader_state=comps.extras.get("loader_state")))
 
                 if cfg.grpo.async_grpo.enabled:
                     from rlpost.algorithms.async_grpo import async_grpo_train

@@ -9,7 +9,6 @@ gate) and checkpoint.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -21,10 +20,11 @@ from rlpost.algorithms.advantages import (
     calculate_baseline_and_std_per_prompt,
     compute_advantages,
 )
+from rlpost.algorithms.checkpoint_io import record_checkpoint_metric, write_checkpoint
 from rlpost.algorithms.collect import collect_batch, shaped_rewards, validation_seeds
 from rlpost.algorithms.deadline import SaveDeadline
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
-from rlpost.algorithms.grpo_setup import GRPOComponents, generation_dtype, save_rng_state, setup
+from rlpost.algorithms.grpo_setup import GRPOComponents, generation_dtype, setup
 from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
 from rlpost.algorithms.refit import refit_policy_generation
 from rlpost.algorithms.rollouts import RolloutBatch
@@ -116,37 +116,17 @@ def save_checkpoint(components: GRPOComponents, step: int, metrics: dict[str, fl
                     loader_state: dict[str, int] | None = None) -> None:
     """Write step_N (policy weights + optimizer, dataloader, RNG, config) atomically. `loader_state` (async
     GRPO: the position after the last trained batch) replaces the dataloader's own position."""
-    save_state = components.save_state
-    name = components.cfg.checkpointing.metric_name
-    if name:
-        # Only a value measured at this step ranks this checkpoint; an unmeasured one ranks below
-        # every measured one in keep_top_k (a stale value from an earlier step would misrank it).
-        kind, key = name.split(":", 1)
-        value = metrics.get(f"{'validation' if kind == 'val' else 'train'}/{key}")
-        save_state.extra.pop(name, None)
-        if value is not None:
-            save_state.extra[name] = value
-    tmp = components.checkpointer.begin(step)
-    components.policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"),
-                             hf_export=components.cfg.checkpointing.save_consolidated)
-    (tmp / "train_dataloader.json").write_text(json.dumps(loader_state or components.dataloader.state_dict()))
-    (tmp / "rng_state.json").write_text(json.dumps(save_rng_state()))
-    (tmp / "config.yaml").write_text(json.dumps(components.config_dict, indent=1, default=str))
-    components.checkpointer.finalize(tmp, step, save_state.to_dict(), components.model_fp, components.config_dict)
+    ck = components.cfg.checkpointing
+    record_checkpoint_metric(components.save_state, ck.metric_name, metrics)
+    write_checkpoint(components.checkpointer, components.policy, step, components.save_state,
+                     loader_state or components.dataloader.state_dict(), components.config_dict, components.model_fp,
+                     ck.save_consolidated)
 
 
 def _health_gate(components: GRPOComponents, metrics: dict[str, float], step: int, same_weights: bool = True) -> None:
     """Stop before a broken step is checkpointed: non-finite loss or grad norm, or engine/trainer drift (checked
     only when the engine generated the batch with the trainer's current weights)."""
-    broken = [f"{key}={metrics[key]} is not finite" for key in ("train/loss", "train/grad_norm")
-              if key in metrics and not math.isfinite(metrics[key])]
-    if metrics.get("train/params_finite") == 0.0:
-        broken.append("the policy's weights are no longer finite after the update")
-    if broken:
-        raise HealthCheckError(
-            f"step {step}: {broken[0]}; the run stopped before saving this step "
-            f"(policy.optimizer.kwargs.lr={_lr(components)} may be too high; the last good checkpoint is kept)"
-        )
+    check_finite(metrics, step, components.cfg)
     err = metrics.get("train/token_mult_prob_error")
     if err is None or not same_weights:
         return
@@ -165,6 +145,21 @@ def _health_gate(components: GRPOComponents, metrics: dict[str, float], step: in
         )
 
 
+def check_finite(metrics: dict[str, float], step: int, cfg: Any) -> None:
+    """HealthCheckError when the step's loss or grad norm is not finite, or the update left non-finite weights
+    (the message names cfg.policy's lr)."""
+    broken = [f"{key}={metrics[key]} is not finite" for key in ("train/loss", "train/grad_norm")
+              if key in metrics and not math.isfinite(metrics[key])]
+    if metrics.get("train/params_finite") == 0.0:
+        broken.append("the policy's weights are no longer finite after the update")
+    if broken:
+        raise HealthCheckError(
+            f"step {step}: {broken[0]}; the run stopped before saving this step "
+            f"(policy.optimizer.kwargs.lr={cfg.policy.optimizer.kwargs.get('lr', '?')} may be too high; the last good "
+            "checkpoint is kept)"
+        )
+
+
 def call_timeout_for(cluster_cfg: Any, slowest_step_s: float) -> float:
     """step_timeout_factor x the slowest step so far, within [min_call_timeout_s, call_timeout_s]."""
     bound = cluster_cfg.step_timeout_factor * slowest_step_s
@@ -175,10 +170,6 @@ def _tighten_call_timeouts(components: GRPOComponents, slowest_step_s: float) ->
     timeout = call_timeout_for(components.cfg.cluster, slowest_step_s)
     components.policy.set_call_timeout(timeout)
     components.generation.set_call_timeout(timeout)
-
-
-def _lr(components: GRPOComponents) -> object:
-    return components.cfg.policy.optimizer.kwargs.get("lr", "?")
 
 
 class _EngineWeights:

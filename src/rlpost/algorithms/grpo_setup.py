@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from omegaconf import OmegaConf
 
+from rlpost.algorithms.checkpoint_io import restore_loader_and_rng, resume_info
 from rlpost.config.schema.grpo import GRPOSaveState
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.master import MasterConfig
@@ -31,9 +32,7 @@ from rlpost.runtime.build import build
 from rlpost.runtime.checkpointing import (
     CheckpointError,
     CheckpointManager,
-    checkpoint_errors,
     model_fingerprint,
-    read_json,
 )
 from rlpost.runtime.metrics_logger import MetricsLogger
 
@@ -109,10 +108,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     last = checkpointer.latest_verified()
     save_state = GRPOSaveState()
     if last is not None:
-        with checkpoint_errors(last / "fingerprint.json"):
-            checkpointer.check_resume(last, model_fp, config_dict)
-        with checkpoint_errors(last / "training_info.json"):
-            save_state = GRPOSaveState.from_dict(read_json(last / "training_info.json"))
+        save_state = GRPOSaveState.from_dict(resume_info(checkpointer, last, model_fp, config_dict))
     logger.truncate_after(save_state.total_steps)  # rows the interrupted run logged after its checkpoint
 
     tokenizer = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
@@ -122,11 +118,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     dataloader = PromptLoader(load_rows(cfg.data, "train"), batch, cfg.data.shuffle, cfg.data.seed)
     val_rows = load_rows(cfg.data, "val") if (g.val_period > 0 or g.val_at_start) else []
     if last is not None:
-        with checkpoint_errors(last / "train_dataloader.json"):
-            dataloader.load_state_dict(read_json(last / "train_dataloader.json"))
-        with checkpoint_errors(last / "rng_state.json"):
-            rng = read_json(last / "rng_state.json")
-            random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
+        restore_loader_and_rng(last, dataloader)
 
     envs = {name: build(env_cfg, key=f"env.{name}._target_") for name, env_cfg in cfg.env.items()}
 
@@ -233,8 +225,5 @@ def generation_dtype(cfg: MasterConfig) -> str:
     return cfg.generation.weight_dtype()
 
 
-def save_rng_state() -> dict[str, Any]:
-    st = random.getstate()
-    return {"python": [st[0], list(st[1]), st[2]]}
 
 

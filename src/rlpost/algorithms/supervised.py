@@ -11,8 +11,6 @@ validation rows. The only algorithm-specific parts are the loss and how a row be
 
 from __future__ import annotations
 
-import json
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +20,13 @@ from typing import Any, cast
 import torch
 from omegaconf import OmegaConf
 
-from rlpost.algorithms.grpo_setup import close_all, save_rng_state, set_seed
+from rlpost.algorithms.checkpoint_io import (
+    record_checkpoint_metric,
+    restore_loader_and_rng,
+    resume_info,
+    write_checkpoint,
+)
+from rlpost.algorithms.grpo_setup import close_all, set_seed
 from rlpost.config.schema.supervised import SupervisedSaveState
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.data.dataloader import PromptLoader
@@ -35,7 +39,7 @@ from rlpost.models.policy.interfaces import ColocatablePolicyInterface
 from rlpost.ops.loss_interface import LossFunction
 from rlpost.runtime import console as say
 from rlpost.runtime.build import build
-from rlpost.runtime.checkpointing import CheckpointManager, checkpoint_errors, model_fingerprint, read_json
+from rlpost.runtime.checkpointing import CheckpointManager, model_fingerprint
 from rlpost.runtime.metrics_logger import MetricsLogger
 from rlpost.runtime.timer import Timer
 
@@ -132,20 +136,13 @@ def setup(cfg: SupervisedMasterConfig, run_dir: Path) -> SupervisedComponents:
     last = checkpointer.latest_verified() if cfg.checkpointing.enabled else None
     save_state = SupervisedSaveState()
     if last is not None:
-        with checkpoint_errors(last / "fingerprint.json"):
-            checkpointer.check_resume(last, model_fp, config_dict)
-        with checkpoint_errors(last / "training_info.json"):
-            save_state = SupervisedSaveState.from_dict(read_json(last / "training_info.json"))
+        save_state = SupervisedSaveState.from_dict(resume_info(checkpointer, last, model_fp, config_dict))
     logger.truncate_after(save_state.total_steps)
     tokenizer = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
     train_rows, val_rows, data_metrics = load_rows(cfg, tokenizer)
     loader = PromptLoader(cast(list[Any], train_rows), rows_per_step(cfg), cfg.rows.shuffle, cfg.rows.seed)
     if last is not None:
-        with checkpoint_errors(last / "train_dataloader.json"):
-            loader.load_state_dict(read_json(last / "train_dataloader.json"))
-        with checkpoint_errors(last / "rng_state.json"):
-            rng = read_json(last / "rng_state.json")
-            random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
+        restore_loader_and_rng(last, loader)
     init_ray(cfg.cluster)
     device = resolve_device(cfg.cluster)
     cl = cfg.cluster
@@ -215,21 +212,10 @@ def validate(comps: SupervisedComponents) -> dict[str, float]:
 
 def save_checkpoint(comps: SupervisedComponents, step: int, metrics: dict[str, float]) -> None:
     """Write step_N (weights + optimizer, loader position, RNG, config) atomically."""
-    st = comps.save_state
-    name = comps.cfg.checkpointing.metric_name
-    if name:
-        kind, key = name.split(":", 1)
-        st.extra.pop(name, None)
-        value = metrics.get(f"{'validation' if kind == 'val' else 'train'}/{key}")
-        if value is not None:
-            st.extra[name] = value
-    tmp = comps.checkpointer.begin(step)
-    comps.policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"),
-                                 hf_export=comps.cfg.checkpointing.save_consolidated)
-    (tmp / "train_dataloader.json").write_text(json.dumps(comps.loader.state_dict()))
-    (tmp / "rng_state.json").write_text(json.dumps(save_rng_state()))
-    (tmp / "config.yaml").write_text(json.dumps(comps.config_dict, indent=1, default=str))
-    comps.checkpointer.finalize(tmp, step, st.to_dict(), comps.model_fp, comps.config_dict)
+    ck = comps.cfg.checkpointing
+    record_checkpoint_metric(comps.save_state, ck.metric_name, metrics)
+    write_checkpoint(comps.checkpointer, comps.policy, step, comps.save_state, comps.loader.state_dict(),
+                     comps.config_dict, comps.model_fp, ck.save_consolidated)
 
 
 def supervised_train(comps: SupervisedComponents,
@@ -238,7 +224,7 @@ def supervised_train(comps: SupervisedComponents,
     the next step would pass the wall-clock budget: then it saves and returns); validate every val_period steps
     and at the end; checkpoint every checkpointing.save_period steps and at the end."""
     from rlpost.algorithms.deadline import SaveDeadline
-    from rlpost.algorithms.grpo import call_timeout_for, on_schedule
+    from rlpost.algorithms.grpo import call_timeout_for, check_finite, on_schedule
 
     cfg, loop, st, loader = comps.cfg, comps.cfg.loop, comps.save_state, comps.loader
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, comps.started_at)
@@ -260,7 +246,7 @@ def supervised_train(comps: SupervisedComponents,
                 metrics.update(validate(comps))
             st.total_steps, st.current_epoch, st.current_step = step, loader.epoch, loader.index
             st.consumed_samples += len(rows)
-            _check_finite(metrics, step)
+            check_finite(metrics, step, cfg)
             if cfg.checkpointing.enabled and on_schedule(cfg.checkpointing.save_period, step, last or out_of_time):
                 save_t0 = time.perf_counter()
                 with timer.time("checkpointing"):
@@ -295,18 +281,5 @@ def _train_step(comps: SupervisedComponents, rows: list[Row], timer: Timer) -> d
     metrics["train/grad_norm"] = float(results["grad_norm"])
     metrics["train/lr"] = float(results["lr"])
     metrics["train/num_tokens"] = float(data["input_lengths"].sum())
+    metrics["train/params_finite"] = float(results.get("params_finite", True))
     return metrics
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or the gradient norm is no longer finite."""
-
-
-def _check_finite(metrics: dict[str, float], step: int) -> None:
-    import math
-
-    for key in ("train/loss", "train/grad_norm"):
-        if not math.isfinite(metrics.get(key, 0.0)):
-            raise TrainingDiverged(f"step {step}: {key}={metrics[key]} is not finite; the run stopped before saving "
-                                   "this step (policy.optimizer.kwargs.lr may be too high; the last good checkpoint "
-                                   "is kept)")

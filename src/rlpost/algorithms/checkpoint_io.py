@@ -1,0 +1,73 @@
+"""What every training loop (GRPO, SFT / DPO / RM) writes into a checkpoint and reads back on resume: the policy
+(weights + optimizer), the save state (training_info.json, with the value of checkpointing.metric_name measured at
+this step), the dataloader position, Python's RNG and the config."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlpost.runtime.checkpointing import CheckpointManager, checkpoint_errors, read_json
+
+
+class SaveState(Protocol):
+    """GRPOSaveState / SupervisedSaveState: checkpoint metric values in `extra`, the rest from `to_dict`."""
+
+    extra: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class Loader(Protocol):
+    def state_dict(self) -> dict[str, int]: ...
+
+    def load_state_dict(self, state: dict[str, int]) -> None: ...
+
+
+def save_rng_state() -> dict[str, Any]:
+    st = random.getstate()
+    return {"python": [st[0], list(st[1]), st[2]]}
+
+
+def record_checkpoint_metric(save_state: SaveState, metric_name: str | None, metrics: dict[str, float]) -> None:
+    """Put the value of 'val:x' / 'train:x' measured at this step into save_state.extra (or drop a stale one)."""
+    if not metric_name:
+        return
+    # Only a value measured at this step ranks this checkpoint; an unmeasured one ranks below
+    # every measured one in keep_top_k (a stale value from an earlier step would misrank it).
+    kind, key = metric_name.split(":", 1)
+    value = metrics.get(f"{'validation' if kind == 'val' else 'train'}/{key}")
+    save_state.extra.pop(metric_name, None)
+    if value is not None:
+        save_state.extra[metric_name] = value
+
+
+def write_checkpoint(checkpointer: CheckpointManager, policy: Any, step: int, save_state: SaveState,
+                     loader_state: dict[str, int], config_dict: dict[str, Any], model_fp: str, hf_export: bool) -> None:
+    """Write step_N atomically: policy weights + optimizer, dataloader position, RNG, config, training_info."""
+    tmp = checkpointer.begin(step)
+    policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"), hf_export=hf_export)
+    (tmp / "train_dataloader.json").write_text(json.dumps(loader_state))
+    (tmp / "rng_state.json").write_text(json.dumps(save_rng_state()))
+    (tmp / "config.yaml").write_text(json.dumps(config_dict, indent=1, default=str))
+    checkpointer.finalize(tmp, step, save_state.to_dict(), model_fp, config_dict)
+
+
+def resume_info(checkpointer: CheckpointManager, last: Path, model_fp: str, config_dict: dict[str, Any]
+                ) -> dict[str, Any]:
+    """training_info.json of checkpoint `last`, after checking it was made by this model and config."""
+    with checkpoint_errors(last / "fingerprint.json"):
+        checkpointer.check_resume(last, model_fp, config_dict)
+    with checkpoint_errors(last / "training_info.json"):
+        return read_json(last / "training_info.json")
+
+
+def restore_loader_and_rng(last: Path, loader: Loader) -> None:
+    """The dataloader position and Python's RNG as checkpoint `last` saved them."""
+    with checkpoint_errors(last / "train_dataloader.json"):
+        loader.load_state_dict(read_json(last / "train_dataloader.json"))
+    with checkpoint_errors(last / "rng_state.json"):
+        rng = read_json(last / "rng_state.json")
+        random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
