@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,3 +28,19 @@ def train(run_dir: Path, cache: Path, *overrides: str, timeout: float = 600) -> 
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_9_after_checkpoint(run_dir: Path, cache: Path, *overrides: str, step: int = 2, timeout: float = 400) -> None:
+    """Start `rlpost train` and kill -9 its whole process group once checkpoint step_<step> is written (a later
+    one may have landed first, never the last)."""
+    proc = subprocess.Popen([RLPOST, "train", f"hydra.run.dir={run_dir}", *overrides], env=env(cache),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = run_dir / "checkpoints" / f"step_{step}" / "training_info.json"
+    deadline = time.monotonic() + timeout
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert marker.exists(), f"the first run never wrote step_{step}"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    subprocess.run(["pkill", "-9", "-f", str(run_dir)], check=False)
+    time.sleep(2)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cli_runs import RLPOST, TIMING, env, metrics, train
+from tests.integration.cli_runs import RLPOST, TIMING, env, kill_9_after_checkpoint, metrics, train
 
 pytestmark = pytest.mark.slow
 
@@ -159,17 +159,7 @@ def test_resume_after_kill_9_matches_a_straight_run(cache: Path, tmp_path: Path)
     train(straight, cache, *common)
 
     resumed = tmp_path / "resumed"
-    proc = subprocess.Popen([RLPOST, "train", f"hydra.run.dir={resumed}", *common], env=env(cache),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    marker = resumed / "checkpoints" / "step_2" / "training_info.json"
-    deadline = time.monotonic() + 400
-    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    assert marker.exists(), "the first run never wrote step_2"
-    os.killpg(proc.pid, signal.SIGKILL)  # mid-run: a later checkpoint may have landed first, never the last
-    proc.wait(timeout=30)
-    subprocess.run(["pkill", "-9", "-f", str(resumed)], check=False)
-    time.sleep(2)
+    kill_9_after_checkpoint(resumed, cache, *common)
     out = train(resumed, cache, *common)
     found = re.search(r"resuming from step (\d+)", out.stderr)
     assert found is not None and 2 <= int(found.group(1)) < 8, out.stderr[-2000:]
