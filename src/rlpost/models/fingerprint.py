@@ -25,6 +25,7 @@ Tensors with at most `samples_per_tensor` elements (norms, biases) are covered c
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import zlib
@@ -42,8 +43,11 @@ class FingerprintMismatch(RuntimeError):
     """The weights an engine loaded differ from what the trainer sent (or replicas disagree)."""
 
 
+@functools.lru_cache(maxsize=8192)
 def sample_indices(numel: int, name: str, samples: int = DEFAULT_SAMPLES_PER_TENSOR) -> torch.Tensor:
-    """Flat indices sampled from a tensor of `numel` elements named `name` (sorted, deterministic)."""
+    """Flat indices sampled from a tensor of `numel` elements named `name` (sorted, deterministic). Cached: every
+    refit samples the same positions, so they are drawn once per process (the returned tensor is shared; never
+    modify it)."""
     if numel <= samples:
         return torch.arange(numel, dtype=torch.int64)
     gen = torch.Generator().manual_seed(zlib.crc32(f"{name}:{numel}".encode()))

@@ -73,10 +73,10 @@ def test_state_codec_refuses_values_json_cannot_hold() -> None:
 
 def _step(worker: Any, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    for p in worker.model.parameters():
-        p.grad = torch.distributed.tensor.distribute_tensor(
-            torch.randn(p.shape, generator=g), p.device_mesh, p.placements
-        )
+    for p in worker.model.parameters():  # one fp32 rank trains unwrapped (parallelize.fsdp_needed): plain tensors
+        grad = torch.randn(p.shape, generator=g)
+        p.grad = (torch.distributed.tensor.distribute_tensor(grad, p.device_mesh, p.placements)
+                  if hasattr(p, "device_mesh") else grad)
     worker.optimizer.step()
     worker.scheduler.step()
     worker.optimizer.zero_grad(set_to_none=True)

@@ -41,7 +41,7 @@ def unpack_prompts(data: Mapping[str, Any]) -> list[list[int]]:
         raise ValueError(f"input_ids must be [B, P] and input_lengths [B]; got {tuple(ids.shape)}, {tuple(lens.shape)}")
     if lens.numel() and (int(lens.min()) < 1 or int(lens.max()) > ids.shape[1]):
         raise ValueError(f"input_lengths must be in [1, {ids.shape[1]}], got {lens.tolist()}")
-    return [row[: int(n)].tolist() for row, n in zip(ids, lens, strict=True)]
+    return [row[:n] for row, n in zip(ids.tolist(), lens.tolist(), strict=True)]
 
 
 def row_stop_strings(data: Mapping[str, Any]) -> list[list[str]] | None:
@@ -77,25 +77,26 @@ def assemble_outputs(
         raise ValueError(f"{len(samples)} samples for a batch of {b}")
     n_max = max((len(s.token_ids) for s in samples), default=0)
     width = p + n_max
-    output_ids = torch.full((b, width), pad_id, dtype=torch.int64)
-    logprobs = torch.zeros((b, width), dtype=torch.float32)
-    gen_lens = torch.zeros(b, dtype=torch.int64)
-    truncated = torch.zeros(b, dtype=torch.bool)
+    # Rows are built as Python lists and become tensors in one call each: per-row tensor slicing cost more than
+    # generating a tiny model's batch.
+    prompts, lens_in = input_ids.tolist(), input_lengths.tolist()
+    ids_rows, lp_rows, gen_lens, truncated = [], [], [], []
     for i, s in enumerate(samples):
-        n_in = int(input_lengths[i])
-        n = len(s.token_ids)
+        n_in, n = int(lens_in[i]), len(s.token_ids)
         if len(s.logprobs) != n:
             raise ValueError(f"row {i}: {n} tokens but {len(s.logprobs)} logprobs")
-        output_ids[i, :n_in] = input_ids[i, :n_in]
-        if n:
-            output_ids[i, n_in : n_in + n] = torch.tensor(s.token_ids, dtype=torch.int64)
-            logprobs[i, n_in : n_in + n] = torch.tensor(s.logprobs, dtype=torch.float32)
-        gen_lens[i] = n
-        truncated[i] = bool(s.truncated)
+        tail = width - n_in - n
+        ids_rows.append(prompts[i][:n_in] + list(s.token_ids) + [pad_id] * tail)
+        lp_rows.append([0.0] * n_in + list(s.logprobs) + [0.0] * tail)
+        gen_lens.append(n)
+        truncated.append(bool(s.truncated))
+    output_ids = torch.tensor(ids_rows, dtype=torch.int64).reshape(b, width)
+    logprobs = torch.tensor(lp_rows, dtype=torch.float32).reshape(b, width)
+    gen_lens_t = torch.tensor(gen_lens, dtype=torch.int64)
     return _OutDict(
         output_ids=output_ids,
         logprobs=logprobs,
-        generation_lengths=gen_lens,
-        unpadded_sequence_lengths=input_lengths.to(torch.int64) + gen_lens,
-        truncated=truncated,
+        generation_lengths=gen_lens_t,
+        unpadded_sequence_lengths=input_lengths.to(torch.int64) + gen_lens_t,
+        truncated=torch.tensor(truncated, dtype=torch.bool),
     )

@@ -303,11 +303,14 @@ class VllmGeneration(GenerationInterface):
     def update_weights_from_buckets(self, buckets: Iterable[list[Any]]) -> str:
         """Every replica loads each bucket straight from the object store; the checked fingerprint."""
         digests: list[dict[str, str]] = [{} for _ in self.workers]
-        for box in buckets:
-            parts = self._get([w.load_bucket.remote(box, self._fault(r)) for r, w in enumerate(self.workers)])
+        ended = False
+        for k, box in enumerate(buckets):
+            ended = getattr(buckets, "planned", None) == k + 1  # the last one: end_refit rides along
+            parts = self._get([w.load_bucket.remote(box, self._fault(r), ended) for r, w in enumerate(self.workers)])
             for r, part in enumerate(parts):
                 digests[r].update(part)
-        self._get([w.end_refit.remote() for w in self.workers])
+        if not ended:
+            self._get([w.end_refit.remote() for w in self.workers])
         return self._check_fingerprints([self._complete_fingerprint(d) for d in digests], None)
 
     def _complete_fingerprint(self, digests: dict[str, str]) -> str:

@@ -228,8 +228,9 @@ class VllmEngineWorker:
             fps = self._rpc("rlpost_load_packed", pack_for_rpc(named), corrupt)
         return self._after_refit(fps)
 
-    def load_bucket(self, box: list[Any], corrupt: str | None = None) -> dict[str, str]:
-        """Load one refit bucket read from the object store (`box` = [ref]); per-tensor digests."""
+    def load_bucket(self, box: list[Any], corrupt: str | None = None, last: bool = False) -> dict[str, str]:
+        """Load one refit bucket read from the object store (`box` = [ref]); per-tensor digests. `last`: the
+        refit's final bucket, so `end_refit` runs in the same call."""
         import ray
 
         from rlpost.distributed.weight_buckets import decode
@@ -244,6 +245,8 @@ class VllmEngineWorker:
             digests = self._rpc("rlpost_load_bucket_packed", pack_for_rpc(named), corrupt)
         if any(d != digests[0] for d in digests[1:]):
             raise RuntimeError(f"replica {self.replica}: its TP/PP workers loaded different weights")
+        if last:
+            self.end_refit()
         return digests[0]
 
     def end_refit(self) -> bool:

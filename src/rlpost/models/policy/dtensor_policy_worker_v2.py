@@ -4,7 +4,8 @@
   the model's `base_model_tp_plan`); its lm_head plan gathers the logits, so the loss sees the full
   vocabulary.
 - FSDP2: accelerate's `fsdp2_prepare_model` (transformer-layer auto-wrap, embedding/tail units,
-  fp32 master weights under a MixedPrecisionPolicy).
+  fp32 master weights under a MixedPrecisionPolicy); not applied where it has nothing to do (one rank, fp32:
+  `parallelize.fsdp_needed`).
 
 accelerate 1.15 turns FSDP on only for accelerator devices; on CPU the worker hands the
 Accelerator's state its FSDP plugin, device mesh and parallelism config itself (three assignments
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlpost.models.dtensor.parallelize import DTYPES, decoder_layers
+from rlpost.models.dtensor.parallelize import DTYPES, decoder_layers, fsdp_needed
 from rlpost.models.policy.dtensor_worker_base import DTensorWorkerBase
 from rlpost.models.policy.hf_loading import load_hf_causal_lm
 
@@ -73,8 +74,11 @@ class DTensorPolicyWorkerV2(DTensorWorkerBase):
         else:
             model = load_hf_causal_lm(self.cfg, torch.float32).to(self.device)
         acc = self._accelerator(type(decoder_layers(model)[0]).__name__)
-        if self.cfg.dtensor_cfg.activation_checkpointing:
+        d = self.cfg.dtensor_cfg
+        if d.activation_checkpointing:
             model = fsdp2_apply_ac(acc, model)
+        if not fsdp_needed(self.dp_size, self.tp_size, DTYPES[self.cfg.precision], d.cpu_offload):
+            return model
         return fsdp2_prepare_model(acc, model)
 
     def _vp_kwargs(self) -> dict[str, Any]:

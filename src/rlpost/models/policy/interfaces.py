@@ -102,6 +102,10 @@ class WeightBuckets(ABC):
     def count(self) -> int:
         """Buckets sent."""
 
+    planned: int | None = None
+    """How many buckets the export was split into, once the iteration has started (None: not known): an engine
+    folds its end-of-refit work into the last one's load call."""
+
 
 class PolicyWorker(Protocol):
     """What the `Policy` facade calls on every worker rank (by name, through `RayWorkerGroup`): both worker
@@ -132,13 +136,13 @@ class PolicyWorker(Protocol):
 
     def clear_export(self) -> None: ...
 
-    def plan_export_buckets(self, max_bytes: int) -> list[list[int]]:
-        """Rank 0: indices of the kept weights, cut into buckets of at most `max_bytes`."""
+    def stage_export(self, dtype: str, max_bytes: int) -> dict[str, Any]:
+        """All ranks: prepare the export; rank 0 returns {'plan': buckets of at most `max_bytes` (weight indices),
+        'fingerprint': of the export} and, when it fits one bucket, 'first': that bucket already in the object
+        store ([its object ref]; the export is then cleared)."""
 
     def put_export_bucket(self, indices: list[int]) -> list[Any]:
         """Rank 0: one bucket into the object store; returns [its object ref]."""
-
-    def export_fingerprint(self) -> str: ...
 
     def init_refit_collective(self, host: str, port: int, world_size: int) -> bool: ...
 

@@ -40,6 +40,7 @@ class Policy(ColocatablePolicyInterface):
         timeout_s: float = 900.0,
     ) -> None:
         self.cfg = cfg
+        self.device = device
         sizes = cfg.parallel_sizes()
         mp = sizes["tp"] * sizes["pp"] * sizes["cp"]
         self.dims = ParallelDims(dp=cluster.world_size // mp, tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"])
@@ -147,8 +148,7 @@ class Policy(ColocatablePolicyInterface):
         return info
 
     def export_weight_buckets(self, dtype: str, max_bucket_bytes: int = 256 * 2**20) -> WeightBuckets:
-        self.worker_group.run_all("prepare_weights_for_export", dtype)
-        return _RankZeroBuckets(self.worker_group, max_bucket_bytes)
+        return _RankZeroBuckets(self.worker_group, dtype, max_bucket_bytes)
 
     def init_refit_collective_async(self, host: str, port: int, world_size: int) -> list[Any]:
         """Start rank 0 joining the refit group (it blocks until the engines join too)."""
@@ -165,10 +165,12 @@ class Policy(ColocatablePolicyInterface):
         return str(self.worker_group.get(self.broadcast_weights_collective_async(dtype))[0])
 
     def offload_before_refit(self) -> None:
-        self.worker_group.run_all("offload_before_refit")
+        if self.device != "cpu":  # on CPU there is nothing to move (memory_phases): no round trip for nothing
+            self.worker_group.run_all("offload_before_refit")
 
     def offload_after_refit(self) -> None:
-        self.worker_group.run_all("offload_after_refit")
+        if self.device != "cpu":
+            self.worker_group.run_all("offload_after_refit")
 
     # ---- test helpers ------------------------------------------------------------------------
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -179,22 +181,35 @@ class Policy(ColocatablePolicyInterface):
 
 
 class _RankZeroBuckets(WeightBuckets):
-    """Rank 0 puts one bucket at a time into the object store; the driver only forwards references."""
+    """Rank 0 puts one bucket at a time into the object store; the driver only forwards references. The first
+    step of the iteration stages the export on every rank (`stage_export`); a model that fits one bucket comes
+    back from it already in the store."""
 
-    def __init__(self, group: RayWorkerGroup, max_bytes: int) -> None:
+    def __init__(self, group: RayWorkerGroup, dtype: str, max_bytes: int) -> None:
         self.group = group
+        self.dtype = dtype
         self.max_bytes = max_bytes
         self._fp: str | None = None
         self._count = 0
+        self.planned: int | None = None
+        """Buckets the export was split into (known once the iteration started)."""
 
     def __iter__(self) -> Iterator[list[Any]]:
+        staged = self.group.run_all("stage_export", self.dtype, self.max_bytes)[0]
+        plan = staged["plan"]
+        self.planned = len(plan)
         try:
-            for indices in self.group.run_rank0("plan_export_buckets", self.max_bytes):
-                yield self.group.run_rank0("put_export_bucket", indices)
-                self._count += 1
-            self._fp = self.group.run_rank0("export_fingerprint")
+            if "first" in staged:  # already in the store, and rank 0 cleared its export
+                yield staged["first"]
+                self._count = 1
+            else:
+                for indices in plan:
+                    yield self.group.run_rank0("put_export_bucket", indices)
+                    self._count += 1
+            self._fp = staged["fingerprint"]
         finally:
-            self.group.run_all("clear_export")
+            if "first" not in staged:
+                self.group.run_all("clear_export")
 
     @property
     def fingerprint(self) -> str:

@@ -44,6 +44,20 @@ class WeightExportMixin:
 
         return [ray.put(encode([self._export[i] for i in indices]))]
 
+    def stage_export(self, dtype: str, max_bytes: int) -> dict[str, Any]:
+        """All ranks: gather the full weights (a collective). Rank 0 answers with the bucket plan and the export's
+        fingerprint; when the whole export fits one bucket it is already in the object store (`first`, a [ref]
+        box) and the export is cleared, so a small model's refit costs one call here instead of five."""
+        self.prepare_weights_for_export(dtype)  # type: ignore[attr-defined]
+        if self.rank != 0:
+            return {}
+        plan = self.plan_export_buckets(max_bytes)
+        out: dict[str, Any] = {"plan": plan, "fingerprint": self.export_fingerprint()}
+        if len(plan) == 1:
+            out["first"] = self.put_export_bucket(plan[0])
+            self.clear_export()
+        return out
+
     def export_fingerprint(self) -> str:
         from rlpost.models.fingerprint import weight_fingerprint
 
