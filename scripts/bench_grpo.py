@@ -166,6 +166,7 @@ def main() -> int:
         "wall_s": round(wall, 2),
         "phase_mean_s": {k.removeprefix("timing/train/"): round(mean(measured, k), 4) for k in phases},
         "tokens_per_sec": round(mean(measured, "performance/tokens_per_sec"), 1),
+        "train_tokens_per_step": round(mean(measured, "train/total_num_tokens"), 1),
         "generation_tokens_per_sec": round(mean(measured, "performance/generation_tokens_per_sec"), 1),
         "peak_memory_gib": round(peak / 2**30, 3),
         "time_to_first_step_s": round(t_setup + (steps[0].get("timing/train/total_step_time", 0.0) if steps else 0.0), 2),
@@ -179,13 +180,20 @@ def main() -> int:
         bare = limits["bare_generation_s"] + limits["bare_training_s"]
         result["limits"] = {k: round(v, 4) for k, v in limits.items()}
         result["step_over_bare"] = round(step_s / bare, 3)
+        # A refit must at least run the engine's own in-place load: the floor of any design with a separate engine.
+        result["step_over_bare_with_reload"] = round(step_s / (bare + limits["bare_reload_s"]), 3)
         result["refit_gbps"] = round(limits["model_bytes"] / refit_s / 1e9, 3)
     print(json.dumps(result, indent=1))
     if limits:
         print(f"step {step_s:.3f}s vs bare generation {limits['bare_generation_s']:.3f}s + bare training "
               f"{limits['bare_training_s']:.3f}s: ratio {result['step_over_bare']:.2f} (target <= 1.15)")
-        print(f"refit {result['refit_gbps']:.2f} GB/s vs memcpy {limits['memcpy_gbps']:.2f} GB/s "
-              f"({limits['model_bytes'] / 1e6:.1f} MB)")
+        print(f"tokens trained per step: {result['train_tokens_per_step']:.0f} (bare training: "
+              f"{limits['bare_training_tokens']:.0f})")
+        print(f"step vs bare generation + bare training + bare engine reload {limits['bare_reload_s']:.3f}s: ratio "
+              f"{result['step_over_bare_with_reload']:.2f}")
+        print(f"refit {refit_s:.3f}s = {result['refit_gbps']:.2f} GB/s vs memcpy {limits['memcpy_gbps']:.2f} GB/s "
+              f"({limits['model_bytes'] / 1e6:.1f} MB); the engine's in-place load alone takes "
+              f"{limits['bare_reload_s']:.3f}s")
     _save(args.out, result)
     return 0
 

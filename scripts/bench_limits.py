@@ -4,7 +4,9 @@
   sampling settings as one GRPO step;
 - bare training: plain torch forward + backward + AdamW on the generated batch, the same
   micro-batch size, one process;
-- memcpy: copying the model's bytes once (the floor for a refit).
+- bare reload: the same engine, in-process, loading the model's weights in place (vLLM's reload_weights: on CPU
+  it re-packs every linear layer for oneDNN), the part of a refit no transport can avoid;
+- memcpy: copying the model's bytes once (the floor for moving a refit's bytes).
 
 Used by bench_grpo.py; `measure_limits(cfg)` returns seconds and GB/s.
 """
@@ -34,8 +36,17 @@ def step_prompts(cfg: Any) -> list[list[int]]:
     return [p for p in ids for _ in range(cfg.grpo.num_generations_per_prompt)]
 
 
-def bare_generation(cfg: Any, prompts: list[list[int]], repeats: int = 3) -> tuple[float, list[list[int]]]:
-    """Best wall time of generating for `prompts` with the engine class in this process, and the sequences."""
+def _model_weights(cfg: Any) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    path = str(cfg.policy.model_name)
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    return [item for f in files for item in load_file(os.path.join(path, f)).items()]
+
+
+def bare_generation(cfg: Any, prompts: list[list[int]], repeats: int = 3) -> tuple[float, list[list[int]], float]:
+    """Best wall time of generating for `prompts` with the engine class in this process, the sequences, and the
+    best wall time of the engine loading the model's weights in place (its `update_weights`)."""
     gen = cfg.policy.generation
     model = str(cfg.policy.model_name)
     seeds: Any = list(range(len(prompts)))
@@ -57,13 +68,19 @@ def bare_generation(cfg: Any, prompts: list[list[int]], repeats: int = 3) -> tup
         t0 = time.perf_counter()
         outs = worker.generate(prompts, spec, seeds)
         best = min(best, time.perf_counter() - t0)
+    weights, reload = _model_weights(cfg), float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        worker.update_weights(weights)
+        reload = min(reload, time.perf_counter() - t0)
     if hasattr(worker, "shutdown"):
         worker.shutdown()
-    return best, [list(p) + list(o.token_ids) for p, o in zip(prompts, outs, strict=True)]
+    return best, [list(p) + list(o.token_ids) for p, o in zip(prompts, outs, strict=True)], reload
 
 
 def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], repeats: int = 3) -> float:
-    """Best wall time of one optimizer step (forward + backward + AdamW, micro-batched) on `sequences`."""
+    """Best wall time of one optimizer step (forward + backward + AdamW, micro-batched) on `sequences` (the bare
+    engine's: their token count, `bare_training_tokens`, differs a little from a GRPO step's)."""
     from transformers import AutoModelForCausalLM
 
     _threads()
@@ -97,11 +114,7 @@ def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], 
 
 def memcpy_gbps(cfg: Any, repeats: int = 5) -> tuple[float, int]:
     """Best GB/s of copying every weight of the model once, and the model's bytes."""
-    from safetensors.torch import load_file
-
-    path = str(cfg.policy.model_name)
-    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
-    tensors = [t for f in files for t in load_file(os.path.join(path, f)).values()]
+    tensors = [t for _, t in _model_weights(cfg)]
     dst = [torch.empty_like(t) for t in tensors]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     best = float("inf")
@@ -114,10 +127,11 @@ def memcpy_gbps(cfg: Any, repeats: int = 5) -> tuple[float, int]:
 
 
 def measure_limits(cfg: Any) -> dict[str, float]:
-    """Seconds of bare generation and bare training for one step's batch, and memcpy GB/s."""
+    """Seconds of bare generation, bare training and bare engine reload for one step's batch, and memcpy GB/s."""
     _threads()
     prompts = step_prompts(cfg)
-    gen_s, sequences = bare_generation(cfg, prompts)
+    gen_s, sequences, reload_s = bare_generation(cfg, prompts)
     train_s = bare_training(cfg, sequences, [len(p) for p in prompts])
     gbps, nbytes = memcpy_gbps(cfg)
-    return {"bare_generation_s": gen_s, "bare_training_s": train_s, "memcpy_gbps": gbps, "model_bytes": nbytes}
+    return {"bare_generation_s": gen_s, "bare_training_s": train_s, "bare_reload_s": reload_s, "memcpy_gbps": gbps,
+            "model_bytes": nbytes, "bare_training_tokens": sum(len(s) for s in sequences)}

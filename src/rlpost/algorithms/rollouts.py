@@ -81,12 +81,11 @@ class RolloutBatch:
 
 def padded_batch(seqs: list[list[int]], pad_id: int) -> BatchedDataDict:
     """Right-padded input_ids [B, P] and input_lengths [B] of token sequences (a generate() input)."""
-    lengths = torch.tensor([len(q) for q in seqs], dtype=torch.long)
-    width = int(lengths.max()) if len(seqs) else 0
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    for i, q in enumerate(seqs):
-        ids[i, : len(q)] = torch.tensor(q, dtype=torch.long)
-    return BatchedDataDict(input_ids=ids, input_lengths=lengths)
+    lens = [len(q) for q in seqs]
+    width = max(lens, default=0)
+    ids = torch.tensor([list(q) + [pad_id] * (width - n) for q, n in zip(seqs, lens, strict=True)],
+                       dtype=torch.long).reshape(len(seqs), width)
+    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor(lens, dtype=torch.long))
 
 
 def prompts_batch(rows: list[dict[str, Any]], pad_id: int) -> BatchedDataDict:
@@ -198,12 +197,10 @@ def run_rollout(
     with _phase(timer, "generation"):
         gen = generation.generate(batch, greedy=greedy)
         in_len = batch["input_lengths"]
-        gl = gen["generation_lengths"]
-        out = gen["output_ids"]
-        responses = [
-            str(tokenizer.decode(out[i, int(in_len[i]) : int(in_len[i]) + int(gl[i])].tolist(), skip_special_tokens=True))
-            for i in range(len(rows))
-        ]
+        out = gen["output_ids"].tolist()
+        generated = [out[i][a : a + n] for i, (a, n) in enumerate(zip(in_len.tolist(), gen["generation_lengths"].tolist(),
+                                                                     strict=True))]
+        responses = [str(tokenizer.decode(g, skip_special_tokens=True)) for g in generated]
     with _phase(timer, "reward_calculation"):
         rewards, metrics = score(responses, rows, envs, label)
     return RolloutBatch(rows, group_ids, gen, in_len, responses, rewards, metrics)
