@@ -5,6 +5,7 @@ non-colocated, with a TP=2 policy; a corrupted weight is caught by the fingerpri
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,43 @@ def test_refit_keeps_engine_on_policy_with_tp2(ray_local: None, tiny_model_dir: 
         train_cluster.shutdown()
         if gen_cluster is not train_cluster:
             gen_cluster.shutdown()
+
+
+def test_staged_refit_sends_the_staged_weights_while_the_next_update_trains(ray_local: None,
+                                                                            tiny_model_dir: Path) -> None:
+    """Async GRPO's refit: the weights staged after update 1 reach the engine from the policy's 'refit'
+    concurrency group while update 2 trains on the same actor, and they are update 1's, not a mix."""
+    pcfg, gcfg = configs(tiny_model_dir)
+    train_cluster = RayVirtualCluster("staged-train", 1, cpus_per_bundle=0.4)
+    gen_cluster = RayVirtualCluster("staged-gen", 1, cpus_per_bundle=0.2)
+    policy = Policy(train_cluster, pcfg)
+    engine = VllmGeneration(gcfg, gen_cluster)
+    try:
+        host, port = train_cluster.get_master_address_and_port()
+        init_refit_collective(policy, engine, host, port)
+        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
+        out0 = engine.generate(prompts())
+        train_once(policy, out0)
+        staged = policy.stage_weights("float32")
+        big = BatchedDataDict({k: torch.cat([v] * 8) for k, v in out0.items()})  # a longer second update
+        second = threading.Thread(target=train_once, args=(policy, big))
+        second.start()
+
+        def refit() -> str:
+            futures = engine.update_weights_from_collective_async()
+            sent = policy.wait_broadcast(policy.broadcast_staged_async())
+            return engine.wait_collective_update(futures, expected=sent)  # raises unless both sides agree
+
+        during = refit()
+        second.join(timeout=300)
+        after = refit()  # update 2 is done: a copy that aliased the live weights would now send update 2's
+        assert during == after == staged
+        assert policy.stage_weights("float32") != staged  # update 2 changed the policy, not the staged copy
+    finally:
+        engine.shutdown()
+        policy.shutdown()
+        train_cluster.shutdown()
+        gen_cluster.shutdown()
 
 
 def _payload_bytes(obj: Any) -> int:

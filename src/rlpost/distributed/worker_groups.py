@@ -160,8 +160,10 @@ class RayWorkerGroup(ActorGroup):
         name_prefix: str = "worker",
         env_vars: dict[str, str] | None = None,
         timeout_s: float = 900.0,
+        concurrency_groups: dict[str, int] | None = None,
         **kwargs: Any,
     ) -> None:
+        """`concurrency_groups`: Ray concurrency groups of the actors (name -> threads), beside the default one."""
         self.cluster = cluster
         self.dims = dims or ParallelDims(dp=cluster.world_size)
         if self.dims.world_size != cluster.world_size:
@@ -171,7 +173,10 @@ class RayWorkerGroup(ActorGroup):
             )
         super().__init__([], name_prefix, timeout_s)
         addr, port = cluster.get_master_address_and_port()
-        remote_cls: Any = ray.remote(actor_cls)
+        # Ray takes concurrency groups only at ray.remote, not in .options()
+        remote: Any = ray.remote  # its typed overloads omit concurrency_groups
+        remote_cls: Any = (remote(concurrency_groups=dict(concurrency_groups))(actor_cls) if concurrency_groups
+                           else remote(actor_cls))
         for rank in range(self.dims.world_size):
             env = {
                 **WORKER_ENV,

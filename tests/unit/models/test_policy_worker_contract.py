@@ -32,7 +32,7 @@ def _params(fn: object) -> list[str]:
 @pytest.mark.parametrize("worker", [DTensorPolicyWorker, DTensorPolicyWorkerV2, MegatronPolicyWorker],
                          ids=lambda c: c.__name__)
 def test_every_worker_family_implements_the_contract(worker: type) -> None:
-    assert len(CONTRACT) >= 18
+    assert len(CONTRACT) >= 20
     for name in sorted(CONTRACT):
         impl = getattr(worker, name, None)
         assert callable(impl), f"{worker.__name__} has no {name}"
@@ -48,8 +48,13 @@ def test_the_facade_calls_only_contract_methods() -> None:
                 called.add(node.args[0].value)
             if node.func.attr == "remote" and isinstance(node.func.value, ast.Attribute):
                 called.add(node.func.value.attr)  # w.<method>.remote(...)
+            target = node.func.value
+            if (node.func.attr == "remote" and isinstance(target, ast.Call) and isinstance(target.func, ast.Attribute)
+                    and target.func.attr == "options" and isinstance(target.func.value, ast.Attribute)):
+                called.add(target.func.value.attr)  # w.<method>.options(...).remote(...)
         if isinstance(node, ast.keyword) and node.arg == "graceful_method" and isinstance(node.value, ast.Constant):
             called.add(node.value.value)
-    assert {"train", "get_logprobs", "put_export_bucket", "broadcast_weights_collective", "shutdown"} <= called
+    assert {"train", "get_logprobs", "put_export_bucket", "broadcast_weights_collective", "broadcast_staged",
+            "shutdown"} <= called
     assert called <= CONTRACT, f"called but not in PolicyWorker: {sorted(called - CONTRACT)}"
     assert CONTRACT <= called, f"in PolicyWorker but never called: {sorted(CONTRACT - called)}"

@@ -77,6 +77,21 @@ class ColocatablePolicyInterface(PolicyInterface):
         (start the engine's receive first); returns the fingerprint of what was sent."""
 
     @abstractmethod
+    def stage_weights(self, dtype: str) -> str:
+        """Keep a private copy of the full weights (HF names, `dtype`) on rank 0 for `broadcast_staged_async`;
+        returns its fingerprint. The copy outlives later updates: async GRPO refits from it while training
+        goes on."""
+
+    @abstractmethod
+    def broadcast_staged_async(self) -> list[Any]:
+        """Start broadcasting the staged copy over the refit group (the engine must receive concurrently); it
+        may run while `train` runs. Finish with `wait_broadcast(futures)`, which returns the fingerprint."""
+
+    @abstractmethod
+    def wait_broadcast(self, futures: list[Any]) -> str:
+        """Wait for a broadcast started by `broadcast_staged_async`; the fingerprint of what was sent."""
+
+    @abstractmethod
     def offload_before_refit(self) -> None:
         """Free optimizer state / grads from the device before the engine takes it."""
 
@@ -147,6 +162,14 @@ class PolicyWorker(Protocol):
     def init_refit_collective(self, host: str, port: int, world_size: int) -> bool: ...
 
     def broadcast_weights_collective(self, dtype: str) -> str: ...
+
+    def stage_weights(self, dtype: str) -> str:
+        """All ranks: gather the full weights; rank 0 keeps a private copy for `broadcast_staged`; its fingerprint
+        (rank 0) or ''."""
+
+    def broadcast_staged(self) -> str:
+        """Rank 0: broadcast the staged copy over the refit group (concurrency group 'refit', so it may run
+        beside `train`); the copy's fingerprint."""
 
     def offload_before_refit(self) -> None: ...
 

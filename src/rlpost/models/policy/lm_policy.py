@@ -21,6 +21,9 @@ from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
 from rlpost.models.policy.interfaces import ColocatablePolicyInterface, WeightBuckets
 from rlpost.runtime.build import resolve
 
+REFIT_GROUP = "refit"
+"""The workers' Ray concurrency group for `broadcast_staged`: a thread of its own beside training."""
+
 # Metrics that are averaged, not summed, over micro-batches.
 MEAN_METRICS = {"lr", "wd", "reward", "global_valid_seqs", "global_valid_toks", "mean_prompt_length"}
 
@@ -59,6 +62,7 @@ class Policy(ColocatablePolicyInterface):
             name_prefix="policy",
             env_vars=env,
             timeout_s=timeout_s,
+            concurrency_groups={REFIT_GROUP: 1},
         )
 
     def set_call_timeout(self, timeout_s: float) -> None:
@@ -163,6 +167,16 @@ class Policy(ColocatablePolicyInterface):
 
     def broadcast_weights_collective(self, dtype: str) -> str:
         return str(self.worker_group.get(self.broadcast_weights_collective_async(dtype))[0])
+
+    def stage_weights(self, dtype: str) -> str:
+        return str(self.worker_group.run_all("stage_weights", dtype)[0])
+
+    def broadcast_staged_async(self) -> list[Any]:
+        # rank 0 sends; its own concurrency group, so it runs beside a train() call on the same actor
+        return [self.worker_group.workers[0].broadcast_staged.options(concurrency_group=REFIT_GROUP).remote()]
+
+    def wait_broadcast(self, futures: list[Any]) -> str:
+        return str(self.worker_group.get(futures)[0])
 
     def offload_before_refit(self) -> None:
         if self.device != "cpu":  # on CPU there is nothing to move (memory_phases): no round trip for nothing

@@ -35,6 +35,8 @@ class WeightExportMixin:
     device: torch.device
     _export: list[tuple[str, torch.Tensor]]
     _refit_group: Any = None
+    _staged: tuple[list[tuple[str, torch.Tensor]], str] | None = None
+    """(weights, fingerprint) of the last `stage_weights` (rank 0): what `broadcast_staged` sends."""
 
     def plan_export_buckets(self, max_bytes: int) -> list[list[int]]:
         """Rank 0: the prepared export split into layer-aligned buckets of at most max_bytes."""
@@ -71,6 +73,30 @@ class WeightExportMixin:
 
     def clear_export(self) -> None:
         self._export = []
+
+    def stage_weights(self, dtype: str) -> str:
+        """All ranks: gather the full weights (a collective); rank 0 keeps a private copy, cast to `dtype`, for
+        `broadcast_staged` and returns its fingerprint ('' elsewhere). Async GRPO stages after every update, so
+        the engine's refit can run while the next update trains: the copy is never written by training."""
+        self.prepare_weights_for_export(dtype)  # type: ignore[attr-defined]
+        fp = ""
+        if self.rank == 0:
+            staged = [(n, t.detach().clone()) for n, t in self._export]  # never a view of a live parameter
+            fp = self.export_fingerprint()
+            self._staged = (staged, fp)  # one assignment: a broadcast in flight keeps the copy it started with
+        self.clear_export()
+        return fp
+
+    def broadcast_staged(self) -> str:
+        """Rank 0: broadcast the staged copy over the refit group (the engines receive concurrently); its
+        fingerprint. Runs in the actor's 'refit' concurrency group, beside a `train` call."""
+        if self.rank != 0:
+            return ""
+        staged = self._staged
+        if staged is None:
+            raise RuntimeError("broadcast_staged before stage_weights")
+        self._refit_group.broadcast_tensors(staged[0], src=0)
+        return staged[1]
 
     def _join_refit_group(self, host: str, port: int, world_size: int) -> None:
         """Rank 0 joins the refit group as its rank 0 (the engine workers take the other ranks)."""
