@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 from rlpost.config.schema.env import MathEnvConfig, SyntheticEnvConfig
 from rlpost.data.synthetic_tasks import make_rows
 from rlpost.environments.math_environment import MathEnvironment
 from rlpost.environments.synthetic import SyntheticEnvironment, exact_match_reward
 from rlpost.environments.verifier_pool import VerifierPool
-from tests.unit.environments.hang_fns import maybe_hang
+from tests.unit.environments.hang_fns import maybe_die, maybe_hang
 
 
 def test_hanging_verifier_is_timed_out_and_the_batch_goes_on() -> None:
@@ -20,6 +22,33 @@ def test_hanging_verifier_is_timed_out_and_the_batch_goes_on() -> None:
         assert pool.map([("z", "z")]) == ([1.0], 0, 0)
     finally:
         pool.shutdown()
+
+
+def test_samples_queued_behind_a_dead_worker_are_still_scored() -> None:
+    """One worker gets several samples at once; when it dies on one, only that one is charged."""
+    pool = VerifierPool(maybe_die, num_workers=1, timeout_s=30.0)
+    try:
+        rewards, timeouts, errors = pool.map([("a", "a"), ("die", "x"), ("b", "b"), ("c", "c"), ("d", "x")])
+        assert rewards == [1.0, 0.0, 1.0, 1.0, 0.0] and timeouts == 0 and errors == 1
+    finally:
+        pool.shutdown()
+
+
+def test_large_samples_behind_a_hung_call_neither_block_nor_get_lost() -> None:
+    """Samples bigger than a pipe's buffer wait in the driver, not in a hung worker's full pipe (a blocked send
+    would outlive every timeout); after the kill they run on the replacement."""
+    big = "x" * 200_000  # six of them are more than a socket pair buffers
+    pool = VerifierPool(maybe_hang, num_workers=1, timeout_s=1.5)
+    out: list[tuple[list[float], int, int]] = []
+    scoring = threading.Thread(target=lambda: out.append(pool.map([("hang", "x"), *[(big, big)] * 6])), daemon=True)
+    try:
+        scoring.start()
+        scoring.join(timeout=60)
+        assert not scoring.is_alive(), "the driver blocked sending into the hung worker's pipe"
+        rewards, timeouts, errors = out[0]
+        assert rewards == [0.0] + [1.0] * 6 and timeouts == 1 and errors == 0
+    finally:
+        pool.shutdown()  # kills the worker: a send blocked on it fails and the thread ends
 
 
 def test_synthetic_rewards_and_format_credit() -> None:
