@@ -14,8 +14,8 @@ Workers are spawned (not forked: the driver runs Ray's threads), so the reward f
 warm-up hook must be importable top-level functions.
 
 A pool of one worker queues up to MAX_IN_FLIGHT samples in its pipe at once (at most MAX_QUEUED_BYTES of them
-beyond the running one), so a cheap reward function does not pay one pipe round trip per sample (64 were
-10 ms of the default run's step). The worker runs them in order; the next one's timeout clock starts when the
+beyond the running one), so a cheap reward function does not pay one pipe round trip per sample (256
+exact-match rewards: 16.7 ms one by one, 3.3 ms queued, in a driver with Ray running). The worker runs them in order; the next one's timeout clock starts when the
 previous result arrives; when the worker is killed (timeout) or dies, the samples queued behind the culprit go
 back to the queue and only the culprit is charged. That is what one worker did sample by sample anyway. A pool
 of several workers sends one sample at a time to whichever is free, so a hung call never holds up samples
