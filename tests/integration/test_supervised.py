@@ -120,6 +120,23 @@ def test_a_directory_that_is_not_a_reward_model_is_refused(cache: Path, tmp_path
     assert "Traceback" not in out.stderr
 
 
+def test_a_diverged_sft_run_exits_3_and_keeps_the_last_good_checkpoint(cache: Path, tmp_path: Path) -> None:
+    """lr=1e30 leaves finite but huge weights after step 1 (saved: it is still finite) and breaks step 2: the
+    shared health check (GRPO's check_finite) stops the run with exit 3 and one line naming the lr, before the
+    broken step is saved."""
+    run = tmp_path / "diverged"
+    out = subprocess.run([RLPOST, "train", f"hydra.run.dir={run}", "algo=sft", "sft.max_num_steps=4",
+                          "sft.val_period=0", "checkpointing.metric_name=train:loss", "checkpointing.save_period=1",
+                          "policy.optimizer.kwargs.lr=1e30"],
+                         env=env(cache), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 3, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("rlpost: error: ") and "not finite" in last and "lr=1e+30" in last, last
+    assert "Traceback" not in out.stderr
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_1"]
+    assert "Traceback" in (run / "train.log").read_text()
+
+
 def test_dtensor_and_megatron_give_the_same_sft_loss_curve(cache: Path, tmp_path: Path) -> None:
     """Same data, weights and Adam settings (no clipping: Megatron on CPU has none): per-step training losses and
     the validation losses agree to 1e-4."""
