@@ -104,6 +104,18 @@ def test_async_grpo_learns_within_the_age_limit_and_resumes(cache: Path, tmp_pat
     assert [m["step"] for m in rows][-3:] == [80, 81, 82] and rows[-2]["async/trajectory_age"] == 0
 
 
+def test_async_grpo_on_megatron_refits_the_engine_from_the_staged_copy(cache: Path, tmp_path: Path) -> None:
+    """Megatron workers stage their weights after each update and the collector refits the engine from that copy
+    (broadcast_staged in the workers' own concurrency group); every batch is within the age limit."""
+    run = tmp_path / "megatron_async"
+    train(run, cache, *ASYNC, "policy=megatron", "grpo.max_num_steps=4", "grpo.val_period=0", "checkpointing=disabled")
+    steps = [m for m in metrics(run) if "async/trajectory_age" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert all(0 <= m["async/trajectory_age"] <= 1 for m in steps) and max(m["async/trajectory_age"] for m in steps) == 1
+    assert steps[0]["train/token_mult_prob_error"] <= 1.001  # the engine started from the trainer's weights
+    assert steps[-1]["async/engine_refit_s"] > 0  # by step 4 the engine was refit from staged copies
+
+
 def test_async_grpo_with_in_flight_weight_updates(cache: Path, tmp_path: Path) -> None:
     """Refits land while the engine is mid-batch (24 tokens a sample make generation the longer phase): its
     requests freeze, take the new weights and go on; no batch is ever past the age limit."""
