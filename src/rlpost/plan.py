@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from rlpost.config.layout import Layout, layout_of, prev_logprobs_pass
+from rlpost.config.layout import Layout, fsdp_wrapping, layout_of, prev_logprobs_pass
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 
@@ -82,7 +82,8 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
             "micro-batches per optimizer step",
             f"{lay.micro_batches_per_optimizer_step} per DP rank (micro-batch {mbs})",
         ),
-        ("training layout", f"DP={lay.dp} TP={lay.tp} PP={lay.pp} CP={lay.cp} ({lay.train_world} workers)"),
+        ("training layout", f"DP={lay.dp} TP={lay.tp} PP={lay.pp} CP={lay.cp} ({lay.train_world} workers)"
+                            + (f"; {fsdp}" if (fsdp := fsdp_wrapping(cfg, lay.train_world)) else "")),
         ("engine layout", f"{lay.gen_replicas} replica(s) x TP*PP={lay.gen_tp} ({lay.gen_world} workers)"),
         ("placement", placement),
         ("prev-logprobs pass", _PREV_PASS[prev_logprobs_pass(cfg)]),
@@ -119,6 +120,7 @@ def _overlap(cfg: MasterConfig) -> str:
     if not a.enabled:
         return "one after the other (synchronous GRPO)"
     refit = ("in flight: requests freeze under the new weights" if a.in_flight_weight_updates
-             else "at the engine's next batch boundary")
+             else "at the engine's next batch boundary, from a copy staged after each update (the trainer does "
+                  "not wait)")
     return (f"overlapped (async GRPO): batches at most {a.max_trajectory_age_steps} policy version(s) old; "
             f"refit {refit}")

@@ -38,7 +38,7 @@ def test_layout_with_tp_dp_and_split() -> None:
     assert lay.micro_batches_per_optimizer_step == 2
     assert not lay.colocated
     rows = dict(plan_rows(cfg))
-    assert rows["training layout"].startswith("DP=2 TP=2 PP=1 CP=1")
+    assert rows["training layout"] == "DP=2 TP=2 PP=1 CP=1 (4 workers); FSDP2"
     assert "split" in rows["placement"]
     assert rows["generation and training"].startswith("one after the other")
 
@@ -51,7 +51,8 @@ def test_plan_explains_async_grpo() -> None:
     ])
     rows = dict(plan_rows(cfg))
     assert rows["generation and training"] == ("overlapped (async GRPO): batches at most 2 policy version(s) old; "
-                                               "refit at the engine's next batch boundary")
+                                               "refit at the engine's next batch boundary, from a copy staged after "
+                                               "each update (the trainer does not wait)")
     assert rows["prev-logprobs pass"].startswith("computed: async GRPO")
 
 
@@ -78,3 +79,16 @@ def test_unreadable_model_config_json_names_the_file(tmp_path: Path, text: str, 
     with pytest.raises(ConfigError) as e:
         load_master_config(["model.tiny=null", f"model.path={tmp_path}"])
     assert e.value.key == "model.path" and f"{tmp_path}/{rule}" in e.value.rule, str(e.value)
+
+
+def test_plan_says_when_one_rank_trains_without_fsdp() -> None:
+    """One fp32 rank trains unwrapped (rlpost.config.layout.fsdp_needed); bf16 compute or a second rank keep FSDP2;
+    Megatron has no such row."""
+    rows = dict(plan_rows(load_master_config([])[1]))
+    assert rows["training layout"] == "DP=1 TP=1 PP=1 CP=1 (1 workers); one fp32 rank: trained unwrapped, no FSDP2"
+    bf16 = dict(plan_rows(load_master_config(["policy.precision=bfloat16", "cluster.device=cuda"])[1]))
+    assert bf16["training layout"].endswith("; FSDP2")
+    two = dict(plan_rows(load_master_config(["cluster.gpus_per_node=2", "policy.train_micro_batch_size=8"])[1]))
+    assert two["training layout"] == "DP=2 TP=1 PP=1 CP=1 (2 workers); FSDP2"
+    meg = dict(plan_rows(load_master_config(["policy=megatron"])[1]))
+    assert meg["training layout"] == "DP=1 TP=1 PP=1 CP=1 (1 workers)"

@@ -18,6 +18,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from rlpost.config.layout import fsdp_needed
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -100,15 +102,6 @@ def apply_fsdp(
     fully_shard(model, **kwargs)
 
 
-def fsdp_needed(dp_size: int, tp_size: int, param_dtype: torch.dtype, cpu_offload: bool) -> bool:
-    """Whether FSDP2 has anything to do. With one rank in fp32 and no CPU offload it would all-gather and
-    reduce-scatter a single shard, copying every parameter and gradient per micro-batch for nothing (12-27%
-    of a training step on CPU, `scripts/bench_grpo.py`), so the model trains unwrapped, as torchtitan does
-    (FSDP only when dp_shard > 1). Mixed precision (fp32 master weights, bf16 compute) and CPU offload are
-    FSDP2 policies, so they keep it."""
-    return dp_size * tp_size > 1 or param_dtype != torch.float32 or cpu_offload
-
-
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -117,11 +110,11 @@ def parallelize(
     cpu_offload: bool = False,
     custom_plan: str | None = None,
 ) -> nn.Module:
-    """TP -> AC -> FSDP2 on a 2-D ('dp', 'tp') mesh (FSDP2 only where `fsdp_needed`)."""
+    """TP -> AC -> FSDP2 on a 2-D ('dp', 'tp') mesh (FSDP2 only where `rlpost.config.layout.fsdp_needed`)."""
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], custom_plan)
     if activation_checkpointing:
         apply_ac(model)
-    if fsdp_needed(mesh["dp"].size(), mesh["tp"].size(), DTYPES[precision], cpu_offload):
+    if fsdp_needed(mesh["dp"].size(), mesh["tp"].size(), precision, cpu_offload):
         apply_fsdp(model, mesh["dp"], DTYPES[precision], cpu_offload)
     return model

@@ -5,7 +5,7 @@
   vocabulary.
 - FSDP2: accelerate's `fsdp2_prepare_model` (transformer-layer auto-wrap, embedding/tail units,
   fp32 master weights under a MixedPrecisionPolicy); not applied where it has nothing to do (one rank, fp32:
-  `parallelize.fsdp_needed`).
+  `rlpost.config.layout.fsdp_needed`).
 
 accelerate 1.15 turns FSDP on only for accelerator devices; on CPU the worker hands the
 Accelerator's state its FSDP plugin, device mesh and parallelism config itself (three assignments
@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlpost.models.dtensor.parallelize import DTYPES, decoder_layers, fsdp_needed
+from rlpost.config.layout import fsdp_needed
+from rlpost.models.dtensor.parallelize import DTYPES, decoder_layers
 from rlpost.models.policy.dtensor_worker_base import DTensorWorkerBase
 from rlpost.models.policy.hf_loading import load_hf_causal_lm
 
@@ -77,7 +78,7 @@ class DTensorPolicyWorkerV2(DTensorWorkerBase):
         d = self.cfg.dtensor_cfg
         if d.activation_checkpointing:
             model = fsdp2_apply_ac(acc, model)
-        if not fsdp_needed(self.dp_size, self.tp_size, DTYPES[self.cfg.precision], d.cpu_offload):
+        if not fsdp_needed(self.dp_size, self.tp_size, self.cfg.precision, d.cpu_offload):
             return model
         return fsdp2_prepare_model(acc, model)
 
