@@ -193,6 +193,7 @@ def test_refit_in_small_buckets_never_passes_through_the_driver(
         refit_policy_generation(policy, engine, True, "float32", refit_buffer_size_gb=bucket_gb)
         monkeypatch.setattr(ray, "get", real_get)
         assert exported[0].count >= 3  # the buffer bound really split the model
+        assert exported[0].shared_memory  # one node: through rank 0's reusable segment, not the object store
         assert sum(received) < 0.01 * model_bytes, (sum(received), model_bytes)
         err = mult_prob_error(policy, engine.generate(prompts()))
         assert err <= 1.0001, err

@@ -208,11 +208,12 @@ class HFGenerationWorker:
         own = self.model.state_dict()
         return weight_fingerprint((n, own[n]) for n in sd)
 
-    def load_bucket(self, box: list[Any], corrupt: str | None = None) -> dict[str, str]:
-        """Load one refit bucket read from the object store (`box` = [ref]); per-tensor digests."""
-        from rlpost.distributed.weight_buckets import decode
+    def load_bucket(self, box: Any, corrupt: str | None = None) -> dict[str, str]:
+        """Load one refit bucket (`box`: a shared-memory descriptor, or [ref] in the object store); per-tensor
+        digests."""
+        from rlpost.distributed.shm_buckets import read_bucket
 
-        named = decode(ray.get(box[0]))
+        named = read_bucket(box)
         check_against_info(named, self.refit_info, partial=True)
         corrupt = corrupt or os.environ.get(FAULT_ENV) or None
         sd = {n: (t.detach().clone().add_(1.0) if n == corrupt else t) for n, t in named}

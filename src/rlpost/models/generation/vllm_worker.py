@@ -228,15 +228,13 @@ class VllmEngineWorker:
             fps = self._rpc("rlpost_load_packed", pack_for_rpc(named), corrupt)
         return self._after_refit(fps)
 
-    def load_bucket(self, box: list[Any], corrupt: str | None = None, last: bool = False) -> dict[str, str]:
-        """Load one refit bucket read from the object store (`box` = [ref]); per-tensor digests. `last`: the
-        refit's final bucket, so `end_refit` runs in the same call."""
-        import ray
-
-        from rlpost.distributed.weight_buckets import decode
+    def load_bucket(self, box: Any, corrupt: str | None = None, last: bool = False) -> dict[str, str]:
+        """Load one refit bucket (`box`: a shared-memory descriptor, or [ref] in the object store); per-tensor
+        digests. `last`: the refit's final bucket, so `end_refit` runs in the same call."""
+        from rlpost.distributed.shm_buckets import read_bucket
 
         self._before_refit()
-        named = decode(ray.get(box[0]))
+        named = read_bucket(box)
         if self._in_process:
             digests = self._rpc("rlpost_load_bucket", named, corrupt)
         else:

@@ -361,6 +361,7 @@ class DTensorWorkerBase(WeightExportMixin):
         return dtensor_checkpoint.full_state_dict(self.model)
 
     def shutdown(self) -> bool:
+        self.close_export_buffers()
         if dist.is_initialized():
             dist.destroy_process_group()
         return True

@@ -101,8 +101,8 @@ class ColocatablePolicyInterface(PolicyInterface):
 
 
 class WeightBuckets(ABC):
-    """Iterates refit buckets as [object ref] boxes (the driver never reads them); `fingerprint` and
-    `count` once exhausted."""
+    """Iterates refit buckets as boxes the driver forwards unread (a shared-memory descriptor, or [object ref]);
+    `fingerprint` and `count` once exhausted."""
 
     @abstractmethod
     def __iter__(self) -> Any: ...
@@ -151,13 +151,13 @@ class PolicyWorker(Protocol):
 
     def clear_export(self) -> None: ...
 
-    def stage_export(self, dtype: str, max_bytes: int) -> dict[str, Any]:
+    def stage_export(self, dtype: str, max_bytes: int, shared_memory: bool = False) -> dict[str, Any]:
         """All ranks: prepare the export; rank 0 returns {'plan': buckets of at most `max_bytes` (weight indices),
-        'fingerprint': of the export} and, when it fits one bucket, 'first': that bucket already in the object
-        store ([its object ref]; the export is then cleared)."""
+        'fingerprint': of the export} and, when it fits one bucket, 'first': that bucket already out (as
+        put_export_bucket returns it; the export is then cleared)."""
 
-    def put_export_bucket(self, indices: list[int]) -> list[Any]:
-        """Rank 0: one bucket into the object store; returns [its object ref]."""
+    def put_export_bucket(self, indices: list[int], shared_memory: bool = False) -> Any:
+        """Rank 0: one bucket into its shared-memory segment (a descriptor) or the object store ([its ref])."""
 
     def init_refit_collective(self, host: str, port: int, world_size: int) -> bool: ...
 

@@ -44,6 +44,7 @@ class Policy(ColocatablePolicyInterface):
     ) -> None:
         self.cfg = cfg
         self.device = device
+        self.single_node = cluster.num_nodes == 1
         sizes = cfg.parallel_sizes()
         mp = sizes["tp"] * sizes["pp"] * sizes["cp"]
         self.dims = ParallelDims(dp=cluster.world_size // mp, tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"])
@@ -152,7 +153,9 @@ class Policy(ColocatablePolicyInterface):
         return info
 
     def export_weight_buckets(self, dtype: str, max_bucket_bytes: int = 256 * 2**20) -> WeightBuckets:
-        return _RankZeroBuckets(self.worker_group, dtype, max_bucket_bytes)
+        # One node (a colocated engine shares the policy's): buckets go through rank 0's reusable shared-memory
+        # segment instead of a fresh object-store allocation each (rlpost.distributed.shm_buckets).
+        return _RankZeroBuckets(self.worker_group, dtype, max_bucket_bytes, shared_memory=self.single_node)
 
     def init_refit_collective_async(self, host: str, port: int, world_size: int) -> list[Any]:
         """Start rank 0 joining the refit group (it blocks until the engines join too)."""
@@ -199,17 +202,18 @@ class _RankZeroBuckets(WeightBuckets):
     step of the iteration stages the export on every rank (`stage_export`); a model that fits one bucket comes
     back from it already in the store."""
 
-    def __init__(self, group: RayWorkerGroup, dtype: str, max_bytes: int) -> None:
+    def __init__(self, group: RayWorkerGroup, dtype: str, max_bytes: int, shared_memory: bool = False) -> None:
         self.group = group
         self.dtype = dtype
         self.max_bytes = max_bytes
+        self.shared_memory = shared_memory
         self._fp: str | None = None
         self._count = 0
         self.planned: int | None = None
         """Buckets the export was split into (known once the iteration started)."""
 
     def __iter__(self) -> Iterator[list[Any]]:
-        staged = self.group.run_all("stage_export", self.dtype, self.max_bytes)[0]
+        staged = self.group.run_all("stage_export", self.dtype, self.max_bytes, self.shared_memory)[0]
         plan = staged["plan"]
         self.planned = len(plan)
         try:
@@ -218,7 +222,7 @@ class _RankZeroBuckets(WeightBuckets):
                 self._count = 1
             else:
                 for indices in plan:
-                    yield self.group.run_rank0("put_export_bucket", indices)
+                    yield self.group.run_rank0("put_export_bucket", indices, self.shared_memory)
                     self._count += 1
             self._fp = staged["fingerprint"]
         finally:

@@ -427,6 +427,7 @@ class MegatronPolicyWorker(WeightExportMixin):
         return self.gather_full_weights(torch.float32)
 
     def shutdown(self) -> bool:
+        self.close_export_buffers()
         if self._init_error is None and dist.is_initialized():
             from megatron.core import parallel_state as ps
 
