@@ -9,18 +9,23 @@ Buckets go one at a time: the driver asks for the next bucket only after every e
 
 Python registers a segment with the resource tracker of every process that opens it, and that tracker unlinks it
 when its process exits; the engines unregister their attachment, so only the owner's exit (or `close`) removes it,
-a kill -9 of the owner included (its tracker outlives it).
+a kill -9 of the owner included (its tracker outlives it). When the tracker died too (a kill of the whole process
+group), the next writer on the machine unlinks the segment: its name carries the owner's pid.
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Sequence
 from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 from typing import Any
 
 import torch
 
+PREFIX = "rlpost-refit-"
+"""Segment names: PREFIX + owner pid + '-' + a random part."""
 SHM_KEY = "shm"
 """Key of a descriptor (a dict); an object-store bucket is a one-element list [ref]."""
 
@@ -52,7 +57,8 @@ class ShmBucketWriter:
         if self.segment is not None and self.segment.size >= nbytes:
             return
         self.close()
-        self.segment = shared_memory.SharedMemory(name=f"rlpost-refit-{uuid.uuid4().hex[:16]}", create=True,
+        sweep_orphans()
+        self.segment = shared_memory.SharedMemory(name=f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}", create=True,
                                                   size=nbytes)
 
     def close(self) -> None:
@@ -63,6 +69,18 @@ class ShmBucketWriter:
             except BufferError:  # a view of it is still alive: the mapping goes with it
                 pass
             self.segment = None
+
+
+def sweep_orphans(root: str = "/dev/shm") -> list[str]:
+    """Unlink segments whose owner process is gone (killed with its resource tracker, e.g. a kill -9 of the whole
+    process group); the names removed."""
+    removed = []
+    for path in Path(root).glob(f"{PREFIX}*"):
+        pid = path.name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
 
 
 _ATTACHED: dict[str, shared_memory.SharedMemory] = {}

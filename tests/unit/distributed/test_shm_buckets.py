@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from rlpost.distributed.shm_buckets import ShmBucketWriter, read_bucket
+from rlpost.distributed.shm_buckets import PREFIX, ShmBucketWriter, read_bucket, sweep_orphans
 
 
 def _named(scale: int = 1) -> list[tuple[str, torch.Tensor]]:
@@ -58,3 +59,14 @@ def test_an_engine_that_exits_leaves_the_owners_segment_alone() -> None:
         assert _same(read_bucket(w.write(_named())), _named())
     finally:
         w.close()
+
+
+def test_segments_of_dead_owners_are_swept(tmp_path: Path) -> None:
+    """A segment whose owner pid is gone is unlinked by the next writer; a live owner's is kept."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"{PREFIX}{int(dead.stdout)}-abc"
+    mine = tmp_path / f"{PREFIX}{os.getpid()}-def"
+    orphan.write_bytes(b"x")
+    mine.write_bytes(b"x")
+    assert sweep_orphans(str(tmp_path)) == [orphan.name]
+    assert not orphan.exists() and mine.exists()
