@@ -94,7 +94,9 @@ class WeightExportMixin:
     def stage_weights(self, dtype: str) -> str:
         """All ranks: gather the full weights (a collective); rank 0 keeps a private copy, cast to `dtype`, for
         `broadcast_staged` and returns its fingerprint ('' elsewhere). Async GRPO stages after every update, so
-        the engine's refit can run while the next update trains: the copy is never written by training."""
+        the engine's refit can run while the next update trains: the copy is never written by training. It lives
+        where the gathered weights do (on GPU: one more copy of the model in rank 0's device memory, in the
+        engine's dtype, which NCCL broadcasts from)."""
         self.prepare_weights_for_export(dtype)  # type: ignore[attr-defined]
         fp = ""
         if self.rank == 0:
