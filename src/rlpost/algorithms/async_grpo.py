@@ -51,6 +51,7 @@ from rlpost.algorithms.grpo import (
 )
 from rlpost.algorithms.grpo_setup import GRPOComponents
 from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
+from rlpost.algorithms.refit import collective_refit
 from rlpost.algorithms.replay_buffer import ReplayBuffer, Trajectories
 from rlpost.config.schema.grpo import GRPOSaveState
 from rlpost.runtime import console as say
@@ -133,15 +134,15 @@ class Collector:
             return
         c = self.components
         t0 = time.perf_counter()
-        with self.stage_lock:
-            target = self.staged_version
-            futures = c.generation.update_weights_from_collective_async()
-            try:
-                sent = c.policy.wait_broadcast(c.policy.broadcast_staged_async())
-            except Exception:
-                c.generation.check_alive()  # a receiver that died breaks the broadcast: name it, not the sender
-                raise
-        c.generation.wait_collective_update(futures, expected=sent)  # FingerprintMismatch on any difference
+        target = self.staged_version
+
+        def send() -> str:
+            nonlocal target
+            with self.stage_lock:  # the version read and the copy sent are the same staging's
+                target = self.staged_version
+                return c.policy.wait_broadcast(c.policy.broadcast_staged_async())
+
+        collective_refit(c.generation, send)
         self.version = target
         self.engine_refit_s = time.perf_counter() - t0
 

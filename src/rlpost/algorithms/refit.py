@@ -1,8 +1,9 @@
 """refit_policy_generation: the policy's current weights into the rollout engine, verified.
 
-Colocated: the policy's rank 0 puts one bucket of at most refit_buffer_size_gb at a time into the
-Ray object store (shared memory on its node) and the engines load it from there; the driver only
-forwards references (rlpost.distributed.weight_buckets). Non-colocated: rank 0
+Colocated: the policy's rank 0 writes one bucket of at most refit_buffer_size_gb at a time into its
+reusable shared-memory segment (one node: rlpost.distributed.shm_buckets) or the Ray object store
+(rlpost.distributed.weight_buckets) and the engines load it from there; the driver only forwards the
+descriptor or the reference. Non-colocated: rank 0
 broadcasts over a torch.distributed group it shares with the engine workers (gloo on CPU, NCCL on
 GPU). Either way both sides compute a weight fingerprint and a mismatch aborts: a silently stale
 engine is the bug this prevents.
@@ -11,6 +12,7 @@ engine is the bug this prevents.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from rlpost.models.fingerprint import FingerprintMismatch
 from rlpost.models.generation.interfaces import GenerationInterface
@@ -35,24 +37,29 @@ def refit_policy_generation(
         bucket = int(refit_buffer_size_gb * 2**30) if refit_buffer_size_gb else DEFAULT_CHUNK_BYTES
         buckets = policy.export_weight_buckets(dtype, bucket)
         engine_fp = policy_generation.update_weights_from_buckets(buckets)
-        policy_fp = buckets.fingerprint
+        if engine_fp != buckets.fingerprint:
+            raise FingerprintMismatch(
+                f"refit check failed: the engine loaded weights with fingerprint {engine_fp}, "
+                f"the policy sent {buckets.fingerprint}"
+            )
     else:
-        futures = policy_generation.update_weights_from_collective_async()
-        try:
-            policy_fp = policy.broadcast_weights_collective(dtype)
-        except Exception:
-            policy_generation.check_alive()  # a receiver that died breaks the broadcast: name it, not the sender
-            raise
-        engine_fp = policy_generation.wait_collective_update(futures, expected=policy_fp)
-    if engine_fp != policy_fp:
-        raise FingerprintMismatch(
-            f"refit check failed: the engine loaded weights with fingerprint {engine_fp}, "
-            f"the policy sent {policy_fp}"
-        )
+        collective_refit(policy_generation, lambda: policy.broadcast_weights_collective(dtype))
     if colocated_inference:  # and the model's, before the engine allocates its KV cache
         policy.offload_after_refit()
     policy_generation.prepare_for_generation(tags=["kv_cache"])
     return time.perf_counter() - t0
+
+
+def collective_refit(policy_generation: GenerationInterface, send: Callable[[], str]) -> str:
+    """The engines receive over the refit group while `send` broadcasts (it returns the sender's fingerprint);
+    the checked fingerprint. A receiver that died breaks the broadcast: it is named, not the sender."""
+    futures = policy_generation.update_weights_from_collective_async()
+    try:
+        sent = send()
+    except Exception:
+        policy_generation.check_alive()
+        raise
+    return policy_generation.wait_collective_update(futures, expected=sent)  # FingerprintMismatch on a difference
 
 
 def init_refit_collective(
