@@ -223,7 +223,3 @@ def _loss_config(cfg: MasterConfig) -> Any:
 def generation_dtype(cfg: MasterConfig) -> str:
     """The dtype weights are cast to for the engine."""
     return cfg.generation.weight_dtype()
-
-
-
-

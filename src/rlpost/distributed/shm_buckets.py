@@ -104,7 +104,7 @@ def read_shm_bucket(desc: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     out = []
     for tname, off, shape, dtype in desc["records"]:
         dt = getattr(torch, dtype)
-        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+        n = int(torch.Size(shape).numel()) * dt.itemsize
         out.append((tname, buf[off : off + n].view(dt).reshape(shape)))
     return out
 

@@ -13,8 +13,8 @@ against `timeout_s`. Warm-up has its own bound, `warmup_timeout_s`.
 Workers are spawned (not forked: the driver runs Ray's threads), so the reward function and the
 warm-up hook must be importable top-level functions.
 
-A pool of one worker queues up to MAX_IN_FLIGHT samples in its pipe at once (at most MAX_QUEUED_BYTES of them
-beyond the running one), so a cheap reward function does not pay one pipe round trip per sample (256
+A pool of one worker queues up to MAX_IN_FLIGHT samples in its pipe at once (at most MAX_QUEUED_BYTES of them,
+the running one counted, though a sample alone always goes), so a cheap reward function does not pay one pipe round trip per sample (256
 exact-match rewards: 16.7 ms one by one, 3.3 ms queued, in a driver with Ray running). The worker runs them in order; the next one's timeout clock starts when the
 previous result arrives; when the worker is killed (timeout) or dies, the samples queued behind the culprit go
 back to the queue and only the culprit is charged. That is what one worker did sample by sample anyway. A pool
@@ -43,8 +43,9 @@ _READY = -1  # sample index of the message a worker sends once it is warm
 MAX_IN_FLIGHT = 16
 """Most samples queued in a single worker's pipe."""
 MAX_QUEUED_BYTES = 16 * 1024
-"""Most bytes of queued samples beyond the running one: a pipe holds 64 KiB, and a send into the full pipe of a
-hung worker would block the driver past every timeout."""
+"""Most bytes of samples sent to one worker and not yet answered (the running one counted; a sample alone always
+goes): a pipe holds 64 KiB, and a send into the full pipe of a hung worker would block the driver past every
+timeout."""
 
 
 def _worker_loop(fn: RewardFn, warmup: WarmupFn | None, conn: Connection) -> None:

@@ -343,7 +343,8 @@ class HFGeneration(GenerationInterface):
         return self._check(fps, self._expected(items))
 
     def update_weights_from_buckets(self, buckets: Iterable[list[Any]]) -> str:
-        """Every worker loads each bucket straight from the object store; the checked fingerprint."""
+        """Every worker loads each bucket where rank 0 wrote it (shared memory or the object store); the checked
+        fingerprint."""
         corrupt = os.environ.get(FAULT_ENV) or None
         digests: list[dict[str, str]] = [{} for _ in range(self.group.world_size)]
         for box in buckets:

@@ -301,7 +301,8 @@ class VllmGeneration(GenerationInterface):
         return self._check_fingerprints(fps, expected)
 
     def update_weights_from_buckets(self, buckets: Iterable[list[Any]]) -> str:
-        """Every replica loads each bucket straight from the object store; the checked fingerprint."""
+        """Every replica loads each bucket where rank 0 wrote it (shared memory or the object store); the checked
+        fingerprint."""
         digests: list[dict[str, str]] = [{} for _ in self.workers]
         ended = False
         for k, box in enumerate(buckets):

@@ -64,7 +64,8 @@ class ColocatablePolicyInterface(PolicyInterface):
 
     @abstractmethod
     def export_weight_buckets(self, dtype: str, max_bucket_bytes: int) -> WeightBuckets:
-        """Full weights under HF names, cast to `dtype`, as object-store buckets of at most max_bucket_bytes."""
+        """Full weights under HF names, cast to `dtype`, in buckets of at most max_bucket_bytes (rank 0's
+        shared-memory segment on one node, else the object store)."""
 
     @abstractmethod
     def init_refit_collective(self, host: str, port: int, world_size: int) -> None:

@@ -198,9 +198,9 @@ class Policy(ColocatablePolicyInterface):
 
 
 class _RankZeroBuckets(WeightBuckets):
-    """Rank 0 puts one bucket at a time into the object store; the driver only forwards references. The first
-    step of the iteration stages the export on every rank (`stage_export`); a model that fits one bucket comes
-    back from it already in the store."""
+    """Rank 0 writes one bucket at a time (into its shared-memory segment or the object store); the driver only
+    forwards the boxes. The first step of the iteration stages the export on every rank (`stage_export`); a model
+    that fits one bucket comes back from it already written."""
 
     def __init__(self, group: RayWorkerGroup, dtype: str, max_bytes: int, shared_memory: bool = False) -> None:
         self.group = group
@@ -212,12 +212,12 @@ class _RankZeroBuckets(WeightBuckets):
         self.planned: int | None = None
         """Buckets the export was split into (known once the iteration started)."""
 
-    def __iter__(self) -> Iterator[list[Any]]:
+    def __iter__(self) -> Iterator[Any]:
         staged = self.group.run_all("stage_export", self.dtype, self.max_bytes, self.shared_memory)[0]
         plan = staged["plan"]
         self.planned = len(plan)
         try:
-            if "first" in staged:  # already in the store, and rank 0 cleared its export
+            if "first" in staged:  # already written, and rank 0 cleared its export
                 yield staged["first"]
                 self._count = 1
             else:

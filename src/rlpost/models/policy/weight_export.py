@@ -1,7 +1,8 @@
 """The worker side of refit, shared by every policy backend.
 
 A worker fills `self._export` (rank 0: full HF-named tensors, cast to the engine's dtype) in its own
-`prepare_weights_for_export`; this mixin serves it in bounded object-store buckets, fingerprints it, and
+`prepare_weights_for_export`; this mixin serves it in bounded buckets (a reusable shared-memory segment on one
+node, else the object store), fingerprints it, stages a private copy for async GRPO, and
 broadcasts it over the refit group for a non-colocated engine.
 """
 
