@@ -186,8 +186,8 @@ def main() -> int:
         bare = limits["bare_generation_s"] + limits["bare_training_s"]
         result["limits"] = {k: round(v, 4) for k, v in limits.items()}
         result["step_over_bare"] = round(step_s / bare, 3)
-        # A refit must at least run the engine's own in-place load: the floor of any design with a separate engine.
-        result["step_over_bare_with_reload"] = round(step_s / (bare + limits["bare_reload_s"]), 3)
+        # A refit must at least run the engine's in-place load: the floor of any design with a separate engine.
+        result["step_over_bare_with_load"] = round(step_s / (bare + limits["bare_write_s"]), 3)
         result["refit_gbps"] = round(limits["model_bytes"] / refit_s / 1e9, 3)
     print(json.dumps(result, indent=1))
     if limits:
@@ -195,11 +195,11 @@ def main() -> int:
               f"{limits['bare_training_s']:.3f}s: ratio {result['step_over_bare']:.2f} (target <= 1.15)")
         print(f"tokens trained per step: {result['train_tokens_per_step']:.0f} (bare training: "
               f"{limits['bare_training_tokens']:.0f})")
-        print(f"step vs bare generation + bare training + bare engine reload {limits['bare_reload_s']:.3f}s: ratio "
-              f"{result['step_over_bare_with_reload']:.2f}")
+        print(f"step vs bare generation + bare training + the engine's bare in-place load {limits['bare_write_s']:.3f}s:"
+              f" ratio {result['step_over_bare_with_load']:.2f}")
         print(f"refit {refit_s:.3f}s = {result['refit_gbps']:.2f} GB/s vs memcpy {limits['memcpy_gbps']:.2f} GB/s "
               f"({limits['model_bytes'] / 1e6:.1f} MB); the engine's in-place load alone takes "
-              f"{limits['bare_reload_s']:.3f}s")
+              f"{limits['bare_write_s']:.3f}s (vLLM's reload_weights: {limits.get('bare_reload_s', float('nan')):.3f}s)")
     _save(args.out, result)
     return 0
 

@@ -4,8 +4,9 @@
   sampling settings as one GRPO step;
 - bare training: plain torch forward + backward + AdamW on the generated batch, the same
   micro-batch size, one process;
-- bare reload: the same engine, in-process, loading the model's weights in place (vLLM's reload_weights: on CPU
-  it re-packs every linear layer for oneDNN), the part of a refit no transport can avoid;
+- bare write: the same engine, in-process, loading the model's weights in place the way a refit does (on one
+  CPU rank rlpost's CpuWeightWriter: copies, and a oneDNN re-pack of every linear layer), the part of a refit
+  no transport can avoid; and bare reload: the same through vLLM's own reload_weights, for comparison;
 - memcpy: copying the model's bytes once (the floor for moving a refit's bytes).
 
 Used by bench_grpo.py; `measure_limits(cfg)` returns seconds and GB/s.
@@ -44,38 +45,65 @@ def _model_weights(cfg: Any) -> list[tuple[str, torch.Tensor]]:
     return [item for f in files for item in load_file(os.path.join(path, f)).items()]
 
 
-def bare_generation(cfg: Any, prompts: list[list[int]], repeats: int = 3) -> tuple[float, list[list[int]], float]:
-    """Best wall time of generating for `prompts` with the engine class in this process, the sequences, and the
-    best wall time of the engine loading the model's weights in place (its `update_weights`)."""
+def _engine_worker(cfg: Any) -> tuple[Any, Any, Any]:
+    """rlpost's engine worker class for `cfg` in this process, its sampling spec, and the seeds argument."""
     gen = cfg.policy.generation
     model = str(cfg.policy.model_name)
-    seeds: Any = list(range(len(prompts)))
     if "Vllm" in gen._target_:
         from rlpost.models.generation import vllm_generation as vg
         from rlpost.models.generation.vllm_worker import VllmEngineWorker
 
         os.environ.update(vg.VLLM_ENGINE_ENV)
-        worker: Any = VllmEngineWorker(model, vg.engine_kwargs(gen, 0, False))
-        spec = vg.sampling_spec(gen, False, worker.tokenizer.eos_token_id)
-    else:
-        from rlpost.models.generation import hf_generation as hg
+        worker: Any = VllmEngineWorker(model, vg.engine_kwargs(gen, 0, False, model_path=model))
+        return worker, vg.sampling_spec(gen, False, worker.tokenizer.eos_token_id), None
+    from rlpost.models.generation import hf_generation as hg
 
-        worker = hg.HFGenerationWorker(model, gen.precision, gen.generation_batch_size)
-        spec = hg.hf_sampling_spec(gen, False, worker.tokenizer.eos_token_id)
-        seeds = 0  # the HF worker takes one seed per call
+    worker = hg.HFGenerationWorker(model, gen.precision, gen.generation_batch_size)
+    return worker, hg.hf_sampling_spec(gen, False, worker.tokenizer.eos_token_id), 0  # one seed per call
+
+
+def _bare_loads(cfg: Any, worker: Any, repeats: int) -> dict[str, float]:
+    """Best wall times of `worker` loading the model's weights in place (its `update_weights`): `bare_write_s` as a
+    refit loads them, `bare_reload_s` through vLLM's reload_weights (the same for the HF engine)."""
+    from rlpost.models.generation.vllm_extension import WRITER_ENV
+
+    weights, loads = _model_weights(cfg), {}
+    for key, writer in (("bare_write_s", "1"), ("bare_reload_s", "0")):
+        os.environ[WRITER_ENV] = writer
+        loads[key] = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            worker.update_weights(weights)
+            loads[key] = min(loads[key], time.perf_counter() - t0)
+    os.environ.pop(WRITER_ENV)
+    return loads
+
+
+def bare_loads(cfg: Any, repeats: int = 3) -> dict[str, float]:
+    """`_bare_loads` on a fresh engine in this process (bench_refit.py)."""
+    worker, _, _ = _engine_worker(cfg)
+    try:
+        return _bare_loads(cfg, worker, repeats)
+    finally:
+        if hasattr(worker, "shutdown"):
+            worker.shutdown()
+
+
+def bare_generation(cfg: Any, prompts: list[list[int]], repeats: int = 3) -> tuple[float, list[list[int]], dict[str, float]]:
+    """Best wall time of generating for `prompts` with the engine class in this process, the sequences, and the
+    bare in-place loads (`_bare_loads`)."""
+    worker, spec, seeds = _engine_worker(cfg)
+    if seeds is None:
+        seeds = list(range(len(prompts)))
     best, outs = float("inf"), []
     for _ in range(repeats):
         t0 = time.perf_counter()
         outs = worker.generate(prompts, spec, seeds)
         best = min(best, time.perf_counter() - t0)
-    weights, reload = _model_weights(cfg), float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        worker.update_weights(weights)
-        reload = min(reload, time.perf_counter() - t0)
+    loads = _bare_loads(cfg, worker, repeats)
     if hasattr(worker, "shutdown"):
         worker.shutdown()
-    return best, [list(p) + list(o.token_ids) for p, o in zip(prompts, outs, strict=True)], reload
+    return best, [list(p) + list(o.token_ids) for p, o in zip(prompts, outs, strict=True)], loads
 
 
 def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], repeats: int = 3) -> float:
@@ -127,11 +155,11 @@ def memcpy_gbps(cfg: Any, repeats: int = 5) -> tuple[float, int]:
 
 
 def measure_limits(cfg: Any) -> dict[str, float]:
-    """Seconds of bare generation, bare training and bare engine reload for one step's batch, and memcpy GB/s."""
+    """Seconds of bare generation, bare training and the bare engine loads for one step's batch, and memcpy GB/s."""
     _threads()
     prompts = step_prompts(cfg)
-    gen_s, sequences, reload_s = bare_generation(cfg, prompts)
+    gen_s, sequences, loads = bare_generation(cfg, prompts)
     train_s = bare_training(cfg, sequences, [len(p) for p in prompts])
     gbps, nbytes = memcpy_gbps(cfg)
-    return {"bare_generation_s": gen_s, "bare_training_s": train_s, "bare_reload_s": reload_s, "memcpy_gbps": gbps,
+    return {"bare_generation_s": gen_s, "bare_training_s": train_s, **loads, "memcpy_gbps": gbps,
             "model_bytes": nbytes, "bare_training_tokens": sum(len(s) for s in sequences)}

@@ -5,8 +5,10 @@ process that owns the model (in the Ray actor itself with the in-process engine,
 process with AsyncLLM, in each TP worker with a multi-GPU engine) and are reached through
 `collective_rpc("<method>", args=...)`. This module must stay importable without Ray.
 
-Loading goes through vLLM's in-place `reload_weights(weights_iterator=...)`; `model.load_weights`
-after start-up fails on CPU because the CPU kernels repack the linear weights. For the same reason
+Loading on one CPU engine rank goes through rlpost's CpuWeightWriter (in-place copies, and vLLM's own
+kernel dispatch for each rebuilt linear layer: a third of `reload_weights`' time); anything it can't place,
+and every other engine, goes through vLLM's in-place `reload_weights(weights_iterator=...)`.
+`model.load_weights` after start-up fails on CPU because the CPU kernels repack the linear weights. For the same reason
 the engine's own parameters can't be read back in checkpoint form (they are fused, e.g. qkv_proj,
 and repacked, showing shape (0,) on CPU), so the engine-side fingerprint is computed on the tensors
 exactly as they stream into `load_weights` (after any test fault was applied): what the engine
@@ -25,6 +27,9 @@ from rlpost.models.fingerprint import FingerprintBuilder
 
 FAULT_ENV = "RLPOST_FAULT_CORRUPT_REFIT"
 """Test-only: name of a parameter to corrupt (add 1.0) inside the engine before it is loaded."""
+
+WRITER_ENV = "RLPOST_VLLM_CPU_WRITER"
+"""Set to 0 to load every refit through vLLM's reload_weights (the benchmark's and tests' comparison)."""
 
 RefitInfo = dict[str, tuple[tuple[int, ...], str]]
 """name -> (shape, dtype string), as prepared by prepare_refit_info."""
@@ -78,6 +83,9 @@ class RlpostWorkerExtension:
 
     _rlpost_refit_info: RefitInfo | None = None
     _rlpost_group: Any = None
+    _rlpost_writer: Any = None
+    rlpost_last_path: str = ""
+    """How the last load was written: "writer" (CpuWeightWriter) or "reload" (vLLM's reload_weights)."""
 
     # ------------------------------------------------------------------ loading
     def rlpost_set_refit_info(self, info: RefitInfo | None) -> None:
@@ -109,19 +117,44 @@ class RlpostWorkerExtension:
         if self._rlpost_tied() and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
             named.append(("lm_head.weight", dict(named)["model.embed_tokens.weight"]))
         fp = FingerprintBuilder()
+        if corrupt:
+            named = [(n, t.detach().clone().add_(1.0) if n == corrupt else t) for n, t in named]
+        writer = self._rlpost_cpu_writer()
+        plan = writer.plan(named) if writer is not None else None
+        if plan is not None:
+            for name, t in named:
+                fp.add(name, t)
+            writer.write(plan)
+            self.rlpost_last_path = "writer"
+            return fp
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in named:
-                if corrupt and name == corrupt:
-                    t = t.detach().clone().add_(1.0)
                 fp.add(name, t)
                 yield name, t
 
         self.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
+        self.rlpost_last_path = "reload"
         consumed = set(fp.names)
         if consumed != {n for n, _ in named}:
             raise RuntimeError(f"vLLM did not consume {sorted({n for n, _ in named} - consumed)[:5]}")
         return fp
+
+    def _rlpost_cpu_writer(self) -> Any:
+        """The CpuWeightWriter of this worker's model, or None where it does not apply (see its `supported`)."""
+        if os.environ.get(WRITER_ENV, "1") == "0":
+            return None
+        if self._rlpost_writer is None:
+            from rlpost.models.generation.vllm_cpu_writer import CpuWeightWriter
+
+            runner = self.model_runner  # type: ignore[attr-defined]
+            self._rlpost_writer = (CpuWeightWriter(runner.model, runner.model_config.dtype)
+                                   if CpuWeightWriter.supported() else False)
+        return self._rlpost_writer or None
+
+    def rlpost_load_path(self) -> str:
+        """How the last load was written ("writer" or "reload"; "" before any)."""
+        return self.rlpost_last_path
 
     def rlpost_load_packed(self, records: list[Any], corrupt: str | None = None) -> str:
         """rlpost_load for tensors sent as pack_for_rpc records (engine core in another process)."""

@@ -247,6 +247,11 @@ class VllmEngineWorker:
             self.end_refit()
         return digests[0]
 
+    def last_load_path(self) -> str:
+        """How the last refit was written into the model: "writer" (rlpost's CPU writer) or "reload" (vLLM's)."""
+        paths = self._rpc("rlpost_load_path")
+        return ",".join(sorted(set(paths)))
+
     def end_refit(self) -> bool:
         """After the last bucket: cached prefixes hold activations of the old weights."""
         self.reset_prefix_cache()
