@@ -157,8 +157,9 @@ class PolicyWorker(Protocol):
         'fingerprint': of the export} and, when it fits one bucket, 'first': that bucket already out (as
         put_export_bucket returns it; the export is then cleared)."""
 
-    def put_export_bucket(self, indices: list[int], shared_memory: bool = False) -> Any:
-        """Rank 0: one bucket into its shared-memory segment (a descriptor) or the object store ([its ref])."""
+    def put_export_bucket(self, indices: list[int], shared_memory: bool = False, slot: int = 0) -> Any:
+        """Rank 0: one bucket into its shared-memory segment number `slot` (a descriptor) or the object store
+        ([its ref])."""
 
     def init_refit_collective(self, host: str, port: int, world_size: int) -> bool: ...
 

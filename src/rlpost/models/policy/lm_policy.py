@@ -198,7 +198,7 @@ class Policy(ColocatablePolicyInterface):
 
 
 class _RankZeroBuckets(WeightBuckets):
-    """Rank 0 writes one bucket at a time (into its shared-memory segment or the object store); the driver only
+    """Rank 0 writes the buckets one ahead of the engines (into two shared-memory slots, or the object store); the driver only
     forwards the boxes. The first step of the iteration stages the export on every rank (`stage_export`); a model
     that fits one bucket comes back from it already written."""
 
@@ -221,8 +221,15 @@ class _RankZeroBuckets(WeightBuckets):
                 yield staged["first"]
                 self._count = 1
             else:
-                for indices in plan:
-                    yield self.group.run_rank0("put_export_bucket", indices, self.shared_memory)
+                # One bucket ahead: rank 0 writes bucket k + 1 (into the other shared-memory slot) while the engines
+                # load bucket k. Resuming here means the consumer is done with bucket k - 1, whose slot k + 1 reuses.
+                rank0 = self.group.workers[0]
+                ahead = rank0.put_export_bucket.remote(plan[0], self.shared_memory, 0)
+                for k in range(len(plan)):
+                    box = self.group.get([ahead])[0]
+                    if k + 1 < len(plan):
+                        ahead = rank0.put_export_bucket.remote(plan[k + 1], self.shared_memory, (k + 1) % 2)
+                    yield box
                     self._count += 1
             self._fp = staged["fingerprint"]
         finally:

@@ -36,8 +36,8 @@ class WeightExportMixin:
     device: torch.device
     _export: list[tuple[str, torch.Tensor]]
     _refit_group: Any = None
-    _shm: Any = None
-    """Rank 0's reusable shared-memory segment for colocated buckets (ShmBucketWriter), once one was written."""
+    _shm: dict[int, Any] | None = None
+    """Rank 0's reusable shared-memory segments for colocated buckets (ShmBucketWriter per slot), once written."""
     _staged: tuple[list[tuple[str, torch.Tensor]], str] | None = None
     """(weights, fingerprint) of the last `stage_weights` (rank 0): what `broadcast_staged` sends."""
 
@@ -47,17 +47,18 @@ class WeightExportMixin:
 
         return plan_buckets(self._export, max_bytes) if self.rank == 0 else []
 
-    def put_export_bucket(self, indices: list[int], shared_memory: bool = False) -> Any:
+    def put_export_bucket(self, indices: list[int], shared_memory: bool = False, slot: int = 0) -> Any:
         """Rank 0: one bucket for the engines, forwarded unread by the caller: into this rank's reusable
-        shared-memory segment (`shared_memory`: the engines are on this node; a descriptor comes back), or into
-        the object store ([ref])."""
+        shared-memory segment number `slot` (`shared_memory`: the engines are on this node; a descriptor comes
+        back; the caller writes bucket k + 1 into the other slot while the engines load bucket k), or into the
+        object store ([ref])."""
         named = [self._export[i] for i in indices]
         if shared_memory:
             from rlpost.distributed.shm_buckets import ShmBucketWriter
 
             if self._shm is None:
-                self._shm = ShmBucketWriter()
-            return self._shm.write(named)
+                self._shm = {}
+            return self._shm.setdefault(slot, ShmBucketWriter()).write(named)
         import ray
 
         from rlpost.distributed.weight_buckets import encode
@@ -67,11 +68,17 @@ class WeightExportMixin:
     def stage_export(self, dtype: str, max_bytes: int, shared_memory: bool = False) -> dict[str, Any]:
         """All ranks: gather the full weights (a collective). Rank 0 answers with the bucket plan and the export's
         fingerprint; when the whole export fits one bucket it is already out (`first`, see put_export_bucket)
-        and the export is cleared, so a small model's refit costs one call here instead of five."""
+        and the export is cleared, so a small model's refit costs one call here instead of five.
+
+        Through shared memory a model larger than `max_bytes` goes in buckets of half of it, one per slot, so
+        rank 0 writes the next while the engines load the current and the two slots together stay within
+        `max_bytes` (`policy.refit_buffer_size_gb`)."""
         self.prepare_weights_for_export(dtype)  # type: ignore[attr-defined]
         if self.rank != 0:
             return {}
         plan = self.plan_export_buckets(max_bytes)
+        if shared_memory and len(plan) > 1:
+            plan = self.plan_export_buckets(max(1, max_bytes // 2))
         out: dict[str, Any] = {"plan": plan, "fingerprint": self.export_fingerprint()}
         if len(plan) == 1:
             out["first"] = self.put_export_bucket(plan[0], shared_memory)
@@ -80,9 +87,9 @@ class WeightExportMixin:
 
     def close_export_buffers(self) -> None:
         """Unlink the shared-memory segment (at shutdown)."""
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
+        for writer in (self._shm or {}).values():
+            writer.close()
+        self._shm = None
 
     def export_fingerprint(self) -> str:
         from rlpost.models.fingerprint import weight_fingerprint
