@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Benchmark the colocated refit alone: the policy (its configured backend, on Ray) hands its weights to a vLLM
+engine on the same node, N times; printed and saved beside its limits measured in the same run:
+
+- bare write: the same engine class in this process loading the same weights in place, as a refit does (on one
+  CPU rank rlpost's CpuWeightWriter), and vLLM's own reload_weights for comparison;
+- memcpy: copying the model's bytes once.
+
+    make smollm2 && .venv/bin/python scripts/bench_refit.py model=smollm2_135m      # 540 MB fp32
+    .venv/bin/python scripts/bench_refit.py --refits 20                              # the default tiny model
+
+Extra arguments are Hydra overrides (e.g. policy.refit_buffer_size_gb=1). Results go to results/bench_refit.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def refit_times(cfg: Any, refits: int) -> list[float]:
+    """Seconds of each of `refits` colocated refits (policy -> engine, fingerprint-checked) on a local Ray."""
+    import ray
+
+    from rlpost.algorithms.refit import refit_policy_generation
+    from rlpost.distributed.virtual_cluster import RayVirtualCluster
+    from rlpost.models.generation.vllm_generation import VllmGeneration
+    from rlpost.models.policy.lm_policy import Policy
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
+    cluster = RayVirtualCluster("bench-refit", 1, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
+    policy = Policy(cluster, cfg.policy)
+    engine = VllmGeneration(cfg.policy.generation, cluster, str(cfg.policy.model_name))
+    try:
+        engine.prepare_refit_info(policy.prepare_refit_info(cfg.policy.generation.vllm_cfg.precision))
+        out = []
+        for _ in range(refits):
+            out.append(refit_policy_generation(policy, engine, True, cfg.policy.generation.vllm_cfg.precision,
+                                               cfg.policy.refit_buffer_size_gb))
+        return out
+    finally:
+        engine.shutdown()
+        policy.shutdown()
+        cluster.shutdown()
+        ray.shutdown()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--refits", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=1, help="refits excluded from the statistics (the first maps)")
+    ap.add_argument("--out", default=str(REPO / "results" / "bench_refit.json"))
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from rlpost.config.load import load_master_config
+
+    _, cfg = load_master_config(args.overrides)
+    if "Vllm" not in cfg.policy.generation._target_:
+        print("bench_refit measures the vLLM engine's refit (generation=vllm)", file=sys.stderr)
+        return 2
+    times = refit_times(cfg, args.refits + args.warmup)
+    measured = times[args.warmup:] or times
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_limits import bare_loads, memcpy_gbps
+
+    loads = bare_loads(cfg)
+    gbps, nbytes = memcpy_gbps(cfg)
+    best, median = min(measured), statistics.median(measured)
+    result = {
+        "overrides": args.overrides,
+        "model_bytes": nbytes,
+        "refit_s": {"first": round(times[0], 4), "best": round(best, 4), "median": round(median, 4)},
+        "refit_gbps_median": round(nbytes / median / 1e9, 3),
+        "limits": {**{k: round(v, 4) for k, v in loads.items()}, "memcpy_gbps": round(gbps, 2)},
+        "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    print(json.dumps(result, indent=1))
+    print(f"refit of {nbytes / 1e6:.1f} MB: median {median:.3f}s (best {best:.3f}s) = "
+          f"{result['refit_gbps_median']:.2f} GB/s vs memcpy {gbps:.2f} GB/s; the engine's bare in-place load "
+          f"{loads['bare_write_s']:.3f}s (vLLM's reload_weights {loads['bare_reload_s']:.3f}s)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    history = json.loads(out.read_text()) if out.is_file() else []
+    out.write_text(json.dumps([*history, result], indent=1))
+    print(f"saved to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
