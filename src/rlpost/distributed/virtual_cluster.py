@@ -9,9 +9,11 @@ fails with a message naming what was asked and what exists; it never hangs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +105,43 @@ def init_ray(cfg: ClusterConfig) -> None:
                 "start one with `ray start --head`, or run on this machine with cluster=local"
             ) from None
         return
+    with _lean_local_head(log_monitor=to_console):
+        _init_local(cfg, runtime_env, to_console)
+
+
+@contextlib.contextmanager
+def _lean_local_head(log_monitor: bool) -> Iterator[None]:
+    """Start the local head without the processes a one-machine run never uses (about 160 MB): the autoscaler
+    monitor (a local cluster has fixed resources: nothing to scale) and, when worker output goes to the run's
+    train.log through the setup hook (`log_monitor=False`), the log monitor that would forward it to the driver.
+
+    `ray.init` has no switch for either; they are fields of Ray's private `RayParams`, which `ray.init` builds
+    by attribute lookup. If that class is not where this Ray keeps it, the head starts as Ray would."""
+    try:
+        from ray._private import parameter
+    except ImportError:  # pragma: no cover - another Ray layout: start as Ray would
+        yield
+        return
+    original = getattr(parameter, "RayParams", None)
+    if original is None:  # pragma: no cover
+        yield
+        return
+
+    class LeanRayParams(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("no_monitor", True)
+            if not log_monitor:
+                kwargs.setdefault("include_log_monitor", False)
+            super().__init__(*args, **kwargs)
+
+    setattr(parameter, "RayParams", LeanRayParams)  # noqa: B010 - a class attribute mypy won't let be assigned
+    try:
+        yield
+    finally:
+        setattr(parameter, "RayParams", original)  # noqa: B010
+
+
+def _init_local(cfg: ClusterConfig, runtime_env: dict[str, Any], to_console: bool) -> None:
     ray.init(
         address="local",  # never attach silently to a cluster someone started with `ray start`
         num_cpus=cfg.num_cpus if cfg.num_cpus is not None else os.cpu_count(),  # type: ignore[arg-type]  # fractional is fine
