@@ -82,6 +82,9 @@ def run_steps(overrides: list[str]) -> tuple[Any, list[dict[str, float]], float,
     steps: list[dict[str, float]] = []
     t0 = time.perf_counter()
     with TreeMemory() as mem, tempfile.TemporaryDirectory() as run_dir:
+        from rlpost.runtime.run_log import ENV_VAR, capture_driver_output
+
+        capture_driver_output(Path(run_dir) / "train.log")  # as `rlpost train` does: workers write to the run's log
         comps = setup(cfg, Path(run_dir))
         t_setup = time.perf_counter() - t0
         try:
@@ -96,6 +99,7 @@ def run_steps(overrides: list[str]) -> tuple[Any, list[dict[str, float]], float,
             import ray
 
             ray.shutdown()
+            os.environ.pop(ENV_VAR, None)
     return cfg, steps, t_setup, time.perf_counter() - t0, mem.peak
 
 

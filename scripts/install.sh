@@ -15,8 +15,10 @@ if [ "$STACK" = cpu ]; then
   "${PIP[@]}" "torch==2.13.0"
   "${PIP[@]}" -r requirements/cpu.txt
   # PyPI's torchvision/torchaudio/torchcodec are built against CUDA torch and break `import vllm`
-  # next to torch 2.13.0+cpu; text models don't need them.
-  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  # next to torch 2.13.0+cpu; text models don't need them. triton (1 GB, pulled by xgrammar) has no CPU
+  # backend, yet torch._dynamo (via transformers) and vLLM import it when present: ~70 MB in every engine and
+  # policy process for nothing.
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 elif [ "$STACK" = gpu ]; then
   # CUDA vLLM pins torch==2.14.0 (CUDA build), torchvision, torchaudio and flashinfer.
   "${PIP[@]}" -r requirements/gpu.txt

@@ -1,5 +1,6 @@
-"""The local Ray head a run starts holds only what a one-machine run uses: no autoscaler monitor, and no log
-monitor when worker output goes to the run's train.log (each variant in a fresh process: one Ray per process)."""
+"""The local Ray head a run starts holds only what a one-machine run uses: no autoscaler monitor, no API server,
+and no log monitor when worker output goes to the run's train.log (each variant in a fresh process: one Ray per
+process). Actors, the object store and placement still work there (the default job's tests use the same head)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.distributed.virtual_cluster import init_ray
 init_ray(ClusterConfig(num_cpus=1))
 assert ray.get(ray.remote(lambda: 7).options(num_cpus=0.1).remote(), timeout=120) == 7
+assert ray.get(ray.get(ray.put([ray.put(3)]), timeout=60)[0], timeout=60) == 3
 names = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
 ray.shutdown()
 print("RESULT " + json.dumps(names))
@@ -40,6 +42,8 @@ def test_a_run_starts_ray_without_the_monitors(tmp_path: Path) -> None:
     assert any("gcs_server" in n for n in run) and any("raylet" in n for n in run)  # the listing sees the head
     assert not any("autoscaler" in n and "monitor.py" in n for n in run), run
     assert not any("log_monitor.py" in n for n in run), run
+    assert not any("dashboard/dashboard.py" in n for n in run), run
     console = _head_processes({ENV_VAR: ""})  # no run log: worker output goes to the console, through the log monitor
     assert any("log_monitor.py" in n for n in console), console
     assert not any("autoscaler" in n and "monitor.py" in n for n in console), console
+    assert not any("dashboard/dashboard.py" in n for n in console), console

@@ -111,34 +111,49 @@ def init_ray(cfg: ClusterConfig) -> None:
 
 @contextlib.contextmanager
 def _lean_local_head(log_monitor: bool) -> Iterator[None]:
-    """Start the local head without the processes a one-machine run never uses (about 160 MB): the autoscaler
-    monitor (a local cluster has fixed resources: nothing to scale) and, when worker output goes to the run's
-    train.log through the setup hook (`log_monitor=False`), the log monitor that would forward it to the driver.
+    """Start the local head without the processes a one-machine run never uses (about 270 MB of 2 GiB): the
+    autoscaler monitor (a local cluster has fixed resources: nothing to scale), the API server (`include_dashboard`
+    is off, and it would still serve job submission and the state API, which a run does not use) and, when worker
+    output goes to the run's train.log through the setup hook (`log_monitor=False`), the log monitor that would
+    forward it to the driver.
 
-    `ray.init` has no switch for either; they are fields of Ray's private `RayParams`, which `ray.init` builds
-    by attribute lookup. If that class is not where this Ray keeps it, the head starts as Ray would."""
+    `ray.init` has no switch for these: they are fields of Ray's private `RayParams` (which `ray.init` builds by
+    attribute lookup) and the head node's `start_api_server`. Where this Ray keeps either elsewhere, that part
+    starts as Ray would (tests/integration/test_ray_head.py names what a run's head holds)."""
     try:
-        from ray._private import parameter
+        from ray._private import node, parameter
     except ImportError:  # pragma: no cover - another Ray layout: start as Ray would
         yield
         return
-    original = getattr(parameter, "RayParams", None)
-    if original is None:  # pragma: no cover
-        yield
-        return
+    params = getattr(parameter, "RayParams", None)
+    api_server = getattr(getattr(node, "Node", None), "start_api_server", None)
+    patched: list[tuple[Any, str, Any]] = []
+    if params is not None:
 
-    class LeanRayParams(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs.setdefault("no_monitor", True)
-            if not log_monitor:
-                kwargs.setdefault("include_log_monitor", False)
-            super().__init__(*args, **kwargs)
+        class LeanRayParams(params):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                kwargs.setdefault("no_monitor", True)
+                if not log_monitor:
+                    kwargs.setdefault("include_log_monitor", False)
+                super().__init__(*args, **kwargs)
 
-    setattr(parameter, "RayParams", LeanRayParams)  # noqa: B010 - a class attribute mypy won't let be assigned
+        patched.append((parameter, "RayParams", params))
+        setattr(parameter, "RayParams", LeanRayParams)  # noqa: B010 - a class attribute mypy won't let be assigned
+    if api_server is not None:
+
+        def start_api_server(self: Any, *, include_dashboard: bool | None, raise_on_failure: bool) -> None:
+            if include_dashboard:
+                api_server(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
+            else:
+                self._webui_url = None
+
+        patched.append((node.Node, "start_api_server", api_server))
+        node.Node.start_api_server = start_api_server  # type: ignore[method-assign]
     try:
         yield
     finally:
-        setattr(parameter, "RayParams", original)  # noqa: B010
+        for owner, name, original in patched:
+            setattr(owner, name, original)
 
 
 def _init_local(cfg: ClusterConfig, runtime_env: dict[str, Any], to_console: bool) -> None:
