@@ -98,10 +98,15 @@ def test_refit_keeps_engine_on_policy_with_tp2(ray_local: None, tiny_model_dir: 
             gen_cluster.shutdown()
 
 
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["broadcast", "shared-memory"])
 def test_staged_refit_sends_the_staged_weights_while_the_next_update_trains(ray_local: None,
-                                                                            tiny_model_dir: Path) -> None:
-    """Async GRPO's refit: the weights staged after update 1 reach the engine from the policy's 'refit'
-    concurrency group while update 2 trains on the same actor, and they are update 1's, not a mix."""
+                                                                            tiny_model_dir: Path,
+                                                                            shared_memory: bool) -> None:
+    """Async GRPO's refit: the weights staged after update 1 reach the engine while update 2 trains on the same
+    actor, and they are update 1's, not a mix: broadcast from the policy's 'refit' concurrency group (GPU,
+    several nodes), or loaded by the engine from rank 0's shared-memory segment (one node, CPU)."""
+    from rlpost.algorithms.refit import load_buckets
+
     pcfg, gcfg = configs(tiny_model_dir)
     train_cluster = RayVirtualCluster("staged-train", 1, cpus_per_bundle=0.4)
     gen_cluster = RayVirtualCluster("staged-gen", 1, cpus_per_bundle=0.2)
@@ -113,12 +118,15 @@ def test_staged_refit_sends_the_staged_weights_while_the_next_update_trains(ray_
         engine.prepare_refit_info(policy.prepare_refit_info("float32"))
         out0 = engine.generate(prompts())
         train_once(policy, out0)
-        staged = policy.stage_weights("float32")
+        staged = policy.stage_weights("float32", shared_memory=shared_memory)
+        assert (policy.staged_buckets() is not None) == shared_memory
         big = BatchedDataDict({k: torch.cat([v] * 8) for k, v in out0.items()})  # a longer second update
         second = threading.Thread(target=train_once, args=(policy, big))
         second.start()
 
         def refit() -> str:
+            if shared_memory:  # the engine reads the segment itself: the policy actor is not involved
+                return load_buckets(engine, policy.staged_buckets())  # type: ignore[arg-type]
             futures = engine.update_weights_from_collective_async()
             sent = policy.wait_broadcast(policy.broadcast_staged_async())
             return engine.wait_collective_update(futures, expected=sent)  # raises unless both sides agree

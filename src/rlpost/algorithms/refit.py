@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from rlpost.models.fingerprint import FingerprintMismatch
 from rlpost.models.generation.interfaces import GenerationInterface
-from rlpost.models.policy.interfaces import ColocatablePolicyInterface
+from rlpost.models.policy.interfaces import ColocatablePolicyInterface, WeightBuckets
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
@@ -35,19 +35,25 @@ def refit_policy_generation(
     policy_generation.prepare_for_generation(tags=["weights"])
     if colocated_inference:
         bucket = int(refit_buffer_size_gb * 2**30) if refit_buffer_size_gb else DEFAULT_CHUNK_BYTES
-        buckets = policy.export_weight_buckets(dtype, bucket)
-        engine_fp = policy_generation.update_weights_from_buckets(buckets)
-        if engine_fp != buckets.fingerprint:
-            raise FingerprintMismatch(
-                f"refit check failed: the engine loaded weights with fingerprint {engine_fp}, "
-                f"the policy sent {buckets.fingerprint}"
-            )
+        load_buckets(policy_generation, policy.export_weight_buckets(dtype, bucket))
     else:
         collective_refit(policy_generation, lambda: policy.broadcast_weights_collective(dtype))
     if colocated_inference:  # and the model's, before the engine allocates its KV cache
         policy.offload_after_refit()
     policy_generation.prepare_for_generation(tags=["kv_cache"])
     return time.perf_counter() - t0
+
+
+def load_buckets(policy_generation: GenerationInterface, buckets: WeightBuckets) -> str:
+    """The engines load every bucket where rank 0 wrote it; the checked fingerprint (FingerprintMismatch when
+    the engines loaded other weights than the policy exported)."""
+    engine_fp = policy_generation.update_weights_from_buckets(buckets)
+    if engine_fp != buckets.fingerprint:
+        raise FingerprintMismatch(
+            f"refit check failed: the engine loaded weights with fingerprint {engine_fp}, "
+            f"the policy sent {buckets.fingerprint}"
+        )
+    return engine_fp
 
 
 def collective_refit(policy_generation: GenerationInterface, send: Callable[[], str]) -> str:

@@ -78,10 +78,16 @@ class ColocatablePolicyInterface(PolicyInterface):
         (start the engine's receive first); returns the fingerprint of what was sent."""
 
     @abstractmethod
-    def stage_weights(self, dtype: str) -> str:
-        """Keep a private copy of the full weights (HF names, `dtype`) on rank 0 for `broadcast_staged_async`;
-        returns its fingerprint. The copy outlives later updates: async GRPO refits from it while training
-        goes on."""
+    def stage_weights(self, dtype: str, shared_memory: bool | None = None) -> str:
+        """Keep a copy of the full weights (HF names, `dtype`) on rank 0; returns its fingerprint. The copy
+        outlives later updates: async GRPO refits from it while training goes on. In shared memory
+        (`shared_memory`; None: on one node, on CPU) the engines load it themselves (`staged_buckets`); else it
+        is private to rank 0, for `broadcast_staged_async`."""
+
+    @abstractmethod
+    def staged_buckets(self) -> WeightBuckets | None:
+        """The last copy staged in shared memory, as one refit bucket the engines load directly; None when it
+        was staged for a broadcast."""
 
     @abstractmethod
     def broadcast_staged_async(self) -> list[Any]:
@@ -165,9 +171,9 @@ class PolicyWorker(Protocol):
 
     def broadcast_weights_collective(self, dtype: str) -> str: ...
 
-    def stage_weights(self, dtype: str) -> str:
-        """All ranks: gather the full weights; rank 0 keeps a private copy for `broadcast_staged`; its fingerprint
-        (rank 0) or ''."""
+    def stage_weights(self, dtype: str, shared_memory: bool = False) -> dict[str, Any]:
+        """All ranks: gather the full weights; rank 0 keeps a copy (in its shared-memory segment, or private for
+        `broadcast_staged`) and answers {'fingerprint', 'box': the segment's descriptor or None}; {} elsewhere."""
 
     def broadcast_staged(self) -> str:
         """Rank 0: broadcast the staged copy over the refit group (concurrency group 'refit', so it may run

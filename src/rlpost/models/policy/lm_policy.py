@@ -45,6 +45,7 @@ class Policy(ColocatablePolicyInterface):
         self.cfg = cfg
         self.device = device
         self.single_node = cluster.num_nodes == 1
+        self._staged: WeightBuckets | None = None
         sizes = cfg.parallel_sizes()
         mp = sizes["tp"] * sizes["pp"] * sizes["cp"]
         self.dims = ParallelDims(dp=cluster.world_size // mp, tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"])
@@ -171,8 +172,15 @@ class Policy(ColocatablePolicyInterface):
     def broadcast_weights_collective(self, dtype: str) -> str:
         return str(self.worker_group.get(self.broadcast_weights_collective_async(dtype))[0])
 
-    def stage_weights(self, dtype: str) -> str:
-        return str(self.worker_group.run_all("stage_weights", dtype)[0])
+    def stage_weights(self, dtype: str, shared_memory: bool | None = None) -> str:
+        if shared_memory is None:  # an engine on this node's CPU reads rank 0's segment: no broadcast to wait for
+            shared_memory = self.single_node and self.device == "cpu"
+        staged = self.worker_group.run_all("stage_weights", dtype, shared_memory)[0]
+        self._staged = _StagedBucket(staged["box"], staged["fingerprint"]) if staged["box"] is not None else None
+        return str(staged["fingerprint"])
+
+    def staged_buckets(self) -> WeightBuckets | None:
+        return self._staged
 
     def broadcast_staged_async(self) -> list[Any]:
         # rank 0 sends; its own concurrency group, so it runs beside a train() call on the same actor
@@ -195,6 +203,27 @@ class Policy(ColocatablePolicyInterface):
 
     def state_fingerprints(self) -> list[dict[str, float]]:
         return self.worker_group.run_all("state_fingerprint")
+
+
+class _StagedBucket(WeightBuckets):
+    """The copy rank 0 staged in its shared-memory segment, as one bucket (loaded by the engines directly)."""
+
+    planned = 1
+
+    def __init__(self, box: Any, fingerprint: str) -> None:
+        self.box = box
+        self._fp = fingerprint
+
+    def __iter__(self) -> Iterator[Any]:
+        yield self.box
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fp
+
+    @property
+    def count(self) -> int:
+        return 1
 
 
 class _RankZeroBuckets(WeightBuckets):

@@ -36,8 +36,9 @@ class WeightExportMixin:
     device: torch.device
     _export: list[tuple[str, torch.Tensor]]
     _refit_group: Any = None
-    _shm: dict[int, Any] | None = None
-    """Rank 0's reusable shared-memory segments for colocated buckets (ShmBucketWriter per slot), once written."""
+    _shm: dict[int | str, Any] | None = None
+    """Rank 0's reusable shared-memory segments (ShmBucketWriter): colocated refit buckets per slot (0, 1), and
+    the staged copy ("staged"), once written."""
     _staged: tuple[list[tuple[str, torch.Tensor]], str] | None = None
     """(weights, fingerprint) of the last `stage_weights` (rank 0): what `broadcast_staged` sends."""
 
@@ -99,20 +100,34 @@ class WeightExportMixin:
     def clear_export(self) -> None:
         self._export = []
 
-    def stage_weights(self, dtype: str) -> str:
-        """All ranks: gather the full weights (a collective); rank 0 keeps a private copy, cast to `dtype`, for
-        `broadcast_staged` and returns its fingerprint ('' elsewhere). Async GRPO stages after every update, so
-        the engine's refit can run while the next update trains: the copy is never written by training. It lives
-        where the gathered weights do (on GPU: one more copy of the model in rank 0's device memory, in the
-        engine's dtype, which NCCL broadcasts from)."""
+    def stage_weights(self, dtype: str, shared_memory: bool = False) -> dict[str, Any]:
+        """All ranks: gather the full weights (a collective); rank 0 keeps a copy, cast to `dtype`, and answers
+        {'fingerprint': its fingerprint, 'box': a shared-memory descriptor or None} ({} elsewhere). Async GRPO
+        stages after every update, so the engine's refit can run while the next update trains: the copy is never
+        written by training.
+
+        `shared_memory` (the engines are on this node, on CPU): the copy goes into this rank's reusable "staged"
+        segment and the engines load it from there themselves (`box`), without this actor; the caller must not
+        stage again while an engine reads it. Otherwise it is a private copy where the gathered weights live (on
+        GPU: one more copy of the model in rank 0's device memory, in the engine's dtype) for `broadcast_staged`."""
         self.prepare_weights_for_export(dtype)  # type: ignore[attr-defined]
-        fp = ""
+        out: dict[str, Any] = {}
         if self.rank == 0:
-            staged = [(n, t.detach().clone()) for n, t in self._export]  # never a view of a live parameter
             fp = self.export_fingerprint()
-            self._staged = (staged, fp)  # one assignment: a broadcast in flight keeps the copy it started with
+            box = None
+            if shared_memory:
+                from rlpost.distributed.shm_buckets import ShmBucketWriter
+
+                if self._shm is None:
+                    self._shm = {}
+                box = self._shm.setdefault("staged", ShmBucketWriter()).write(self._export)
+                self._staged = None
+            else:
+                staged = [(n, t.detach().clone()) for n, t in self._export]  # never a view of a live parameter
+                self._staged = (staged, fp)  # one assignment: a broadcast in flight keeps the copy it started with
+            out = {"fingerprint": fp, "box": box}
         self.clear_export()
-        return fp
+        return out
 
     def broadcast_staged(self) -> str:
         """Rank 0: broadcast the staged copy over the refit group (the engines receive concurrently); its
