@@ -243,7 +243,9 @@ class PolicyConfig:
     max_grad_norm: float | None = 1.0
     """Gradient-norm clip (DTensor); None = no clipping."""
     refit_buffer_size_gb: float | None = None
-    """Size of the refit transfer buffer; None = automatic."""
+    """Bound on the colocated refit's transfer buffers (GiB; None = 0.25). A model that fits goes in one bucket;
+    a larger one in layer-aligned buckets of half of it through two shared-memory slots on one node (rank 0 writes
+    the next while the engines load the current), or through the object store across nodes."""
     optimizer: PytorchOptimizerConfig = field(default_factory=PytorchOptimizerConfig)
     """The optimizer and its lr, for every backend (`policy.optimizer.kwargs.lr=...` sweeps either); Megatron
     takes AdamW's lr / weight_decay / betas / eps from here into megatron_cfg.optimizer."""
