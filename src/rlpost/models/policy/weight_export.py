@@ -2,7 +2,7 @@
 
 A worker fills `self._export` (rank 0: full HF-named tensors, cast to the engine's dtype) in its own
 `prepare_weights_for_export`; this mixin serves it in bounded buckets (a reusable shared-memory segment on one
-node, else the object store), fingerprints it, stages a private copy for async GRPO, and
+node, else the object store), fingerprints it, stages a copy for async GRPO (in shared memory, or private), and
 broadcasts it over the refit group for a non-colocated engine.
 """
 
@@ -55,11 +55,7 @@ class WeightExportMixin:
         object store ([ref])."""
         named = [self._export[i] for i in indices]
         if shared_memory:
-            from rlpost.distributed.shm_buckets import ShmBucketWriter
-
-            if self._shm is None:
-                self._shm = {}
-            return self._shm.setdefault(slot, ShmBucketWriter()).write(named)
+            return self._shm_writer(slot).write(named)
         import ray
 
         from rlpost.distributed.weight_buckets import encode
@@ -86,8 +82,18 @@ class WeightExportMixin:
             self.clear_export()
         return out
 
+    def _shm_writer(self, slot: int | str) -> Any:
+        """Rank 0's reusable shared-memory segment `slot` (a ShmBucketWriter), created on first use."""
+        if self._shm is None:
+            self._shm = {}
+        if slot not in self._shm:
+            from rlpost.distributed.shm_buckets import ShmBucketWriter
+
+            self._shm[slot] = ShmBucketWriter()
+        return self._shm[slot]
+
     def close_export_buffers(self) -> None:
-        """Unlink the shared-memory segment (at shutdown)."""
+        """Unlink the shared-memory segments (at shutdown)."""
         for writer in (self._shm or {}).values():
             writer.close()
         self._shm = None
@@ -116,11 +122,7 @@ class WeightExportMixin:
             fp = self.export_fingerprint()
             box = None
             if shared_memory:
-                from rlpost.distributed.shm_buckets import ShmBucketWriter
-
-                if self._shm is None:
-                    self._shm = {}
-                box = self._shm.setdefault("staged", ShmBucketWriter()).write(self._export)
+                box = self._shm_writer("staged").write(self._export)
                 self._staged = None
             else:
                 staged = [(n, t.detach().clone()) for n, t in self._export]  # never a view of a live parameter
