@@ -141,17 +141,15 @@ class Collector:
             staged = c.policy.staged_buckets()
             if staged is not None:
                 load_buckets(c.generation, staged)
-                self.version = target
-                self.engine_refit_s = time.perf_counter() - t0
-                return
+        if staged is None:
 
-        def send() -> str:
-            nonlocal target
-            with self.stage_lock:  # the version read and the copy sent are the same staging's
-                target = self.staged_version
-                return c.policy.wait_broadcast(c.policy.broadcast_staged_async())
+            def send() -> str:
+                nonlocal target
+                with self.stage_lock:  # the version read and the copy sent are the same staging's
+                    target = self.staged_version
+                    return c.policy.wait_broadcast(c.policy.broadcast_staged_async())
 
-        collective_refit(c.generation, send)
+            collective_refit(c.generation, send)
         self.version = target
         self.engine_refit_s = time.perf_counter() - t0
 
