@@ -45,7 +45,7 @@ class WritePlan:
     """(engine parameter, incoming tensor): copied in place (incoming rows may be fewer: padded vocab)."""
     linears: list[_Fused]
     """Linear layers whose fused weight is rebuilt and re-dispatched."""
-    redispatch: list[Any]
+    heads: list[Any]
     """Output heads (they keep their weight) whose kernel handle is rebuilt after the copies."""
 
 
@@ -171,7 +171,10 @@ class CpuWeightWriter:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         for param, t in plan.copies:
-            param.data[: t.shape[0]].copy_(t) if t.dim() else param.data.copy_(t)
+            if t.dim():
+                param.data[: t.shape[0]].copy_(t)  # a padded vocabulary keeps its extra rows
+            else:
+                param.data.copy_(t)
         for entry in plan.linears:
             m = entry.module
             if entry.bias_parts:
@@ -184,5 +187,5 @@ class CpuWeightWriter:
             if m.weight.numel() and m.weight.data_ptr() == src.data_ptr():
                 # the torch fallback keeps the weight itself: it must not alias a reused transfer buffer
                 m.weight = torch.nn.Parameter(src.clone(), requires_grad=False)
-        for m in plan.redispatch:
+        for m in plan.heads:
             dispatch_cpu_unquantized_gemm(m, remove_weight=False)
