@@ -31,12 +31,11 @@ def refit_times(cfg: Any, refits: int) -> list[float]:
     import ray
 
     from rlpost.algorithms.refit import refit_policy_generation
-    from rlpost.distributed.virtual_cluster import RayVirtualCluster
+    from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray
     from rlpost.models.generation.vllm_generation import VllmGeneration
     from rlpost.models.policy.lm_policy import Policy
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
+    init_ray(cfg.cluster)  # the Ray a run starts
     cluster = RayVirtualCluster("bench-refit", 1, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
     policy = Policy(cluster, cfg.policy)
     engine = VllmGeneration(cfg.policy.generation, cluster, str(cfg.policy.model_name))
