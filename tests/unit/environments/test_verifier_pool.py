@@ -34,6 +34,18 @@ def test_samples_queued_behind_a_dead_worker_are_still_scored() -> None:
         pool.shutdown()
 
 
+def test_a_lone_worker_scores_a_batch_in_a_few_messages() -> None:
+    """256 quick rewards come back in a message or two, not one message each (each costs the driver a wake-up)."""
+    pool = VerifierPool(exact_match_reward, num_workers=1, timeout_s=5.0)
+    try:
+        args = [(str(i % 7), str(i % 5), "0123456789", 0.1) for i in range(256)]
+        res = pool.run(args)
+        assert res.rewards == [exact_match_reward(*a) for a in args] and res.errors == 0 and res.timeouts == 0
+        assert 1 <= res.messages <= 3
+    finally:
+        pool.shutdown()
+
+
 def test_large_samples_behind_a_hung_call_neither_block_nor_get_lost() -> None:
     """Samples bigger than a pipe's buffer wait in the driver, not in a hung worker's full pipe (a blocked send
     would outlive every timeout); after the kill they run on the replacement."""
