@@ -103,7 +103,7 @@ def bare_generation(cfg: Any, prompts: list[list[int]], repeats: int = 3) -> tup
     loads = _bare_loads(cfg, worker, repeats)
     if hasattr(worker, "shutdown"):
         worker.shutdown()
-    return best, [list(p) + list(o.token_ids) for p, o in zip(prompts, outs, strict=True)], loads
+    return best, [list(p) + list(o.token_ids) for p, o in zip(prompts, outs.samples(), strict=True)], loads
 
 
 def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], repeats: int = 3) -> float:

@@ -39,6 +39,7 @@ from rlpost.distributed.worker_groups import ALIVE_TIMEOUT_S, ParallelDims, RayW
 from rlpost.models.fingerprint import FingerprintBuilder, check_fingerprints, fingerprint_of_digests, weight_fingerprint
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
 from rlpost.models.generation.outputs import (
+    GeneratedBatch,
     GeneratedSample,
     assemble_outputs,
     contiguous_splits,
@@ -166,8 +167,8 @@ class HFGenerationWorker:
     def generate(
         self, prompts: list[list[int]], spec: dict[str, Any], seed: int | None = None,
         stops: list[list[str]] | None = None,
-    ) -> list[GeneratedSample]:
-        """One sample per prompt, in order; `seed` reseeds the sampler first (reproducible shards); `stops[i]`
+    ) -> GeneratedBatch:
+        """One sample per prompt, in order (packed); `seed` reseeds the sampler first (reproducible shards); `stops[i]`
         adds stop strings for prompt i (rows with the same stops are generated together)."""
         if seed is not None:
             torch.manual_seed(seed)
@@ -181,7 +182,7 @@ class HFGenerationWorker:
                 part = idx[s : s + self.batch_size]
                 for i, sample in zip(part, self._generate_batch([prompts[i] for i in part], group_spec), strict=True):
                     out[i] = sample
-        return [x for x in out if x is not None]
+        return GeneratedBatch.of(x for x in out if x is not None)
 
     # ------------------------------------------------------------------ memory phases
     def to_device(self, device: str) -> bool:
@@ -307,8 +308,7 @@ class HFGeneration(GenerationInterface):
         per_shard = [{"seed": seeds[a] if seeds and a < len(seeds) else None, "stops": stops[a:b] if stops else None}
                      for a, b in splits]
         parts = self.group.run_sharded("generate", shards, spec, shard_kwargs=per_shard)
-        samples = [s for part in parts for s in part]
-        return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
+        return assemble_outputs(data["input_ids"], data["input_lengths"], parts, self.pad_token_id)
 
     def prepare_for_generation(self, **kwargs: Any) -> bool:
         """Bring the model back to the GPU when colocated (no-op on CPU)."""

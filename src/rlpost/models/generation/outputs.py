@@ -1,13 +1,14 @@
 """Prompt unpacking, replica sharding and output assembly shared by the rollout engines.
 
-Engines work per sample (`GeneratedSample`: the new token ids, their logprobs, whether the sample
-was truncated); `assemble_outputs` turns those back into the batch tensors of the generate()
-contract (see rlpost.models.generation.interfaces).
+Engines return their samples packed (`GeneratedBatch`: every sample's new token ids and logprobs back to
+back, with the lengths and truncation flags); `assemble_outputs` scatters those into the batch tensors of the
+generate() contract (see rlpost.models.generation.interfaces). `GeneratedSample` is one sample, for engines
+that build them one at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,56 @@ class GeneratedSample:
     """Logprob of each generated token under the sampling distribution."""
     truncated: bool = False
     """Hit max_new_tokens / the context limit without a stop."""
+
+
+@dataclass
+class GeneratedBatch:
+    """The samples of one engine call, packed: what goes back through Ray. Flat lists pickle in a tenth of the time
+    256 `GeneratedSample` objects take (0.1 vs 1.1 ms each way), and `assemble_outputs` scatters them in one
+    indexed copy instead of building a Python row per sample."""
+
+    token_ids: list[int] = field(default_factory=list)
+    """Every sample's generated tokens, sample after sample."""
+    logprobs: list[float] = field(default_factory=list)
+    """Their logprobs, in the same order."""
+    lengths: list[int] = field(default_factory=list)
+    """Tokens of each sample."""
+    truncated: list[bool] = field(default_factory=list)
+    """Per sample: hit max_new_tokens / the context limit without a stop."""
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def add(self, token_ids: Sequence[int], logprobs: Sequence[float], truncated: bool) -> None:
+        """Append one sample."""
+        if len(logprobs) != len(token_ids):
+            raise ValueError(f"sample {len(self.lengths)}: {len(token_ids)} tokens but {len(logprobs)} logprobs")
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        self.lengths.append(len(token_ids))
+        self.truncated.append(bool(truncated))
+
+    @classmethod
+    def of(cls, samples: Iterable[GeneratedSample | GeneratedBatch]) -> GeneratedBatch:
+        """Samples and packed batches, in order, as one packed batch."""
+        out = cls()
+        for s in samples:
+            if isinstance(s, GeneratedBatch):
+                out.token_ids += s.token_ids
+                out.logprobs += s.logprobs
+                out.lengths += s.lengths
+                out.truncated += s.truncated
+            else:
+                out.add(s.token_ids, s.logprobs, s.truncated)
+        return out
+
+    def samples(self) -> list[GeneratedSample]:
+        """One GeneratedSample per sample."""
+        out, a = [], 0
+        for n, t in zip(self.lengths, self.truncated, strict=True):
+            out.append(GeneratedSample(self.token_ids[a : a + n], self.logprobs[a : a + n], t))
+            a += n
+        return out
 
 
 def unpack_prompts(data: Mapping[str, Any]) -> list[list[int]]:
@@ -67,36 +118,36 @@ def contiguous_splits(n: int, parts: int) -> list[tuple[int, int]]:
 
 
 def assemble_outputs(
-    input_ids: torch.Tensor, input_lengths: torch.Tensor, samples: Sequence[GeneratedSample], pad_id: int
+    input_ids: torch.Tensor, input_lengths: torch.Tensor,
+    samples: GeneratedBatch | Sequence[GeneratedSample | GeneratedBatch], pad_id: int
 ) -> Any:
-    """Build the generate() result (a BatchedDataDict) from per-row samples, in row order."""
+    """Build the generate() result (a BatchedDataDict) from the rows' samples, in row order: each row is its
+    prompt, then its generated tokens, then padding to the longest."""
+    packed = samples if isinstance(samples, GeneratedBatch) else GeneratedBatch.of(samples)
     input_ids = torch.as_tensor(input_ids)
-    input_lengths = torch.as_tensor(input_lengths)
+    input_lengths = torch.as_tensor(input_lengths).to(torch.int64)
     b, p = input_ids.shape
-    if len(samples) != b:
-        raise ValueError(f"{len(samples)} samples for a batch of {b}")
-    n_max = max((len(s.token_ids) for s in samples), default=0)
-    width = p + n_max
-    # Rows are built as Python lists and become tensors in one call each: per-row tensor slicing cost more than
-    # generating a tiny model's batch.
-    prompts, lens_in = input_ids.tolist(), input_lengths.tolist()
-    ids_rows, lp_rows, gen_lens, truncated = [], [], [], []
-    for i, s in enumerate(samples):
-        n_in, n = int(lens_in[i]), len(s.token_ids)
-        if len(s.logprobs) != n:
-            raise ValueError(f"row {i}: {n} tokens but {len(s.logprobs)} logprobs")
-        tail = width - n_in - n
-        ids_rows.append(prompts[i][:n_in] + list(s.token_ids) + [pad_id] * tail)
-        lp_rows.append([0.0] * n_in + list(s.logprobs) + [0.0] * tail)
-        gen_lens.append(n)
-        truncated.append(bool(s.truncated))
-    output_ids = torch.tensor(ids_rows, dtype=torch.int64).reshape(b, width)
-    logprobs = torch.tensor(lp_rows, dtype=torch.float32).reshape(b, width)
-    gen_lens_t = torch.tensor(gen_lens, dtype=torch.int64)
+    if len(packed) != b:
+        raise ValueError(f"{len(packed)} samples for a batch of {b}")
+    if len(packed.logprobs) != len(packed.token_ids) or sum(packed.lengths) != len(packed.token_ids):
+        raise ValueError(f"{len(packed.token_ids)} tokens, {len(packed.logprobs)} logprobs and lengths summing to "
+                         f"{sum(packed.lengths)} do not agree")
+    gen_lens = torch.tensor(packed.lengths, dtype=torch.int64).reshape(b)
+    width = p + (int(gen_lens.max()) if b else 0)
+    pos = torch.arange(width)
+    ends = input_lengths + gen_lens
+    in_prompt = pos < input_lengths[:, None]
+    in_answer = ~in_prompt & (pos < ends[:, None])
+    output_ids = torch.full((b, width), pad_id, dtype=torch.int64)
+    output_ids[in_prompt] = input_ids.to(torch.int64)[in_prompt[:, :p]]
+    # a boolean mask enumerates row by row, which is the packed order
+    output_ids[in_answer] = torch.tensor(packed.token_ids, dtype=torch.int64)
+    logprobs = torch.zeros((b, width), dtype=torch.float32)
+    logprobs[in_answer] = torch.tensor(packed.logprobs, dtype=torch.float32)
     return _OutDict(
         output_ids=output_ids,
         logprobs=logprobs,
-        generation_lengths=gen_lens_t,
-        unpadded_sequence_lengths=input_lengths.to(torch.int64) + gen_lens_t,
-        truncated=torch.tensor(truncated, dtype=torch.bool),
+        generation_lengths=gen_lens,
+        unpadded_sequence_lengths=ends,
+        truncated=torch.tensor(packed.truncated, dtype=torch.bool).reshape(b),
     )

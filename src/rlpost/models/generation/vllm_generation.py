@@ -239,8 +239,7 @@ class VllmGeneration(GenerationInterface):
                 futures.append(self.workers[r].generate.remote(prompts[a:b], spec, seeds[a:b] if seeds else None,
                                                                stops[a:b] if stops else None))
                 used.append(r)
-        samples = [s for part in self._get(futures, used) for s in part]
-        return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
+        return assemble_outputs(data["input_ids"], data["input_lengths"], self._get(futures, used), self.pad_token_id)
 
     def pause_for_refit(self, recompute_kv_cache: bool = False) -> None:
         """Freeze every replica's in-flight requests (vLLM pause_generation(mode='keep')); async engine only."""
@@ -271,11 +270,11 @@ class VllmGeneration(GenerationInterface):
         return True
 
     def finish_generation(self, **kwargs: Any) -> bool:
-        """Sleep the engines when colocated on GPU; otherwise only drop the prefix cache."""
+        """Sleep the engines when colocated on GPU; otherwise nothing. Cached prefixes stay valid until the weights
+        change, and every refit path drops them as it ends (`end_refit`, `_after_refit`), so resetting them here too
+        was a Ray round trip a step for nothing."""
         if self.use_gpus and self.cfg.colocated.enabled:
             self._all("sleep", 1)
-        else:
-            self._all("reset_prefix_cache")
         return True
 
     # ------------------------------------------------------------------ refit

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from rlpost.models.generation.outputs import GeneratedSample
+from rlpost.models.generation.outputs import GeneratedBatch, GeneratedSample
 
 _T = TypeVar("_T")
 
@@ -35,8 +35,7 @@ def _to_sample(completion: Any) -> GeneratedSample:
     if ids:
         if completion.logprobs is None:
             raise RuntimeError("vLLM returned no logprobs; SamplingParams.logprobs must be 0")
-        for pos, tok in zip(completion.logprobs, ids, strict=True):
-            lps.append(float(pos[tok].logprob))
+        lps = [float(pos[tok].logprob) for pos, tok in zip(completion.logprobs, ids, strict=True)]
     return GeneratedSample(token_ids=ids, logprobs=lps, truncated=completion.finish_reason == "length")
 
 
@@ -123,13 +122,13 @@ class VllmEngineWorker:
         sampling: dict[str, Any],
         seeds: list[int] | None = None,
         stops: list[list[str]] | None = None,
-    ) -> list[GeneratedSample]:
+    ) -> GeneratedBatch:
         """Generate one sample per prompt (token-id lists) with SamplingParams(**sampling); input order kept.
 
         With `seeds`, prompt i samples with its own seed (reproducible whatever ran before); `stops[i]` adds
         stop strings for prompt i. With the async engine, concurrent calls (the actor is threaded) share it."""
         if not prompts:
-            return []
+            return GeneratedBatch()
         per_prompt = []
         for i in range(len(prompts)):
             spec = dict(sampling)
@@ -142,7 +141,7 @@ class VllmEngineWorker:
         token_prompts = [{"prompt_token_ids": list(p)} for p in prompts]
         if not self.async_engine:
             outs = self.engine.generate(token_prompts, per_prompt, use_tqdm=False)
-            return [_to_sample(o.outputs[0]) for o in outs]
+            return GeneratedBatch.of(_to_sample(o.outputs[0]) for o in outs)
         with self._req_lock:  # request ids stay unique across the actor's threads
             base = self._req
             self._req += len(prompts)
@@ -155,8 +154,8 @@ class VllmEngineWorker:
                 raise RuntimeError(f"no output for prompt {i}")
             return _to_sample(final.outputs[0])
 
-        async def all_() -> list[GeneratedSample]:
-            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(token_prompts))))
+        async def all_() -> GeneratedBatch:
+            return GeneratedBatch.of(await asyncio.gather(*(one(i, p) for i, p in enumerate(token_prompts))))
 
         return self._run(all_())
 

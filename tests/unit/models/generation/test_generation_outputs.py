@@ -12,7 +12,13 @@ import torch
 from rlpost.config.schema.generation import HFGenerationConfig, VllmConfig
 from rlpost.models.generation.hf_generation import hf_sampling_spec
 from rlpost.models.generation.interfaces import OUTPUT_KEYS
-from rlpost.models.generation.outputs import GeneratedSample, assemble_outputs, contiguous_splits, unpack_prompts
+from rlpost.models.generation.outputs import (
+    GeneratedBatch,
+    GeneratedSample,
+    assemble_outputs,
+    contiguous_splits,
+    unpack_prompts,
+)
 from rlpost.models.generation.vllm_extension import check_against_info, pack_for_rpc, unpack_rpc
 from rlpost.models.generation.vllm_generation import engine_kwargs, sampling_spec
 
@@ -57,6 +63,42 @@ def test_assemble_outputs_contract() -> None:
     assert out["truncated"].dtype == torch.bool and out["logprobs"].dtype == torch.float32
     with pytest.raises(ValueError):
         assemble_outputs(ids, lens, samples[:1], PAD)
+
+
+def _rowwise(ids: torch.Tensor, lens: torch.Tensor, samples: list[GeneratedSample], pad: int) -> list[list[int]]:
+    """The rows assemble_outputs must build, one Python list each (what it did before it scattered)."""
+    width = ids.shape[1] + max(len(s.token_ids) for s in samples)
+    rows = []
+    for row, n, s in zip(ids.tolist(), lens.tolist(), samples, strict=True):
+        rows.append(row[:n] + s.token_ids + [pad] * (width - n - len(s.token_ids)))
+    return rows
+
+
+def test_packed_batch_assembles_like_samples() -> None:
+    """Replica parts (packed) and loose samples give the same tensors, row by row, ragged prompts and answers;
+    the padding of a prompt row never leaks into the output."""
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 6, (9,), generator=g)
+    ids = torch.randint(1, 50, (9, 6), generator=g)
+    ids[torch.arange(6) >= lens[:, None]] = 99  # prompt padding, not pad_id: must not be copied
+    samples = []
+    for i in range(9):
+        n = int(torch.randint(0, 5, (1,), generator=g))
+        toks = torch.randint(100, 200, (n,), generator=g).tolist()
+        samples.append(GeneratedSample(toks, [-0.25 * (k + 1) - i for k in range(n)], truncated=n == 4))
+    parts = [GeneratedBatch.of(samples[:4]), GeneratedBatch.of(samples[4:])]
+    packed = assemble_outputs(ids, lens, parts, PAD)
+    loose = assemble_outputs(ids, lens, samples, PAD)
+    for k in OUTPUT_KEYS:
+        assert torch.equal(packed[k], loose[k]), k
+    assert packed["output_ids"].tolist() == _rowwise(ids, lens, samples, PAD)
+    for i, s in enumerate(samples):
+        a = int(lens[i])
+        assert packed["logprobs"][i, a : a + len(s.logprobs)].tolist() == s.logprobs
+        assert float(packed["logprobs"][i].abs().sum()) == pytest.approx(sum(abs(x) for x in s.logprobs))
+    assert GeneratedBatch.of(parts).samples() == samples
+    with pytest.raises(ValueError, match="logprobs"):
+        GeneratedBatch().add([1, 2], [0.0], False)
 
 
 def test_sampling_spec_from_config() -> None:
