@@ -230,9 +230,10 @@ def logprobs(components: GRPOComponents, train_data: BatchedDataDict, timer: Tim
 
 def train(components: GRPOComponents, train_data: BatchedDataDict, weights: _EngineWeights,
           timer: Timer) -> dict[str, Any]:
-    """Optimizer steps over the batch; the engine's weights are now behind the policy's."""
+    """Optimizer steps over the batch; the engine's weights are now behind the policy's. (No separate
+    `prepare_for_training` call: each backend's `train` brings the optimizer back and sets train mode itself, and
+    the call was a Ray round trip a step.)"""
     with timer.time("policy_training"):
-        components.policy.prepare_for_training()
         results = components.policy.train(train_data, components.loss_fn)
         weights.policy_updated()
     return results

@@ -274,8 +274,7 @@ def _train_step(comps: SupervisedComponents, rows: list[Row], timer: Timer) -> d
     if comps.loss_fn.needs_reference_logprobs:
         with timer.time("reference_logprobs"):
             _prepare(comps, data)
-    with timer.time("policy_training"):
-        comps.policy.prepare_for_training()
+    with timer.time("policy_training"):  # `train` onloads and sets train mode itself (see grpo.train)
         results = comps.policy.train(data, comps.loss_fn)
     metrics = _metrics("train", results)
     metrics["train/grad_norm"] = float(results["grad_norm"])

@@ -70,6 +70,7 @@ class DTensorWorkerBase(WeightExportMixin):
             self.device.type, (self.dp_size, tp), mesh_dim_names=(self.DP_DIM, "tp")
         )
         self.tp_size = tp
+        self._dp_group: dist.ProcessGroup | None = None
         self.temperature = float(cfg.generation.temperature) if cfg.generation is not None else 1.0
         torch.manual_seed(1234)
         self.model = self._build_model()
@@ -102,7 +103,10 @@ class DTensorWorkerBase(WeightExportMixin):
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh[self.DP_DIM].get_group()
+        # Slicing a DeviceMesh builds a sub-mesh object each time (2% of a tiny model's training step): keep one.
+        if self._dp_group is None:
+            self._dp_group = self.mesh[self.DP_DIM].get_group()
+        return self._dp_group
 
     def _microbatches(self, data: BatchedDataDict, mbs: int) -> Iterator[Any]:
         if data.micro_batch_kind == "packing":
@@ -121,15 +125,18 @@ class DTensorWorkerBase(WeightExportMixin):
                 input_ids=pk.input_ids.to(self.device),
                 position_ids=pk.position_ids.to(self.device),
                 attention_mask=mask,
+                use_cache=False,
             )
             rows = mb.data
-        else:
-            out = self.model(input_ids=mb["input_ids"].to(self.device))
+        else:  # use_cache=False: a scoring pass has no use for the KV cache HF models otherwise build
+            out = self.model(input_ids=mb["input_ids"].to(self.device), use_cache=False)
             rows, pk = mb, None
         logits = out.logits
         if isinstance(logits, DTensor):
             logits = logits.to_local()  # [.., V / TP]: sharded over the vocabulary
-        return logits.float() / self.temperature, rows, pk
+        logits = logits.float()
+        # nothing downstream writes into the logits, so at temperature 1 they are used as they are (no copy)
+        return (logits / self.temperature if self.temperature != 1.0 else logits), rows, pk
 
     def _vp_kwargs(self) -> dict[str, Any]:
         if self.tp_size == 1:
