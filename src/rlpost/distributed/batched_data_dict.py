@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from rlpost.data.packing import PackedSequences, pack_sequences, unpack_sequences
+from rlpost.distributed import tensor_wire
 from rlpost.distributed.microbatching import (
     DynamicBatchingArgs,
     MicroBatchSpec,
@@ -59,6 +60,13 @@ class PackedMicroBatch:
         return unpack_sequences(values, self.packed.cu_seqlens, self.packed.cu_seqlens_padded, self.seq_len, pad_value)
 
 
+def _rebuild(cls: type[BatchedDataDict], values: dict[str, Any], attrs: dict[str, Any]) -> BatchedDataDict:
+    """Unpickle a BatchedDataDict (see its __reduce__)."""
+    out = cls({k: tensor_wire.unpack(v) for k, v in values.items()})
+    out.__dict__.update(attrs)
+    return out
+
+
 def _to_index_list(indices: IndexLike) -> list[int]:
     return [int(i) for i in (indices.tolist() if isinstance(indices, torch.Tensor) else indices)]
 
@@ -74,6 +82,10 @@ class BatchedDataDict(dict[str, Any]):
     """'dynamic' or 'packing' when a plan is set."""
     micro_batch_args: dict[str, Any] | None = None
     """The dynamic batching / packing args the plan was made with."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Tensors travel as numpy arrays (rlpost.distributed.tensor_wire): 30x cheaper to pickle than tensors.
+        return (_rebuild, (type(self), {k: tensor_wire.pack(v) for k, v in self.items()}, dict(self.__dict__)))
 
     # ------------------------------------------------------------------ construction and basic ops
     @classmethod

@@ -216,8 +216,9 @@ class RayWorkerGroup(ActorGroup):
         data-parallel index dp; one result per shard (dp order)."""
         if len(shards) != self.dims.dp:
             raise ValueError(f"{len(shards)} shards for data-parallel size {self.dims.dp}")
-        refs = [ray.put(s) for s in shards]
         dps = [self.dims.coords(r)["dp"] for r in range(len(self.workers))]
+        # A shard several ranks read (TP/PP peers) is stored once; one that a single rank reads goes in its call.
+        refs = [ray.put(s) if dps.count(dp) > 1 else s for dp, s in enumerate(shards)]
         futures = [
             getattr(w, method).remote(refs[dps[r]], *args, **kwargs, **(shard_kwargs[dps[r]] if shard_kwargs else {}))
             for r, w in enumerate(self.workers)
