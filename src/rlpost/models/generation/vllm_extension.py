@@ -122,8 +122,7 @@ class RlpostWorkerExtension:
         writer = self._rlpost_cpu_writer()
         plan = writer.plan(named) if writer is not None else None
         if plan is not None:
-            for name, t in named:
-                fp.add(name, t)
+            fp.add_all(named)
             writer.write(plan)
             self.rlpost_last_path = "writer"
             return fp

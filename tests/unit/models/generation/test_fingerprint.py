@@ -12,6 +12,8 @@ from rlpost.models.fingerprint import (
     FingerprintBuilder,
     FingerprintMismatch,
     sample_indices,
+    tensor_digest,
+    tensor_digests,
     weight_fingerprint,
 )
 
@@ -142,3 +144,29 @@ def test_check_fingerprints_names_each_disagreeing_process() -> None:
         check_fingerprints(["a", "x"], None)
     with pytest.raises(FingerprintMismatch, match=r"worker 0 .* worker 1 .* the sender's is s"):
         check_fingerprints(["a", "b"], "s", who="worker")
+
+
+def test_digests_in_one_pass_equal_one_by_one() -> None:
+    """tensor_digests (what refits use) gives tensor_digest's bytes for every tensor: mixed dtypes, empty, scalar,
+    non-contiguous, tiny and sampled tensors, -0.0 and NaN; and so the builder's two ways agree."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(300, 40, generator=g)
+    big[0, 0], big[-1, -1] = -0.0, float("nan")
+    named = [
+        ("a.weight", big),
+        ("b.bias", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("c.empty", torch.empty(0, 3)),
+        ("d.scalar", torch.tensor(-0.0)),
+        ("e.t", torch.randn(50, 60, generator=g).t()),
+        ("f.half", torch.randn(3, 3, generator=g).half()),
+    ]
+    batched = tensor_digests(named)
+    assert list(batched) == [n for n, _ in named]
+    for n, t in named:
+        assert batched[n] == tensor_digest(n, t), n
+    one, many = FingerprintBuilder(), FingerprintBuilder()
+    for n, t in named:
+        one.add(n, t)
+    many.add_all(named)
+    assert one.hexdigest() == many.hexdigest() == weight_fingerprint(named)
+    assert tensor_digests([]) == {}
