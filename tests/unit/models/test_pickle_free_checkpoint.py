@@ -234,3 +234,20 @@ def test_old_dcp_checkpoint_is_refused_without_reading_it(one_rank: Any, tmp_pat
     with pytest.raises(CheckpointError, match=r"old DCP format .* no\s+longer loads"):
         dc.load(one_rank(), str(tmp_path / "weights"), str(tmp_path / "optimizer"))
     assert not canary.exists()
+
+
+def test_one_plain_rank_exports_what_dcp_would(one_rank: Any) -> None:
+    """full_state_dict's shortcut for one unwrapped CPU rank returns DCP's full state dict: the same names, the same
+    tensors (the model's own storage, no copies), tied weights included; and a refit export built on it works."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    w = one_rank()
+    _step(w, 0)
+    fast = dc.full_state_dict(w.model)
+    ref = get_model_state_dict(w.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    assert list(fast) == list(ref)
+    for k in ref:
+        assert torch.equal(fast[k], ref[k]) and fast[k].data_ptr() == ref[k].data_ptr(), k
+        assert not fast[k].requires_grad
+    info = w.prepare_weights_for_export("float32")
+    assert set(info) >= set(ref) and "lm_head.weight" in info
