@@ -98,6 +98,47 @@ def test_refit_keeps_engine_on_policy_with_tp2(ray_local: None, tiny_model_dir: 
             gen_cluster.shutdown()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_training_call_leaves_the_next_one_bucket_refit_written(ray_local: None, tiny_model_dir: Path, tp: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """After one refit that fit one shared-memory bucket, each training call also stages the export of the weights
+    it produced, so the next refit makes no stage call on the policy: the engine loads the trained weights (on
+    policy after one and after two updates), and a corrupted load is still caught."""
+    pcfg, gcfg = configs(tiny_model_dir, f"cluster.gpus_per_node={tp}", f"policy.dtensor_cfg.tensor_parallel_size={tp}")
+    cluster = RayVirtualCluster(f"prestage-{tp}", tp, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
+    policy = Policy(cluster, pcfg)
+    engine = VllmGeneration(gcfg, cluster)
+    calls: list[str] = []
+    real_run_all = policy.worker_group.run_all
+
+    def run_all(method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        calls.append(method)
+        return real_run_all(method, *args, **kwargs)
+
+    monkeypatch.setattr(policy.worker_group, "run_all", run_all)
+    try:
+        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
+        refit_policy_generation(policy, engine, True, "float32")
+        assert "stage_export" in calls  # the first refit stages on its own
+        for updates in (1, 2):
+            out = engine.generate(prompts())
+            for _ in range(updates):
+                train_once(policy, out)
+            assert mult_prob_error(policy, out) > 1.01  # the engine is behind
+            calls.clear()
+            refit_policy_generation(policy, engine, True, "float32")
+            assert "stage_export" not in calls and "clear_export" not in calls, calls
+            assert mult_prob_error(policy, engine.generate(prompts())) <= 1.0001
+        train_once(policy, engine.generate(prompts()))
+        monkeypatch.setenv("RLPOST_FAULT_CORRUPT_REFIT", "model.layers.0.mlp.up_proj.weight")
+        with pytest.raises(FingerprintMismatch):
+            refit_policy_generation(policy, engine, True, "float32")
+    finally:
+        engine.shutdown()
+        policy.shutdown()
+        cluster.shutdown()
+
+
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["broadcast", "shared-memory"])
 def test_staged_refit_sends_the_staged_weights_while_the_next_update_trains(ray_local: None,
                                                                             tiny_model_dir: Path,

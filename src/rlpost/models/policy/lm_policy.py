@@ -8,7 +8,7 @@ already globally normalised, as in NeMo RL) and the rest averaged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +46,11 @@ class Policy(ColocatablePolicyInterface):
         self.device = device
         self.single_node = cluster.num_nodes == 1
         self._staged: WeightBuckets | None = None
+        self._stage_after_train: tuple[str, int] | None = None
+        """(dtype, bucket bytes) of the last refit when it was one shared-memory bucket on the CPU: every training
+        call then ends with that export written (`train_and_stage_export`), so the refit after it is one call."""
+        self._staged_export: dict[str, Any] | None = None
+        """Rank 0's `stage_export` answer from the last training call, until a refit takes it."""
         sizes = cfg.parallel_sizes()
         mp = sizes["tp"] * sizes["pp"] * sizes["cp"]
         self.dims = ParallelDims(dp=cluster.world_size // mp, tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"])
@@ -114,7 +119,15 @@ class Policy(ColocatablePolicyInterface):
               eval_mode: bool = False) -> dict[str, Any]:
         gbs = gbs or self.cfg.train_global_batch_size
         shards, _ = self._shard(data, gbs, for_training=True)
-        results = self.worker_group.run_sharded("train", shards, loss_fn, gbs, eval_mode)
+        self._staged_export = None  # the weights change: an export staged before is stale
+        if self._stage_after_train is not None and not eval_mode:
+            results = self.worker_group.run_sharded("train_and_stage_export", shards, loss_fn, gbs, eval_mode,
+                                                    *self._stage_after_train, self.single_node)
+            self._staged_export = results[0].pop("staged_export", None)
+            if self._staged_export is None:  # rank 0 is not dp 0's output rank (pipeline stages): stage on refit
+                self._stage_after_train = None
+        else:
+            results = self.worker_group.run_sharded("train", shards, loss_fn, gbs, eval_mode)
         first = results[0]
         metrics: dict[str, float] = {}
         for k in first["all_mb_metrics"]:
@@ -156,7 +169,16 @@ class Policy(ColocatablePolicyInterface):
     def export_weight_buckets(self, dtype: str, max_bucket_bytes: int = 256 * 2**20) -> WeightBuckets:
         # One node (a colocated engine shares the policy's): buckets go through rank 0's reusable shared-memory
         # segment instead of a fresh object-store allocation each (rlpost.distributed.shm_buckets).
-        return _RankZeroBuckets(self.worker_group, dtype, max_bucket_bytes, shared_memory=self.single_node)
+        staged, self._staged_export = self._staged_export, None
+        if self._stage_after_train != (dtype, max_bucket_bytes):
+            staged = None
+
+        def one_bucket() -> None:  # later training calls leave this refit's export written
+            if self.device == "cpu" and self.single_node:
+                self._stage_after_train = (dtype, max_bucket_bytes)
+
+        return _RankZeroBuckets(self.worker_group, dtype, max_bucket_bytes, shared_memory=self.single_node,
+                                staged=staged, on_one_bucket=one_bucket)
 
     def init_refit_collective_async(self, host: str, port: int, world_size: int) -> list[Any]:
         """Start rank 0 joining the refit group (it blocks until the engines join too)."""
@@ -229,10 +251,14 @@ class _StagedBucket(WeightBuckets):
 class _RankZeroBuckets(WeightBuckets):
     """Rank 0 writes the buckets one ahead of the engines (into two shared-memory slots, or the object store); the driver only
     forwards the boxes. The first step of the iteration stages the export on every rank (`stage_export`); a model
-    that fits one bucket comes back from it already written."""
+    that fits one bucket comes back from it already written. `staged`: that answer, given by the training call that
+    produced these weights (the stage call is skipped); `on_one_bucket` runs when the export was one bucket."""
 
-    def __init__(self, group: RayWorkerGroup, dtype: str, max_bytes: int, shared_memory: bool = False) -> None:
+    def __init__(self, group: RayWorkerGroup, dtype: str, max_bytes: int, shared_memory: bool = False,
+                 staged: dict[str, Any] | None = None, on_one_bucket: Callable[[], None] | None = None) -> None:
         self.group = group
+        self.staged = staged
+        self.on_one_bucket = on_one_bucket
         self.dtype = dtype
         self.max_bytes = max_bytes
         self.shared_memory = shared_memory
@@ -242,9 +268,11 @@ class _RankZeroBuckets(WeightBuckets):
         """Buckets the export was split into (known once the iteration started)."""
 
     def __iter__(self) -> Iterator[Any]:
-        staged = self.group.run_all("stage_export", self.dtype, self.max_bytes, self.shared_memory)[0]
+        staged = self.staged or self.group.run_all("stage_export", self.dtype, self.max_bytes, self.shared_memory)[0]
         plan = staged["plan"]
         self.planned = len(plan)
+        if "first" in staged and self.on_one_bucket is not None:
+            self.on_one_bucket()
         try:
             if "first" in staged:  # already written, and rank 0 cleared its export
                 yield staged["first"]

@@ -82,6 +82,20 @@ class WeightExportMixin:
             self.clear_export()
         return out
 
+    def train_and_stage_export(self, data: Any, loss_fn: Any, gbs: int | None, eval_mode: bool, dtype: str,
+                               max_bytes: int, shared_memory: bool) -> dict[str, Any]:
+        """All ranks: `train`, then `stage_export` in the same call, so the refit that follows finds its one bucket
+        written and needs no call of its own here (Policy asks for this once a refit was one bucket). Rank 0's
+        result carries the stage answer as "staged_export"; an export that is no longer one bucket is dropped."""
+        result = self.train(data, loss_fn, gbs, eval_mode)  # type: ignore[attr-defined]
+        staged = self.stage_export(dtype, max_bytes, shared_memory)
+        if self.rank != 0:
+            return dict(result)
+        if "first" not in staged:  # the refit stages it again, bucket by bucket
+            self.clear_export()
+            return dict(result)
+        return {**result, "staged_export": staged}
+
     def _shm_writer(self, slot: int | str) -> Any:
         """Rank 0's reusable shared-memory segment `slot` (a ShmBucketWriter), created on first use."""
         if self._shm is None:
