@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlpost.runtime.checkpointing import CheckpointManager, checkpoint_errors, read_json
+from rlpost.runtime.metrics_logger import scalar_metrics
 
 
 class SaveState(Protocol):
@@ -44,15 +45,34 @@ def record_checkpoint_metric(save_state: SaveState, metric_name: str | None, met
         save_state.extra[metric_name] = value
 
 
+METRICS_ROW = "metrics_row.json"
+"""The step's metrics row as it stood when the checkpoint was written: a run killed after the checkpoint and before
+its metrics.jsonl line resumes with that line restored (`saved_metrics_row`), not missing."""
+
+
 def write_checkpoint(checkpointer: CheckpointManager, policy: Any, step: int, save_state: SaveState,
-                     loader_state: dict[str, int], config_dict: dict[str, Any], model_fp: str, hf_export: bool) -> None:
-    """Write step_N atomically: policy weights + optimizer, dataloader position, RNG, config, training_info."""
+                     loader_state: dict[str, int], config_dict: dict[str, Any], model_fp: str, hf_export: bool,
+                     metrics_row: dict[str, float] | None = None) -> None:
+    """Write step_N atomically: policy weights + optimizer, dataloader position, RNG, config, training_info, and
+    the step's metrics row so far."""
     tmp = checkpointer.begin(step)
+    if metrics_row is not None:
+        (tmp / METRICS_ROW).write_text(json.dumps(scalar_metrics(metrics_row)))
     policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"), hf_export=hf_export)
     (tmp / "train_dataloader.json").write_text(json.dumps(loader_state))
     (tmp / "rng_state.json").write_text(json.dumps(save_rng_state()))
     (tmp / "config.yaml").write_text(json.dumps(config_dict, indent=1, default=str))
     checkpointer.finalize(tmp, step, save_state.to_dict(), model_fp, config_dict)
+
+
+def saved_metrics_row(last: Path) -> dict[str, float] | None:
+    """The metrics row checkpoint `last` recorded (None for a checkpoint written before rows were kept)."""
+    path = last / METRICS_ROW
+    if not path.exists():
+        return None
+    with checkpoint_errors(path):
+        row = read_json(path)
+    return row if isinstance(row, dict) else None
 
 
 def resume_info(checkpointer: CheckpointManager, last: Path, model_fp: str, config_dict: dict[str, Any]

@@ -113,14 +113,15 @@ def val_sample_line(tokenizer: Any, batch: RolloutBatch, i: int, step: int, k: i
 
 
 def save_checkpoint(components: GRPOComponents, step: int, metrics: dict[str, float],
-                    loader_state: dict[str, int] | None = None) -> None:
-    """Write step_N (policy weights + optimizer, dataloader, RNG, config) atomically. `loader_state` (async
-    GRPO: the position after the last trained batch) replaces the dataloader's own position."""
+                    loader_state: dict[str, int] | None = None, metrics_row: dict[str, float] | None = None) -> None:
+    """Write step_N (policy weights + optimizer, dataloader, RNG, config, the step's metrics row so far:
+    `metrics_row`, else `metrics`) atomically. `loader_state` (async GRPO: the position after the last trained
+    batch) replaces the dataloader's own position."""
     ck = components.cfg.checkpointing
     record_checkpoint_metric(components.save_state, ck.metric_name, metrics)
     write_checkpoint(components.checkpointer, components.policy, step, components.save_state,
                      loader_state or components.dataloader.state_dict(), components.config_dict, components.model_fp,
-                     ck.save_consolidated)
+                     ck.save_consolidated, metrics_row if metrics_row is not None else metrics)
 
 
 def _health_gate(components: GRPOComponents, metrics: dict[str, float], step: int, same_weights: bool = True) -> None:
@@ -314,7 +315,8 @@ def save_step(components: GRPOComponents, step: int, metrics: dict[str, float], 
     """Checkpoint the step (timed, and its duration told to the save deadline)."""
     save_t0 = time.perf_counter()
     with timer.time("checkpointing"):
-        save_checkpoint(components, step, metrics, loader_state=loader_state)
+        save_checkpoint(components, step, metrics, loader_state=loader_state,
+                        metrics_row={**metrics, **timer.metrics("timing/train")})
     deadline.save_took(time.perf_counter() - save_t0)
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from omegaconf import OmegaConf
 
-from rlpost.algorithms.checkpoint_io import restore_loader_and_rng, resume_info
+from rlpost.algorithms.checkpoint_io import restore_loader_and_rng, resume_info, saved_metrics_row
 from rlpost.config.schema.grpo import GRPOSaveState
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.master import MasterConfig
@@ -110,6 +110,8 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     if last is not None:
         save_state = GRPOSaveState.from_dict(resume_info(checkpointer, last, model_fp, config_dict))
     logger.truncate_after(save_state.total_steps)  # rows the interrupted run logged after its checkpoint
+    if last is not None:  # killed between the checkpoint and its metrics line: put the line back
+        logger.restore_row(save_state.total_steps, saved_metrics_row(last))
 
     tokenizer = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
     processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs)

@@ -24,6 +24,7 @@ from rlpost.algorithms.checkpoint_io import (
     record_checkpoint_metric,
     restore_loader_and_rng,
     resume_info,
+    saved_metrics_row,
     write_checkpoint,
 )
 from rlpost.algorithms.grpo_setup import close_all, set_seed
@@ -138,6 +139,8 @@ def setup(cfg: SupervisedMasterConfig, run_dir: Path) -> SupervisedComponents:
     if last is not None:
         save_state = SupervisedSaveState.from_dict(resume_info(checkpointer, last, model_fp, config_dict))
     logger.truncate_after(save_state.total_steps)
+    if last is not None:  # killed between the checkpoint and its metrics line: put the line back
+        logger.restore_row(save_state.total_steps, saved_metrics_row(last))
     tokenizer = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
     train_rows, val_rows, data_metrics = load_rows(cfg, tokenizer)
     loader = PromptLoader(cast(list[Any], train_rows), rows_per_step(cfg), cfg.rows.shuffle, cfg.rows.seed)
@@ -210,12 +213,15 @@ def validate(comps: SupervisedComponents) -> dict[str, float]:
     return out
 
 
-def save_checkpoint(comps: SupervisedComponents, step: int, metrics: dict[str, float]) -> None:
-    """Write step_N (weights + optimizer, loader position, RNG, config) atomically."""
+def save_checkpoint(comps: SupervisedComponents, step: int, metrics: dict[str, float],
+                    metrics_row: dict[str, float] | None = None) -> None:
+    """Write step_N (weights + optimizer, loader position, RNG, config, the step's metrics row so far: `metrics_row`,
+    else `metrics`) atomically."""
     ck = comps.cfg.checkpointing
     record_checkpoint_metric(comps.save_state, ck.metric_name, metrics)
     write_checkpoint(comps.checkpointer, comps.policy, step, comps.save_state, comps.loader.state_dict(),
-                     comps.config_dict, comps.model_fp, ck.save_consolidated)
+                     comps.config_dict, comps.model_fp, ck.save_consolidated,
+                     metrics_row if metrics_row is not None else metrics)
 
 
 def supervised_train(comps: SupervisedComponents,
@@ -250,7 +256,7 @@ def supervised_train(comps: SupervisedComponents,
             if cfg.checkpointing.enabled and on_schedule(cfg.checkpointing.save_period, step, last or out_of_time):
                 save_t0 = time.perf_counter()
                 with timer.time("checkpointing"):
-                    save_checkpoint(comps, step, metrics)
+                    save_checkpoint(comps, step, metrics, {**metrics, **timer.metrics("timing/train")})
                 deadline.save_took(time.perf_counter() - save_t0)
         metrics.update(timer.metrics("timing/train"))
         metrics["performance/tokens_per_sec"] = metrics["train/num_tokens"] / max(timer.times["total_step_time"], 1e-9)

@@ -1,7 +1,8 @@
 """Metric fan-out: metrics.jsonl (one object per step), TensorBoard scalars, a rich console bar.
 
 On resume from step S, `truncate_after(S)` drops what the interrupted run logged after S (and any
-partial last line), so the re-run steps appear once.
+partial last line), so the re-run steps appear once; `restore_row(S, row)` puts back step S's row, from the
+checkpoint, when the run was killed between writing the checkpoint and writing the row.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ def _scalar(v: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return f if math.isfinite(f) else None
+
+
+def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """The finite scalars of a metrics dict: what a row keeps."""
+    return {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
 
 
 class MetricsLogger:
@@ -70,8 +76,22 @@ class MetricsLogger:
             self.tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=step + 1)
         return dropped
 
+    def restore_row(self, step: int, row: dict[str, Any] | None) -> bool:
+        """After `truncate_after(step)`: log `row` as step `step`'s when metrics.jsonl has no row for that step
+        (the run died after its checkpoint, before its line). True when it did."""
+        if row is None or self.jsonl is None:
+            return False
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                if int(json.loads(line)["step"]) == step:
+                    return False
+            except (ValueError, KeyError, TypeError):
+                continue
+        self.log(row, step)
+        return True
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        clean = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
+        clean = scalar_metrics(metrics)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
             self.jsonl.flush()

@@ -179,6 +179,44 @@ def test_metrics_truncate_after_keeps_one_row_per_step(tmp_path: Path) -> None:
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
+class _FilePolicy:
+    """What write_checkpoint needs of a policy: its save (here one small file per path)."""
+
+    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None, hf_export: bool = True) -> None:
+        for p in (weights_path, optimizer_path):
+            Path(p).mkdir(parents=True)  # type: ignore[arg-type]
+            (Path(p) / "part.json").write_text("{}")  # type: ignore[arg-type]
+
+
+def test_a_run_killed_between_checkpoint_and_metrics_line_gets_the_line_back(tmp_path: Path) -> None:
+    """The checkpoint of step 2 holds step 2's row; a run killed before writing that row to metrics.jsonl resumes
+    with it restored (once, in order), and a run that did write it keeps its own."""
+    from rlpost.algorithms.checkpoint_io import saved_metrics_row, write_checkpoint
+    from rlpost.config.schema.grpo import GRPOSaveState
+
+    m = CheckpointManager(CheckpointingConfig(enabled=True, checkpoint_dir=str(tmp_path / "ck")), tmp_path)
+    cfg = LoggerConfig()
+    log = MetricsLogger(cfg, tmp_path)
+    log.log({"train/reward": 1.0}, 1)
+    state = GRPOSaveState(total_steps=2)
+    write_checkpoint(m, _FilePolicy(), 2, state, {"epoch": 0, "index": 2}, {}, "fp", False,
+                     {"train/reward": 2.0, "timing/train/generation": 0.5, "note": "not a scalar"})
+    log.close()  # killed here: step 2's line never written
+
+    last = m.latest_verified()
+    assert last is not None and last.name == "step_2"
+    assert saved_metrics_row(last) == {"train/reward": 2.0, "timing/train/generation": 0.5}
+    log = MetricsLogger(cfg, tmp_path)
+    log.truncate_after(2)
+    assert log.restore_row(2, saved_metrics_row(last))
+    assert not log.restore_row(2, saved_metrics_row(last))  # there now: not twice
+    log.log({"train/reward": 3.0}, 3)
+    log.close()
+    assert [(r["step"], r["train/reward"]) for r in rows(tmp_path / "metrics.jsonl")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    (last / "metrics_row.json").unlink()  # a checkpoint from before rows were kept
+    assert saved_metrics_row(last) is None
+
+
 def test_worker_load_failure_is_recognised_through_the_exception_chain() -> None:
     from rlpost.algorithms.grpo_setup import _checkpoint_load_failure
 
