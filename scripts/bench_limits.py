@@ -9,13 +9,17 @@
   no transport can avoid; and bare reload: the same through vLLM's own reload_weights, for comparison;
 - memcpy: copying the model's bytes once (the floor for moving a refit's bytes).
 
-Used by bench_grpo.py; `measure_limits(cfg)` returns seconds and GB/s.
+Used by bench_grpo.py; `measure_limits(cfg)` returns seconds and GB/s. Generation and training are timed several
+times: `bare_*_s` is the best run (the strict floor), `bare_*_median_s` the median (what the run's median step is
+compared with: this host's speed drifts by 20% and more within minutes, and a best run is a lucky one).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,25 +93,34 @@ def bare_loads(cfg: Any, repeats: int = 3) -> dict[str, float]:
             worker.shutdown()
 
 
-def bare_generation(cfg: Any, prompts: list[list[int]], repeats: int = 3) -> tuple[float, list[list[int]], dict[str, float]]:
-    """Best wall time of generating for `prompts` with the engine class in this process, the sequences, and the
-    bare in-place loads (`_bare_loads`)."""
+def timed(fn: Callable[[], Any], repeats: int = 3, most: int = 11, budget_s: float = 3.0) -> list[float]:
+    """Wall times of `fn()`: `repeats` runs, and more (up to `most`) while they fit in `budget_s`, so a millisecond
+    workload gets a median as steady as the run's many steps while a model that takes seconds stays at `repeats`."""
+    times: list[float] = []
+    while len(times) < repeats or (len(times) < most and sum(times) < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bare_generation(cfg: Any, prompts: list[list[int]], repeats: int = 3
+                    ) -> tuple[list[float], list[list[int]], dict[str, float]]:
+    """Wall times of generating for `prompts` with the engine class in this process (`timed`), the sequences, and
+    the bare in-place loads (`_bare_loads`)."""
     worker, spec, seeds = _engine_worker(cfg)
     if seeds is None:
         seeds = list(range(len(prompts)))
-    best, outs = float("inf"), []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        outs = worker.generate(prompts, spec, seeds)
-        best = min(best, time.perf_counter() - t0)
+    outs: list[Any] = []
+    times = timed(lambda: outs.append(worker.generate(prompts, spec, seeds)), repeats)
     loads = _bare_loads(cfg, worker, repeats)
     if hasattr(worker, "shutdown"):
         worker.shutdown()
-    return best, [list(p) + list(o.token_ids) for p, o in zip(prompts, outs.samples(), strict=True)], loads
+    return times, [list(p) + list(o.token_ids) for p, o in zip(prompts, outs[-1].samples(), strict=True)], loads
 
 
-def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], repeats: int = 3) -> float:
-    """Best wall time of one optimizer step (forward + backward + AdamW, micro-batched) on `sequences` (the bare
+def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], repeats: int = 3) -> list[float]:
+    """Wall times (`timed`) of one optimizer step (forward + backward + AdamW, micro-batched) on `sequences` (the bare
     engine's: their token count, `bare_training_tokens`, differs a little from a GRPO step's)."""
     from transformers import AutoModelForCausalLM
 
@@ -125,9 +138,8 @@ def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], 
     adv = torch.randn(len(sequences), 1)
     mbs = cfg.policy.train_micro_batch_size
     n_tok = mask[:, 1:].sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+
+    def step() -> None:
         opt.zero_grad(set_to_none=True)
         for a in range(0, len(sequences), mbs):
             logits = model(input_ids=ids[a : a + mbs]).logits[:, :-1].float()
@@ -136,8 +148,8 @@ def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], 
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        best = min(best, time.perf_counter() - t0)
-    return best
+
+    return timed(step, repeats)
 
 
 def memcpy_gbps(cfg: Any, repeats: int = 5) -> tuple[float, int]:
@@ -158,8 +170,10 @@ def measure_limits(cfg: Any) -> dict[str, float]:
     """Seconds of bare generation, bare training and the bare engine loads for one step's batch, and memcpy GB/s."""
     _threads()
     prompts = step_prompts(cfg)
-    gen_s, sequences, loads = bare_generation(cfg, prompts)
-    train_s = bare_training(cfg, sequences, [len(p) for p in prompts])
+    gen, sequences, loads = bare_generation(cfg, prompts)
+    train = bare_training(cfg, sequences, [len(p) for p in prompts])
     gbps, nbytes = memcpy_gbps(cfg)
-    return {"bare_generation_s": gen_s, "bare_training_s": train_s, **loads, "memcpy_gbps": gbps,
+    return {"bare_generation_s": min(gen), "bare_training_s": min(train),
+            "bare_generation_median_s": statistics.median(gen), "bare_training_median_s": statistics.median(train),
+            "bare_repeats": float(min(len(gen), len(train))), **loads, "memcpy_gbps": gbps,
             "model_bytes": nbytes, "bare_training_tokens": sum(len(s) for s in sequences)}
