@@ -52,6 +52,10 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
     # A refit before the first generation: in step 1, or before the validation at step 0 (val_at_start).
     first_refit = steps[0] if "grpo.val_at_start=true" not in extra else lines[0]
     assert "timing/train/refit" in first_refit or "timing/validation/refit" in first_refit
+    # Colocated vLLM on the CPU: from step 2 on, the training call staged the export and the engine loaded it in the
+    # background while the driver booked the step (and the engine stayed on policy: token_mult_prob_error above).
+    background = ["timing/train/refit_background" in m for m in steps]
+    assert background == ([False, True, True] if name == "dtensor-vllm-token-colocated" else [False] * 3), background
     if val:
         accs = [m for m in lines if "validation/accuracy" in m]
         # every val_period steps, and the last step (3) too, so the final weights always have a score

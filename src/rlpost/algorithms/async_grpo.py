@@ -38,8 +38,8 @@ import ray
 
 from rlpost.algorithms.collect import rollout_rows, sample_seeds
 from rlpost.algorithms.deadline import SaveDeadline
+from rlpost.algorithms.engine_weights import EngineWeights
 from rlpost.algorithms.grpo import (
-    _EngineWeights,
     _step_metrics,
     log_step,
     logprobs,
@@ -185,7 +185,7 @@ def async_grpo_train(
     cfg, g, save_state = components.cfg, components.cfg.grpo, components.save_state
     max_age = g.async_grpo.max_trajectory_age_steps
     timer = Timer()
-    weights = _EngineWeights(components, timer)
+    weights = EngineWeights(components, timer)
     weights.policy_version = save_state.total_steps
     weights.refit()  # the engine starts from what the trainer holds (a resumed run: the checkpoint's weights)
     if g.val_at_start and save_state.total_steps == 0:
@@ -209,7 +209,7 @@ def async_grpo_train(
     return save_state
 
 
-def _train_steps(components: GRPOComponents, collector: Collector, buffer: Any, weights: _EngineWeights, timer: Timer,
+def _train_steps(components: GRPOComponents, collector: Collector, buffer: Any, weights: EngineWeights, timer: Timer,
                  deadline: SaveDeadline, on_step: Callable[[int, dict[str, float]], None] | None) -> None:
     """The trainer's loop: take a batch, train on it, refit, validate, save, log."""
     cfg, g, save_state = components.cfg, components.cfg.grpo, components.save_state
@@ -298,7 +298,7 @@ class _engine:
         self.collector.notify()
 
 
-def _refit(collector: Collector, weights: _EngineWeights, timer: Timer) -> None:
+def _refit(collector: Collector, weights: EngineWeights, timer: Timer) -> None:
     """New weights for the engine: staged for the collector's next batch boundary (the trainer goes on at
     once), or (grpo.async_grpo.in_flight_weight_updates) loaded now, under the engine's frozen in-flight
     requests, which then go on with the new weights."""

@@ -24,7 +24,8 @@ from rlpost.algorithms.checkpoint_io import record_checkpoint_metric, write_chec
 from rlpost.algorithms.collect import collect_batch, shaped_rewards, validation_seeds
 from rlpost.algorithms.deadline import SaveDeadline
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
-from rlpost.algorithms.grpo_setup import GRPOComponents, generation_dtype, setup
+from rlpost.algorithms.engine_weights import EngineWeights
+from rlpost.algorithms.grpo_setup import GRPOComponents, setup
 from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
 from rlpost.algorithms.refit import refit_policy_generation
 from rlpost.algorithms.rollouts import RolloutBatch
@@ -173,31 +174,6 @@ def _tighten_call_timeouts(components: GRPOComponents, slowest_step_s: float) ->
     components.generation.set_call_timeout(timeout)
 
 
-class _EngineWeights:
-    """Which policy version the engine serves: training bumps the policy's, `sync` refits (timed) when the
-    engine's is older."""
-
-    def __init__(self, components: GRPOComponents, timer: Timer) -> None:
-        self.components, self.timer = components, timer
-        self.dtype = generation_dtype(components.cfg)
-        self.policy_version, self.engine_version = 0, -1  # the engine starts with the checkpoint's weights, unchecked
-
-    def policy_updated(self) -> None:
-        self.policy_version += 1
-
-    def refit(self) -> float:
-        components = self.components
-        took = refit_policy_generation(components.policy, components.generation, components.colocated, self.dtype,
-                                       components.cfg.policy.refit_buffer_size_gb)
-        self.engine_version = self.policy_version
-        return took
-
-    def sync(self) -> None:
-        if self.engine_version != self.policy_version:
-            with self.timer.time("refit"):
-                self.refit()
-
-
 # ---- the phases of one step (DESIGN §4) ------------------------------------------------------------------
 
 
@@ -229,7 +205,7 @@ def logprobs(components: GRPOComponents, train_data: BatchedDataDict, timer: Tim
                 "reference_logprobs"]
 
 
-def train(components: GRPOComponents, train_data: BatchedDataDict, weights: _EngineWeights,
+def train(components: GRPOComponents, train_data: BatchedDataDict, weights: EngineWeights,
           timer: Timer) -> dict[str, Any]:
     """Optimizer steps over the batch; the engine's weights are now behind the policy's. (No separate
     `prepare_for_training` call: each backend's `train` brings the optimizer back and sets train mode itself, and
@@ -265,7 +241,7 @@ def grpo_train(
     timer = Timer()
     slowest = 0.0
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, components.started_at)
-    weights = _EngineWeights(components, timer)
+    weights = EngineWeights(components, timer)
     if grpo_cfg.val_at_start and save_state.total_steps == 0:
         # Validate what the engine really serves: refit (with its fingerprint check) first.
         took = weights.refit()
@@ -301,6 +277,7 @@ def grpo_train(
         if out_of_time:
             say.info(deadline.message(step))
             break
+    weights.finish()
     return save_state
 
 

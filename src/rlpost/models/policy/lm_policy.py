@@ -166,6 +166,11 @@ class Policy(ColocatablePolicyInterface):
         self.worker_group.run_all("clear_export")
         return info
 
+    @property
+    def export_staged(self) -> bool:
+        """The last training call left its export written: the next refit only has the engines load it."""
+        return self._staged_export is not None
+
     def export_weight_buckets(self, dtype: str, max_bucket_bytes: int = 256 * 2**20) -> WeightBuckets:
         # One node (a colocated engine shares the policy's): buckets go through rank 0's reusable shared-memory
         # segment instead of a fresh object-store allocation each (rlpost.distributed.shm_buckets).
