@@ -163,6 +163,11 @@ class PolicyWorker(Protocol):
         'fingerprint': of the export} and, when it fits one bucket, 'first': that bucket already out (as
         put_export_bucket returns it; the export is then cleared)."""
 
+    def train_and_stage_export(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None, eval_mode: bool,
+                               dtype: str, max_bytes: int, shared_memory: bool) -> dict[str, Any]:
+        """`train`, then `stage_export` in the same call (rank 0's result adds it as "staged_export" when the export
+        is one bucket), so the refit after a training step needs no stage call."""
+
     def put_export_bucket(self, indices: list[int], shared_memory: bool = False, slot: int = 0) -> Any:
         """Rank 0: one bucket into its shared-memory segment number `slot` (a descriptor) or the object store
         ([its ref])."""
