@@ -248,9 +248,8 @@ def _train_steps(components: GRPOComponents, collector: Collector, buffer: Any, 
             deadline.step_took(time.perf_counter() - step_t0)
             if cfg.checkpointing.enabled and on_schedule(cfg.checkpointing.save_period, step, last or out_of_time):
                 save_step(components, step, metrics, timer, deadline, loader_state=entry.loader_state)
-            stats = ray.get(buffer.stats.remote(), timeout=cfg.cluster.call_timeout_s)
-            metrics.update({"async/trajectory_age": float(age), "async/buffer_size": stats["size"],
-                            "async/dropped_stale": stats["dropped_stale"],
+            metrics.update({"async/trajectory_age": float(age), "async/buffer_size": entry.extra["buffer_size"],
+                            "async/dropped_stale": entry.extra["buffer_dropped_stale"],
                             "async/generation_s": entry.generation_s,
                             "async/engine_refit_s": collector.engine_refit_s,
                             "async/in_flight_refits": float(collector.in_flight_refits)})

@@ -17,6 +17,7 @@ def test_take_returns_batches_in_generation_order_and_drops_the_stale_ones() -> 
     taken = buf.take(min_version=2)
     assert taken is not None and (taken.version, taken.index) == (2, 3)
     assert buf.stats() == {"size": 0.0, "dropped_stale": 2.0}
+    assert taken.extra == {"buffer_size": 0.0, "buffer_dropped_stale": 2.0}  # what the trainer logs, no call needed
     assert buf.take(min_version=0) is None and buf.has_room()
 
 
