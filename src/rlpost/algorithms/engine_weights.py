@@ -39,11 +39,14 @@ class EngineWeights:
     def refit(self) -> float:
         """Refit now (after any background one ended); the seconds it took."""
         self._join_background()
-        components = self.components
-        took = refit_policy_generation(components.policy, components.generation, components.colocated, self.dtype,
-                                       components.cfg.policy.refit_buffer_size_gb)
+        took = self._refit_engine()
         self.engine_version = self.policy_version
         return took
+
+    def _refit_engine(self) -> float:
+        """One refit of the engine from the policy (checked); the seconds it took."""
+        c = self.components
+        return refit_policy_generation(c.policy, c.generation, c.colocated, self.dtype, c.cfg.policy.refit_buffer_size_gb)
 
     def sync(self) -> None:
         """Bring the engine to the policy's version before it generates."""
@@ -66,10 +69,8 @@ class EngineWeights:
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                c = self.components
-                refit_policy_generation(c.policy, c.generation, c.colocated, self.dtype, c.cfg.policy.refit_buffer_size_gb)
+                self._outcome = (self._refit_engine(), None)
                 self.engine_version = version
-                self._outcome = (time.perf_counter() - t0, None)
             except BaseException as exc:  # noqa: BLE001 - raised again by the main thread in _join_background
                 self._outcome = (time.perf_counter() - t0, exc)
 
