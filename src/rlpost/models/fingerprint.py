@@ -96,14 +96,13 @@ def _digest(name: str, shape: torch.Size, values: bytes) -> bytes:
 
 def tensor_digest(name: str, tensor: torch.Tensor, samples: int = DEFAULT_SAMPLES_PER_TENSOR) -> bytes:
     """Digest of one tensor: name, shape and its sampled values as canonical fp32 bytes."""
-    t = tensor.detach()
-    return _digest(name, t.shape, _canonical_bytes(_sampled(name, t, samples)) if t.numel() else b"")
+    return tensor_digests([(name, tensor)], samples)[name]
 
 
 def tensor_digests(named: Iterable[tuple[str, torch.Tensor]], samples: int = DEFAULT_SAMPLES_PER_TENSOR
                    ) -> dict[str, bytes]:
     """`tensor_digest` of many tensors at once, equal to it bit for bit: the samples of all of them are canonicalised
-    in one pass instead of a handful of small ops per tensor (the default model's 26 tensors: 1.4 -> 0.4 ms)."""
+    in one pass instead of a handful of small ops per tensor (the default model's 26 tensors: 0.69 -> 0.34 ms)."""
     named = [(n, t.detach()) for n, t in named]
     parts = [_sampled(n, t, samples) for n, t in named]
     flat = _canonical_bytes(torch.cat(parts)) if parts else b""
