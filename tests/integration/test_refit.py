@@ -57,6 +57,13 @@ def train_once(policy: Policy, gen_out: BatchedDataDict) -> None:
     policy.train(data, ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)))
 
 
+def assert_corrupted_refit_is_caught(policy: Policy, engine: VllmGeneration, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A colocated refit whose engine loads a corrupted tensor fails the fingerprint check."""
+    monkeypatch.setenv("RLPOST_FAULT_CORRUPT_REFIT", "model.layers.0.mlp.up_proj.weight")
+    with pytest.raises(FingerprintMismatch):
+        refit_policy_generation(policy, engine, True, "float32")
+
+
 def mult_prob_error(policy: Policy, gen_out: BatchedDataDict) -> float:
     lp_train = policy.get_logprobs(BatchedDataDict(input_ids=gen_out["output_ids"],
                                                    input_lengths=gen_out["unpadded_sequence_lengths"]))["logprobs"]
@@ -86,10 +93,8 @@ def test_refit_keeps_engine_on_policy_with_tp2(ray_local: None, tiny_model_dir: 
         out1 = engine.generate(prompts())
         err = mult_prob_error(policy, out1)
         assert err <= 1.0001, err
-        if colocated:  # a corrupted tensor inside the engine is caught
-            monkeypatch.setenv("RLPOST_FAULT_CORRUPT_REFIT", "model.layers.0.mlp.up_proj.weight")
-            with pytest.raises(FingerprintMismatch):
-                refit_policy_generation(policy, engine, colocated, "float32")
+        if colocated:
+            assert_corrupted_refit_is_caught(policy, engine, monkeypatch)
     finally:
         engine.shutdown()
         policy.shutdown()
@@ -130,9 +135,7 @@ def test_training_call_leaves_the_next_one_bucket_refit_written(ray_local: None,
             assert "stage_export" not in calls and "clear_export" not in calls, calls
             assert mult_prob_error(policy, engine.generate(prompts())) <= 1.0001
         train_once(policy, engine.generate(prompts()))
-        monkeypatch.setenv("RLPOST_FAULT_CORRUPT_REFIT", "model.layers.0.mlp.up_proj.weight")
-        with pytest.raises(FingerprintMismatch):
-            refit_policy_generation(policy, engine, True, "float32")
+        assert_corrupted_refit_is_caught(policy, engine, monkeypatch)
     finally:
         engine.shutdown()
         policy.shutdown()
