@@ -22,39 +22,63 @@ def _group_ids(prompts: torch.Tensor) -> torch.Tensor:
     return torch.unique(prompts.reshape(prompts.shape[0], -1), dim=0, return_inverse=True)[1]
 
 
+def _padded_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For [B] group indices: [G, n] sample indices of each group, padded with 0, and the [G, n] mask of real
+    entries (n: the largest group). Members keep their order in the batch."""
+    order = torch.argsort(groups, stable=True)
+    sizes = torch.bincount(groups)
+    sizes = sizes[sizes > 0]
+    starts = torch.cumsum(sizes, 0) - sizes
+    width = int(sizes.max()) if sizes.numel() else 0
+    pos = torch.arange(width).unsqueeze(0)  # [1, n]
+    real = pos < sizes.unsqueeze(1)  # [G, n]
+    index = torch.where(real, order[(starts.unsqueeze(1) + pos).clamp(max=len(order) - 1)], 0)
+    return index, real
+
+
 def calculate_baseline_and_std_per_prompt(
     prompts: torch.Tensor,
     rewards: torch.Tensor,
     valid_mask: torch.Tensor,
     leave_one_out: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample baseline [B] and unbiased std [B] within prompt groups (see the module docstring)."""
+    """Per-sample baseline [B] and unbiased std [B] within prompt groups (see the module docstring).
+
+    All groups at once: each group's rewards and validity are laid out as a row of a [G, n] matrix (n: the largest
+    group; padding counts as an invalid sample and is dropped at the end), so a step's many groups cost a few batched
+    operations instead of a Python loop over them."""
     rewards_f = rewards.double()  # [B]
-    valid = valid_mask.to(torch.float64)  # [B]
+    valid = valid_mask.to(device=rewards.device, dtype=torch.float64)  # [B]
+    if rewards_f.numel() == 0:
+        return rewards.clone(), torch.zeros_like(rewards)
     groups = _group_ids(prompts.to(rewards.device))  # [B]
+    index, real = _padded_groups(groups.cpu())
+    index, real = index.to(rewards.device), real.to(rewards.device)
+    r = rewards_f[index] * real  # [G, n]
+    v = valid[index] * real  # [G, n]
+    n = r.shape[1]
+    # others[g, i, j] = 1 if sample j counts towards sample i's baseline (group g)
+    others = v.unsqueeze(1).expand(-1, n, -1).clone()  # [G, n, n]
+    if leave_one_out:
+        eye = torch.eye(n, dtype=others.dtype, device=others.device)
+        others = others * (1.0 - eye.unsqueeze(0) * v.unsqueeze(2))
+    # An invalid sample of the group leaves nothing out: it gets the baseline of all valid samples.
+    count = others.sum(dim=2)  # [G, n]
+    b = (others @ r.unsqueeze(2)).squeeze(2) / count.clamp(min=1)  # [G, n]
+    # Two-pass variance around each baseline: exactly 0 for a zero-variance group, where the one-pass
+    # form leaves a residue the 1e-6 division would blow up.
+    sq_dev = others * (r.unsqueeze(1) - b.unsqueeze(2)).square()  # [G, n, n]
+    var = torch.where(count > 1, sq_dev.sum(dim=2) / (count - 1).clamp(min=1), torch.zeros_like(b))
+    std = var.clamp(min=0).sqrt().nan_to_num(0.0)
+    # A group with at most one valid sample: the baseline is the reward itself (advantage 0), std 0.
+    lone = (v.sum(dim=1) <= 1).unsqueeze(1)  # [G, 1]
+    b = torch.where(lone, r, b)
+    std = torch.where(lone, torch.zeros_like(std), std)
     baseline = torch.zeros_like(rewards_f)
-    std = torch.zeros_like(rewards_f)
-    for g in torch.unique(groups).tolist():
-        idx = (groups == g).nonzero(as_tuple=True)[0]  # [n_g]
-        r = rewards_f[idx]  # [n_g]
-        v = valid[idx]  # [n_g]
-        if v.sum() <= 1:
-            baseline[idx] = r
-            continue
-        # others[i, j] = 1 if sample j counts towards sample i's baseline
-        others = v.unsqueeze(0).expand(len(idx), -1).clone()  # [n_g, n_g]
-        if leave_one_out:
-            others = others * (1.0 - torch.eye(len(idx), dtype=others.dtype, device=others.device) * v.unsqueeze(1))
-        # An invalid sample of the group leaves nothing out: it gets the baseline of all valid samples.
-        count = others.sum(dim=1)  # [n_g]
-        b = (others @ r) / count  # [n_g]
-        # Two-pass variance around each baseline: exactly 0 for a zero-variance group, where the one-pass
-        # form leaves a residue the 1e-6 division would blow up.
-        sq_dev = others * (r.unsqueeze(0) - b.unsqueeze(1)).square()  # [n_g, n_g]
-        var = torch.where(count > 1, sq_dev.sum(dim=1) / (count - 1).clamp(min=1), torch.zeros_like(b))
-        baseline[idx] = b
-        std[idx] = var.clamp(min=0).sqrt().nan_to_num(0.0)
-    return baseline.to(rewards.dtype), std.to(rewards.dtype)
+    out_std = torch.zeros_like(rewards_f)
+    baseline[index[real]] = b[real]
+    out_std[index[real]] = std[real]
+    return baseline.to(rewards.dtype), out_std.to(rewards.dtype)
 
 
 def compute_advantages(

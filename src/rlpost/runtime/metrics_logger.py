@@ -95,9 +95,13 @@ class MetricsLogger:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
             self.jsonl.flush()
-        if self.tb is not None:
-            for k, v in clean.items():
-                self.tb.add_scalar(k, v, step)
+        if self.tb is not None and clean:
+            # one event holding every scalar of the step (add_scalar per key wrote one event each: 3.6 ms for a GRPO
+            # step's 70 metrics against 0.4 ms); TensorBoard reads each value as its own scalar series
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in clean.items()])
+            self.tb._get_file_writer().add_summary(summary, step)
             self.tb.flush()
 
     def log_hyperparams(self, text: str) -> None:

@@ -117,3 +117,40 @@ def test_overlong_reward_shaping() -> None:
     )
     close(apply_overlong_reward_shaping(T(0.0), torch.tensor([35]), cfg2), [-0.25])
     close(apply_overlong_reward_shaping(rewards, lengths, RewardShapingConfig(enabled=False)), rewards.tolist())
+
+
+def _per_group_reference(groups: torch.Tensor, rewards: torch.Tensor, valid: torch.Tensor, loo: bool
+                         ) -> tuple[list[float], list[float]]:
+    """The definition, one group and one sample at a time (float64)."""
+    base, std = [0.0] * len(rewards), [0.0] * len(rewards)
+    for i in range(len(rewards)):
+        members = [j for j in range(len(rewards)) if groups[j] == groups[i]]
+        if sum(float(valid[j]) for j in members) <= 1:
+            base[i] = float(rewards[i])
+            continue
+        counted = [j for j in members if valid[j] and not (loo and j == i and valid[i])]
+        b = sum(float(rewards[j]) for j in counted) / len(counted)
+        base[i] = b
+        if len(counted) > 1:
+            std[i] = math.sqrt(sum((float(rewards[j]) - b) ** 2 for j in counted) / (len(counted) - 1))
+    return base, std
+
+
+@pytest.mark.parametrize("loo", [True, False])
+def test_all_groups_at_once_match_the_per_group_definition(loo: bool) -> None:
+    # unequal, interleaved groups; some with no or one valid sample; repeated rewards (zero-variance groups)
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        groups = torch.randint(0, 7, (n,), generator=gen) * 11  # sparse ids
+        rewards = torch.randint(0, 3, (n,), generator=gen).double() if trial % 2 else torch.rand(n, generator=gen).double()
+        valid = (torch.rand(n, generator=gen) > 0.25).double()
+        b, s = calculate_baseline_and_std_per_prompt(groups, rewards, valid, leave_one_out=loo)
+        rb, rs = _per_group_reference(groups, rewards, valid, loo)
+        assert b.tolist() == pytest.approx(rb, abs=1e-12)
+        assert s.tolist() == pytest.approx(rs, abs=1e-12)
+
+
+def test_no_samples_give_empty_baselines() -> None:
+    b, s = calculate_baseline_and_std_per_prompt(torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0))
+    assert b.shape == (0,) and s.shape == (0,)
