@@ -22,15 +22,19 @@ class PromptLoader:
         self.seed = seed
         self.epoch = 0
         self.index = 0
+        self._epoch_order: tuple[int, list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.rows) // self.batch_size
 
     def _order(self) -> list[int]:
-        order = list(range(len(self.rows)))
-        if self.shuffle:
-            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
-        return order
+        """This epoch's row order (shuffled once per epoch, not once per batch)."""
+        if self._epoch_order is None or self._epoch_order[0] != self.epoch:
+            order = list(range(len(self.rows)))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+            self._epoch_order = (self.epoch, order)
+        return self._epoch_order[1]
 
     def epochs_done(self) -> int:
         """Completed passes over the data."""
