@@ -4,9 +4,10 @@ The engine and the trainer sit on separate worker slots (policy.generation.coloc
 collector thread in the driver pulls prompt batches from the dataloader, generates and scores them with the
 weights the engine holds (policy version g) and pushes each batch, tagged with g, into the ReplayBuffer (a
 Ray actor). The driver thread trains: it takes batches in generation order, drops the ones older than
-grpo.async_grpo.max_trajectory_age_steps (counted, never trained on), computes the trainer's logprobs of the
-batch (the data is off-policy, so the prev-logprobs pass always runs and importance-sampling correction is
-required) and updates the policy. The trainer never waits for the engine: after each update the policy's
+grpo.async_grpo.max_trajectory_age_steps (counted, never trained on) and updates the policy. The loss weighs each
+token by exp(lp_old - lp_gen) (importance-sampling correction, required): lp_old are the trainer's own logprobs
+before the update. With one optimizer step per batch (the default) they are the training pass's own, detached, as in
+the synchronous loop, so no separate prev-logprobs pass runs; with several, the pass computes them first. The trainer never waits for the engine: after each update the policy's
 rank 0 stages a copy of the new weights (`stage_weights`, a memcpy), and the collector, at its next batch
 boundary, refits the engine from that copy before it generates, while the next update trains: on one node on CPU
 the engines load it from rank 0's shared-memory segment themselves; otherwise rank 0 broadcasts it

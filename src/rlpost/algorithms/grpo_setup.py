@@ -213,10 +213,10 @@ def _checkpoint_load_failure(exc: BaseException) -> str | None:
 
 
 def _loss_config(cfg: MasterConfig) -> Any:
-    """The loss config, with force_on_policy_ratio on when the step is on-policy (exact, skips a pass)."""
+    """The loss config, with force_on_policy_ratio on when the batch is one optimizer step (exact, skips a pass)."""
     from rlpost.config.layout import prev_logprobs_pass
 
-    if prev_logprobs_pass(cfg) == "on-policy":
+    if prev_logprobs_pass(cfg) in ("on-policy", "one-step async"):
         assert isinstance(cfg.loss_fn, ClippedPGLossConfig)  # only a ratio loss has an on-policy pass
         return dataclasses.replace(cfg.loss_fn, force_on_policy_ratio=True)
     return cfg.loss_fn

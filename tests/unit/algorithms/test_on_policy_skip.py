@@ -118,3 +118,17 @@ def test_plan_tells_when_the_pass_is_skipped() -> None:
     assert prev_logprobs_pass(forced) == "forced"
     _, nll = load_master_config(["loss=nll"])
     assert prev_logprobs_pass(nll) == "not needed"
+
+
+def test_async_grpo_with_one_step_batches_skips_the_pass_too() -> None:
+    """lp_old is the trainer's own logprobs before the update, in async GRPO as in sync; a batch of older weights
+    differs in lp_gen, which the importance-sampling weights read (the `use_importance_sampling_correction` case of
+    test_skipped_pass_gives_the_same_loss_and_gradients: lp_gen there is not the model's)."""
+    from rlpost.algorithms.grpo_setup import _loss_config
+
+    split = ["grpo.async_grpo.enabled=true", "cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
+             "policy.generation.colocated.resources.gpus_per_node=1", "loss_fn.use_importance_sampling_correction=true"]
+    _, one_step = load_master_config(split)
+    assert prev_logprobs_pass(one_step) == "one-step async" and _loss_config(one_step).force_on_policy_ratio
+    _, two_steps = load_master_config([*split, "policy.train_global_batch_size=128"])
+    assert prev_logprobs_pass(two_steps) == "computed" and not _loss_config(two_steps).force_on_policy_ratio

@@ -43,17 +43,19 @@ def test_layout_with_tp_dp_and_split() -> None:
     assert rows["generation and training"].startswith("one after the other")
 
 
+ASYNC = ["grpo.async_grpo.enabled=true", "cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
+         "policy.generation.colocated.resources.gpus_per_node=1", "loss_fn.use_importance_sampling_correction=true"]
+
+
 def test_plan_explains_async_grpo() -> None:
-    _, cfg = load_master_config([
-        "grpo.async_grpo.enabled=true", "cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
-        "policy.generation.colocated.resources.gpus_per_node=1", "loss_fn.use_importance_sampling_correction=true",
-        "grpo.async_grpo.max_trajectory_age_steps=2",
-    ])
+    _, cfg = load_master_config([*ASYNC, "grpo.async_grpo.max_trajectory_age_steps=2"])
     rows = dict(plan_rows(cfg))
     assert rows["generation and training"] == ("overlapped (async GRPO): batches at most 2 policy version(s) old; "
                                                "refit at the engine's next batch boundary, from a copy staged after "
                                                "each update (the trainer does not wait)")
-    assert rows["prev-logprobs pass"].startswith("computed: async GRPO")
+    assert rows["prev-logprobs pass"].startswith("skipped: one optimizer step per batch")
+    _, two_steps = load_master_config([*ASYNC, "policy.train_global_batch_size=128"])
+    assert dict(plan_rows(two_steps))["prev-logprobs pass"].startswith("computed: several optimizer steps")
 
 
 def test_megatron_pp_layout() -> None:
