@@ -54,10 +54,13 @@ def _engine_worker(cfg: Any) -> tuple[Any, Any, Any]:
     gen = cfg.policy.generation
     model = str(cfg.policy.model_name)
     if "Vllm" in gen._target_:
+        from torch import _dynamo
+
         from rlpost.models.generation import vllm_generation as vg
         from rlpost.models.generation.vllm_worker import VllmEngineWorker
 
-        os.environ.update(vg.VLLM_ENGINE_ENV)
+        os.environ.update(vg.engine_env(gen.vllm_cfg, torch.cuda.is_available()))
+        _dynamo.config.disable = os.environ.get("TORCHDYNAMO_DISABLE") == "1"  # torch read the variable at import
         worker: Any = VllmEngineWorker(model, vg.engine_kwargs(gen, 0, False, model_path=model))
         return worker, vg.sampling_spec(gen, False, worker.tokenizer.eos_token_id), None
     from rlpost.models.generation import hf_generation as hg

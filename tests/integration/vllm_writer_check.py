@@ -20,8 +20,8 @@ def main(model_dir: str) -> None:
     from rlpost.models.generation.vllm_extension import WRITER_ENV
     from rlpost.models.generation.vllm_worker import VllmEngineWorker
 
-    os.environ.update(vg.VLLM_ENGINE_ENV)
     cfg = VllmConfig(max_new_tokens=12)
+    os.environ.update(vg.engine_env(cfg.vllm_cfg, False))
     cfg.vllm_cfg.kv_cache_space_gb = 0.125
     cfg.vllm_cfg.max_model_len = 128
     worker = VllmEngineWorker(model_dir, vg.engine_kwargs(cfg, 0, False))

@@ -66,6 +66,16 @@ VLLM_ENGINE_ENV: dict[str, str] = {
 """Environment of every engine actor (on top of WORKER_ENV); the driver's own values win."""
 
 
+def engine_env(vllm_cfg: Any, on_gpu: bool) -> dict[str, str]:
+    """VLLM_ENGINE_ENV for an engine with these `vllm_cfg` settings. An eager engine on the CPU compiles nothing:
+    vLLM itself compiles no model then, but its sampler still `torch.compile`s a helper (the rank of each sampled
+    token's logprob), and the first generation paid 1.4-2.5 s for inductor's compiler checks and cache loads, all on
+    the time to the first step (TORCHDYNAMO_DISABLE=1 runs it eagerly: the same values, 0.2 s). On a GPU the compiled
+    helper stays: eagerly it would hold a [tokens, vocabulary] mask, GBs for a large batch."""
+    eager_cpu = vllm_cfg.enforce_eager and not on_gpu
+    return {**VLLM_ENGINE_ENV, **({"TORCHDYNAMO_DISABLE": "1"} if eager_cpu else {})}
+
+
 AUTO_KV_SEQS = 256
 """Sequences an auto-sized CPU KV cache holds at max_model_len tokens each (vLLM's default max_num_seqs)."""
 AUTO_KV_MIN_BYTES, AUTO_KV_MAX_BYTES = 2**24, 2**30
@@ -181,7 +191,7 @@ class VllmGeneration(GenerationInterface):
         for r in range(self.num_replicas):
             first_slot = r * self.slots_per_replica
             opts = cluster.scheduling(first_slot)
-            env = {**WORKER_ENV, **VLLM_ENGINE_ENV, **passthrough}
+            env = {**WORKER_ENV, **engine_env(v, self.use_gpus), **passthrough}
             if self.use_gpus and self.slots_per_replica > 1:
                 # vLLM's Ray executor starts one GPU worker per slot of this replica; the leader needs no GPU.
                 opts["num_gpus"] = 0
