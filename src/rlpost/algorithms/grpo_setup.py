@@ -163,17 +163,19 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
             weights, optim = str(last / "policy" / "weights"), str(last / "policy" / "optimizer")
         loss_fn: LossFunction = build(_loss_config(cfg), key="loss_fn._target_")
         try:  # the workers load the checkpoint in their constructor; a failure shows on the first call
-            # Policy actors start without waiting; the engine's start-up below overlaps with theirs.
+            # The engines first (the longest start: vLLM's imports and engine), then the policy's actors beside
+            # them: neither constructor waits for its actors (the policy's imports its worker class here, 0.9 s).
+            generation: GenerationInterface = build(
+                gen_cfg, gen_cluster, model_path=cfg.policy.model_name, timeout_s=cfg.cluster.call_timeout_s,
+                key="policy.generation._target_", hf_overrides=dict(cfg.policy.hf_config_overrides))
+            opened.insert(0, generation.shutdown)
             policy = Policy(
                 train_cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
                 init_reference_model=loss_fn.needs_reference_logprobs, device=device,
                 timeout_s=cfg.cluster.call_timeout_s,
             )
-            opened.insert(0, policy.shutdown)
-            generation: GenerationInterface = build(
-                gen_cfg, gen_cluster, model_path=cfg.policy.model_name, timeout_s=cfg.cluster.call_timeout_s,
-                key="policy.generation._target_", hf_overrides=dict(cfg.policy.hf_config_overrides))
-            opened.insert(0, generation.shutdown)
+            opened.insert(1, policy.shutdown)  # closed after the engines, as before
+            generation.wait_started()
             generation.finish_generation()
             if not colocated:
                 from rlpost.algorithms.refit import init_refit_collective

@@ -56,6 +56,11 @@ class GenerationInterface(ABC):
 
         return await asyncio.to_thread(self.generate, data, greedy)
 
+    def wait_started(self) -> None:
+        """Return once every engine worker has started (raising, named, when one failed to). An engine whose
+        constructor does not wait lets the policy's workers start beside it; this default has nothing to wait for."""
+        return None
+
     @abstractmethod
     def pause_for_refit(self, recompute_kv_cache: bool = False) -> None:
         """Freeze in-flight requests so new weights can be loaded under them (grpo.async_grpo.in_flight_weight_updates);

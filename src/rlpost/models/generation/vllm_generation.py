@@ -212,13 +212,30 @@ class VllmGeneration(GenerationInterface):
                     "cuda" if self.use_gpus else "cpu",
                 )
             )
-        try:
-            infos = self.group.call_all("info")
-        except BaseException:
-            self.shutdown()
-            raise
-        self.eos_token_id: int | None = infos[0]["eos_token_id"]
-        self.pad_token_id: int = int(infos[0]["pad_token_id"])
+        # Not waited for here: the policy's workers (built next) start beside the engines; the first use waits.
+        self._info_futures = [w.info.remote() for w in self.group.workers]
+        self._info: dict[str, Any] | None = None
+
+    def wait_started(self) -> None:
+        self._engine_info()
+
+    def _engine_info(self) -> dict[str, Any]:
+        """The first replica's tokenizer facts, once every replica has started (a failed start is named)."""
+        if self._info is None:
+            try:
+                self._info = self.group.get(self._info_futures)[0]
+            except BaseException:
+                self.shutdown()
+                raise
+        return self._info
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._engine_info()["eos_token_id"]
+
+    @property
+    def pad_token_id(self) -> int:
+        return int(self._engine_info()["pad_token_id"])
 
     # ------------------------------------------------------------------ plumbing
     def set_call_timeout(self, timeout_s: float) -> None:
