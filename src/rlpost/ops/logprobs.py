@@ -13,7 +13,9 @@ Both entry points share one autograd Function, `_NextTokenLogprobs`:
   the gradient of its own vocabulary slice, and the upstream gradient g is identical on every rank.
 Only the input logits and the per-position lse [B, S-1] are saved; the softmax is recomputed chunk by chunk in
 backward, so the fp32 working set is bounded by chunk_size * V_local per row in both passes.
-Without a group the same code is the ordinary (unsharded) log-softmax gather.
+Without a group the same code is the ordinary (unsharded) log-softmax gather; unchunked as well (the training loss's
+case), the forward is torch's fused logsumexp and the backward builds its gradient in place (tiny model: 1.19 -> 0.70 ms
+a micro-batch for both passes, against 0.65 ms for autograd's log_softmax + gather).
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ class _NextTokenLogprobs(torch.autograd.Function):
     ) -> torch.Tensor:
         distributed = group is not None
         dtype = _compute_dtype(logits)
+        if not distributed and (chunk_size is None or chunk_size <= 0 or chunk_size >= target.shape[1]):
+            # One rank, one chunk: torch's fused logsumexp (one pass instead of max, subtract, exp, sum, log).
+            x = logits.to(dtype)  # [B, T, V]
+            lse_all = torch.logsumexp(x, dim=-1)  # [B, T]
+            out = x.gather(-1, target.unsqueeze(-1)).squeeze(-1) - lse_all  # [B, T]
+            ctx.save_for_backward(logits, target, None, lse_all)
+            ctx.chunk_size = None
+            return out
         out = torch.empty(target.shape, dtype=dtype, device=logits.device)  # [B, T]
         lse_all = torch.empty_like(out)  # [B, T]
         owned = (target >= vocab_start) & (target < vocab_end)  # [B, T]
@@ -75,8 +85,12 @@ class _NextTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, local_target, owned, lse_all = ctx.saved_tensors
-        grad_logits = torch.empty_like(logits)  # [B, T, V_local]
         g_all = grad_out.to(lse_all.dtype)  # [B, T]
+        if owned is None:  # one rank, one chunk: -g * softmax, plus g at the target, built in place
+            grad = torch.sub(logits.to(lse_all.dtype), lse_all.unsqueeze(-1)).exp_().mul_((-g_all).unsqueeze(-1))
+            grad.scatter_add_(-1, local_target.unsqueeze(-1), g_all.unsqueeze(-1))
+            return grad.to(logits.dtype), None, None, None, None, None
+        grad_logits = torch.empty_like(logits)  # [B, T, V_local]
         for s, e in _chunks(local_target.shape[1], ctx.chunk_size):
             g = g_all[:, s:e]  # [B, c]
             softmax = torch.exp(logits[:, s:e].to(lse_all.dtype) - lse_all[:, s:e].unsqueeze(-1))  # [B, c, V_local]
