@@ -142,6 +142,51 @@ def test_training_call_leaves_the_next_one_bucket_refit_written(ray_local: None,
         cluster.shutdown()
 
 
+def test_engines_load_the_training_calls_export_without_the_driver(ray_local: None, tiny_model_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRPO's colocated refit after the first: the engines are sent the training call's pending result with the call
+    itself (EngineWeights through Policy.on_stage_submitted), so they load its staged export as soon as it exists;
+    the driver makes no refit call of its own (no bucket load, no stage), the engine is on policy after `sync`, and a
+    corrupted load still fails the fingerprint check there."""
+    from types import SimpleNamespace
+
+    from rlpost.algorithms.engine_weights import EngineWeights
+    from rlpost.runtime.timer import Timer
+
+    pcfg, gcfg = configs(tiny_model_dir)
+    _, master = load_master_config([])
+    cluster = RayVirtualCluster("chained", 1, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
+    policy = Policy(cluster, pcfg)
+    engine = VllmGeneration(gcfg, cluster)
+    timer = Timer()
+    weights = EngineWeights(SimpleNamespace(cfg=master, policy=policy, generation=engine, colocated=True), timer)
+    try:
+        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
+        weights.refit()  # the first refit stages on its own; from now on each training call writes its export
+        driver_loads: list[int] = []
+        real_load = engine.update_weights_from_buckets
+        monkeypatch.setattr(engine, "update_weights_from_buckets", lambda b: driver_loads.append(1) or real_load(b))
+        for _ in range(2):
+            out = engine.generate(prompts())
+            train_once(policy, out)
+            weights.policy_updated()
+            assert mult_prob_error(policy, out) > 1.01  # the weights really changed
+            timer.reset()
+            weights.sync()
+            assert weights.engine_version == weights.policy_version and driver_loads == []
+            assert timer.times["refit_background"] > 0  # the engines' own load
+            assert mult_prob_error(policy, engine.generate(prompts())) <= 1.0001
+        monkeypatch.setenv("RLPOST_FAULT_CORRUPT_REFIT", "model.layers.0.mlp.up_proj.weight")
+        train_once(policy, engine.generate(prompts()))
+        weights.policy_updated()
+        with pytest.raises(FingerprintMismatch):
+            weights.sync()
+    finally:
+        engine.shutdown()
+        policy.shutdown()
+        cluster.shutdown()
+
+
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["broadcast", "shared-memory"])
 def test_staged_refit_sends_the_staged_weights_while_the_next_update_trains(ray_local: None,
                                                                             tiny_model_dir: Path,

@@ -1,18 +1,24 @@
 """Which policy version the rollout engine serves, and the refits that bring it up to date.
 
 Training bumps the policy's version; `sync` refits (timed as the step's "refit") when the engine's is older.
-Colocated on the CPU, once the training call has already written the export (Policy.train_and_stage_export),
-the refit only has the engines load it, and it needs nothing from the driver or the policy: `policy_updated`
-starts it at once on a background thread, so the engines load while the driver books the step (metrics,
-validation bookkeeping, the checkpoint, the next prompts). `sync` then waits for what is left of it (the step's
-"refit"; its whole length is `refit_background`), and raises what it raised (a FingerprintMismatch included).
-The driver makes no other call on the engines in between: everything that generates calls `sync` first.
+Colocated on the CPU, once each training call also writes the export of the weights it produced
+(Policy.train_and_stage_export), the refit only has the engines load it, and needs nothing from the driver:
+
+- with vLLM, the engines are told to load it as the training call is sent (`Policy.on_stage_submitted`,
+  `load_staged_async`): Ray hands them rank 0's result the moment it exists, so they load while that result travels
+  back to the driver and the driver books the step;
+- otherwise `policy_updated` starts the refit on a background thread as soon as training returns.
+
+Either way `sync` then waits for what is left of it (the step's "refit"; the load itself is `refit_background`) and
+raises what it raised (a FingerprintMismatch included). The driver makes no other call on the engines in between:
+everything that generates calls `sync` first.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 from rlpost.algorithms.grpo_setup import GRPOComponents, generation_dtype
 from rlpost.algorithms.refit import refit_policy_generation
@@ -28,17 +34,33 @@ class EngineWeights:
         self.policy_version, self.engine_version = 0, -1  # the engine starts with the checkpoint's weights, unchecked
         self._background: threading.Thread | None = None
         self._outcome: tuple[float, BaseException | None] = (0.0, None)
+        self._sent: list[Any] | None = None  # the engines' loads sent with the training call in flight
+        self._chained: tuple[list[Any], str, int] | None = None  # those loads, the export's fingerprint, its version
+        policy, generation = components.policy, components.generation
+        if components.colocated and hasattr(generation, "load_staged_async") and hasattr(policy, "on_stage_submitted"):
+            policy.on_stage_submitted = self._send_load
+
+    def _send_load(self, train_result: Any) -> None:
+        self._sent = self.components.generation.load_staged_async(train_result)  # type: ignore[attr-defined]
 
     def policy_updated(self) -> None:
-        """The policy took an optimizer step: the engine is behind (and, when the export is staged, starts
-        catching up now)."""
+        """The policy took an optimizer step: the engine is behind (and, when the export is staged, is catching up
+        already or starts now)."""
         self.policy_version += 1
-        if self.components.colocated and getattr(self.components.policy, "export_staged", False):
+        sent, self._sent = self._sent, None
+        policy = self.components.policy
+        if sent is not None:
+            staged = policy.take_staged_export()  # type: ignore[attr-defined]
+            if staged is not None:
+                self._chained = (sent, str(staged["fingerprint"]), self.policy_version)
+                return
+            # the call staged nothing (the export outgrew one bucket): the engines' loads return at once, unused
+        if self.components.colocated and getattr(policy, "export_staged", False):
             self._start_background()
 
     def refit(self) -> float:
-        """Refit now (after any background one ended); the seconds it took."""
-        self._join_background()
+        """Refit now (after any refit in flight ended); the seconds it took."""
+        self._settle()
         took = self._refit_engine()
         self.engine_version = self.policy_version
         return took
@@ -50,17 +72,32 @@ class EngineWeights:
 
     def sync(self) -> None:
         """Bring the engine to the policy's version before it generates."""
-        if self._background is not None:
+        if self._background is not None or self._chained is not None:
             with self.timer.time("refit"):
-                took = self._join_background()
+                took = self._settle()
             self.timer.times["refit_background"] = took
         if self.engine_version != self.policy_version:
             with self.timer.time("refit"):
                 self.refit()
 
     def finish(self) -> None:
-        """Wait for a background refit (the end of a run)."""
-        self._join_background()
+        """Wait for a refit in flight (the end of a run)."""
+        self._settle()
+
+    def _settle(self) -> float:
+        """Wait for the refit in flight, if any; the seconds its load took (raising what it raised)."""
+        return self._join_background() + self._join_chained()
+
+    def _join_chained(self) -> float:
+        chained, self._chained = self._chained, None
+        if chained is None:
+            return 0.0
+        futures, fingerprint, version = chained
+        took = self.components.generation.wait_staged(futures, fingerprint)  # type: ignore[attr-defined]
+        if took is None:
+            raise RuntimeError("the engines found no staged export in the training call that staged one")
+        self.engine_version = version
+        return took
 
     def _start_background(self) -> None:
         self._join_background()

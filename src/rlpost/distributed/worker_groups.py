@@ -214,15 +214,24 @@ class RayWorkerGroup(ActorGroup):
     ) -> list[Any]:
         """Send `shards[dp]` (and `shard_kwargs[dp]`, keyword arguments of that shard) to every rank of
         data-parallel index dp; one result per shard (dp order)."""
+        futures = self.submit_sharded(method, shards, *args, shard_kwargs=shard_kwargs, **kwargs)
+        return self.collect_sharded(futures, output_only)
+
+    def submit_sharded(self, method: str, shards: Sequence[Any], *args: Any,
+                       shard_kwargs: Sequence[dict[str, Any]] | None = None, **kwargs: Any) -> list[Any]:
+        """`run_sharded` without waiting: one future per rank (rank order), for `collect_sharded`."""
         if len(shards) != self.dims.dp:
             raise ValueError(f"{len(shards)} shards for data-parallel size {self.dims.dp}")
         dps = [self.dims.coords(r)["dp"] for r in range(len(self.workers))]
         # A shard several ranks read (TP/PP peers) is stored once; one that a single rank reads goes in its call.
         refs = [ray.put(s) if dps.count(dp) > 1 else s for dp, s in enumerate(shards)]
-        futures = [
+        return [
             getattr(w, method).remote(refs[dps[r]], *args, **kwargs, **(shard_kwargs[dps[r]] if shard_kwargs else {}))
             for r, w in enumerate(self.workers)
         ]
+
+    def collect_sharded(self, futures: list[Any], output_only: bool = True) -> list[Any]:
+        """The results of `submit_sharded`: one per shard (dp order), or every rank's with output_only=False."""
         results = self.get(futures)
         if not output_only:
             return results

@@ -340,6 +340,21 @@ class VllmGeneration(GenerationInterface):
             self._get([w.end_refit.remote() for w in self.workers])
         return self._check_fingerprints([self._complete_fingerprint(d) for d in digests], None)
 
+    def load_staged_async(self, train_result: Any) -> list[Any]:
+        """Every replica loads the export a training call staged, as soon as that call's rank-0 result (`train_result`,
+        a pending Ray result) exists: Ray hands it to the engines itself, the driver is not in between. For
+        `wait_staged`."""
+        return [w.load_staged.remote(train_result, self._fault(r)) for r, w in enumerate(self.workers)]
+
+    def wait_staged(self, futures: list[Any], expected: str) -> float | None:
+        """Wait for `load_staged_async`; the longest replica's load in seconds, or None when the training call staged
+        nothing (no replica loaded). FingerprintMismatch unless every replica loaded exactly `expected`."""
+        parts = self._get(futures)
+        if any(p is None for p in parts):
+            return None
+        self._check_fingerprints([self._complete_fingerprint(p["digests"]) for p in parts], expected)
+        return max(float(p["seconds"]) for p in parts)
+
     def _complete_fingerprint(self, digests: dict[str, str]) -> str:
         missing = sorted(set(self._refit_info or {}) - set(digests))
         if missing:

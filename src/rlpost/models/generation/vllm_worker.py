@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -248,6 +249,16 @@ class VllmEngineWorker:
         if last:
             self.end_refit()
         return digests[0]
+
+    def load_staged(self, train_result: dict[str, Any], corrupt: str | None = None) -> dict[str, Any] | None:
+        """Load the export a training call staged (its rank-0 result's "staged_export", one bucket, which ends the
+        refit): {"digests", "seconds"}; None when the call staged nothing."""
+        staged = train_result.get("staged_export")
+        if not staged or "first" not in staged:
+            return None
+        t0 = time.perf_counter()
+        digests = self.load_bucket(staged["first"], corrupt, last=True)
+        return {"digests": digests, "seconds": time.perf_counter() - t0}
 
     def last_load_path(self) -> str:
         """How the last refit was written into the model: "writer" (rlpost's CPU writer) or "reload" (vLLM's)."""

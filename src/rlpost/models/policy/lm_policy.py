@@ -51,6 +51,10 @@ class Policy(ColocatablePolicyInterface):
         call then ends with that export written (`train_and_stage_export`), so the refit after it is one call."""
         self._staged_export: dict[str, Any] | None = None
         """Rank 0's `stage_export` answer from the last training call, until a refit takes it."""
+        self.on_stage_submitted: Callable[[Any], None] | None = None
+        """Called with rank 0's pending result when a training call that stages the export has been sent and before
+        it is waited for: an engine can be told to load the export as soon as that result exists (EngineWeights),
+        without a round trip through the driver."""
         sizes = cfg.parallel_sizes()
         mp = sizes["tp"] * sizes["pp"] * sizes["cp"]
         self.dims = ParallelDims(dp=cluster.world_size // mp, tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"])
@@ -121,8 +125,11 @@ class Policy(ColocatablePolicyInterface):
         shards, _ = self._shard(data, gbs, for_training=True)
         self._staged_export = None  # the weights change: an export staged before is stale
         if self._stage_after_train is not None and not eval_mode:
-            results = self.worker_group.run_sharded("train_and_stage_export", shards, loss_fn, gbs, eval_mode,
-                                                    *self._stage_after_train, self.single_node)
+            futures = self.worker_group.submit_sharded("train_and_stage_export", shards, loss_fn, gbs, eval_mode,
+                                                       *self._stage_after_train, self.single_node)
+            if self.on_stage_submitted is not None:
+                self.on_stage_submitted(futures[0])  # rank 0's: its result carries the staged export
+            results = self.worker_group.collect_sharded(futures)
             self._staged_export = results[0].pop("staged_export", None)
             if self._staged_export is None:  # rank 0 is not dp 0's output rank (pipeline stages): stage on refit
                 self._stage_after_train = None
@@ -170,6 +177,12 @@ class Policy(ColocatablePolicyInterface):
     def export_staged(self) -> bool:
         """The last training call left its export written: the next refit only has the engines load it."""
         return self._staged_export is not None
+
+    def take_staged_export(self) -> dict[str, Any] | None:
+        """The last training call's staged export ({"plan", "fingerprint", "first"}), taken by an engine that loaded
+        it straight from that call's result (`on_stage_submitted`); None when there is none."""
+        staged, self._staged_export = self._staged_export, None
+        return staged
 
     def export_weight_buckets(self, dtype: str, max_bucket_bytes: int = 256 * 2**20) -> WeightBuckets:
         # One node (a colocated engine shares the policy's): buckets go through rank 0's reusable shared-memory
