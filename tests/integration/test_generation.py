@@ -456,3 +456,27 @@ def test_many_seeded_prompts_larger_than_one_step_generate(vllm_engine: Any, wei
     with _cfg(vllm_engine, stop_token_ids=[]):
         out = vllm_engine.generate(batch)
     assert out["output_ids"].shape == (n, width + 12) and out["generation_lengths"].tolist() == [12] * n
+
+
+def test_an_engine_that_fails_to_start_is_named_when_waited_for(ray_cluster: None, model_dir: Path,
+                                                                tmp_path: Path) -> None:
+    """The constructor does not wait for the engines (the policy's actors start beside them); `wait_started` does,
+    and a replica that could not start is named there, with its cause."""
+    import shutil
+
+    from rlpost.distributed.virtual_cluster import RayVirtualCluster
+    from rlpost.distributed.worker_groups import WorkerGroupError
+    from rlpost.models.generation.vllm_generation import VllmGeneration
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    cluster = RayVirtualCluster("test-vllm-broken", workers_per_node=1, cpus_per_bundle=0.25, placement_timeout_s=60)
+    try:
+        engine = VllmGeneration(_vllm_cfg(), cluster, str(broken), timeout_s=240)  # returns before the engine starts
+        with pytest.raises(WorkerGroupError, match="replica 0"):
+            engine.wait_started()
+        engine.shutdown()
+    finally:
+        cluster.shutdown()

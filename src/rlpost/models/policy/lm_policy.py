@@ -127,8 +127,11 @@ class Policy(ColocatablePolicyInterface):
         if self._stage_after_train is not None and not eval_mode:
             futures = self.worker_group.submit_sharded("train_and_stage_export", shards, loss_fn, gbs, eval_mode,
                                                        *self._stage_after_train, self.single_node)
-            if self.on_stage_submitted is not None:
-                self.on_stage_submitted(futures[0])  # rank 0's: its result carries the staged export
+            # Rank 0's result carries the staged export; only when it is also dp 0's output rank does this facade take
+            # that export (below), so only then may the engines load it on their own (with pipeline stages the
+            # export is staged again on refit, into the segment they would still be reading).
+            if self.on_stage_submitted is not None and self.dims.is_output_rank(0):
+                self.on_stage_submitted(futures[0])
             results = self.worker_group.collect_sharded(futures)
             self._staged_export = results[0].pop("staged_export", None)
             if self._staged_export is None:  # rank 0 is not dp 0's output rank (pipeline stages): stage on refit
