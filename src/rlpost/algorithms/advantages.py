@@ -54,8 +54,8 @@ def calculate_baseline_and_std_per_prompt(
     groups = _group_ids(prompts.to(rewards.device))  # [B]
     index, real = _padded_groups(groups.cpu())
     index, real = index.to(rewards.device), real.to(rewards.device)
-    r = rewards_f[index] * real  # [G, n]
-    v = valid[index] * real  # [G, n]
+    r = torch.where(real, rewards_f[index], 0.0)  # [G, n] (where, not a product: a NaN reward stays in its group)
+    v = torch.where(real, valid[index], 0.0)  # [G, n]
     n = r.shape[1]
     # others[g, i, j] = 1 if sample j counts towards sample i's baseline (group g)
     others = v.unsqueeze(1).expand(-1, n, -1).clone()  # [G, n, n]

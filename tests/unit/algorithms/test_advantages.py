@@ -151,6 +151,14 @@ def test_all_groups_at_once_match_the_per_group_definition(loo: bool) -> None:
         assert s.tolist() == pytest.approx(rs, abs=1e-12)
 
 
+def test_a_nan_reward_stays_in_its_own_group() -> None:
+    groups = torch.tensor([0, 0, 0, 1, 1])  # unequal sizes: group 1 is padded in the batched layout
+    b, s = calculate_baseline_and_std_per_prompt(groups, T(float("nan"), 1, 0, 1, 0), torch.ones(5))
+    assert b[:3].isnan().any()  # group 0's own business, as before
+    close(b[3:], [0, 1])
+    close(s[3:], [0, 0])
+
+
 def test_no_samples_give_empty_baselines() -> None:
     b, s = calculate_baseline_and_std_per_prompt(torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0))
     assert b.shape == (0,) and s.shape == (0,)
