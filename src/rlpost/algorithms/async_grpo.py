@@ -7,10 +7,10 @@ Ray actor). The driver thread trains: it takes batches in generation order, drop
 grpo.async_grpo.max_trajectory_age_steps (counted, never trained on) and updates the policy. The loss weighs each
 token by exp(lp_old - lp_gen) (importance-sampling correction, required): lp_old are the trainer's own logprobs
 before the update. With one optimizer step per batch (the default) they are the training pass's own, detached, as in
-the synchronous loop, so no separate prev-logprobs pass runs; with several, the pass computes them first. The trainer never waits for the engine: after each update the policy's
-rank 0 stages a copy of the new weights (`stage_weights`, a memcpy), and the collector, at its next batch
-boundary, refits the engine from that copy before it generates, while the next update trains: on one node on CPU
-the engines load it from rank 0's shared-memory segment themselves; otherwise rank 0 broadcasts it
+the synchronous loop, so no separate prev-logprobs pass runs; with several, the pass computes them first. The
+trainer never waits for the engine: after each update the policy's rank 0 stages a copy of the new weights
+(`stage_weights`, a memcpy), and the collector, at its next batch boundary, refits the engine from that copy
+before it generates, while the next update trains: on one node on CPU the engines load it from rank 0's shared-memory segment themselves; otherwise rank 0 broadcasts it
 (`broadcast_staged`, in the workers' own Ray concurrency group). With grpo.async_grpo.in_flight_weight_updates (vLLM's
 async engine) the trainer refits at once instead: the engine freezes its in-flight requests (vLLM
 pause_generation(mode="keep"), dropping their KV cache with recompute_kv_cache_after_weight_updates), loads the

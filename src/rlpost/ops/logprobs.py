@@ -52,13 +52,12 @@ class _NextTokenLogprobs(torch.autograd.Function):
     ) -> torch.Tensor:
         distributed = group is not None
         dtype = _compute_dtype(logits)
-        if not distributed and (chunk_size is None or chunk_size <= 0 or chunk_size >= target.shape[1]):
+        if not distributed and len(_chunks(target.shape[1], chunk_size)) <= 1:
             # One rank, one chunk: torch's fused logsumexp (one pass instead of max, subtract, exp, sum, log).
             x = logits.to(dtype)  # [B, T, V]
             lse_all = torch.logsumexp(x, dim=-1)  # [B, T]
             out = x.gather(-1, target.unsqueeze(-1)).squeeze(-1) - lse_all  # [B, T]
-            ctx.save_for_backward(logits, target, None, lse_all)
-            ctx.chunk_size = None
+            ctx.save_for_backward(logits, target, None, lse_all)  # owned=None: backward takes the same path
             return out
         out = torch.empty(target.shape, dtype=dtype, device=logits.device)  # [B, T]
         lse_all = torch.empty_like(out)  # [B, T]
