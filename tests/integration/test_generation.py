@@ -384,10 +384,42 @@ def test_async_engine_same_contract(
         eng, ref = _ref_logprobs(ref_model, weights_b, out, batch, TEMPERATURE)
         assert _mult_prob_error(eng, ref) <= 1.0001
         _in_flight_refit_keeps_requests(engine, weights_b)
+        _fanned_out_equals_one_request_per_row(engine, weights_b, tokenizer)
         _multi_turn_sync_and_async_agree(vllm_engine, engine, weights_a, tokenizer)
     finally:
         engine.shutdown()
         cluster.shutdown()
+
+
+def _fanned_out_equals_one_request_per_row(engine: Any, weights: dict, tokenizer: Any) -> None:
+    """GRPO's groups (a prompt repeated, consecutive seeds) go to vLLM as one request for n samples; each sample is
+    exactly what its row gets as a request of its own (the rows interleaved, so no two neighbours merge)."""
+    from rlpost.models.generation.vllm_worker import fan_out_runs
+
+    engine.update_weights(weights.items())
+    one = _batch(tokenizer, PROMPTS[:4])
+    n, width = 4 * 5, one["input_ids"].shape[1]
+    rows = torch.arange(4).repeat_interleave(5)  # each prompt 5 times in a row
+    grouped = {"input_ids": one["input_ids"][rows], "input_lengths": one["input_lengths"][rows],
+               "seeds": torch.arange(n) + 40}
+    order = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])  # neighbours' seeds 2 apart
+    spread = {k: v[order] for k, v in grouped.items()}
+    ids = [r[: int(k)].tolist() for r, k in zip(grouped["input_ids"], grouped["input_lengths"], strict=True)]
+    assert len(fan_out_runs(ids, grouped["seeds"].tolist(), None, False)) == 4
+    assert len(fan_out_runs([ids[i] for i in order], spread["seeds"].tolist(), None, False)) == n
+    with _cfg(engine, stop_token_ids=[]):
+        a = engine.generate(grouped)
+        b = engine.generate(spread)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(n)
+    assert a["output_ids"].shape == (n, width + 12)
+    assert len({tuple(r.tolist()) for r in a["output_ids"][:5]}) > 1, "a group's samples must differ"
+    for key in ("output_ids", "logprobs", "generation_lengths"):
+        assert torch.equal(a[key], b[key][back]), key
+
+
+def test_fanned_out_groups_equal_one_request_per_row(vllm_engine: Any, weights_a: dict, tokenizer: Any) -> None:
+    _fanned_out_equals_one_request_per_row(vllm_engine, weights_a, tokenizer)
 
 
 def _in_flight_refit_keeps_requests(engine: Any, weights: dict) -> None:

@@ -40,6 +40,43 @@ def _to_sample(completion: Any) -> GeneratedSample:
     return GeneratedSample(token_ids=ids, logprobs=lps, truncated=completion.finish_reason == "length")
 
 
+MAX_FAN_OUT = 16384
+"""vLLM's default VLLM_MAX_N_SEQUENCES: the most samples one request may ask for."""
+
+
+def fan_out_runs(
+    prompts: list[list[int]], seeds: list[int] | None, stops: list[list[str]] | None, greedy: bool
+) -> list[tuple[int, int]]:
+    """The requests a generate call sends: [a, b) runs of rows that one vLLM request with n = b - a reproduces.
+
+    A run is rows with the same prompt and the same stop strings whose seeds count up by one: vLLM gives the i-th
+    of a request's n samples the seed `seed + i` (`ParentRequest`), so the run's samples are the very tokens the
+    rows would get one request each, while the prompt is rendered, checked and admitted once (GRPO's groups: a
+    prompt repeated num_generations_per_prompt times with consecutive seeds, `sample_seeds`). Without seeds rows
+    of one prompt merge too (their samples are independent draws either way). Greedy requests stay one per row
+    (vLLM refuses n > 1 there)."""
+    runs: list[tuple[int, int]] = []
+    a = 0
+    for i in range(1, len(prompts) + 1):
+        if (
+            i < len(prompts)
+            and not greedy
+            and i - a < MAX_FAN_OUT
+            and prompts[i] == prompts[a]
+            and (seeds is None or seeds[i] == seeds[a] + (i - a))
+            and (stops is None or stops[i] == stops[a])
+        ):
+            continue
+        runs.append((a, i))
+        a = i
+    return runs
+
+
+def _in_order(completions: list[Any]) -> list[Any]:
+    """A request's n samples by their index (sample i has the seed `seed + i`)."""
+    return sorted(completions, key=lambda c: c.index)
+
+
 class VllmEngineWorker:
     """One engine replica. Built by VllmGeneration with the vLLM engine kwargs it computed."""
 
@@ -127,36 +164,41 @@ class VllmEngineWorker:
         """Generate one sample per prompt (token-id lists) with SamplingParams(**sampling); input order kept.
 
         With `seeds`, prompt i samples with its own seed (reproducible whatever ran before); `stops[i]` adds
-        stop strings for prompt i. With the async engine, concurrent calls (the actor is threaded) share it."""
+        stop strings for prompt i. With the async engine, concurrent calls (the actor is threaded) share it.
+        Rows that repeat a prompt with consecutive seeds go as one request for several samples (`fan_out_runs`):
+        the same tokens, a third less time on a tiny model's GRPO step."""
         if not prompts:
             return GeneratedBatch()
-        per_prompt = []
-        for i in range(len(prompts)):
+        runs = fan_out_runs(prompts, seeds, stops, float(sampling.get("temperature", 1.0)) == 0.0)
+        per_run = []
+        for a, b in runs:
             spec = dict(sampling)
+            spec["n"] = b - a
             if seeds is not None:
-                spec["seed"] = int(seeds[i])
-            if stops is not None and stops[i]:
-                spec["stop"] = [*(sampling.get("stop") or []), *stops[i]]
+                spec["seed"] = int(seeds[a])
+            if stops is not None and stops[a]:
+                spec["stop"] = [*(sampling.get("stop") or []), *stops[a]]
                 spec["detokenize"] = True  # vLLM matches stop strings on the detokenized text
-            per_prompt.append(self._sampling_params(spec))
-        token_prompts = [{"prompt_token_ids": list(p)} for p in prompts]
+            per_run.append(self._sampling_params(spec))
+        token_prompts = [{"prompt_token_ids": list(prompts[a])} for a, _ in runs]
         if not self.async_engine:
-            outs = self.engine.generate(token_prompts, per_prompt, use_tqdm=False)
-            return GeneratedBatch.of(_to_sample(o.outputs[0]) for o in outs)
+            outs = self.engine.generate(token_prompts, per_run, use_tqdm=False)
+            return GeneratedBatch.of(_to_sample(c) for o in outs for c in _in_order(o.outputs))
         with self._req_lock:  # request ids stay unique across the actor's threads
             base = self._req
-            self._req += len(prompts)
+            self._req += len(runs)
 
-        async def one(i: int, prompt: dict[str, Any]) -> GeneratedSample:
+        async def one(i: int, prompt: dict[str, Any]) -> list[GeneratedSample]:
             final = None
-            async for out in self.engine.generate(prompt, per_prompt[i], request_id=f"r{self.replica}-{base + i}"):
+            async for out in self.engine.generate(prompt, per_run[i], request_id=f"r{self.replica}-{base + i}"):
                 final = out
             if final is None:
-                raise RuntimeError(f"no output for prompt {i}")
-            return _to_sample(final.outputs[0])
+                raise RuntimeError(f"no output for prompt {runs[i][0]}")
+            return [_to_sample(c) for c in _in_order(final.outputs)]
 
         async def all_() -> GeneratedBatch:
-            return GeneratedBatch.of(await asyncio.gather(*(one(i, p) for i, p in enumerate(token_prompts))))
+            done = await asyncio.gather(*(one(i, p) for i, p in enumerate(token_prompts)))
+            return GeneratedBatch.of(s for samples in done for s in samples)
 
         return self._run(all_())
 
