@@ -27,18 +27,35 @@ def exact_match_reward(response: str, answer: str, alphabet: str = "", format_re
 
 
 class SyntheticEnvironment(EnvironmentInterface):
-    """Exact-match verifier of the synthetic tasks (in killable workers with a timeout)."""
+    """Exact-match verifier of the synthetic tasks: in the calling process (`num_workers=0`, the default), or in
+    killable workers with a timeout."""
 
     def __init__(self, cfg: SyntheticEnvConfig) -> None:
         self.cfg = cfg
-        self.pool = VerifierPool.from_config(exact_match_reward, cfg)
+        self.pool = VerifierPool.from_config(exact_match_reward, cfg) if cfg.num_workers > 0 else None
 
     def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         alphabet = ALPHABETS.get(self.cfg.task, "")
-        res = self.pool.run(
-            [(r, m["expected_answer"], alphabet, self.cfg.format_reward) for r, m in zip(responses, metadata, strict=True)]
-        )
+        args = [(r, m["expected_answer"], alphabet, self.cfg.format_reward)
+                for r, m in zip(responses, metadata, strict=True)]
+        if self.pool is None:
+            return _score_here(args)
+        res = self.pool.run(args)
         return EnvironmentReturn(res.rewards, res.timeouts, res.errors, unfinished=res.unfinished)
 
     def shutdown(self) -> None:
-        self.pool.shutdown()
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def _score_here(args: list[tuple[Any, ...]]) -> EnvironmentReturn:
+    """exact_match_reward of every args tuple in this process; a row it fails on gets 0 and counts as an error,
+    as in a verifier worker."""
+    rewards, errors = [], 0
+    for a in args:
+        try:
+            rewards.append(float(exact_match_reward(*a)))
+        except Exception:  # noqa: BLE001 - counted, as the pool counts a worker's error
+            rewards.append(0.0)
+            errors += 1
+    return EnvironmentReturn(rewards, 0, errors)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlpost.config.errors import one_of, positive, require
+from rlpost.config.errors import non_negative, one_of, positive, require
 
 
 @dataclass
@@ -23,20 +23,35 @@ class EnvConfig:
     """Scoring a batch for longer than this (or any timeout) prints one warning line for the step."""
 
     def check(self, path: str) -> None:
-        positive(f"{path}.num_workers", self.num_workers)
+        self._check_workers(path)
         positive(f"{path}.timeout_s", self.timeout_s)
         positive(f"{path}.batch_timeout_s", self.batch_timeout_s)
         positive(f"{path}.slow_warning_s", self.slow_warning_s)
+
+    def _check_workers(self, path: str) -> None:
+        positive(f"{path}.num_workers", self.num_workers)
 
 
 @dataclass
 class SyntheticEnvConfig(EnvConfig):
     """Exact-match verifier of the synthetic tasks."""
 
+    num_workers: int = 0
+    """Verifier worker processes; 0 (the default here) compares in the driver: an exact match cannot hang, and a
+    worker process costs a round trip a batch (2-3 ms a step of the default job). With 0, nothing can be killed, so
+    timeout_s and batch_timeout_s must keep their defaults."""
     task: str = "${data.synthetic.task}"
     """Task whose answers are checked."""
     format_reward: float = 0.1
     """Reward for a well-formed but wrong answer (one symbol of the task's answer alphabet); 1.0 when correct."""
+
+    def _check_workers(self, path: str) -> None:
+        non_negative(f"{path}.num_workers", self.num_workers)
+        if self.num_workers == 0:
+            rule = "num_workers=0 scores in the driver, where nothing can be killed: a timeout needs num_workers >= 1"
+            require(self.timeout_s == EnvConfig.timeout_s, f"{path}.timeout_s", self.timeout_s, rule)
+            require(self.batch_timeout_s == EnvConfig.batch_timeout_s, f"{path}.batch_timeout_s",
+                    self.batch_timeout_s, rule)
 
     def check(self, path: str) -> None:
         super().check(path)
