@@ -68,8 +68,13 @@ _WAKE_S = 0.5
 class Collector:
     """The generation side: a thread that fills the replay buffer, pausing at batch boundaries for refits."""
 
-    def __init__(self, components: GRPOComponents, buffer: Any, version: int, call_timeout_s: float) -> None:
+    def __init__(self, components: GRPOComponents, buffer: Any, version: int, call_timeout_s: float,
+                 capacity: int = 1) -> None:
         self.components, self.buffer = components, buffer
+        self.capacity = capacity  # the buffer's
+        self.pushes = 0  # pushes sent to the buffer so far
+        self.buffered = 0  # what the buffer holds as far as this process knows: exact after each take (`took`)
+        self._push: Any = None  # the last push's pending answer
         self.index = version + 1  # generation batch number: it seeds the batch (batch k+1 after step k)
         self.call_timeout_s = call_timeout_s
         self.engine_lock = threading.Lock()
@@ -104,6 +109,39 @@ class Collector:
     def start(self) -> None:
         self.thread.start()
 
+    def has_room(self) -> bool:
+        """Whether the buffer takes one more batch. Only this collector pushes and only the trainer takes, both in
+        this process, so the count needs no call to the buffer's actor (a Ray round trip per batch)."""
+        with self.changed:
+            return self.buffered < self.capacity
+
+    def push(self, entry: Trajectories) -> None:
+        """Send `entry` to the buffer without waiting for its answer (it has room: `has_room`); the previous push's
+        answer is checked first, so a refused batch stops the run instead of vanishing."""
+        if self._push is not None:
+            if not ray.get(self._push, timeout=self.call_timeout_s):
+                raise RuntimeError("the replay buffer refused a batch it had room for")
+        with self.changed:
+            self._push = self.buffer.push.remote(entry)
+            self.pushes += 1
+            self.buffered += 1
+            self._ticks += 1
+            self.changed.notify_all()
+
+    def take(self, min_version: int) -> Trajectories | None:
+        """The trainer's take (`ReplayBuffer.take`). The buffer's size after it is exact for the pushes sent before
+        it; the ones sent since are added."""
+        with self.changed:  # a push sent after this take is not in the size it reports
+            future, pushes = self.buffer.take.remote(min_version), self.pushes
+        entry: Trajectories | None = ray.get(future, timeout=self.call_timeout_s)
+        size = int(entry.extra["buffer_size"]) if entry is not None else 0  # None: it was (or became) empty
+        with self.changed:
+            before, self.buffered = self.buffered, size + self.pushes - pushes
+            if self.buffered != before:  # room for the collector (no tick otherwise: the caller waits for one)
+                self._ticks += 1
+                self.changed.notify_all()
+        return entry
+
     def _run(self) -> None:
         c = self.components
         try:
@@ -111,7 +149,7 @@ class Collector:
                 # Generate only what the buffer can take: a batch made early would wait and age out.
                 while not self.stop.is_set():
                     seen = self.ticks()
-                    if not self.pause.is_set() and ray.get(self.buffer.has_room.remote(), timeout=self.call_timeout_s):
+                    if not self.pause.is_set() and self.has_room():
                         break
                     self.wait_for_change(seen)
                 with self.engine_lock:
@@ -119,12 +157,7 @@ class Collector:
                         return
                     self.sync_engine()
                     entry = self._generate()
-                while not self.stop.is_set():
-                    seen = self.ticks()
-                    if ray.get(self.buffer.push.remote(entry), timeout=self.call_timeout_s):
-                        self.notify()
-                        break
-                    self.wait_for_change(seen)  # full: generation is far enough ahead of training
+                self.push(entry)
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which stops the run with it
             self.error = exc
 
@@ -193,7 +226,7 @@ def async_grpo_train(
         components.logger.log(validate(components, 0), 0)
     # Capacity max_age: with one more batch in the making, nothing generated ages out before it is trained on.
     buffer: Any = ray.remote(ReplayBuffer).options(num_cpus=0).remote(max_age)
-    collector = Collector(components, buffer, weights.policy_version, cfg.cluster.call_timeout_s)
+    collector = Collector(components, buffer, weights.policy_version, cfg.cluster.call_timeout_s, capacity=max_age)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, components.started_at)
     collector.start()
     try:
@@ -222,7 +255,7 @@ def _train_steps(components: GRPOComponents, collector: Collector, buffer: Any, 
         step_t0 = time.perf_counter()
         with timer.time("total_step_time"):
             wait_t0 = time.perf_counter()
-            entry = _next_batch(collector, buffer, weights.policy_version - max_age)
+            entry = _next_batch(collector, weights.policy_version - max_age)
             waited = time.perf_counter() - wait_t0
             if entry is None:  # the data ran out
                 break
@@ -261,14 +294,13 @@ def _train_steps(components: GRPOComponents, collector: Collector, buffer: Any, 
             break
 
 
-def _next_batch(collector: Collector, buffer: Any, min_version: int) -> Trajectories | None:
+def _next_batch(collector: Collector, min_version: int) -> Trajectories | None:
     """The next trainable batch (waiting for the collector), or None when the data ran out."""
     while True:
         collector.check()
         seen = collector.ticks()
-        entry: Trajectories | None = ray.get(buffer.take.remote(min_version), timeout=collector.call_timeout_s)
+        entry = collector.take(min_version)  # wakes the collector: the buffer has room
         if entry is not None:
-            collector.notify()  # room in the buffer: the collector may start the next batch
             return entry
         if not collector.thread.is_alive():
             collector.check()
