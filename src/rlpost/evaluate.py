@@ -89,7 +89,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs)
     rows = load_rows(cfg.data, cfg.eval.split)[: cfg.eval.max_prompts]
     k = cfg.eval.num_samples
-    prompts = [p for p in (processor(r) for r in rows) for _ in range(k)]
+    prompts = [p for p in processor.batch(rows) for _ in range(k)]
     envs = {name: build(env_cfg, key=f"env.{name}._target_") for name, env_cfg in cfg.env.items()}
     engine: Any = None
     cluster = None

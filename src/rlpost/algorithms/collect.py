@@ -55,7 +55,7 @@ def group_std(grpo_cfg: GRPOConfig, batch: RolloutBatch) -> torch.Tensor:
 def rollout_rows(components: GRPOComponents, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], torch.Tensor]:
     """The rows tokenized and repeated num_generations_per_prompt times, and their group ids."""
     per_prompt = components.cfg.grpo.num_generations_per_prompt
-    processed = [components.processor(r) for r in rows]
+    processed = components.processor.batch(rows)
     repeated = [p for p in processed for _ in range(per_prompt)]
     return repeated, torch.arange(len(processed)).repeat_interleave(per_prompt)
 

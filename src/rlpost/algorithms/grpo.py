@@ -80,7 +80,7 @@ def validate(components: GRPOComponents, step: int) -> dict[str, float]:
     rewards, lengths = [], []
     to_print = components.cfg.logger.num_val_samples_to_print
     for start in range(0, len(rows), grpo_cfg.val_batch_size):
-        part = [components.processor(r) for r in rows[start : start + grpo_cfg.val_batch_size]]
+        part = components.processor.batch(rows[start : start + grpo_cfg.val_batch_size])
         seeds = validation_seeds(grpo_cfg.seed, step, start, len(part))
         batch = run_rollouts(part, torch.arange(len(part)), components.generation, components.tokenizer,
                              components.envs, turn_settings(components.cfg), _should_use_async_rollouts(components.cfg),

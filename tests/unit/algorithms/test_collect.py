@@ -65,7 +65,7 @@ def test_dynamic_sampling_draws_until_groups_vary_and_reports_every_reward() -> 
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=2, use_dynamic_sampling=True,
                       batch_multiplier=1.0, dynamic_sampling_max_gen_batches=3)
     engine = _CountingEngine()
-    comps = SimpleNamespace(cfg=_cfg(grpo), processor=lambda r: dict(r), generation=engine,
+    comps = SimpleNamespace(cfg=_cfg(grpo), processor=SimpleNamespace(batch=lambda rows: [dict(r) for r in rows]), generation=engine,
                             tokenizer=_Tokenizer(), envs={"t": _TableEnv()})
     syncs: list[int] = []
     later = iter([_rows(spread=0.5)])  # the second draw varies within each group
@@ -81,7 +81,7 @@ def test_dynamic_sampling_draws_until_groups_vary_and_reports_every_reward() -> 
 
 def test_without_dynamic_sampling_one_batch_is_the_step() -> None:
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=2)
-    comps = SimpleNamespace(cfg=_cfg(grpo), processor=lambda r: dict(r),
+    comps = SimpleNamespace(cfg=_cfg(grpo), processor=SimpleNamespace(batch=lambda rows: [dict(r) for r in rows]),
                             generation=_CountingEngine(), tokenizer=_Tokenizer(), envs={"t": _TableEnv()})
     got = collect_batch(comps, _rows(spread=0.0), lambda: [], step=3, timer=Timer(), sync_weights=lambda: None)
     assert got.sampler is None and got.batch.size == 4 and got.generated_rewards.tolist() == [0.25] * 4

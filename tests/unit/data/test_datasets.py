@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,6 +60,25 @@ def test_prompt_processor_masks_overlong_prompts(tiny_tokenizer: object) -> None
     long = proc({"problem": "Copy the digit 7 " * 10, "expected_answer": "7"})
     assert short["loss_multiplier"] == 1.0 and not short["too_long"]
     assert long["loss_multiplier"] == 0.0 and long["too_long"] and len(long["prompt_ids"]) == 6
+
+
+def test_a_batch_of_prompts_is_tokenized_as_each_alone(tiny_tokenizer: object) -> None:
+    """`PromptProcessor.batch` (one tokenizer call for a step's prompts) gives every row what `__call__` gives it:
+    ragged lengths, a truncated overlong prompt, the row's own keys kept."""
+    from rlpost.data.prompts import PromptProcessor
+
+    proc = PromptProcessor(DataConfig(max_input_seq_length=6), tiny_tokenizer)
+    rows = [{"problem": p, "expected_answer": "7", "k": i}
+            for i, p in enumerate(["7", "Copy the digit 7", "Copy the digit 7 " * 10, "abc xyz", ""])]
+    batched = proc.batch(rows)
+    tok: Any = tiny_tokenizer
+    for row, got in zip(rows, batched, strict=True):  # each text tokenized on its own, as the tokenizer does it
+        text = tok.apply_chat_template(proc.messages(row), tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert got["prompt_ids"] == ids[:6] and got["too_long"] == (len(ids) > 6)
+    assert proc(rows[1]) == batched[1] and proc.batch([]) == []
+    assert len({len(r["prompt_ids"]) for r in batched}) > 2 and [r["too_long"] for r in batched].count(True) == 1
+    assert [r["k"] for r in batched] == list(range(5))
 
 
 def test_loader_resumes_exactly() -> None:
