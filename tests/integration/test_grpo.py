@@ -99,6 +99,7 @@ def test_async_grpo_learns_within_the_age_limit_and_resumes(cache: Path, tmp_pat
     assert max(m["async/trajectory_age"] for m in steps) == 1  # generation really ran ahead of training
     assert sum(m["train/reward"] for m in steps[-5:]) / 5 >= 0.9, [m["train/reward"] for m in steps[-5:]]
     assert all(k in steps[-1] for k in ("async/buffer_size", "async/trainer_wait_s", "async/dropped_stale"))
+    assert steps[-1]["async/dropped_stale"] == 0  # a batch starts only with weights fresh enough for its step
     # one optimizer step per batch: lp_old is the training pass's own (no prev-logprobs pass), IS weights on
     assert not any("timing/train/policy_and_reference_logprobs" in m for m in steps)
     assert "train/sampling_importance_ratio" in steps[-1]

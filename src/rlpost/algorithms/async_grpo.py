@@ -18,6 +18,13 @@ recompute_kv_cache_after_weight_updates), loads the weights and lets them go on;
 version it started with. Steady state: a step costs about max(generation + engine refit, training + staging), where
 the synchronous loop pays generation + refit + training.
 
+The collector starts batch k (trained at step k, by policy version k - 1) as soon as the weights it will generate
+with are at most max_trajectory_age_steps versions older than that, so no batch ages out; it does not wait for room
+in the buffer, which comes only after the trainer has booked its step and taken batch k - 1 (the push waits for room
+instead, rarely). With max age 1, batch k needs update k - 2, so stage -> engine refit -> generation -> training
+form a loop over two steps: each of its fixed costs counts half in the step. While the collector waits for fresh
+weights, the engine already loads a copy as soon as it is staged (`_start_load`).
+
 Checkpoints hold the dataloader position right after the last *trained* batch: on resume, batches that were
 buffered but not trained are generated again, with the checkpoint's weights (the buffer is not saved).
 
@@ -75,6 +82,7 @@ class Collector:
         self.pushes = 0  # pushes sent to the buffer so far
         self.buffered = 0  # what the buffer holds as far as this process knows: exact after each take (`took`)
         self._push: Any = None  # the last push's pending answer
+        self._loading: tuple[list[Any], str, int] | None = None  # a load sent while waiting: futures, fingerprint, version
         self.index = version + 1  # generation batch number: it seeds the batch (batch k+1 after step k)
         self.call_timeout_s = call_timeout_s
         self.engine_lock = threading.Lock()
@@ -108,6 +116,13 @@ class Collector:
 
     def start(self) -> None:
         self.thread.start()
+
+    def fresh_enough(self) -> bool:
+        """Whether the next batch (number `index`, trained at step `index`, when the policy is at version
+        index - 1) may start: the newest weights the engine holds or will load first are at most `capacity`
+        (= max_trajectory_age_steps) versions older. The policy's version moves only when the trainer trains, so
+        this also bounds how far generation runs ahead: the buffer's capacity plus the batch in the making."""
+        return max(self.version, self.staged_version) >= self.index - 1 - self.capacity
 
     def has_room(self) -> bool:
         """Whether the buffer takes one more batch. Only this collector pushes and only the trainer takes, both in
@@ -146,30 +161,68 @@ class Collector:
         c = self.components
         try:
             while not self.stop.is_set() and c.dataloader.epochs_done() < c.cfg.grpo.max_num_epochs:
-                # Generate only what the buffer can take: a batch made early would wait and age out.
+                # Start a batch as soon as the weights it will be generated with are recent enough for the step that
+                # trains it (a batch started earlier would age out), not once the buffer has room: that comes later,
+                # when the trainer has also booked its step and taken the batch before.
                 while not self.stop.is_set():
                     seen = self.ticks()
-                    if not self.pause.is_set() and self.has_room():
+                    if not self.pause.is_set() and self.fresh_enough():
                         break
+                    self._start_load()
                     self.wait_for_change(seen)
                 with self.engine_lock:
                     if self.stop.is_set():
                         return
                     self.sync_engine()
                     entry = self._generate()
-                self.push(entry)
+                while not self.stop.is_set() and not self.has_room():  # rarely: the trainer is behind
+                    seen = self.ticks()
+                    if not self.has_room():
+                        self.wait_for_change(seen)
+                if not self.stop.is_set():
+                    self.push(entry)
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which stops the run with it
             self.error = exc
+
+    def _start_load(self) -> None:
+        """While the buffer is full the engine is idle: send it the newest copy staged in shared memory now, so the
+        refit before the next batch is done by the time there is room (`sync_engine` checks it). Only this thread
+        sends loads, so a batch's version is exactly the weights it was generated with."""
+        g = self.components.generation
+        if self._loading is not None or self.staged_version <= self.version or not hasattr(g, "load_staged_copy_async"):
+            return
+        if not self.engine_lock.acquire(blocking=False):  # the trainer holds the engine (validation)
+            return
+        try:
+            with self.stage_lock:
+                staged = self.components.policy.staged_buckets()
+                if staged is not None:
+                    self._loading = (g.load_staged_copy_async(staged), staged.fingerprint, self.staged_version)
+        finally:
+            self.engine_lock.release()
+
+    def settle_load(self) -> None:
+        """Wait for the load `_start_load` sent, if any (the caller holds stage_lock): checked like any refit
+        (FingerprintMismatch), and the engine's version is then the copy's."""
+        loading, self._loading = self._loading, None
+        if loading is not None:
+            futures, fingerprint, version = loading
+            self.components.generation.wait_staged_copy(futures, fingerprint)  # type: ignore[attr-defined]
+            self.version = version
 
     def sync_engine(self) -> None:
         """Refit the engine from the staged copy when it is newer than what the engine holds (the caller holds
         engine_lock), while the trainer trains; both sides' fingerprints must agree. A copy staged in shared memory
-        (one node, CPU) is loaded by the engines straight from rank 0's segment; otherwise the policy's rank 0
-        broadcasts it from its 'refit' concurrency group."""
+        (one node, CPU) is loaded by the engines straight from rank 0's segment (often sent already, `_start_load`);
+        otherwise the policy's rank 0 broadcasts it from its 'refit' concurrency group."""
+        t0 = time.perf_counter()
+        if self._loading is not None:
+            with self.stage_lock:
+                self.settle_load()
+            self.engine_refit_s = time.perf_counter() - t0
         if self.staged_version <= self.version:
             return
         c = self.components
-        t0 = time.perf_counter()
         with self.stage_lock:  # the trainer does not stage over the segment while the engines read it
             target = self.staged_version
             staged = c.policy.staged_buckets()
@@ -224,7 +277,7 @@ def async_grpo_train(
     weights.refit()  # the engine starts from what the trainer holds (a resumed run: the checkpoint's weights)
     if g.val_at_start and save_state.total_steps == 0:
         components.logger.log(validate(components, 0), 0)
-    # Capacity max_age: with one more batch in the making, nothing generated ages out before it is trained on.
+    # Capacity max_age, plus the batch in the making: what `Collector.fresh_enough` lets generation run ahead.
     buffer: Any = ray.remote(ReplayBuffer).options(num_cpus=0).remote(max_age)
     collector = Collector(components, buffer, weights.policy_version, cfg.cluster.call_timeout_s, capacity=max_age)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, components.started_at)
@@ -348,6 +401,7 @@ def _refit(collector: Collector, weights: EngineWeights, timer: Timer) -> None:
         collector.in_flight_refits += int(busy)
         return
     with timer.time("refit"), collector.stage_lock:
+        collector.settle_load()  # the engines have read the segment before it is written again
         collector.components.policy.stage_weights(weights.dtype)
         collector.staged_version = weights.policy_version
     collector.notify()

@@ -340,6 +340,16 @@ class VllmGeneration(GenerationInterface):
             self._get([w.end_refit.remote() for w in self.workers])
         return self._check_fingerprints([self._complete_fingerprint(d) for d in digests], None)
 
+    def load_staged_copy_async(self, staged: Iterable[Any]) -> list[Any]:
+        """Every replica loads a copy staged in one bucket (async GRPO's `stage_weights`), after the calls it has
+        already been sent; for `wait_staged_copy`."""
+        (box,) = list(staged)
+        return [w.load_bucket.remote(box, self._fault(r), True) for r, w in enumerate(self.workers)]
+
+    def wait_staged_copy(self, futures: list[Any], expected: str) -> str:
+        """Wait for `load_staged_copy_async`; FingerprintMismatch unless every replica loaded exactly `expected`."""
+        return self._check_fingerprints([self._complete_fingerprint(d) for d in self._get(futures)], expected)
+
     def load_staged_async(self, train_result: Any) -> list[Any]:
         """Every replica loads the export a training call staged, as soon as that call's rank-0 result (`train_result`,
         a pending Ray result) exists: Ray hands it to the engines itself, the driver is not in between. For
