@@ -30,8 +30,9 @@ buffered but not trained are generated again, with the checkpoint's weights (the
 
 Metrics: async/trajectory_age (versions between generation and update), async/buffer_size,
 async/dropped_stale (batches dropped as too old, so far), async/trainer_wait_s (time the trainer waited for a
-batch), async/generation_s (engine time of the batch trained on), async/engine_refit_s (the collector's last
-refit of the engine from the staged copy), async/in_flight_refits (refits that landed mid-batch, so far).
+batch), async/generation_s (engine time of the batch trained on), async/engine_refit_s (what the collector's last
+refit of the engine from the staged copy kept it waiting; a load sent early may be done already),
+async/in_flight_refits (refits that landed mid-batch, so far).
 timing/train/refit is the trainer's own refit work: staging, or the whole in-flight refit.
 """
 
@@ -80,7 +81,7 @@ class Collector:
         self.components, self.buffer = components, buffer
         self.capacity = capacity  # the buffer's
         self.pushes = 0  # pushes sent to the buffer so far
-        self.buffered = 0  # what the buffer holds as far as this process knows: exact after each take (`took`)
+        self.buffered = 0  # what the buffer holds as far as this process knows: exact after each `take`
         self._push: Any = None  # the last push's pending answer
         self._loading: tuple[list[Any], str, int] | None = None  # a load sent while waiting: futures, fingerprint, version
         self.index = version + 1  # generation batch number: it seeds the batch (batch k+1 after step k)
@@ -185,9 +186,9 @@ class Collector:
             self.error = exc
 
     def _start_load(self) -> None:
-        """While the buffer is full the engine is idle: send it the newest copy staged in shared memory now, so the
-        refit before the next batch is done by the time there is room (`sync_engine` checks it). Only this thread
-        sends loads, so a batch's version is exactly the weights it was generated with."""
+        """While the collector waits, the engine is idle: send it the newest copy staged in shared memory now, so the
+        refit before the next batch is done, or under way, when the batch may start (`sync_engine` checks it). Only
+        this thread sends loads, so a batch's version is exactly the weights it was generated with."""
         g = self.components.generation
         if self._loading is not None or self.staged_version <= self.version or not hasattr(g, "load_staged_copy_async"):
             return
