@@ -15,9 +15,11 @@ GCS/raylet, policy workers, engines, verifiers), sampled every 0.2 s.
 Printed ratios: step / (bare generation + bare training) (target <= 1.15), refit GB/s beside memcpy GB/s.
 
     .venv/bin/python scripts/bench_grpo.py --async-compare --steps 20 [overrides]   # sync vs async GRPO
+    .venv/bin/python scripts/bench_grpo.py --async-compare --async-override grpo.async_grpo.max_trajectory_age_steps=2
 
 `--async-compare` runs sync and async GRPO on the same split layout (engine on one worker slot, trainer on the
-other) and prints each step beside generation + training and max(generation, training).
+other) and prints each step beside generation + training and max(generation, training). `--async-override` (repeat
+it) adds an override to the async run only, for the async-only keys that the sync run refuses.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def compare_async(args: argparse.Namespace, base: list[str]) -> dict[str, Any]:
     """Sync and async GRPO on the same split layout and workload, one after the other: each step beside
     generation + training (sync's bound) and max(generation, training) (async's)."""
     out: dict[str, Any] = {}
-    for mode, extra in (("sync", []), ("async", ["grpo.async_grpo.enabled=true"])):
+    for mode, extra in (("sync", []), ("async", ["grpo.async_grpo.enabled=true", *args.async_override])):
         _, steps, _, _, _ = run_steps([*base, *SPLIT, *extra])
         measured = steps[args.warmup:] or steps
         gen = mean(measured, "async/generation_s") if mode == "async" else mean(measured, "timing/train/generation")
@@ -138,13 +140,16 @@ def main() -> int:
     ap.add_argument("--no-limits", action="store_true", help="skip the bare-engine / bare-torch / memcpy limits")
     ap.add_argument("--async-compare", action="store_true",
                     help="sync vs async GRPO, engine and trainer on separate slots (instead of the default run)")
+    ap.add_argument("--async-override", action="append", default=[], metavar="KEY=VALUE",
+                    help="with --async-compare: an override for the async run only (repeatable)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
     overrides = [f"grpo.max_num_steps={args.steps}", "grpo.val_period=0", "checkpointing=disabled",
                  "logger.console_progress=false", *args.overrides]
     if args.async_compare:
-        result: dict[str, Any] = {"overrides": overrides, "async_compare": compare_async(args, overrides),
+        result: dict[str, Any] = {"overrides": overrides, "async_overrides": args.async_override,
+                                  "async_compare": compare_async(args, overrides),
                                   "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
                                   "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
         print(json.dumps(result, indent=1))
@@ -154,8 +159,8 @@ def main() -> int:
                   f"{r['training_s']:.3f}s  step/(gen+train) {r['step_over_sum']:.2f}  "
                   f"step/max(gen,train) {r['step_over_max']:.2f}")
         a = result["async_compare"]["async"]
-        print(f"async: the engine's refit from the staged copy {a['engine_refit_s']:.3f}s a step sits on the "
-              f"generation side: (generation + it) / max(gen, train) = "
+        print(f"async: the engine's refit from the staged copy kept the collector waiting {a['engine_refit_s']:.3f}s "
+              f"a step: (generation + it) / max(gen, train) = "
               f"{(a['generation_s'] + a['engine_refit_s']) / max(a['generation_s'], a['training_s']):.2f}")
         print(f"async speed-up {result['async_compare']['async_speedup']:.2f}x (target: async step/max <= 1.1)")
         _save(args.out, result)
