@@ -137,12 +137,11 @@ class Collector:
         if self._push is not None:
             if not ray.get(self._push, timeout=self.call_timeout_s):
                 raise RuntimeError("the replay buffer refused a batch it had room for")
-        with self.changed:
+        with self.changed:  # an RLock: `notify` takes it again
             self._push = self.buffer.push.remote(entry)
             self.pushes += 1
             self.buffered += 1
-            self._ticks += 1
-            self.changed.notify_all()
+            self.notify()
 
     def take(self, min_version: int) -> Trajectories | None:
         """The trainer's take (`ReplayBuffer.take`). The buffer's size after it is exact for the pushes sent before
@@ -154,8 +153,7 @@ class Collector:
         with self.changed:
             before, self.buffered = self.buffered, size + self.pushes - pushes
             if self.buffered != before:  # room for the collector (no tick otherwise: the caller waits for one)
-                self._ticks += 1
-                self.changed.notify_all()
+                self.notify()
         return entry
 
     def _run(self) -> None:

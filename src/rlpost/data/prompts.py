@@ -73,6 +73,5 @@ class PromptProcessor:
             too_long = len(ids) > self.cfg.max_input_seq_length
             if too_long:
                 ids = ids[: self.cfg.max_input_seq_length]
-            out.append({**row, "prompt_ids": list(ids), "loss_multiplier": 0.0 if too_long else 1.0,
-                        "too_long": too_long})
+            out.append({**row, "prompt_ids": ids, "loss_multiplier": 0.0 if too_long else 1.0, "too_long": too_long})
         return out
