@@ -232,6 +232,53 @@ def test_staged_refit_sends_the_staged_weights_while_the_next_update_trains(ray_
         gen_cluster.shutdown()
 
 
+def test_training_calls_stage_updates_into_alternating_slots(ray_local: None, tiny_model_dir: Path) -> None:
+    """Async GRPO on one node: each training call also stages its update for the engines, update v into
+    shared-memory slot v % 2. The engine loads update 1 from slot 1 while update 2 trains and writes slot 0: it
+    gets update 1 exactly (not a mix with update 2), and slot 0 then holds update 2, the policy's weights."""
+    from rlpost.algorithms.refit import load_buckets
+
+    pcfg, gcfg = configs(tiny_model_dir)
+    train_cluster = RayVirtualCluster("slots-train", 1, cpus_per_bundle=0.4)
+    gen_cluster = RayVirtualCluster("slots-gen", 1, cpus_per_bundle=0.2)
+    policy = Policy(train_cluster, pcfg)
+    engine = VllmGeneration(gcfg, gen_cluster)
+    loss = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0))
+
+    def data(gen_out: BatchedDataDict) -> BatchedDataDict:
+        ids = gen_out["output_ids"]
+        n, s = ids.shape
+        return BatchedDataDict(input_ids=ids, input_lengths=gen_out["unpadded_sequence_lengths"],
+                               token_mask=(gen_out["logprobs"] != 0).float(), sample_mask=torch.ones(n),
+                               advantages=torch.randn(n, 1, generator=torch.Generator().manual_seed(1)).expand(n, s),
+                               generation_logprobs=gen_out["logprobs"], prev_logprobs=gen_out["logprobs"])
+
+    try:
+        assert policy.stages_in_shared_memory
+        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
+        out0 = engine.generate(prompts())
+        _, slot1, staging_s = policy.train_and_stage_weights(data(out0), loss, "float32", 1)
+        assert staging_s > 0
+        update1 = policy.stage_weights("float32", shared_memory=False)  # the policy now: update 1
+        assert slot1.fingerprint == update1
+        big = data(BatchedDataDict({k: torch.cat([v] * 8) for k, v in out0.items()}))  # a longer second update
+        second: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: second.update(
+            zip(("result", "slot", "s"), policy.train_and_stage_weights(big, loss, "float32", 0), strict=True)))
+        thread.start()
+        assert load_buckets(engine, slot1) == update1  # while update 2 trains and stages into slot 0
+        thread.join(timeout=300)
+        update2 = policy.stage_weights("float32", shared_memory=False)
+        assert update2 != update1 and second["slot"].fingerprint == update2
+        assert load_buckets(engine, second["slot"]) == update2
+        assert load_buckets(engine, slot1) == update1  # slot 1 still holds update 1
+    finally:
+        engine.shutdown()
+        policy.shutdown()
+        train_cluster.shutdown()
+        gen_cluster.shutdown()
+
+
 def _payload_bytes(obj: Any) -> int:
     """Bytes of tensor data inside a value the driver received."""
     import numpy as np

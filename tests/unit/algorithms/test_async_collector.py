@@ -3,6 +3,9 @@ max_trajectory_age_steps versions older than the policy that trains it (not once
 
 from __future__ import annotations
 
+import threading
+import time
+from types import SimpleNamespace
 from typing import Any
 
 from rlpost.algorithms.async_grpo import Collector
@@ -35,3 +38,60 @@ def test_a_larger_age_limit_lets_generation_run_further_ahead() -> None:
     assert not c.fresh_enough()
     c.version = 6  # an in-flight refit moves the engine's version itself (nothing staged)
     assert c.fresh_enough()
+
+
+class _Engine:
+    """Loads a staged copy when told to, and not before (`go`); records what it loaded and what it waited for."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.loaded: list[str] = []
+        self.settled: list[str] = []
+
+    def update_weights_from_buckets(self, buckets: Any) -> str:
+        assert self.go.wait(timeout=10)
+        self.loaded.append(buckets.fingerprint)
+        return str(buckets.fingerprint)
+
+    def wait_staged_copy(self, futures: Any, expected: str) -> str:
+        self.settled.append(expected)
+        return expected
+
+
+def _slots_collector() -> tuple[Collector, _Engine]:
+    engine = _Engine()
+    components: Any = SimpleNamespace(generation=engine)
+    return Collector(components, None, 0, call_timeout_s=1.0, capacity=1, fused=True), engine
+
+
+def test_the_trainer_stages_into_a_slot_only_once_no_engine_reads_it() -> None:
+    """Update v is staged into slot v % 2 by the training call. While the engine loads version 1 (slot 1), the
+    trainer may write update 2 into slot 0 at once, but waits to write update 3 into slot 1 until that load ends."""
+    c, engine = _slots_collector()
+    c.publish(1, SimpleNamespace(fingerprint="v1"))  # type: ignore[arg-type]
+    assert c.staged_version == 1 and c.version == 0
+    loading = threading.Thread(target=c.sync_engine)
+    loading.start()
+    deadline = time.monotonic() + 10
+    while c.readers[1] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert c.readers == [0, 1]
+    c.free_slot(0)  # not read: returns at once
+    writer = threading.Thread(target=c.free_slot, args=(1,))
+    writer.start()
+    writer.join(timeout=0.3)
+    assert writer.is_alive()  # slot 1 is being read
+    engine.go.set()
+    loading.join(timeout=10)
+    writer.join(timeout=10)
+    assert not writer.is_alive() and c.readers == [0, 0]
+    assert engine.loaded == ["v1"] and c.version == 1
+
+
+def test_a_load_sent_early_is_settled_only_before_its_own_slot_is_written() -> None:
+    c, engine = _slots_collector()
+    c._loading = ([], "v2", 2)  # the engines were sent version 2 (slot 0) while the collector waited
+    c.free_slot(1)
+    assert engine.settled == [] and c.version == 0  # slot 1: the load goes on
+    c.free_slot(0)
+    assert engine.settled == ["v2"] and c.version == 2 and c._loading is None

@@ -85,6 +85,20 @@ class ColocatablePolicyInterface(PolicyInterface):
         is private to rank 0, for `broadcast_staged_async`."""
 
     @abstractmethod
+    def train_and_stage_weights(self, data: BatchedDataDict, loss_fn: LossFunction, dtype: str,
+                                slot: int) -> tuple[dict[str, Any], WeightBuckets, float]:
+        """`train` (one update, policy.train_global_batch_size), then `stage_weights` into rank 0's shared-memory
+        slot `slot` in the same call on the workers (only where `stages_in_shared_memory`): the training result,
+        the staged copy as one refit bucket, and the seconds staging took inside the call. A slot must not be
+        staged into while an engine loads from it: async GRPO alternates two."""
+
+    @property
+    @abstractmethod
+    def stages_in_shared_memory(self) -> bool:
+        """`stage_weights` puts the copy in rank 0's shared memory, where the engines load it themselves (one node,
+        CPU); otherwise it is private to rank 0, for `broadcast_staged_async`."""
+
+    @abstractmethod
     def staged_buckets(self) -> WeightBuckets | None:
         """The last copy staged in shared memory, as one refit bucket the engines load directly; None when it
         was staged for a broadcast."""
@@ -176,9 +190,15 @@ class PolicyWorker(Protocol):
 
     def broadcast_weights_collective(self, dtype: str) -> str: ...
 
-    def stage_weights(self, dtype: str, shared_memory: bool = False) -> dict[str, Any]:
-        """All ranks: gather the full weights; rank 0 keeps a copy (in its shared-memory segment, or private for
-        `broadcast_staged`) and answers {'fingerprint', 'box': the segment's descriptor or None}; {} elsewhere."""
+    def stage_weights(self, dtype: str, shared_memory: bool = False, slot: int = 0) -> dict[str, Any]:
+        """All ranks: gather the full weights; rank 0 keeps a copy (in its shared-memory segment number `slot`, or
+        private for `broadcast_staged`) and answers {'fingerprint', 'box': the segment's descriptor or None}; {}
+        elsewhere."""
+
+    def train_and_stage_weights(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None, dtype: str,
+                                slot: int) -> dict[str, Any]:
+        """`train`, then `stage_weights(dtype, True, slot)` in the same call; rank 0's result adds the stage answer
+        (with its "seconds") as "staged_weights"."""
 
     def broadcast_staged(self) -> str:
         """Rank 0: broadcast the staged copy over the refit group (concurrency group 'refit', so it may run

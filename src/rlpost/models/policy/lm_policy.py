@@ -138,20 +138,21 @@ class Policy(ColocatablePolicyInterface):
                 self._stage_after_train = None
         else:
             results = self.worker_group.run_sharded("train", shards, loss_fn, gbs, eval_mode)
-        first = results[0]
-        metrics: dict[str, float] = {}
-        for k in first["all_mb_metrics"]:
-            vals = [v for r in results for v in r["all_mb_metrics"][k]]
-            per_rank_sum = sum(vals) / max(first["num_global_batches"], 1)
-            metrics[k] = (sum(vals) / len(vals)) if k in MEAN_METRICS else per_rank_sum
-        return {
-            "loss": first["loss"],
-            "grad_norm": first["grad_norm"],
-            "lr": first["lr"],
-            "params_finite": all(r.get("params_finite", True) for r in results),
-            "all_mb_metrics": {k: [v for r in results for v in r["all_mb_metrics"][k]] for k in first["all_mb_metrics"]},
-            "metrics": metrics,
-        }
+        return _aggregate(results)
+
+    def train_and_stage_weights(self, data: BatchedDataDict, loss_fn: Any, dtype: str,
+                                slot: int) -> tuple[dict[str, Any], WeightBuckets, float]:
+        gbs = self.cfg.train_global_batch_size
+        shards, _ = self._shard(data, gbs, for_training=True)
+        self._staged_export = None
+        results = self.worker_group.run_sharded("train_and_stage_weights", shards, loss_fn, gbs, dtype, slot)
+        staged = results[0].pop("staged_weights")
+        self._staged = _StagedBucket(staged["box"], staged["fingerprint"])
+        return _aggregate(results), self._staged, float(staged["seconds"])
+
+    @property
+    def stages_in_shared_memory(self) -> bool:
+        return self.single_node and self.device == "cpu"
 
     def prepare_for_training(self) -> None:
         self.worker_group.run_all("prepare_for_training")
@@ -217,7 +218,7 @@ class Policy(ColocatablePolicyInterface):
 
     def stage_weights(self, dtype: str, shared_memory: bool | None = None) -> str:
         if shared_memory is None:  # an engine on this node's CPU reads rank 0's segment: no broadcast to wait for
-            shared_memory = self.single_node and self.device == "cpu"
+            shared_memory = self.stages_in_shared_memory
         staged = self.worker_group.run_all("stage_weights", dtype, shared_memory)[0]
         self._staged = _StagedBucket(staged["box"], staged["fingerprint"]) if staged["box"] is not None else None
         return str(staged["fingerprint"])
@@ -246,6 +247,25 @@ class Policy(ColocatablePolicyInterface):
 
     def state_fingerprints(self) -> list[dict[str, float]]:
         return self.worker_group.run_all("state_fingerprint")
+
+
+def _aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One training call's answer from every rank's: per-micro-batch metrics summed per rank (each is globally
+    normalised already) or averaged (MEAN_METRICS); loss, grad norm and lr are rank 0's."""
+    first = results[0]
+    metrics: dict[str, float] = {}
+    for k in first["all_mb_metrics"]:
+        vals = [v for r in results for v in r["all_mb_metrics"][k]]
+        per_rank_sum = sum(vals) / max(first["num_global_batches"], 1)
+        metrics[k] = (sum(vals) / len(vals)) if k in MEAN_METRICS else per_rank_sum
+    return {
+        "loss": first["loss"],
+        "grad_norm": first["grad_norm"],
+        "lr": first["lr"],
+        "params_finite": all(r.get("params_finite", True) for r in results),
+        "all_mb_metrics": {k: [v for r in results for v in r["all_mb_metrics"][k]] for k in first["all_mb_metrics"]},
+        "metrics": metrics,
+    }
 
 
 class _StagedBucket(WeightBuckets):

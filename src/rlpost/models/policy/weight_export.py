@@ -8,6 +8,7 @@ broadcasts it over the refit group for a non-colocated engine.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,7 +39,7 @@ class WeightExportMixin:
     _refit_group: Any = None
     _shm: dict[int | str, Any] | None = None
     """Rank 0's reusable shared-memory segments (ShmBucketWriter): colocated refit buckets per slot (0, 1), and
-    the staged copy ("staged"), once written."""
+    the staged copies per slot ("staged0", "staged1"), once written."""
     _staged: tuple[list[tuple[str, torch.Tensor]], str] | None = None
     """(weights, fingerprint) of the last `stage_weights` (rank 0): what `broadcast_staged` sends."""
 
@@ -96,6 +97,18 @@ class WeightExportMixin:
             return dict(result)
         return {**result, "staged_export": staged}
 
+    def train_and_stage_weights(self, data: Any, loss_fn: Any, gbs: int | None, dtype: str,
+                                slot: int) -> dict[str, Any]:
+        """All ranks: `train`, then `stage_weights` into rank 0's shared-memory slot `slot`, in one call (async
+        GRPO on one node, CPU: the update's copy for the engines costs no call of its own). Rank 0's result adds
+        the stage answer as "staged_weights", with the seconds staging took."""
+        result = self.train(data, loss_fn, gbs, False)  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        staged = self.stage_weights(dtype, True, slot)
+        if self.rank != 0:
+            return dict(result)
+        return {**result, "staged_weights": {**staged, "seconds": time.perf_counter() - t0}}
+
     def _shm_writer(self, slot: int | str) -> Any:
         """Rank 0's reusable shared-memory segment `slot` (a ShmBucketWriter), created on first use."""
         if self._shm is None:
@@ -120,23 +133,24 @@ class WeightExportMixin:
     def clear_export(self) -> None:
         self._export = []
 
-    def stage_weights(self, dtype: str, shared_memory: bool = False) -> dict[str, Any]:
+    def stage_weights(self, dtype: str, shared_memory: bool = False, slot: int = 0) -> dict[str, Any]:
         """All ranks: gather the full weights (a collective); rank 0 keeps a copy, cast to `dtype`, and answers
         {'fingerprint': its fingerprint, 'box': a shared-memory descriptor or None} ({} elsewhere). Async GRPO
         stages after every update, so the engine's refit can run while the next update trains: the copy is never
         written by training.
 
-        `shared_memory` (the engines are on this node, on CPU): the copy goes into this rank's reusable "staged"
-        segment and the engines load it from there themselves (`box`), without this actor; the caller must not
-        stage again while an engine reads it. Otherwise it is a private copy where the gathered weights live (on
-        GPU: one more copy of the model in rank 0's device memory, in the engine's dtype) for `broadcast_staged`."""
+        `shared_memory` (the engines are on this node, on CPU): the copy goes into this rank's reusable staged
+        segment number `slot` and the engines load it from there themselves (`box`), without this actor; the
+        caller must not stage into a slot while an engine reads it. Otherwise it is a private copy where the
+        gathered weights live (on GPU: one more copy of the model in rank 0's device memory, in the engine's
+        dtype) for `broadcast_staged`."""
         self.prepare_weights_for_export(dtype)  # type: ignore[attr-defined]
         out: dict[str, Any] = {}
         if self.rank == 0:
             fp = self.export_fingerprint()
             box = None
             if shared_memory:
-                box = self._shm_writer("staged").write(self._export)
+                box = self._shm_writer(f"staged{slot}").write(self._export)
                 self._staged = None
             else:
                 staged = [(n, t.detach().clone()) for n, t in self._export]  # never a view of a live parameter
