@@ -351,3 +351,28 @@ def test_unsatisfiable_cluster_fails_fast_with_a_clear_message(ray_local: None) 
     cl = RayVirtualCluster("too-big", workers_per_node=4, cpus_per_bundle=1.0, placement_timeout_s=3)
     with pytest.raises(ClusterResourceError, match=r"could not reserve 4 bundle\(s\) of \{'CPU': 1.0\}.*CPU: 2"):
         cl.placement_group()
+
+
+def test_async_batches_stay_in_the_driver_and_the_buffer_actor_holds_their_records(ray_local: None) -> None:
+    """Async GRPO's collector and trainer are both in the driver: a batch's tensors stay there, and the ReplayBuffer
+    actor gets its record only (version, index, loader position), which still decides what is trained. A batch the
+    buffer drops as too old is forgotten by the driver too."""
+    import ray
+
+    from rlpost.algorithms.async_grpo import Collector
+    from rlpost.algorithms.replay_buffer import ReplayBuffer, Trajectories
+
+    buffer: Any = ray.remote(ReplayBuffer).options(num_cpus=0).remote(3)
+    try:
+        none: Any = None
+        c = Collector(none, buffer, 0, call_timeout_s=60.0, capacity=3)
+        batches = [BatchedDataDict(ids=torch.full((4, 2), i)) for i in range(1, 4)]
+        for index, (batch, version) in enumerate(zip(batches, (0, 0, 1), strict=True), start=1):
+            c.push(Trajectories(batch, version, index, {"epoch": 0, "index": index}))
+        held = ray.get(buffer.__ray_call__.remote(lambda b: [(e.index, e.batch) for e in b.entries]), timeout=60)
+        assert held == [(1, None), (2, None), (3, None)]
+        got = c.take(min_version=1)  # batches 1 and 2 (version 0) are too old
+        assert got is not None and got.index == 3 and got.batch is batches[2]
+        assert got.extra["buffer_dropped_stale"] == 2 and c._batches == {}
+    finally:
+        ray.kill(buffer)

@@ -19,7 +19,8 @@ class Trajectories:
     """One generation batch as the trainer receives it."""
 
     batch: Any
-    """The RolloutBatch (whole groups)."""
+    """The RolloutBatch (whole groups); None in the buffer actor when the batch stays with the process that made and
+    uses it (async GRPO's driver: `Collector.push`)."""
     version: int
     """Policy version of the weights that generated it (0 = the initial weights)."""
     index: int
