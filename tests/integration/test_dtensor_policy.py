@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -252,3 +253,29 @@ def test_v2_logprobs_equal_v1(ray_local: None, tiny_model_dir: Path, built: list
     assert torch.allclose(lp1, v2.policy.get_logprobs(data)["logprobs"], atol=1e-5)
     train_steps(v2.policy, 1)
     assert max_diff(w1, v2.policy.full_weights()) <= 1e-5
+
+
+class _Sleeper:
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def fail(self) -> None:
+        raise ValueError("no such step")
+
+
+def test_one_call_that_hangs_or_raises_is_named(ray_local: None) -> None:
+    """ActorGroup.get of a single call (one engine, one policy rank): its answer; a call past the timeout, or one
+    that raised, names the actor in one line."""
+    import ray
+
+    from rlpost.distributed.worker_groups import ActorGroup
+
+    actor = ray.remote(_Sleeper).options(num_cpus=0).remote()
+    group = ActorGroup([actor], "sleeper", timeout_s=60.0)
+    assert group.get([actor.nap.remote(0.0)]) == [0.0]
+    with pytest.raises(WorkerGroupError, match=r"^sleeper 0 raised ValueError: no such step"):
+        group.get([actor.fail.remote()])
+    group = ActorGroup([actor], "sleeper", timeout_s=60.0)
+    with pytest.raises(WorkerGroupError, match=r"call did not finish within 1s on sleeper 0"):
+        group.get([actor.nap.remote(30.0)], timeout_s=1.0)

@@ -73,6 +73,13 @@ class ActorGroup:
         """ray.get with a timeout; `indices[i]` is the actor of futures[i] (default: the i-th actor)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         who = indices if indices is not None else list(range(len(futures)))
+        if len(futures) == 1:  # one call (one engine, one policy rank): one wait on the core worker, not three
+            try:
+                return [ray.get(futures[0], timeout=timeout)]
+            except GetTimeoutError:
+                self._fail(f"call did not finish within {timeout:.0f}s on {self.describe(who[0])}")
+            except (RayActorError, RayTaskError) as exc:
+                self._raise_for(exc, who[0])
         deadline = time.monotonic() + timeout
         pending = list(futures)
         while pending:
