@@ -240,8 +240,10 @@ class RayWorkerGroup(ActorGroup):
     def collect_sharded(self, futures: list[Any], output_only: bool = True) -> list[Any]:
         """The results of `submit_sharded`: one per shard (dp order), or every rank's with output_only=False."""
         results = self.get(futures)
-        if not output_only:
-            return results
+        return self.by_shard(results) if output_only else results
+
+    def by_shard(self, results: list[Any]) -> list[Any]:
+        """Every rank's results (rank order) -> the output ranks' ones, one per shard (dp order)."""
         out: list[Any] = [None] * self.dims.dp
         for r, res in enumerate(results):
             if self.dims.is_output_rank(r):

@@ -148,10 +148,7 @@ class Policy(ColocatablePolicyInterface):
         futures = self.worker_group.submit_sharded("train_and_stage_weights", shards, loss_fn, gbs, dtype, slot)
         every = self.worker_group.collect_sharded(futures, output_only=False)  # rank order
         staged = every[0].pop("staged_weights")  # rank 0's, also where pipeline stages make it no output rank
-        results: list[Any] = [None] * self.dims.dp
-        for r, res in enumerate(every):
-            if self.dims.is_output_rank(r):
-                results[self.dims.coords(r)["dp"]] = res
+        results = self.worker_group.by_shard(every)
         self._staged = _StagedBucket(staged["box"], staged["fingerprint"])
         return _aggregate(results), self._staged, float(staged["seconds"])
 
