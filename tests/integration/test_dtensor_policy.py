@@ -279,3 +279,64 @@ def test_one_call_that_hangs_or_raises_is_named(ray_local: None) -> None:
     group = ActorGroup([actor], "sleeper", timeout_s=60.0)
     with pytest.raises(WorkerGroupError, match=r"call did not finish within 1s on sleeper 0"):
         group.get([actor.nap.remote(30.0)], timeout_s=1.0)
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_a_batch_trained_in_parts_equals_it_trained_whole(ray_local: None, tiny_model_dir: Path,
+                                                          built: list[Built], token_level: bool) -> None:
+    # Overlapped synchronous GRPO (rlpost.algorithms.overlap) sends a one-step batch in parts before its global
+    # counts are known: two FSDP ranks, two steps, SGD (so any error in the scale shows in the weights), clipping
+    # on, a masked-out sample and ragged lengths. Loss, grad norm, metrics and weights equal the whole batch's.
+    loss = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0, force_on_policy_ratio=True,
+                                               token_level_loss=token_level))
+    cfg = policy_cfg(tiny_model_dir, "policy.max_grad_norm=0.05", optimizer=SGD)
+
+    def batch(step: int) -> BatchedDataDict:
+        data = make_batch(seed=10 + step)
+        data["sample_mask"][3] = 0.0
+        data["generation_logprobs"] = -torch.rand(B, S, generator=torch.Generator().manual_seed(step))
+        return data
+
+    results: dict[str, list[dict[str, Any]]] = {}
+    weights: dict[str, dict[str, torch.Tensor]] = {}
+    for how in ("whole", "parts"):
+        b = Built(cfg, 2)
+        built.append(b)
+        results[how] = []
+        for step in range(2):
+            data = batch(step)
+            if how == "whole":
+                results[how].append(b.policy.train(data, loss))
+            else:
+                for a in range(0, B, 8):  # two parts of 8 rows: 4 per rank, one micro-batch each
+                    b.policy.train_part(data.slice(a, a + 8), loss)
+                results[how].append(b.policy.finish_parts(loss))
+        weights[how] = b.policy.full_weights()
+        b.close()
+        built.remove(b)
+    for whole, parts in zip(results["whole"], results["parts"], strict=True):
+        assert parts["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
+        assert parts["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+        assert whole["grad_norm"] > 0.05  # clipping acted, after the parts' scale
+        assert parts["metrics"].keys() == whole["metrics"].keys()
+        for k, v in whole["metrics"].items():
+            assert parts["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+        assert parts["metrics"]["num_valid_samples"] == 15.0
+    assert max_diff(weights["whole"], weights["parts"]) <= 1e-6
+
+
+def test_finish_parts_without_parts_or_after_a_failed_part_raises(ray_local: None, tiny_model_dir: Path,
+                                                                    built: list[Built]) -> None:
+    b = Built(policy_cfg(tiny_model_dir, "cluster.gpus_per_node=1", optimizer=SGD), 1)
+    built.append(b)
+    loss = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0, force_on_policy_ratio=True))
+    with pytest.raises(RuntimeError, match="without a train_part"):
+        b.policy.finish_parts(loss)
+    bad = make_batch()
+    del bad["advantages"]  # the loss cannot run on this part
+    before = b.policy.full_weights()
+    b.policy.train_part(make_batch(), loss)
+    b.policy.train_part(bad, loss)
+    with pytest.raises(WorkerGroupError, match="policy rank 0 .*raised KeyError"):
+        b.policy.finish_parts(loss)
+    assert max_diff(before, b.policy.full_weights()) == 0.0  # no optimizer step on a partial batch

@@ -155,6 +155,20 @@ class ClippedPGLossFn:
         """True when the KL penalty needs the reference model's logprobs."""
         return self.reference_policy_kl_penalty != 0.0
 
+    TOKEN_MEAN_METRICS = frozenset({"probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error",
+                                    "policy_kl_error", "js_divergence_error", "sampling_importance_ratio",
+                                    "approx_entropy"})
+    """Metrics that are token means over the global batch (divided by global_valid_toks) whatever the loss type."""
+
+    def accumulated_scales(self, global_valid_seqs: float, global_valid_toks: float) -> tuple[float, dict[str, float]]:
+        """For a batch trained in parts before its global counts were known (rlpost.algorithms.overlap): each part
+        ran with both normalisers 1, so its loss and metrics are sums. Returns what turns them into this loss's
+        global means: the factor for the loss (and its gradients) and for each metric (absent: unchanged)."""
+        loss_scale = 1.0 / ((global_valid_toks if self.loss_type == LossType.TOKEN_LEVEL else global_valid_seqs) + _EPS)
+        token_scale = 1.0 / (global_valid_toks + _EPS)
+        return loss_scale, {"loss": loss_scale, "kl_penalty": loss_scale,
+                            **{k: token_scale for k in self.TOKEN_MEAN_METRICS}}
+
     def _reduce(
         self,
         x: torch.Tensor,  # [B, S-1]

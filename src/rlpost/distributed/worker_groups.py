@@ -111,6 +111,19 @@ class ActorGroup:
         except (RayActorError, RayTaskError) as exc:
             self._raise_for(exc, index)
 
+    def next_of(self, stream: Any, index: int, timeout_s: float | None = None) -> Any:
+        """The next value of a streaming call (a Ray generator method) on actor `index`, within the timeout; a hang,
+        an error or a dead actor is named as `get` names them."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        ready, _ = ray.wait([stream], timeout=timeout)
+        if not ready:
+            self._fail(f"streaming call yielded nothing within {timeout:.0f}s on {self.describe(index)}")
+        try:
+            ref = next(stream)
+        except StopIteration:
+            self._fail(f"streaming call on {self.describe(index)} ended early")
+        return self.get([ref], timeout, [index])[0]
+
     def _raise_for(self, exc: Exception, index: int) -> NoReturn:
         if isinstance(exc, RayActorError):
             self._fail(f"{self.describe(index)} died: {str(exc).splitlines()[0]}")
@@ -122,7 +135,11 @@ class ActorGroup:
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every actor with the same arguments; results in actor order."""
-        return self.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return self.get(self.call_async(method, *args, **kwargs))
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """`call_all` without waiting: one future per actor (actor order), for `get`."""
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
     def _fail(self, msg: str) -> NoReturn:
         self.failure = msg

@@ -357,3 +357,34 @@ def test_config_from_mapping_and_dictconfig() -> None:
     assert fn3.ratio_clip_min == 0.1
     with pytest.raises(ConfigError):
         ClippedPGLossFn({"no_such_option": 1})
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_accumulated_scales_turn_summed_parts_into_the_global_means(token_level: bool) -> None:
+    # A batch trained in parts runs every micro-batch with both normalisers 1 (rlpost.algorithms.overlap);
+    # accumulated_scales must turn the summed loss, its gradients and every metric into what the micro-batches
+    # report with the batch's true global counts (Gs = 3 valid sequences, Gt = 5 valid tokens), KL on.
+    loss_cfg = cfg(token_level_loss=token_level, reference_policy_kl_penalty=0.1, ratio_clip_min=0.1,
+                   ratio_clip_max=0.1)
+    micro = [
+        ([[0.5, 0.25], [0.8, 0.1]], make_data(p_old=[[0.4, 0.3], [0.7, 0.2]], p_gen=[[0.45, 0.3], [0.6, 0.2]],
+                                               p_ref=[[0.3, 0.3], [0.5, 0.5]], adv=[1.5, -0.5],
+                                               token_mask=[[1, 1], [1, 0]])),
+        ([[0.6, 0.2]], make_data(p_old=[[0.6, 0.3]], p_ref=[[0.2, 0.2]], adv=[2.0])),
+    ]
+    fn = ClippedPGLossFn(loss_cfg)
+    one = torch.tensor(1.0, dtype=torch.float64)
+    gs, gt = torch.tensor(3.0, dtype=torch.float64), torch.tensor(5.0, dtype=torch.float64)
+    scale, metric_scales = fn.accumulated_scales(3.0, 5.0)
+    for probs, data in micro:
+        logits_true, logits_part = logits_for(probs), logits_for(probs)
+        loss_true, m_true = fn(logits_true, data, gs, gt)
+        loss_part, m_part = fn(logits_part, data, one, one)
+        loss_true.backward()
+        (loss_part * scale).backward()
+        assert float(loss_part) * scale == pytest.approx(float(loss_true), rel=1e-7)
+        assert torch.allclose(logits_part.grad, logits_true.grad, rtol=1e-7, atol=1e-12)
+        assert m_true.keys() == m_part.keys()
+        for k, v in m_true.items():
+            assert m_part[k] * metric_scales.get(k, 1.0) == pytest.approx(v, rel=1e-7, abs=1e-12), k
+    assert scale == pytest.approx(1 / (5.0 if token_level else 3.0), rel=1e-7)

@@ -20,7 +20,7 @@ from rlpost.models.policy.interfaces import PolicyWorker
 from rlpost.models.policy.megatron_policy_worker import MegatronPolicyWorker
 
 CONTRACT = {name for name, v in vars(PolicyWorker).items() if inspect.isfunction(v) and not name.startswith("_")}
-CALLERS = ("run_all", "run_rank0", "run_sharded", "submit_sharded", "_logprob_call")
+CALLERS = ("run_all", "run_rank0", "run_sharded", "submit_sharded", "call_async", "_logprob_call")
 
 
 def _params(fn: object) -> list[str]:

@@ -25,11 +25,16 @@ def global_valid_counts(batch: BatchedDataDict, device: torch.device,
                         group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(Gs, Gt): valid sequences (sum of sample_mask) and valid tokens (token_mask[:, 1:] of valid samples)
     of the global batch, summed over the data-parallel group."""
-    sample_mask = batch["sample_mask"].float()
-    token_mask = batch["token_mask"][:, 1:].float()
-    counts = torch.stack([sample_mask.sum(), (token_mask * sample_mask[:, None]).sum()]).to(device)
+    counts = local_valid_counts(batch).to(device)
     dist.all_reduce(counts, group=group)
     return counts[0], counts[1]
+
+
+def local_valid_counts(batch: BatchedDataDict) -> torch.Tensor:
+    """[2]: this rank's valid sequences and valid tokens of `batch` (what global_valid_counts sums over DP)."""
+    sample_mask = batch["sample_mask"].float()
+    token_mask = batch["token_mask"][:, 1:].float()
+    return torch.stack([sample_mask.sum(), (token_mask * sample_mask[:, None]).sum()])
 
 
 def train_global_batches(data: BatchedDataDict, local_gbs: int, device: torch.device,

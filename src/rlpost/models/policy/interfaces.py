@@ -30,6 +30,15 @@ class PolicyInterface(ABC):
         loss, grad_norm and per-micro-batch metrics. eval_mode: the same losses and metrics, no update."""
 
     @abstractmethod
+    def train_part(self, data: BatchedDataDict, loss_fn: LossFunction) -> None:
+        """Send one part (whole groups) of a batch that is one optimizer step, without waiting: forward and
+        backward, gradients accumulated (synchronous GRPO overlapped with generation, rlpost.algorithms.overlap)."""
+
+    @abstractmethod
+    def finish_parts(self, loss_fn: LossFunction) -> dict[str, Any]:
+        """After the last `train_part`: the optimizer step over all parts; `train`'s result for the whole batch."""
+
+    @abstractmethod
     def prepare_for_training(self) -> None:
         """Model and optimizer onto the device, train mode."""
 
@@ -158,6 +167,14 @@ class PolicyWorker(Protocol):
               eval_mode: bool = False) -> dict[str, Any]:
         """Optimizer steps over this rank's shard in global batches of `gbs` (all ranks); eval_mode: no update."""
 
+    def train_part(self, data: BatchedDataDict, loss_fn: LossFunction, index: int = 0) -> int:
+        """Forward and backward over this rank's shard of part `index` with both loss normalisers 1, after part
+        index - 1; gradients accumulate until `finish_parts` (DTensor workers only). The rows trained."""
+
+    def finish_parts(self, loss_fn: LossFunction, num_parts: int) -> dict[str, Any]:
+        """All ranks, once `num_parts` parts are trained (they may run in any order): the parts' global counts scale gradients, loss and metrics; clip, optimizer and scheduler
+        steps; `train`'s result."""
+
     def prepare_for_training(self) -> None: ...
 
     def prepare_for_lp_inference(self) -> None: ...
@@ -181,6 +198,10 @@ class PolicyWorker(Protocol):
                                dtype: str, max_bytes: int, shared_memory: bool) -> dict[str, Any]:
         """`train`, then `stage_export` in the same call (rank 0's result adds it as "staged_export" when the export
         is one bucket), so the refit after a training step needs no stage call."""
+
+    def finish_parts_and_stage_export(self, loss_fn: LossFunction, num_parts: int, dtype: str, max_bytes: int,
+                                      shared_memory: bool) -> dict[str, Any]:
+        """`finish_parts`, then `stage_export`, as `train_and_stage_export` does after `train`."""
 
     def put_export_bucket(self, indices: list[int], shared_memory: bool = False, slot: int = 0) -> Any:
         """Rank 0: one bucket into its shared-memory segment number `slot` (a descriptor) or the object store

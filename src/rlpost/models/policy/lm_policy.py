@@ -49,6 +49,8 @@ class Policy(ColocatablePolicyInterface):
         self._stage_after_train: tuple[str, int] | None = None
         """(dtype, bucket bytes) of the last refit when it was one shared-memory bucket on the CPU: every training
         call then ends with that export written (`train_and_stage_export`), so the refit after it is one call."""
+        self._parts: list[Any] = []
+        """Pending `train_part` calls (every rank's), until `finish_parts`."""
         self._staged_export: dict[str, Any] | None = None
         """Rank 0's `stage_export` answer from the last training call, until a refit takes it."""
         self.on_stage_submitted: Callable[[Any], None] | None = None
@@ -125,19 +127,48 @@ class Policy(ColocatablePolicyInterface):
         shards, _ = self._shard(data, gbs, for_training=True)
         self._staged_export = None  # the weights change: an export staged before is stale
         if self._stage_after_train is not None and not eval_mode:
-            futures = self.worker_group.submit_sharded("train_and_stage_export", shards, loss_fn, gbs, eval_mode,
-                                                       *self._stage_after_train, self.single_node)
-            # Rank 0's result carries the staged export; only when it is also dp 0's output rank does this facade take
-            # that export (below), so only then may the engines load it on their own (with pipeline stages the
-            # export is staged again on refit, into the segment they would still be reading).
-            if self.on_stage_submitted is not None and self.dims.is_output_rank(0):
-                self.on_stage_submitted(futures[0])
-            results = self.worker_group.collect_sharded(futures)
-            self._staged_export = results[0].pop("staged_export", None)
-            if self._staged_export is None:  # rank 0 is not dp 0's output rank (pipeline stages): stage on refit
-                self._stage_after_train = None
-        else:
-            results = self.worker_group.run_sharded("train", shards, loss_fn, gbs, eval_mode)
+            return self._train_and_stage(self.worker_group.submit_sharded(
+                "train_and_stage_export", shards, loss_fn, gbs, eval_mode, *self._stage_after_train, self.single_node))
+        return _aggregate(self.worker_group.run_sharded("train", shards, loss_fn, gbs, eval_mode))
+
+    def train_part(self, data: BatchedDataDict, loss_fn: Any) -> None:
+        """Send one part of the step's single global batch (whole groups) to be trained, without waiting: each
+        rank runs forward and backward over its shard and accumulates gradients (rlpost.algorithms.overlap).
+        `finish_parts` steps the optimizer once every part is sent."""
+        shards, _ = self._shard(data, data.size, for_training=True)
+        self._staged_export = None
+        index = len(self._parts) // self.worker_group.world_size
+        self._parts.extend(self.worker_group.submit_sharded("train_part", shards, loss_fn, index))
+
+    def finish_parts(self, loss_fn: Any) -> dict[str, Any]:
+        """After the last `train_part`: one optimizer step over every part, as `train` on the whole batch would
+        take it; the same result."""
+        pending, self._parts = self._parts, []
+        if not pending:
+            raise RuntimeError("finish_parts without a train_part before it")
+        world = self.worker_group.world_size
+        num_parts = len(pending) // world
+        ranks = list(range(world)) * num_parts
+        if self._stage_after_train is not None:
+            futures = self.worker_group.call_async("finish_parts_and_stage_export", loss_fn, num_parts,
+                                                   *self._stage_after_train, self.single_node)
+            self.worker_group.get(pending, indices=ranks)  # a failed part raises here, named
+            return self._train_and_stage(futures)
+        futures = self.worker_group.call_async("finish_parts", loss_fn, num_parts)
+        self.worker_group.get(pending, indices=ranks)
+        return _aggregate(self.worker_group.collect_sharded(futures))
+
+    def _train_and_stage(self, futures: list[Any]) -> dict[str, Any]:
+        """The results of training calls that end by staging the export (one per rank, rank order)."""
+        # Rank 0's result carries the staged export; only when it is also dp 0's output rank does this facade take
+        # that export (below), so only then may the engines load it on their own (with pipeline stages the
+        # export is staged again on refit, into the segment they would still be reading).
+        if self.on_stage_submitted is not None and self.dims.is_output_rank(0):
+            self.on_stage_submitted(futures[0])
+        results = self.worker_group.collect_sharded(futures)
+        self._staged_export = results[0].pop("staged_export", None)
+        if self._staged_export is None:  # rank 0 is not dp 0's output rank (pipeline stages): stage on refit
+            self._stage_after_train = None
         return _aggregate(results)
 
     def train_and_stage_weights(self, data: BatchedDataDict, loss_fn: Any, dtype: str,

@@ -289,6 +289,17 @@ class MegatronPolicyWorker(WeightExportMixin):
         return old
 
     # ---- training ----------------------------------------------------------------------
+    def train_part(self, data: BatchedDataDict, loss_fn: Any, index: int = 0) -> int:
+        """Not on Megatron: its pipeline schedule trains a global batch whole, so the config layer never overlaps
+        generation and training here (`rlpost.config.layout.overlap_chunk`); a direct call is refused."""
+        raise NotImplementedError("the Megatron workers train a batch whole; grpo.overlap_generation_and_training "
+                                  "applies to policy=dtensor / dtensor_v2")
+
+    def finish_parts(self, loss_fn: Any, num_parts: int) -> dict[str, Any]:
+        """Not on Megatron (see train_part)."""
+        raise NotImplementedError("the Megatron workers train a batch whole; grpo.overlap_generation_and_training "
+                                  "applies to policy=dtensor / dtensor_v2")
+
     @_megatron_call
     def train(self, data: BatchedDataDict, loss_fn: Any, gbs: int | None = None,
               eval_mode: bool = False) -> dict[str, Any]:

@@ -88,7 +88,17 @@ class WeightExportMixin:
         """All ranks: `train`, then `stage_export` in the same call, so the refit that follows finds its one bucket
         written and needs no call of its own here (Policy asks for this once a refit was one bucket). Rank 0's
         result carries the stage answer as "staged_export"; an export that is no longer one bucket is dropped."""
-        result = self.train(data, loss_fn, gbs, eval_mode)  # type: ignore[attr-defined]
+        return self._with_staged_export(self.train(data, loss_fn, gbs, eval_mode),  # type: ignore[attr-defined]
+                                        dtype, max_bytes, shared_memory)
+
+    def finish_parts_and_stage_export(self, loss_fn: Any, num_parts: int, dtype: str, max_bytes: int,
+                                      shared_memory: bool) -> dict[str, Any]:
+        """`train_and_stage_export` for a batch trained in parts: `finish_parts`, then `stage_export`."""
+        return self._with_staged_export(self.finish_parts(loss_fn, num_parts),  # type: ignore[attr-defined]
+                                        dtype, max_bytes, shared_memory)
+
+    def _with_staged_export(self, result: dict[str, Any], dtype: str, max_bytes: int,
+                            shared_memory: bool) -> dict[str, Any]:
         staged = self.stage_export(dtype, max_bytes, shared_memory)
         if self.rank != 0:
             return dict(result)
