@@ -422,6 +422,25 @@ def test_fanned_out_groups_equal_one_request_per_row(vllm_engine: Any, weights_a
     _fanned_out_equals_one_request_per_row(vllm_engine, weights_a, tokenizer)
 
 
+def test_generated_chunks_equal_the_whole_batch(vllm_engine: Any, weights_a: dict, tokenizer: Any) -> None:
+    """generate_chunks (overlapped synchronous GRPO): one streaming call per replica, chunks 0 and 2 on replica 0, 1
+    and 3 on replica 1, handed back in order, each exactly the rows generate() gives for the whole batch."""
+    vllm_engine.update_weights(weights_a.items())
+    one = _batch(tokenizer, PROMPTS[:4])
+    rows = torch.arange(4).repeat_interleave(5)
+    batch = {"input_ids": one["input_ids"][rows], "input_lengths": one["input_lengths"][rows],
+             "seeds": torch.arange(20) + 70}
+    bounds = [(0, 5), (5, 10), (10, 15), (15, 20)]
+    with _cfg(vllm_engine, stop_token_ids=[]):
+        whole = vllm_engine.generate(batch)
+        chunks = list(vllm_engine.generate_chunks(batch, bounds))
+    assert len(chunks) == 4
+    for (a, b), part in zip(bounds, chunks, strict=True):
+        for key in ("output_ids", "logprobs", "generation_lengths", "truncated"):
+            assert torch.equal(part[key], whole[key][a:b]), (a, key)
+    assert not torch.equal(chunks[0]["output_ids"], chunks[1]["output_ids"])
+
+
 def _in_flight_refit_keeps_requests(engine: Any, weights: dict) -> None:
     """Async GRPO's in-flight weight update: requests frozen mid-generation (pause), weights loaded, resumed.
     With the same weights reloaded, every request finishes exactly as an uninterrupted run does."""

@@ -196,7 +196,22 @@ def run_rollout(
         batch["seeds"] = torch.tensor(seeds, dtype=torch.long)
     with _phase(timer, "generation"):
         gen = generation.generate(batch, greedy=greedy)
-        in_len = batch["input_lengths"]
+    return finish_rollout(rows, group_ids, batch["input_lengths"], gen, tokenizer, envs, timer, label)
+
+
+def finish_rollout(
+    rows: list[dict[str, Any]],
+    group_ids: torch.Tensor,
+    in_len: torch.Tensor,
+    gen: BatchedDataDict,
+    tokenizer: PreTrainedTokenizerBase,
+    envs: dict[str, EnvironmentInterface],
+    timer: Timer | None = None,
+    label: str | None = None,
+) -> RolloutBatch:
+    """The rollout of `rows` from the engine's output `gen` for them: responses decoded (booked under
+    "generation"), then scored ("reward_calculation")."""
+    with _phase(timer, "generation"):
         out = gen["output_ids"].tolist()
         generated = [out[i][a : a + n] for i, (a, n) in enumerate(zip(in_len.tolist(), gen["generation_lengths"].tolist(),
                                                                      strict=True))]

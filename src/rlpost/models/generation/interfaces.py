@@ -30,7 +30,7 @@ FingerprintMismatch.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -42,12 +42,26 @@ OUTPUT_KEYS = ("output_ids", "logprobs", "generation_lengths", "unpadded_sequenc
 """Keys every generate() result has."""
 
 
+def slice_rows(data: Mapping[str, Any], a: int, b: int) -> dict[str, Any]:
+    """Rows [a, b) of a generate() input (every value is per row)."""
+    return {k: v[a:b] for k, v in data.items()}
+
+
 class GenerationInterface(ABC):
     """A rollout engine: generate from token prompts, take new weights from the trainer."""
 
     @abstractmethod
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
         """Generate for every row of `data` (see the module docstring for the contract); a BatchedDataDict."""
+
+    def generate_chunks(self, data: Mapping[str, Any], bounds: list[tuple[int, int]],
+                        greedy: bool = False) -> Iterator[Any]:
+        """generate() for rows [a, b) of `data`, for each (a, b) of `bounds` in order, each chunk's result as soon as
+        it is there (synchronous GRPO trains on a chunk while the next one generates: rlpost.algorithms.overlap).
+        This default makes one generate() call per chunk; an engine that can run its chunks back to back (vLLM:
+        one streaming call per replica) overrides it."""
+        for a, b in bounds:
+            yield self.generate(slice_rows(data, a, b), greedy)
 
     async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
         """generate() awaited from a coroutine, so many small requests (one per multi-turn sample) run at once.

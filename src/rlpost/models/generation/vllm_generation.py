@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +267,31 @@ class VllmGeneration(GenerationInterface):
                                                                stops[a:b] if stops else None))
                 used.append(r)
         return assemble_outputs(data["input_ids"], data["input_lengths"], self._get(futures, used), self.pad_token_id)
+
+    def generate_chunks(self, data: Mapping[str, Any], bounds: list[tuple[int, int]],
+                        greedy: bool = False) -> Iterator[Any]:
+        """Chunks of `data` (contract in rlpost.models.generation.interfaces), with one streaming call per replica:
+        replica r generates chunks r, r + R, ... back to back and sends each back when it is done, so an engine
+        never waits for the driver between chunks. Chunks come out in order."""
+        prompts = unpack_prompts(data)
+        spec = sampling_spec(self.cfg, greedy, self.eos_token_id)
+        seeds = [int(x) for x in data["seeds"]] if "seeds" in data else None
+        stops = row_stop_strings(data)
+        streams = []
+        for r in range(min(self.num_replicas, len(bounds))):
+            mine = bounds[r::self.num_replicas]
+            rows = [i for a, b in mine for i in range(a, b)]
+            local, start = [], 0
+            for a, b in mine:
+                local.append((start, start + b - a))
+                start += b - a
+            streams.append(self.workers[r].generate_chunks.remote(
+                [prompts[i] for i in rows], spec, [seeds[i] for i in rows] if seeds else None,
+                [stops[i] for i in rows] if stops else None, local))
+        for k, (a, b) in enumerate(bounds):
+            r = k % self.num_replicas
+            samples = self.group.next_of(streams[r], r)
+            yield assemble_outputs(data["input_ids"][a:b], data["input_lengths"][a:b], samples, self.pad_token_id)
 
     def pause_for_refit(self, recompute_kv_cache: bool = False) -> None:
         """Freeze every replica's in-flight requests (vLLM pause_generation(mode='keep')); async engine only."""

@@ -17,7 +17,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -153,6 +153,14 @@ class VllmEngineWorker:
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(**spec, output_kind=RequestOutputKind.FINAL_ONLY, skip_clone=True)
+
+    def generate_chunks(self, prompts: list[list[int]], sampling: dict[str, Any], seeds: list[int] | None,
+                        stops: list[list[str]] | None, bounds: list[tuple[int, int]]) -> Iterator[GeneratedBatch]:
+        """`generate` for rows [a, b) of each (a, b) in `bounds`, one after the other, each chunk yielded (a Ray
+        streaming call: the caller gets it while the next one generates)."""
+        for a, b in bounds:
+            yield self.generate(prompts[a:b], sampling, seeds[a:b] if seeds is not None else None,
+                                stops[a:b] if stops is not None else None)
 
     def generate(
         self,
