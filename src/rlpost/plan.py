@@ -116,10 +116,17 @@ def _rollouts(cfg: MasterConfig) -> str:
 
 
 def _overlap(cfg: MasterConfig) -> str:
-    """Synchronous, or async GRPO with its age limit and refit mode (rlpost.algorithms.async_grpo)."""
+    """Synchronous (overlapped within the step or not: rlpost.algorithms.overlap), or async GRPO with its age limit
+    and refit mode (rlpost.algorithms.async_grpo)."""
     a = cfg.grpo.async_grpo
     if not a.enabled:
-        return "one after the other (synchronous GRPO)"
+        lay = layout_of(cfg)
+        if not lay.overlap_chunk:
+            return f"one after the other (synchronous GRPO): {lay.overlap_reason}"
+        where = " (colocated: on CPU only, where the engine does not sleep)" if lay.colocated else ""
+        return (f"overlapped within the step{where}: the policy trains on each chunk of {lay.overlap_chunk} "
+                f"completions while the engine generates the next ({lay.completions_per_step // lay.overlap_chunk} "
+                "chunks), one optimizer step on the same weights (synchronous GRPO)")
     refit = ("in flight: requests freeze under the new weights" if a.in_flight_weight_updates
              else "at the engine's next batch boundary, from a copy staged after each update (the trainer does "
                   "not wait)")

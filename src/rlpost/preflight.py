@@ -110,6 +110,7 @@ def preflight_checks(master: AnyMaster, run_dir: Path | None = None) -> None:
         check_output_dirs(master, run_dir)
         check_supervised_data(master)
         return
+    check_overlap(master)
     check_output_dirs(master, run_dir)
     check_prompt_files(master)
     check_chat_template(master)
@@ -322,6 +323,17 @@ def check_precision(master: AnyMaster) -> None:
             "use policy.precision=float32 on CPU",
         )
     p.check_device("policy", device)
+
+
+def check_overlap(master: MasterConfig) -> None:
+    """grpo.overlap_generation_and_training=true with a colocated engine on a GPU: the engine sleeps while the
+    policy trains there, so the two cannot overlap."""
+    if master.grpo.overlap_generation_and_training and master.generation.colocated.enabled \
+            and run_device(master) != "cpu":
+        raise ConfigError("grpo.overlap_generation_and_training", True,
+                          "a colocated engine on a GPU sleeps while the policy trains, so they cannot overlap",
+                          "policy.generation.colocated.enabled=false (the engine on its own GPUs), or leave the "
+                          "key null")
 
 
 def _cpu_reason(master: AnyMaster) -> str:

@@ -164,6 +164,25 @@ def test_a_killed_engine_actor_stops_async_grpo_with_its_name(cache: Path, tmp_p
     assert "Traceback" not in err
 
 
+def test_an_overlapped_step_equals_the_unoverlapped_one(cache: Path, tmp_path: Path) -> None:
+    # The default layout overlaps generation and training (4 chunks of 2 groups here); switching it off must give
+    # the same samples (vLLM seeds each group's request), the same loss and metrics, and the same weights.
+    common = [*SMALL, "grpo.max_num_steps=1", "grpo.val_period=0", "checkpointing.save_period=1",
+              "checkpointing.metric_name=train:reward"]
+    runs = {how: tmp_path / how for how in ("overlapped", "plain")}
+    train(runs["overlapped"], cache, *common)
+    train(runs["plain"], cache, *common, "grpo.overlap_generation_and_training=false")
+    a, b = ([m for m in metrics(runs[how]) if "train/loss" in m][-1] for how in ("overlapped", "plain"))
+    assert a["train/overlap_chunks"] == 4.0 and "train/overlap_chunks" not in b
+    assert a["train/reward"] == b["train/reward"] and a["train/mean_gen_length"] == b["train/mean_gen_length"]
+    for key in ("train/loss", "train/grad_norm", "train/token_mult_prob_error", "train/probs_ratio",
+                "train/advantages/max", "train/num_valid_samples", "train/valid_response_tokens"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    wa, wb = _weights(runs["overlapped"], 1), _weights(runs["plain"], 1)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-6  # type: ignore[operator]
+    assert a["train/grad_norm"] > 0
+
+
 def _weights(run: Path, step: int) -> dict[str, object]:
     from safetensors.torch import load_file
 

@@ -16,20 +16,17 @@ from typing import Any
 
 import torch
 
-from rlpost.algorithms.advantages import (
-    calculate_baseline_and_std_per_prompt,
-    compute_advantages,
-)
 from rlpost.algorithms.checkpoint_io import record_checkpoint_metric, write_checkpoint
-from rlpost.algorithms.collect import collect_batch, shaped_rewards, validation_seeds
+from rlpost.algorithms.collect import collect_batch, validation_seeds
 from rlpost.algorithms.deadline import SaveDeadline
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
 from rlpost.algorithms.engine_weights import EngineWeights
 from rlpost.algorithms.grpo_setup import GRPOComponents, setup
 from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
+from rlpost.algorithms.overlap import overlapped_step
+from rlpost.algorithms.prepare import prepare
 from rlpost.algorithms.refit import refit_policy_generation
 from rlpost.algorithms.rollouts import RolloutBatch
-from rlpost.algorithms.train_data import build_train_data
 from rlpost.config.schema.grpo import GRPOConfig, GRPOSaveState, _default_grpo_save_state
 from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.master import MasterConfig
@@ -60,14 +57,6 @@ def _should_use_async_rollouts(master_config: MasterConfig) -> bool:
     """Async rollouts (vLLM's async engine inside the synchronous, on-policy loop) iff the engine is
     vLLM and `vllm_cfg.async_engine` is on."""
     return master_config.generation.async_rollouts()
-
-
-def _advantages(components: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:
-    grpo_cfg = components.cfg.grpo
-    rewards = shaped_rewards(grpo_cfg, batch)
-    valid = torch.ones_like(rewards)
-    baseline, std = calculate_baseline_and_std_per_prompt(batch.group_ids, rewards, valid, grpo_cfg.use_leave_one_out_baseline)
-    return compute_advantages(rewards, baseline, std, grpo_cfg.normalize_rewards)
 
 
 def validate(components: GRPOComponents, step: int) -> dict[str, float]:
@@ -177,20 +166,6 @@ def _tighten_call_timeouts(components: GRPOComponents, slowest_step_s: float) ->
 # ---- the phases of one step (DESIGN §4) ------------------------------------------------------------------
 
 
-def prepare(components: GRPOComponents, batch: RolloutBatch, timer: Timer) -> tuple[BatchedDataDict, torch.Tensor]:
-    """Advantages of the collected batch, then the [B, S] training tensors."""
-    grpo_cfg = components.cfg.grpo
-    with timer.time("reward_calculation"):
-        advantages = _advantages(components, batch)
-    with timer.time("data_processing"):
-        mask = torch.tensor([r["loss_multiplier"] for r in batch.rows])
-        if grpo_cfg.overlong_filtering:
-            mask = mask * (~batch.gen["truncated"].bool()).float()
-        train_data = build_train_data(batch, advantages, mask, components.tokenizer.pad_token_id,
-                                      components.cfg.policy.make_sequence_length_divisible_by)
-    return train_data, advantages
-
-
 def logprobs(components: GRPOComponents, train_data: BatchedDataDict, timer: Timer) -> None:
     """The trainer's own prev / reference logprobs, only those the loss reads."""
     loss_fn, policy = components.loss_fn, components.policy
@@ -253,11 +228,16 @@ def grpo_train(
         timer.reset()
         step_t0 = time.perf_counter()
         with timer.time("total_step_time"):
-            collected = collect_batch(components, prompt_rows, loader.next_batch, step, timer, weights.sync)
+            if components.overlap:  # the same phases, with generation and training overlapped (overlap.py)
+                done = overlapped_step(components, prompt_rows, step, timer, weights)
+                collected, train_data, advantages, results = done.collected, done.train_data, done.advantages, \
+                    done.results
+            else:
+                collected = collect_batch(components, prompt_rows, loader.next_batch, step, timer, weights.sync)
+                train_data, advantages = prepare(components, collected.batch, timer)
+                logprobs(components, train_data, timer)
+                results = train(components, train_data, weights, timer)
             batch = collected.batch
-            train_data, advantages = prepare(components, batch, timer)
-            logprobs(components, train_data, timer)
-            results = train(components, train_data, weights, timer)
             metrics = {"train/reward": float(collected.generated_rewards.mean()),  # every sample generated
                        **_step_metrics(batch, train_data, advantages, results, collected.sampler)}
             last = step >= grpo_cfg.max_num_steps or loader.epochs_done() >= grpo_cfg.max_num_epochs

@@ -61,6 +61,9 @@ class GRPOComponents:
     model_fp: str
     config_dict: dict[str, Any]
     colocated: bool = True
+    overlap: bool = False
+    """Synchronous steps overlap generation and training (rlpost.algorithms.overlap): where `Layout.overlap_chunk`
+    applies and the engine can run while the policy trains (split, or colocated on CPU)."""
     extras: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
     """time.monotonic() when setup began: checkpointing.checkpoint_must_save_by counts from here."""
@@ -196,6 +199,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         val_rows=val_rows, loss_fn=loss_fn, logger=logger, checkpointer=checkpointer, save_state=save_state,
         tokenizer=tokenizer, processor=processor, envs=envs, model_fp=model_fp, config_dict=config_dict,
         colocated=colocated, started_at=started_at,
+        overlap=bool(lay.overlap_chunk) and (not colocated or device == "cpu"),
     )
 
 

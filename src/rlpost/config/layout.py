@@ -7,6 +7,7 @@ config errors); `layout_of(cfg)` hands that same result to `rlpost plan` and the
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,11 @@ class Layout:
     completions_per_step: int
     optimizer_steps_per_grpo_step: int
     micro_batches_per_optimizer_step: int
+    overlap_chunk: int = 0
+    """Synchronous GRPO with generation and training overlapped: completions per chunk (whole groups, a whole
+    number of micro-batches per data-parallel rank); 0 = not overlapped (`overlap_reason` says why)."""
+    overlap_reason: str = ""
+    """Why generation and training are not overlapped ("" when they are)."""
 
     @property
     def train_world(self) -> int:
@@ -173,6 +179,10 @@ def compute_layout(cfg: MasterConfig) -> Layout:
             f"({p.train_micro_batch_size} x {dp} = {p.train_micro_batch_size * dp})",
         )
     _check_async(cfg)
+    chunk, reason = overlap_chunk(cfg, dp)
+    if cfg.grpo.overlap_generation_and_training and not chunk:
+        raise ConfigError("grpo.overlap_generation_and_training", True, f"does not apply: {reason}",
+                          "grpo.overlap_generation_and_training=null (on wherever it applies)")
     return Layout(
         colocated=cfg.generation.colocated.enabled,
         train_nodes=tn,
@@ -189,7 +199,47 @@ def compute_layout(cfg: MasterConfig) -> Layout:
         completions_per_step=completions,
         optimizer_steps_per_grpo_step=completions // gbs,
         micro_batches_per_optimizer_step=gbs // (p.train_micro_batch_size * dp),
+        overlap_chunk=chunk,
+        overlap_reason=reason,
     )
+
+
+def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:
+    """(completions per chunk, "") when synchronous GRPO trains on the step's first groups while the engine
+    generates the rest (rlpost.algorithms.overlap), else (0, why not).
+
+    Exact only when the whole rollout batch is one optimizer step whose inputs are known per group: no
+    prev-logprobs or reference pass over the whole batch first, no dynamic sampling choosing groups after the
+    fact, and a loss whose normalisation the workers can apply after accumulating (ClippedPGLossFn). A
+    colocated engine overlaps only on CPU, where it does not sleep while the policy trains (checked at run time,
+    `rlpost.preflight.check_overlap`)."""
+    g, p = cfg.grpo, cfg.policy
+    completions = g.num_prompts_per_step * g.num_generations_per_prompt
+    per_rank = p.train_micro_batch_size * dp
+    chunk = math.lcm(g.num_generations_per_prompt, per_rank)
+    loss = cfg.loss_fn
+    why = None
+    if g.overlap_generation_and_training is False:
+        why = "grpo.overlap_generation_and_training=false"
+    elif g.async_grpo.enabled:
+        why = "async GRPO overlaps whole batches instead (grpo.async_grpo.enabled=true)"
+    elif getattr(p, "dtensor_cfg", None) is None:
+        why = "only the DTensor policy workers train a batch in parts (policy=dtensor or dtensor_v2)"
+    elif not isinstance(loss, ClippedPGLossConfig):
+        why = "the loss is not ClippedPGLossFn"
+    elif completions != p.train_global_batch_size:
+        why = (f"the rollout batch ({completions}) is {completions // p.train_global_batch_size} optimizer steps "
+               "(policy.train_global_batch_size); overlap needs exactly one")
+    elif prev_logprobs_pass(cfg) == "computed":
+        why = "the prev-logprobs pass runs over the whole batch first"
+    elif loss.reference_policy_kl_penalty != 0:
+        why = "the reference-logprobs pass (loss_fn.reference_policy_kl_penalty > 0) runs over the whole batch first"
+    elif g.use_dynamic_sampling:
+        why = "dynamic sampling picks the batch's groups after generating them"
+    elif completions % chunk or completions // chunk < 2:
+        why = (f"the batch ({completions}) is not two or more chunks of whole groups and whole micro-batches per "
+               f"data-parallel rank (lcm({g.num_generations_per_prompt}, {per_rank}) = {chunk})")
+    return (0, why) if why else (chunk, "")
 
 
 def fsdp_needed(dp_size: int, tp_size: int, precision: str, cpu_offload: bool) -> bool:

@@ -1,0 +1,39 @@
+"""GRPO's second phase: the collected batch's advantages, then its [B, S] training tensors.
+
+Used by the synchronous step (grpo.py), by the overlapped one chunk by chunk (overlap.py: a group's advantages
+need only that group) and by async GRPO's trainer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlpost.algorithms.advantages import calculate_baseline_and_std_per_prompt, compute_advantages
+from rlpost.algorithms.collect import shaped_rewards
+from rlpost.algorithms.grpo_setup import GRPOComponents
+from rlpost.algorithms.rollouts import RolloutBatch
+from rlpost.algorithms.train_data import build_train_data
+from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.runtime.timer import Timer
+
+
+def _advantages(components: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:
+    grpo_cfg = components.cfg.grpo
+    rewards = shaped_rewards(grpo_cfg, batch)
+    valid = torch.ones_like(rewards)
+    baseline, std = calculate_baseline_and_std_per_prompt(batch.group_ids, rewards, valid, grpo_cfg.use_leave_one_out_baseline)
+    return compute_advantages(rewards, baseline, std, grpo_cfg.normalize_rewards)
+
+
+def prepare(components: GRPOComponents, batch: RolloutBatch, timer: Timer) -> tuple[BatchedDataDict, torch.Tensor]:
+    """Advantages of the collected batch, then the [B, S] training tensors."""
+    grpo_cfg = components.cfg.grpo
+    with timer.time("reward_calculation"):
+        advantages = _advantages(components, batch)
+    with timer.time("data_processing"):
+        mask = torch.tensor([r["loss_multiplier"] for r in batch.rows])
+        if grpo_cfg.overlong_filtering:
+            mask = mask * (~batch.gen["truncated"].bool()).float()
+        train_data = build_train_data(batch, advantages, mask, components.tokenizer.pad_token_id,
+                                      components.cfg.policy.make_sequence_length_divisible_by)
+    return train_data, advantages
