@@ -56,6 +56,8 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
     # background while the driver booked the step (and the engine stayed on policy: token_mult_prob_error above).
     background = ["timing/train/refit_background" in m for m in steps]
     assert background == ([False, True, True] if name == "dtensor-vllm-token-colocated" else [False] * 3), background
+    # The split vLLM run overlaps generation and training (4 chunks); the KL run needs a reference pass first.
+    assert [m.get("train/overlap_chunks") for m in steps] == [4.0 if name == "dtensor-vllm-token-split" else None] * 3
     if val:
         accs = [m for m in lines if "validation/accuracy" in m]
         # every val_period steps, and the last step (3) too, so the final weights always have a score
@@ -165,13 +167,14 @@ def test_a_killed_engine_actor_stops_async_grpo_with_its_name(cache: Path, tmp_p
 
 
 def test_an_overlapped_step_equals_the_unoverlapped_one(cache: Path, tmp_path: Path) -> None:
-    # The default layout overlaps generation and training (4 chunks of 2 groups here); switching it off must give
-    # the same samples (vLLM seeds each group's request), the same loss and metrics, and the same weights.
+    # Generation and training overlapped (asked for: the engine is colocated on the CPU here; 4 chunks of 2 groups)
+    # give the same samples as the plain step (vLLM seeds each group's request), the same loss and metrics, and the
+    # same weights. (The split covering run above overlaps by default.)
     common = [*SMALL, "grpo.max_num_steps=1", "grpo.val_period=0", "checkpointing.save_period=1",
               "checkpointing.metric_name=train:reward"]
     runs = {how: tmp_path / how for how in ("overlapped", "plain")}
-    train(runs["overlapped"], cache, *common)
-    train(runs["plain"], cache, *common, "grpo.overlap_generation_and_training=false")
+    train(runs["overlapped"], cache, *common, "grpo.overlap_generation_and_training=true")
+    train(runs["plain"], cache, *common)
     a, b = ([m for m in metrics(runs[how]) if "train/loss" in m][-1] for how in ("overlapped", "plain"))
     assert a["train/overlap_chunks"] == 4.0 and "train/overlap_chunks" not in b
     assert a["train/reward"] == b["train/reward"] and a["train/mean_gen_length"] == b["train/mean_gen_length"]

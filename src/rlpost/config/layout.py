@@ -210,9 +210,9 @@ def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:
 
     Exact only when the whole rollout batch is one optimizer step whose inputs are known per group: no
     prev-logprobs or reference pass over the whole batch first, no dynamic sampling choosing groups after the
-    fact, and a loss whose normalisation the workers can apply after accumulating (ClippedPGLossFn). A
-    colocated engine overlaps only on CPU, where it does not sleep while the policy trains (checked at run time,
-    `rlpost.preflight.check_overlap`)."""
+    fact, and a loss whose normalisation the workers can apply after accumulating (ClippedPGLossFn). By default
+    only a split engine (its own workers) overlaps; a colocated one does when asked (true), on CPU only, where it
+    does not sleep while the policy trains (checked at run time, `rlpost.preflight.check_overlap`)."""
     g, p = cfg.grpo, cfg.policy
     completions = g.num_prompts_per_step * g.num_generations_per_prompt
     per_rank = p.train_micro_batch_size * dp
@@ -223,6 +223,9 @@ def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:
         why = "grpo.overlap_generation_and_training=false"
     elif g.async_grpo.enabled:
         why = "async GRPO overlaps whole batches instead (grpo.async_grpo.enabled=true)"
+    elif cfg.generation.colocated.enabled and g.overlap_generation_and_training is None:
+        why = ("the engine is colocated: it and the policy take turns on the shared workers "
+               "(grpo.overlap_generation_and_training=true overlaps them on CPU)")
     elif getattr(p, "dtensor_cfg", None) is None:
         why = "only the DTensor policy workers train a batch in parts (policy=dtensor or dtensor_v2)"
     elif not isinstance(loss, ClippedPGLossConfig):

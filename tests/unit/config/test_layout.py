@@ -96,14 +96,29 @@ def test_plan_says_when_one_rank_trains_without_fsdp() -> None:
     assert meg["training layout"] == "DP=1 TP=1 PP=1 CP=1 (1 workers)"
 
 
-def test_default_job_overlaps_generation_and_training_in_chunks_of_whole_groups() -> None:
-    _, cfg = load_master_config([])
+SPLIT = ["cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
+         "policy.generation.colocated.resources.gpus_per_node=1"]
+
+
+def test_a_split_engine_overlaps_generation_and_training_in_chunks_of_whole_groups() -> None:
+    _, cfg = load_master_config(SPLIT)
     lay = compute_layout(cfg)
     assert (lay.overlap_chunk, lay.overlap_reason) == (64, "")  # lcm(16 per group, micro-batch 64 x DP 1)
-    assert dict(plan_rows(cfg))["generation and training"].startswith("overlapped within the step (colocated: on CPU")
-    _, dp2 = load_master_config(["cluster.gpus_per_node=2", "policy.train_micro_batch_size=48",
-                                 "policy.train_global_batch_size=384", "grpo.num_prompts_per_step=24"])
+    assert dict(plan_rows(cfg))["generation and training"].startswith("overlapped within the step: the policy")
+    _, dp2 = load_master_config(["cluster.gpus_per_node=4", "policy.generation.colocated.enabled=false",
+                                 "policy.generation.colocated.resources.gpus_per_node=2",
+                                 "policy.train_micro_batch_size=48", "policy.train_global_batch_size=384",
+                                 "grpo.num_prompts_per_step=24"])
     assert compute_layout(dp2).overlap_chunk == 96  # lcm(16, 48 x 2): whole groups, one micro-batch per rank
+
+
+def test_a_colocated_engine_overlaps_only_when_asked() -> None:
+    _, cfg = load_master_config([])
+    lay = compute_layout(cfg)
+    assert lay.overlap_chunk == 0 and "the engine is colocated" in lay.overlap_reason
+    _, asked = load_master_config(["grpo.overlap_generation_and_training=true"])
+    assert compute_layout(asked).overlap_chunk == 64
+    assert dict(plan_rows(asked))["generation and training"].startswith("overlapped within the step (colocated: on CPU")
 
 
 @pytest.mark.parametrize(("overrides", "why"), [
@@ -117,7 +132,7 @@ def test_default_job_overlaps_generation_and_training_in_chunks_of_whole_groups(
     (["policy.train_micro_batch_size=256"], "not two or more chunks"),
 ])
 def test_overlap_applies_only_where_it_is_exact(overrides: list[str], why: str) -> None:
-    _, cfg = load_master_config(overrides)
+    _, cfg = load_master_config([*SPLIT, *overrides] if overrides != ASYNC else ASYNC)
     lay = compute_layout(cfg)
     assert lay.overlap_chunk == 0 and why in lay.overlap_reason
     if not cfg.grpo.async_grpo.enabled:  # async GRPO's row describes its own overlap
@@ -129,5 +144,3 @@ def test_overlap_forced_on_where_it_does_not_apply_is_refused() -> None:
         load_master_config(["grpo.overlap_generation_and_training=true", "grpo.use_dynamic_sampling=true"])
     assert err.value.key == "grpo.overlap_generation_and_training"
     assert "dynamic sampling" in str(err.value)
-    _, cfg = load_master_config(["grpo.overlap_generation_and_training=true"])
-    assert compute_layout(cfg).overlap_chunk == 64

@@ -104,8 +104,9 @@ class GRPOConfig:
     overlap_generation_and_training: bool | None = None
     """Synchronous GRPO: train on the step's first groups while the engine still generates its later ones, all
     with the same weights and in the same optimizer step (rlpost.algorithms.overlap). The result is the
-    unoverlapped step's to float rounding. null = wherever it applies (`rlpost plan` says whether it does and
-    why not); true = on, or exit 2 naming the rule the config breaks; false = off."""
+    unoverlapped step's to float rounding. null = wherever it applies with the engine on its own workers
+    (`rlpost plan` says whether it does and why not); true = on, also with a colocated engine on CPU, or exit 2
+    naming the rule the config breaks; false = off."""
     token_mult_prob_error_warn_threshold: float = 1.05
     """Warn when train/token_mult_prob_error exceeds this (trainer and engine disagree)."""
     token_mult_prob_error_abort_threshold: float = 2.0
