@@ -113,6 +113,8 @@ def overlapped_step(components: GRPOComponents, rows: list[dict[str, Any]], step
     weights.policy_updated()
     timer.times["policy_training"] = timer.times.get("policy_training", 0.0) + time.perf_counter() - train_t0
     thread.join()
+    if not ready.empty():  # the thread failed after its last chunk (finish_generation)
+        _next_chunk(ready, thread)
     for name, seconds in gen_timer.times.items():
         timer.times[name] = timer.times.get(name, 0.0) + seconds
     return OverlappedStep(Collected(batch, batch.rewards), train_data, advantages, results)

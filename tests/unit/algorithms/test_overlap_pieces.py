@@ -27,3 +27,23 @@ def test_merged_metrics_add_counts_and_weigh_means_by_chunk_size() -> None:
     merged = merge_rollout_metrics(parts)
     assert merged["reward_errors"] == 3.0 and merged["rollout/budget_truncated"] == 3.0
     assert merged["rollout/mean_turns"] == pytest.approx((8 * 2.0 + 24 * 1.0) / 32)
+
+
+def test_the_generating_threads_error_is_raised_in_the_driver() -> None:
+    import queue
+    import threading
+
+    from rlpost.algorithms.overlap import _next_chunk
+
+    ready: queue.Queue = queue.Queue()
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    done.join()
+    ready.put(ValueError("engine replica 0 died"))
+    with pytest.raises(ValueError, match="replica 0 died"):
+        _next_chunk(ready, done)
+    with pytest.raises(RuntimeError, match="ended before every chunk"):  # a thread gone without a word
+        _next_chunk(ready, done)
+    part = _part(2, {})
+    ready.put(part)
+    assert _next_chunk(ready, done) is part
