@@ -220,5 +220,5 @@ def test_two_workers_train_the_same_steps_as_one(algo: str, layout: list[str], c
     assert len(one) == len(two) == 3
     for a, b in zip(one, two, strict=True):
         for k in keys:
-            if k in a:
-                assert b[k] == pytest.approx(a[k], abs=1e-5), (a["step"], k)
+            if k in a:  # relative too: a grad norm of 8.4 summed over DP ranks in another order moves by ~1e-6 of it
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-5), (a["step"], k)
