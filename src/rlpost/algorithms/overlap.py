@@ -11,7 +11,7 @@ rounding, and the batch is on-policy.
 
 `rlpost.config.layout.overlap_chunk` says where this applies: one optimizer step per batch, no prev-logprobs or
 reference pass over the whole batch first, no dynamic sampling, DTensor workers, and an engine that can run
-while the policy trains (split, or colocated on CPU).
+while the policy trains (split by default; colocated on CPU when asked).
 """
 
 from __future__ import annotations
@@ -98,17 +98,22 @@ def overlapped_step(components: GRPOComponents, rows: list[dict[str, Any]], step
     thread = threading.Thread(target=generate, name="rlpost-overlap-generation", daemon=True)
     thread.start()
     parts: list[RolloutBatch] = []
+    datas: list[BatchedDataDict] = []
+    advantages: list[torch.Tensor] = []
     train_t0 = 0.0
     for _ in spans:
         part = _next_chunk(ready, thread)
-        data, _ = prepare(components, part, timer)
+        data, adv = prepare(components, part, timer)
         if not parts:
             train_t0 = time.perf_counter()
         components.policy.train_part(data, components.loss_fn)
         parts.append(part)
+        datas.append(data)
+        advantages.append(adv)
+    # The whole batch, as prepare() would give it (advantages are per group), while the policy trains the last part.
     batch = RolloutBatch.concat(parts)
     batch.metrics = {**merge_rollout_metrics(parts), "overlap_chunks": float(len(parts))}  # train/overlap_chunks
-    train_data, advantages = prepare(components, batch, Timer())  # while the policy trains the last part
+    train_data = BatchedDataDict.from_batches(datas, {"input_ids": components.tokenizer.pad_token_id})
     results = components.policy.finish_parts(components.loss_fn)
     weights.policy_updated()
     timer.times["policy_training"] = timer.times.get("policy_training", 0.0) + time.perf_counter() - train_t0
@@ -117,7 +122,7 @@ def overlapped_step(components: GRPOComponents, rows: list[dict[str, Any]], step
         _next_chunk(ready, thread)
     for name, seconds in gen_timer.times.items():
         timer.times[name] = timer.times.get(name, 0.0) + seconds
-    return OverlappedStep(Collected(batch, batch.rewards), train_data, advantages, results)
+    return OverlappedStep(Collected(batch, batch.rewards), train_data, torch.cat(advantages), results)
 
 
 def _single_turn_chunks(components: GRPOComponents, rows: list[dict[str, Any]], group_ids: torch.Tensor,

@@ -26,7 +26,12 @@ from torch.distributed.tensor import DTensor
 from rlpost.config.schema.policy import DTensorPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.models.policy import dtensor_checkpoint
-from rlpost.models.policy.global_batches import finish_result, local_valid_counts, train_global_batches
+from rlpost.models.policy.global_batches import (
+    add_mb_metrics,
+    finish_result,
+    local_valid_counts,
+    train_global_batches,
+)
 from rlpost.models.policy.memory_phases import OffloadState, cuda_memory_stats
 from rlpost.models.policy.optim import build_optimizer, build_scheduler
 from rlpost.models.policy.weight_export import WeightExportMixin
@@ -223,13 +228,7 @@ class DTensorWorkerBase(WeightExportMixin):
                     return forward_only(gb, gs, gt)
             optimizer.zero_grad(set_to_none=True)
             gb_loss = torch.zeros((), device=self.device)
-            recorded = []
-            for mb in self._microbatches(gb, self.cfg.train_micro_batch_size):
-                loss, metrics = self._micro_loss(mb, loss_fn, gs, gt)
-                (loss * self.dp_size).backward()
-                gb_loss += loss.detach()
-                recorded.append(metrics)
-                self._maybe_clear_cache()
+            recorded = self._backward_micro_batches(gb, loss_fn, gs, gt, gb_loss)
             grad_norm = self._clip_grad_norm()
             optimizer.step()
             dist.all_reduce(gb_loss, group=self.dp_group)
@@ -277,12 +276,7 @@ class DTensorWorkerBase(WeightExportMixin):
                 self._onload(with_optimizer=True)
                 self.model.train()
                 one = torch.ones((), device=self.device)
-                for mb in self._microbatches(data, self.cfg.train_micro_batch_size):
-                    loss, metrics = self._micro_loss(mb, loss_fn, one, one)
-                    (loss * self.dp_size).backward()
-                    parts.loss += loss.detach()
-                    parts.metrics.append(metrics)
-                    self._maybe_clear_cache()
+                parts.metrics += self._backward_micro_batches(data, loss_fn, one, one, parts.loss)
                 parts.counts += local_valid_counts(data).to(self.device)
                 parts.done += 1
             except BaseException:
@@ -300,13 +294,13 @@ class DTensorWorkerBase(WeightExportMixin):
             self._parts_done.wait_for(lambda: self._parts is not None and (self._parts.failed
                                                                           or self._parts.done >= num_parts))
             parts, self._parts = self._parts, None
-            assert parts is not None and self.optimizer is not None  # train_part checked the optimizer
+            assert parts is not None
             if parts.failed or parts.done != num_parts:
                 raise RuntimeError(f"finish_parts: {parts.done} of {num_parts} parts trained (a part failed)")
             return self._step_parts(parts, loss_fn)
 
     def _step_parts(self, parts: _Parts, loss_fn: Any) -> dict[str, Any]:
-        assert self.optimizer is not None
+        assert self.optimizer is not None  # train_part checked it
         dist.all_reduce(parts.counts, group=self.dp_group)
         scale, metric_scales = loss_fn.accumulated_scales(float(parts.counts[0]), float(parts.counts[1]))
         with torch.no_grad():
@@ -320,11 +314,22 @@ class DTensorWorkerBase(WeightExportMixin):
         if self.scheduler is not None:
             self.scheduler.step()
         mb_metrics: dict[str, list[float]] = {}
-        for metrics in parts.metrics:
-            for k, v in metrics.items():
-                mb_metrics.setdefault(k, []).append(float(v) * metric_scales.get(k, 1.0))
+        add_mb_metrics(mb_metrics, parts.metrics, metric_scales)
         result = {"loss": float(loss), "grad_norm": grad_norm, "num_global_batches": 1, "all_mb_metrics": mb_metrics}
         return finish_result(result, self.optimizer.param_groups[0]["lr"], self.model.parameters())
+
+    def _backward_micro_batches(self, data: BatchedDataDict, loss_fn: Any, gs: torch.Tensor, gt: torch.Tensor,
+                                loss_sum: torch.Tensor) -> list[dict[str, Any]]:
+        """Forward and backward over `data`'s training micro-batches, gradients accumulating; each micro-batch's
+        loss is added into `loss_sum` (in place); their metrics."""
+        recorded = []
+        for mb in self._microbatches(data, self.cfg.train_micro_batch_size):
+            loss, metrics = self._micro_loss(mb, loss_fn, gs, gt)
+            (loss * self.dp_size).backward()
+            loss_sum += loss.detach()
+            recorded.append(metrics)
+            self._maybe_clear_cache()
+        return recorded
 
     def _micro_loss(self, mb: Any, loss_fn: Any, gs: torch.Tensor, gt: torch.Tensor
                     ) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -48,9 +48,7 @@ def train_global_batches(data: BatchedDataDict, local_gbs: int, device: torch.de
         batch = data.get_batch(g, local_gbs)
         gs, gt = global_valid_counts(batch, device, dp_group)
         loss, grad_norm, recorded = step(batch, gs, gt)
-        for metrics in recorded:
-            for k, v in metrics.items():
-                mb_metrics.setdefault(k, []).append(float(v))
+        add_mb_metrics(mb_metrics, recorded)
         losses.append(loss)
         grad_norms.append(grad_norm)
     return {
@@ -59,6 +57,14 @@ def train_global_batches(data: BatchedDataDict, local_gbs: int, device: torch.de
         "num_global_batches": n_global,
         "all_mb_metrics": mb_metrics,
     }
+
+
+def add_mb_metrics(into: dict[str, list[float]], recorded: list[dict[str, Any]],
+                   scales: dict[str, float] | None = None) -> None:
+    """Append each micro-batch's metrics to `into` (name -> values), metric k multiplied by scales[k] if given."""
+    for metrics in recorded:
+        for k, v in metrics.items():
+            into.setdefault(k, []).append(float(v) * scales.get(k, 1.0) if scales else float(v))
 
 
 def finish_result(result: dict[str, Any], lr: float, parameters: Any) -> dict[str, Any]:

@@ -172,8 +172,8 @@ class PolicyWorker(Protocol):
         index - 1; gradients accumulate until `finish_parts` (DTensor workers only). The rows trained."""
 
     def finish_parts(self, loss_fn: LossFunction, num_parts: int) -> dict[str, Any]:
-        """All ranks, once `num_parts` parts are trained (they may run in any order): the parts' global counts scale gradients, loss and metrics; clip, optimizer and scheduler
-        steps; `train`'s result."""
+        """All ranks, once `num_parts` parts are trained: the parts' global counts scale gradients, loss and
+        metrics; clip, optimizer and scheduler steps; `train`'s result."""
 
     def prepare_for_training(self) -> None: ...
 

@@ -148,14 +148,13 @@ class Policy(ColocatablePolicyInterface):
             raise RuntimeError("finish_parts without a train_part before it")
         world = self.worker_group.world_size
         num_parts = len(pending) // world
-        ranks = list(range(world)) * num_parts
-        if self._stage_after_train is not None:
-            futures = self.worker_group.call_async("finish_parts_and_stage_export", loss_fn, num_parts,
-                                                   *self._stage_after_train, self.single_node)
-            self.worker_group.get(pending, indices=ranks)  # a failed part raises here, named
+        stage = self._stage_after_train
+        futures = (self.worker_group.call_async("finish_parts_and_stage_export", loss_fn, num_parts, *stage,
+                                                self.single_node) if stage is not None
+                   else self.worker_group.call_async("finish_parts", loss_fn, num_parts))
+        self.worker_group.get(pending, indices=list(range(world)) * num_parts)  # a failed part raises here, named
+        if stage is not None:
             return self._train_and_stage(futures)
-        futures = self.worker_group.call_async("finish_parts", loss_fn, num_parts)
-        self.worker_group.get(pending, indices=ranks)
         return _aggregate(self.worker_group.collect_sharded(futures))
 
     def _train_and_stage(self, futures: list[Any]) -> dict[str, Any]:
