@@ -226,8 +226,11 @@ def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:
     elif cfg.generation.colocated.enabled and g.overlap_generation_and_training is None:
         why = ("the engine is colocated: it and the policy take turns on the shared workers "
                "(grpo.overlap_generation_and_training=true overlaps them on CPU)")
-    elif getattr(p, "dtensor_cfg", None) is None:
-        why = "only the DTensor policy workers train a batch in parts (policy=dtensor or dtensor_v2)"
+    elif (megatron := getattr(p, "megatron_cfg", None)) is not None and \
+            megatron.distributed_data_parallel_config.overlap_grad_reduce:
+        why = ("Megatron's overlapped gradient reduce starts inside each part's last micro-batch; a batch trained in "
+               "parts reduces once at its end (policy.megatron_cfg.distributed_data_parallel_config."
+               "overlap_grad_reduce=false)")
     elif not isinstance(loss, ClippedPGLossConfig):
         why = "the loss is not ClippedPGLossFn"
     elif completions != p.train_global_batch_size:

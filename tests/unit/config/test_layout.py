@@ -110,6 +110,8 @@ def test_a_split_engine_overlaps_generation_and_training_in_chunks_of_whole_grou
                                  "policy.train_micro_batch_size=48", "policy.train_global_batch_size=384",
                                  "grpo.num_prompts_per_step=24"])
     assert compute_layout(dp2).overlap_chunk == 96  # lcm(16, 48 x 2): whole groups, one micro-batch per rank
+    _, megatron = load_master_config([*SPLIT, "policy=megatron"])
+    assert compute_layout(megatron).overlap_chunk == 64  # the Megatron workers train in parts too
 
 
 def test_a_colocated_engine_overlaps_only_when_asked() -> None:
@@ -124,7 +126,8 @@ def test_a_colocated_engine_overlaps_only_when_asked() -> None:
 @pytest.mark.parametrize(("overrides", "why"), [
     (["grpo.overlap_generation_and_training=false"], "grpo.overlap_generation_and_training=false"),
     (ASYNC, "async GRPO overlaps whole batches"),
-    (["policy=megatron"], "only the DTensor policy workers"),
+    (["policy=megatron", "policy.megatron_cfg.distributed_data_parallel_config.overlap_grad_reduce=true"],
+     "Megatron's overlapped gradient reduce"),
     (["policy.train_global_batch_size=128"], "is 2 optimizer steps"),
     (["loss_fn.force_on_policy_ratio=false", "loss_fn.reference_policy_kl_penalty=0.01"],
      "the reference-logprobs pass"),

@@ -21,6 +21,7 @@ megatron gets clip_grad=0 and this module clips the fp32 grads itself with megat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -194,7 +195,7 @@ def _step_with_manual_clip(optimizer: MegatronOptimizer, clip_grad: float) -> tu
     return bool(optimizer.step_with_ready_grads()), grad_norm
 
 
-def _reduce_sums(loss: float, metrics: dict[str, float]) -> tuple[float, dict[str, float]]:
+def reduce_sums(loss: float, metrics: dict[str, float]) -> tuple[float, dict[str, float]]:
     """Sum loss and metrics over DP ranks (last stage), then share them with every pipeline stage."""
     from megatron.core import parallel_state as ps
 
@@ -213,28 +214,20 @@ def _reduce_sums(loss: float, metrics: dict[str, float]) -> tuple[float, dict[st
     return loss, metrics
 
 
-def train_step(
+def _forward_backward(
     state: MegatronTrainState,
     microbatches: Sequence[Mapping[str, Any]],
     loss_fn: MicrobatchLoss,
-    *,
-    temperature: float = 1.0,
-    loss_input: Literal["logits", "logprobs"] = "logits",
-    chunk_size: int | None = None,
-    forward_only: bool = False,
-) -> TrainStepResult:
-    """Forward/backward every micro-batch of one global batch, then one optimizer and scheduler step
-    (forward_only: the losses and metrics only, under no_grad, with no step: validation).
-
-    Each micro-batch maps "input_ids" ([mbs, S], right-padded; with PP every micro-batch must share [mbs, S]) to
-    whatever loss_fn reads. loss_fn gets, per micro-batch on the last stage, either this TP rank's logits
-    [mbs, S, V_local] (loss_input="logits"; divided by the temperature, padded vocab columns at the dtype minimum;
-    rank r holds the vocab slice [r * V_local, (r + 1) * V_local)) or the next-token logprobs [mbs, S]
-    (loss_input="logprobs"; fp32, position 0 = 0), and must return a loss already normalised by the global batch.
-    """
+    temperature: float,
+    loss_input: Literal["logits", "logprobs"],
+    chunk_size: int | None,
+    forward_only: bool,
+) -> tuple[float, dict[str, float]]:
+    """megatron's forward(-backward) schedule over the micro-batches: this rank's summed loss and metrics (last
+    stage; zero elsewhere). Gradients go into DDP's buffers, finalised as the model config says."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ddp, optimizer = state.model, state.optimizer
+    ddp = state.model
     group = resolve_tp_group(None)
     start, end, vocab = vocab_shard_range(ddp, group)
     device = next(unwrap_model(ddp).parameters()).device
@@ -260,39 +253,104 @@ def train_step(
         return output, loss_func
 
     first = microbatches[0]["input_ids"]
+    results = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=[ddp],
+        num_microbatches=len(microbatches),
+        seq_length=int(first.shape[1]),
+        micro_batch_size=int(first.shape[0]),
+        forward_only=forward_only,
+    )
+    return (float(sum(float(r["loss"]) for r in results)) if results else 0.0), metric_sums
 
-    def run() -> Any:
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(microbatches),
-            model=[ddp],
-            num_microbatches=len(microbatches),
-            seq_length=int(first.shape[1]),
-            micro_batch_size=int(first.shape[0]),
-            forward_only=forward_only,
-        )
 
+def _optimizer_step(state: MegatronTrainState) -> tuple[bool, float]:
+    """Clip (rlpost's fp32 clip on CPU, megatron's own elsewhere) and step; (success, grad norm before clipping)."""
+    if state.manual_clip:
+        success, grad_norm = _step_with_manual_clip(state.optimizer, state.clip_grad)
+    else:
+        success, norm, _ = state.optimizer.step()
+        grad_norm = float(norm) if norm is not None else float(state.optimizer.get_grad_norm())
+    return bool(success), grad_norm
+
+
+def train_step(
+    state: MegatronTrainState,
+    microbatches: Sequence[Mapping[str, Any]],
+    loss_fn: MicrobatchLoss,
+    *,
+    temperature: float = 1.0,
+    loss_input: Literal["logits", "logprobs"] = "logits",
+    chunk_size: int | None = None,
+    forward_only: bool = False,
+) -> TrainStepResult:
+    """Forward/backward every micro-batch of one global batch, then one optimizer and scheduler step
+    (forward_only: the losses and metrics only, under no_grad, with no step: validation).
+
+    Each micro-batch maps "input_ids" ([mbs, S], right-padded; with PP every micro-batch must share [mbs, S]) to
+    whatever loss_fn reads. loss_fn gets, per micro-batch on the last stage, either this TP rank's logits
+    [mbs, S, V_local] (loss_input="logits"; divided by the temperature, padded vocab columns at the dtype minimum;
+    rank r holds the vocab slice [r * V_local, (r + 1) * V_local)) or the next-token logprobs [mbs, S]
+    (loss_input="logprobs"; fp32, position 0 = 0), and must return a loss already normalised by the global batch.
+    """
+    ddp, optimizer = state.model, state.optimizer
+    run = functools.partial(_forward_backward, state, microbatches, loss_fn, temperature, loss_input, chunk_size,
+                            forward_only)
     if forward_only:
         ddp.eval()
         with torch.no_grad():
-            results = run()
+            loss, metric_sums = run()
         ddp.train()
-        loss, metrics = _reduce_sums(float(sum(float(r["loss"]) for r in results)) if results else 0.0, metric_sums)
+        loss, metrics = reduce_sums(loss, metric_sums)
         return TrainStepResult(loss, 0.0, float(optimizer.param_groups[0]["lr"]), metrics, len(microbatches), True)
     ddp.train()
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    results = run()
+    loss, metric_sums = run()
     lr = float(optimizer.param_groups[0]["lr"])
-    if state.manual_clip:
-        success, grad_norm = _step_with_manual_clip(optimizer, state.clip_grad)
-    else:
-        success, norm, _ = optimizer.step()
-        grad_norm = float(norm) if norm is not None else float(optimizer.get_grad_norm())
+    success, grad_norm = _optimizer_step(state)
     if success:
         state.scheduler.step(increment=1)
-    loss = float(sum(float(r["loss"]) for r in results)) if results else 0.0
-    loss, metrics = _reduce_sums(loss, metric_sums)
-    if math.isnan(grad_norm):
-        success = False
-    return TrainStepResult(loss, grad_norm, lr, metrics, len(microbatches), bool(success))
+    loss, metrics = reduce_sums(loss, metric_sums)
+    return TrainStepResult(loss, grad_norm, lr, metrics, len(microbatches), success and not math.isnan(grad_norm))
+
+
+# ---- one global batch in parts (rlpost.models.policy.train_parts) ---------------------------------------------
+
+
+def begin_accumulation(state: MegatronTrainState) -> None:
+    """Zero the gradient buffers before the first part."""
+    state.model.train()
+    state.model.zero_grad_buffer()
+    state.optimizer.zero_grad()
+
+
+def accumulate_part(
+    state: MegatronTrainState,
+    microbatches: Sequence[Mapping[str, Any]],
+    loss_fn: MicrobatchLoss,
+    *,
+    temperature: float = 1.0,
+    loss_input: Literal["logits", "logprobs"] = "logits",
+) -> float:
+    """Forward/backward over one part's micro-batches into DDP's gradient buffers, left unfinalised (no
+    data-parallel reduce, no optimizer step: `step_accumulated` does both once for every part); this rank's summed
+    loss. Without overlap_grad_reduce (checked by the config layer) DDP starts no communication inside a part."""
+    config = unwrap_model(state.model).config
+    finalize, config.finalize_model_grads_func = config.finalize_model_grads_func, None
+    try:
+        state.model.train()
+        loss, _ = _forward_backward(state, microbatches, loss_fn, temperature, loss_input, None, False)
+    finally:
+        config.finalize_model_grads_func = finalize
+    return loss
+
+
+def step_accumulated(state: MegatronTrainState, scale: float) -> tuple[bool, float]:
+    """After the last part: the accumulated gradients times `scale` (the global normaliser the parts ran without),
+    finalised (data-parallel reduce, tied embeddings across pipeline stages) and stepped once, as `train_step`
+    would on the whole batch; (success, grad norm before clipping). The caller steps the scheduler."""
+    state.model.scale_gradients(scale)
+    _finalize_without_token_scaling([state.model], None)
+    return _optimizer_step(state)

@@ -13,7 +13,6 @@ multiplied by the DP size before backward. Logits are divided by the sampling te
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,22 +28,19 @@ from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.global_batches import (
     add_mb_metrics,
     finish_result,
-    local_valid_counts,
     train_global_batches,
 )
 from rlpost.models.policy.memory_phases import OffloadState, cuda_memory_stats
 from rlpost.models.policy.optim import build_optimizer, build_scheduler
+from rlpost.models.policy.train_parts import Parts, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
-
-PART_ORDER_WAIT_S = 10.0
-"""How long `train_part` waits for the part before it (see there)."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class DTensorWorkerBase(WeightExportMixin):
+class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
     """One rank of a DTensor policy. Constructed inside a Ray actor with RANK/WORLD_SIZE/MASTER_* set."""
 
     DP_DIM = "dp"
@@ -97,8 +93,7 @@ class DTensorWorkerBase(WeightExportMixin):
         self._export: list[tuple[str, torch.Tensor]] = []
         self._mem = OffloadState(self.device, params_on_cpu_by_fsdp=cfg.dtensor_cfg.cpu_offload)
         self._train_micro_batches = 0
-        self._parts: _Parts | None = None
-        self._parts_done = threading.Condition()
+        self._init_parts()
 
     # ---- subclass hook -----------------------------------------------------------------
     def _build_model(self) -> nn.Module:
@@ -250,57 +245,20 @@ class DTensorWorkerBase(WeightExportMixin):
             self.scheduler.step()
         return finish_result(result, optimizer.param_groups[0]["lr"], self.model.parameters())
 
-    # ---- one global batch trained in parts (synchronous GRPO overlapped: rlpost.algorithms.overlap) --------
-    def train_part(self, data: BatchedDataDict, loss_fn: Any, index: int = 0) -> int:
-        """Forward and backward over one part of the step's single global batch, sent while the engine still
-        generates the rest, so the batch's global counts are not known yet: each micro-batch loss runs with both
-        normalisers 1 (a sum) and the gradients accumulate. `finish_parts` applies the counts and steps the
-        optimizer. Returns the rows trained.
-
-        The actor runs two calls of its default group at once and Ray does not promise a threaded actor's order
-        (a part whose shard went through the object store may start before an earlier one), so parts run one at a
-        time under a lock, part `index` after part index - 1 (the same sums, in the same order, run after run). A
-        part that waited PART_ORDER_WAIT_S goes on out of order rather than risk two parts holding both threads
-        while the one they wait for is queued: the sum is the same to float rounding. `finish_parts` waits for
-        all of them."""
+    # ---- one global batch trained in parts (synchronous GRPO overlapped: rlpost.models.policy.train_parts) -----
+    def _begin_parts(self) -> None:
         if self.optimizer is None:
             raise RuntimeError("the policy was built without an optimizer (init_optimizer=False)")
-        with self._parts_done:
-            self._parts_done.wait_for(lambda: (self._parts.done if self._parts else 0) >= index
-                                      or (self._parts is not None and self._parts.failed), timeout=PART_ORDER_WAIT_S)
-            if self._parts is None:
-                self.optimizer.zero_grad(set_to_none=True)
-                self._parts = _Parts(self.device)
-            parts = self._parts
-            try:
-                self._onload(with_optimizer=True)
-                self.model.train()
-                one = torch.ones((), device=self.device)
-                parts.metrics += self._backward_micro_batches(data, loss_fn, one, one, parts.loss)
-                parts.counts += local_valid_counts(data).to(self.device)
-                parts.done += 1
-            except BaseException:
-                parts.failed = True  # this batch never reaches the optimizer
-                raise
-            finally:
-                self._parts_done.notify_all()
-        return data.size
+        self.optimizer.zero_grad(set_to_none=True)
 
-    def finish_parts(self, loss_fn: Any, num_parts: int) -> dict[str, Any]:
-        """Once `num_parts` `train_part` calls are through: the global counts (summed over DP) scale the accumulated
-        gradients, loss and metrics into the loss's global means (`loss_fn.accumulated_scales`); then clipping,
-        the optimizer and scheduler steps, and `train`'s result."""
-        with self._parts_done:
-            self._parts_done.wait_for(lambda: self._parts is not None and (self._parts.failed
-                                                                          or self._parts.done >= num_parts))
-            parts, self._parts = self._parts, None
-            assert parts is not None
-            if parts.failed or parts.done != num_parts:
-                raise RuntimeError(f"finish_parts: {parts.done} of {num_parts} parts trained (a part failed)")
-            return self._step_parts(parts, loss_fn)
+    def _accumulate_part(self, parts: Parts, data: BatchedDataDict, loss_fn: Any) -> None:
+        self._onload(with_optimizer=True)
+        self.model.train()
+        one = torch.ones((), device=self.device)
+        parts.metrics += self._backward_micro_batches(data, loss_fn, one, one, parts.loss)
 
-    def _step_parts(self, parts: _Parts, loss_fn: Any) -> dict[str, Any]:
-        assert self.optimizer is not None  # train_part checked it
+    def _step_parts(self, parts: Parts, loss_fn: Any) -> dict[str, Any]:
+        assert self.optimizer is not None  # _begin_parts checked it
         dist.all_reduce(parts.counts, group=self.dp_group)
         scale, metric_scales = loss_fn.accumulated_scales(float(parts.counts[0]), float(parts.counts[1]))
         with torch.no_grad():
@@ -458,15 +416,3 @@ class DTensorWorkerBase(WeightExportMixin):
         if dist.is_initialized():
             dist.destroy_process_group()
         return True
-
-
-class _Parts:
-    """What `train_part` calls accumulate until `finish_parts`: loss sum, per-micro-batch metrics, local counts."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.loss = torch.zeros((), device=device)
-        self.counts = torch.zeros(2, device=device)
-        self.metrics: list[dict[str, Any]] = []
-        self.done = 0
-        """Parts trained."""
-        self.failed = False

@@ -169,7 +169,7 @@ class PolicyWorker(Protocol):
 
     def train_part(self, data: BatchedDataDict, loss_fn: LossFunction, index: int = 0) -> int:
         """Forward and backward over this rank's shard of part `index` with both loss normalisers 1, after part
-        index - 1; gradients accumulate until `finish_parts` (DTensor workers only). The rows trained."""
+        index - 1; gradients accumulate until `finish_parts` (rlpost.models.policy.train_parts). The rows trained."""
 
     def finish_parts(self, loss_fn: LossFunction, num_parts: int) -> dict[str, Any]:
         """All ranks, once `num_parts` parts are trained: the parts' global counts scale gradients, loss and

@@ -16,6 +16,9 @@ memory into a megatron GPTModel (`rlpost.models.megatron`).
   start/end_weight_decay) is stepped ONCE per train() call, like NeMo RL's Megatron worker (`step(increment=gbs)`
   with gbs-scaled counts) and the DTensor worker: warm-up / decay iterations count GRPO steps. loss / grad_norm
   are means over global batches, lr is the rate after the scheduler step.
+- train_part / finish_parts (synchronous GRPO overlapped with generation, `rlpost.models.policy.train_parts`): each
+  part runs the same schedule with both normalisers 1 and the gradient finalisation held back; finish_parts scales
+  DDP's gradient buffers by the global counts, reduces them over DP and steps once (overlap_grad_reduce off).
 - Clipping: `megatron_cfg.optimizer.clip_grad` when > 0, else `policy.max_grad_norm` (None: none); on CPU rlpost
   clips the fp32 grads itself with megatron's rule (megatron's clip asserts CUDA tensor types).
 - Export / full_weights: TP all-gather + PP broadcast to full HF-named tensors (tied lm_head included) by DP
@@ -51,7 +54,8 @@ import torch.distributed as dist
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.models.policy.global_batches import finish_result, train_global_batches
+from rlpost.models.policy.global_batches import add_mb_metrics, finish_result, train_global_batches
+from rlpost.models.policy.train_parts import Parts, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -107,7 +111,7 @@ class _NoSchedulerStep:
         del increment
 
 
-class MegatronPolicyWorker(WeightExportMixin):
+class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
     """One rank of a Megatron-Core policy. Constructed inside a Ray actor with RANK/WORLD_SIZE/MASTER_* set."""
 
     def __init__(
@@ -125,6 +129,7 @@ class MegatronPolicyWorker(WeightExportMixin):
         self._init_error: BaseException | None = None
         self._export: list[tuple[str, torch.Tensor]] = []
         self._offloaded = False
+        self._init_parts()
         try:
             check_megatron_support(cfg, self.device.type, init_optimizer)
         except (ConfigError, NotImplementedError) as exc:
@@ -289,16 +294,62 @@ class MegatronPolicyWorker(WeightExportMixin):
         return old
 
     # ---- training ----------------------------------------------------------------------
-    def train_part(self, data: BatchedDataDict, loss_fn: Any, index: int = 0) -> int:
-        """Not on Megatron: its pipeline schedule trains a global batch whole, so the config layer never overlaps
-        generation and training here (`rlpost.config.layout.overlap_chunk`); a direct call is refused."""
-        raise NotImplementedError("the Megatron workers train a batch whole; grpo.overlap_generation_and_training "
-                                  "applies to policy=dtensor / dtensor_v2")
+    # One global batch trained in parts (rlpost.models.policy.train_parts): megatron's schedule runs over each
+    # part's micro-batches with the gradient finalisation held back, and `step_accumulated` scales, reduces and
+    # steps once.
+    @_megatron_call
+    def _begin_parts(self) -> None:
+        from rlpost.models.megatron.train_step import begin_accumulation
 
-    def finish_parts(self, loss_fn: Any, num_parts: int) -> dict[str, Any]:
-        """Not on Megatron (see train_part)."""
-        raise NotImplementedError("the Megatron workers train a batch whole; grpo.overlap_generation_and_training "
-                                  "applies to policy=dtensor / dtensor_v2")
+        if self.train_state is None:
+            raise RuntimeError("the policy was built without an optimizer (init_optimizer=False)")
+        self._restore_optimizer_state()
+        begin_accumulation(self.train_state)
+
+    @_megatron_call
+    def _accumulate_part(self, parts: Parts, data: BatchedDataDict, loss_fn: Any) -> None:
+        from rlpost.models.megatron.train_step import accumulate_part
+
+        assert self.train_state is not None  # _begin_parts checked it
+        one = torch.ones((), device=self.device)
+        recorded: list[dict[str, Any]] = []
+        mb_loss = functools.partial(_normalised_loss, loss_fn, one, one, self._vp_kwargs(), recorded)
+        micro = [mb.to(self.device) for mb in
+                 self._pad_seq(data, self._seq_multiple()).make_microbatch_iterator(self.cfg.train_micro_batch_size)]
+        loss = accumulate_part(self.train_state, micro, mb_loss, temperature=self.temperature, loss_input="logits")
+        parts.loss += loss
+        parts.metrics += self._from_last_stage(recorded)
+        self._empty_cache(1)
+
+    @_megatron_call
+    def _step_parts(self, parts: Parts, loss_fn: Any) -> dict[str, Any]:
+        from megatron.core import parallel_state as ps
+
+        from rlpost.models.megatron.train_step import reduce_sums, step_accumulated
+
+        assert self.train_state is not None  # _begin_parts checked it
+        dist.all_reduce(parts.counts, group=ps.get_data_parallel_group())
+        scale, metric_scales = loss_fn.accumulated_scales(float(parts.counts[0]), float(parts.counts[1]))
+        _, grad_norm = step_accumulated(self.train_state, scale)
+        loss, _ = reduce_sums(float(parts.loss) * scale, {})
+        self.train_state.scheduler.step(increment=1)
+        mb_metrics: dict[str, list[float]] = {}
+        add_mb_metrics(mb_metrics, parts.metrics, metric_scales)
+        result = {"loss": loss, "grad_norm": grad_norm, "num_global_batches": 1, "all_mb_metrics": mb_metrics}
+        return finish_result(result, self.train_state.optimizer.param_groups[0]["lr"], self.model.parameters())
+
+    @staticmethod
+    def _from_last_stage(recorded: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The micro-batches' metrics, which only the last pipeline stage recorded, on every stage."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return recorded
+        box = [recorded]
+        dist.broadcast_object_list(
+            box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+        return box[0]
 
     @_megatron_call
     def train(self, data: BatchedDataDict, loss_fn: Any, gbs: int | None = None,
@@ -328,14 +379,8 @@ class MegatronPolicyWorker(WeightExportMixin):
             mb_loss = functools.partial(_normalised_loss, loss_fn, gs, gt, vp, recorded)
             res = train_step(step_state, micro, mb_loss, temperature=self.temperature, loss_input="logits",
                              forward_only=eval_mode)
-            if pp > 1:  # only the last stage ran the loss function
-                box = [recorded]
-                dist.broadcast_object_list(
-                    box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
-                )
-                recorded = box[0]
             self._empty_cache(1)
-            return res.loss, res.grad_norm, recorded
+            return res.loss, res.grad_norm, self._from_last_stage(recorded)
 
         result = train_global_batches(data, local_gbs, self.device, ps.get_data_parallel_group(), step)
         if not eval_mode:
