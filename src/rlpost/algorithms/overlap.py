@@ -10,8 +10,9 @@ and metrics by them (`ClippedPGLossFn.accumulated_scales`). So the update is the
 rounding, and the batch is on-policy.
 
 `rlpost.config.layout.overlap_chunk` says where this applies: one optimizer step per batch, no prev-logprobs or
-reference pass over the whole batch first, no dynamic sampling, DTensor workers, and an engine that can run
-while the policy trains (split by default; colocated on CPU when asked).
+reference pass over the whole batch first, no dynamic sampling, ClippedPGLossFn (DTensor or Megatron workers,
+`rlpost.models.policy.train_parts`), and an engine that can run while the policy trains (split by default;
+colocated on CPU when asked).
 """
 
 from __future__ import annotations
