@@ -7,10 +7,12 @@ backend's `_step_parts`, which scales gradients, loss and metrics into the loss'
 (`loss_fn.accumulated_scales`), then clips and steps once: the step `train` takes on the whole batch.
 
 The policy actors run two default-group calls at once and Ray does not promise a threaded actor's order (a part
-whose shard went through the object store may start before an earlier one), so parts run one at a time under a
-lock, part `index` after part index - 1 (the same sums in the same order, run after run). A part that waited
-PART_ORDER_WAIT_S goes on out of order rather than risk two parts holding both threads while the one they wait for
-is queued: the sum is the same to float rounding. A failed part never reaches the optimizer.
+whose shard went through the object store may start after a later one). Every rank must train the parts in the
+same order: with tensor or pipeline parallelism a part's forward exchanges activations between ranks, so two ranks
+on different parts would mix them. So a call only hands its part in; whichever call finds the next part in line
+trains it and every later one already there, one at a time, in index order. No call waits for another, so no
+order of arrival can hold both threads. A failed part never reaches the optimizer: the call that trained it
+raises, and `finish_parts` refuses the batch.
 """
 
 from __future__ import annotations
@@ -23,12 +25,10 @@ import torch
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.models.policy.global_batches import local_valid_counts
 
-PART_ORDER_WAIT_S = 10.0
-"""How long `train_part` waits for the part before it (see the module docstring)."""
-
 
 class Parts:
-    """What `train_part` calls accumulate until `finish_parts`: loss sum, per-micro-batch metrics, local counts."""
+    """What the parts of one batch accumulate until `finish_parts`: loss sum, per-micro-batch metrics, local counts;
+    and the parts handed in but not trained yet."""
 
     def __init__(self, device: torch.device) -> None:
         self.loss = torch.zeros((), device=device)
@@ -36,8 +36,12 @@ class Parts:
         """This rank's valid sequences and valid tokens so far (`local_valid_counts`)."""
         self.metrics: list[dict[str, Any]] = []
         self.done = 0
-        """Parts trained."""
+        """Parts trained (they are trained in index order: the next one is part `done`)."""
         self.failed = False
+        self.waiting: dict[int, tuple[BatchedDataDict, Any]] = {}
+        """Parts handed in ahead of their turn: index -> (data, loss_fn)."""
+        self.training = False
+        """A call is training parts now."""
 
 
 class TrainPartsMixin:
@@ -66,28 +70,42 @@ class TrainPartsMixin:
 
     # ---- the calls ---------------------------------------------------------------------------------------
     def train_part(self, data: BatchedDataDict, loss_fn: Any, index: int = 0) -> int:
-        """Forward and backward over one part of the step's single global batch (see the module docstring);
-        the rows trained."""
+        """Hand in part `index` of the step's single global batch; it is trained (forward and backward) in index
+        order, by this call or by the one training the parts before it (module docstring). The rows handed in."""
         with self._parts_done:
-            self._parts_done.wait_for(lambda: (self._parts.done if self._parts else 0) >= index
-                                      or (self._parts is not None and self._parts.failed), timeout=PART_ORDER_WAIT_S)
             if self._parts is None:
                 self._begin_parts()
                 self._parts = Parts(self.device)
             parts = self._parts
-            try:
-                self._accumulate_part(parts, data, loss_fn)
-                parts.counts += local_valid_counts(data).to(self.device)
-                parts.done += 1
-            except BaseException:
+            if parts.failed:
+                raise RuntimeError(f"train_part {index}: an earlier part of this batch failed")
+            parts.waiting[index] = (data, loss_fn)
+            if parts.training or parts.done not in parts.waiting:
+                return data.size  # not its turn yet, or another call trains it
+            parts.training = True
+        try:
+            while True:
+                with self._parts_done:
+                    item = parts.waiting.pop(parts.done, None)
+                    if item is None:
+                        parts.training = False
+                        return data.size
+                part, fn = item
+                self._accumulate_part(parts, part, fn)
+                with self._parts_done:
+                    parts.counts += local_valid_counts(part).to(self.device)
+                    parts.done += 1
+                    self._parts_done.notify_all()
+        except BaseException:
+            with self._parts_done:
                 parts.failed = True  # this batch never reaches the optimizer
-                raise
-            finally:
+                parts.training = False
+                parts.waiting.clear()
                 self._parts_done.notify_all()
-        return data.size
+            raise
 
     def finish_parts(self, loss_fn: Any, num_parts: int) -> dict[str, Any]:
-        """Once `num_parts` `train_part` calls are through: one optimizer step over all of them (`_step_parts`)."""
+        """Once `num_parts` parts are trained: one optimizer step over all of them (`_step_parts`)."""
         with self._parts_done:
             self._parts_done.wait_for(lambda: self._parts is not None and (self._parts.failed
                                                                           or self._parts.done >= num_parts))
