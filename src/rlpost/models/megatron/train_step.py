@@ -320,8 +320,7 @@ def train_step(
 
 
 def begin_accumulation(state: MegatronTrainState) -> None:
-    """Zero the gradient buffers before the first part."""
-    state.model.train()
+    """Zero the gradient buffers before the first part (each part sets train mode itself)."""
     state.model.zero_grad_buffer()
     state.optimizer.zero_grad()
 

@@ -25,11 +25,7 @@ from torch.distributed.tensor import DTensor
 from rlpost.config.schema.policy import DTensorPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.models.policy import dtensor_checkpoint
-from rlpost.models.policy.global_batches import (
-    add_mb_metrics,
-    finish_result,
-    train_global_batches,
-)
+from rlpost.models.policy.global_batches import finish_result, train_global_batches
 from rlpost.models.policy.memory_phases import OffloadState, cuda_memory_stats
 from rlpost.models.policy.optim import build_optimizer, build_scheduler
 from rlpost.models.policy.train_parts import Parts, TrainPartsMixin
@@ -259,8 +255,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
 
     def _step_parts(self, parts: Parts, loss_fn: Any) -> dict[str, Any]:
         assert self.optimizer is not None  # _begin_parts checked it
-        dist.all_reduce(parts.counts, group=self.dp_group)
-        scale, metric_scales = loss_fn.accumulated_scales(float(parts.counts[0]), float(parts.counts[1]))
+        scale, metric_scales = parts.global_scales(loss_fn, self.dp_group)
         with torch.no_grad():
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -271,10 +266,8 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         dist.all_reduce(loss, group=self.dp_group)
         if self.scheduler is not None:
             self.scheduler.step()
-        mb_metrics: dict[str, list[float]] = {}
-        add_mb_metrics(mb_metrics, parts.metrics, metric_scales)
-        result = {"loss": float(loss), "grad_norm": grad_norm, "num_global_batches": 1, "all_mb_metrics": mb_metrics}
-        return finish_result(result, self.optimizer.param_groups[0]["lr"], self.model.parameters())
+        return finish_result(parts.result(float(loss), grad_norm, metric_scales), self.optimizer.param_groups[0]["lr"],
+                             self.model.parameters())
 
     def _backward_micro_batches(self, data: BatchedDataDict, loss_fn: Any, gs: torch.Tensor, gt: torch.Tensor,
                                 loss_sum: torch.Tensor) -> list[dict[str, Any]]:

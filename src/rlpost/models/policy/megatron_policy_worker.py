@@ -54,7 +54,7 @@ import torch.distributed as dist
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.models.policy.global_batches import add_mb_metrics, finish_result, train_global_batches
+from rlpost.models.policy.global_batches import finish_result, train_global_batches
 from rlpost.models.policy.train_parts import Parts, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
 
@@ -328,15 +328,12 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         from rlpost.models.megatron.train_step import reduce_sums, step_accumulated
 
         assert self.train_state is not None  # _begin_parts checked it
-        dist.all_reduce(parts.counts, group=ps.get_data_parallel_group())
-        scale, metric_scales = loss_fn.accumulated_scales(float(parts.counts[0]), float(parts.counts[1]))
+        scale, metric_scales = parts.global_scales(loss_fn, ps.get_data_parallel_group())
         _, grad_norm = step_accumulated(self.train_state, scale)
         loss, _ = reduce_sums(float(parts.loss) * scale, {})
         self.train_state.scheduler.step(increment=1)
-        mb_metrics: dict[str, list[float]] = {}
-        add_mb_metrics(mb_metrics, parts.metrics, metric_scales)
-        result = {"loss": loss, "grad_norm": grad_norm, "num_global_batches": 1, "all_mb_metrics": mb_metrics}
-        return finish_result(result, self.train_state.optimizer.param_groups[0]["lr"], self.model.parameters())
+        return finish_result(parts.result(loss, grad_norm, metric_scales),
+                             self.train_state.optimizer.param_groups[0]["lr"], self.model.parameters())
 
     @staticmethod
     def _from_last_stage(recorded: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -21,9 +21,10 @@ import threading
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.models.policy.global_batches import local_valid_counts
+from rlpost.models.policy.global_batches import add_mb_metrics, local_valid_counts
 
 
 class Parts:
@@ -42,6 +43,20 @@ class Parts:
         """Parts handed in ahead of their turn: index -> (data, loss_fn)."""
         self.training = False
         """A call is training parts now."""
+
+    def global_scales(self, loss_fn: Any, dp_group: dist.ProcessGroup | None) -> tuple[float, dict[str, float]]:
+        """Once every part is trained: the counts summed over the data-parallel group (in place), and what turns the
+        parts' sums into the loss's global means (`loss_fn.accumulated_scales`: the loss's and gradients' factor,
+        each metric's)."""
+        dist.all_reduce(self.counts, group=dp_group)
+        scale, metric_scales = loss_fn.accumulated_scales(float(self.counts[0]), float(self.counts[1]))
+        return float(scale), metric_scales
+
+    def result(self, loss: float, grad_norm: float, metric_scales: dict[str, float]) -> dict[str, Any]:
+        """`train`'s result for the batch (one global batch; the metrics scaled), before `finish_result`."""
+        mb_metrics: dict[str, list[float]] = {}
+        add_mb_metrics(mb_metrics, self.metrics, metric_scales)
+        return {"loss": loss, "grad_norm": grad_norm, "num_global_batches": 1, "all_mb_metrics": mb_metrics}
 
 
 class TrainPartsMixin:
@@ -65,7 +80,7 @@ class TrainPartsMixin:
         raise NotImplementedError
 
     def _step_parts(self, parts: Parts, loss_fn: Any) -> dict[str, Any]:
-        """parts.counts are global now: scale, clip, step; `train`'s result."""
+        """Every part is trained: scale (`parts.global_scales`), clip, step; `train`'s result (`parts.result`)."""
         raise NotImplementedError
 
     # ---- the calls ---------------------------------------------------------------------------------------
