@@ -90,6 +90,7 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
         ("prev-logprobs pass", _PREV_PASS[prev_logprobs_pass(cfg)]),
         ("rollouts", _rollouts(cfg)),
         ("generation and training", _overlap(cfg)),
+        ("next step's generation", _prefetch(cfg)),
         ("steps", f"max {g.max_num_steps} steps / {g.max_num_epochs} epoch(s); validate every {g.val_period}"),
     ]
 
@@ -113,6 +114,15 @@ def _rollouts(cfg: MasterConfig) -> str:
            else "turns in lock-step, one batched generate per turn")
     return (f"multi-turn: up to {turns} model turns per episode within {cfg.policy.max_total_sequence_length} "
             f"tokens; {how}; environment tokens masked out of the loss")
+
+
+def _prefetch(cfg: MasterConfig) -> str:
+    """Whether synchronous GRPO sends the next step's generation behind the refit (rlpost.algorithms.prefetch)."""
+    why = layout_of(cfg).prefetch_reason
+    if why:
+        return f"sent when the step ends: {why}"
+    return ("sent behind the refit as training returns (on CPU): the engine generates while the driver books the "
+            "step")
 
 
 def _overlap(cfg: MasterConfig) -> str:

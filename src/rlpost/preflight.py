@@ -111,6 +111,7 @@ def preflight_checks(master: AnyMaster, run_dir: Path | None = None) -> None:
         check_supervised_data(master)
         return
     check_overlap(master)
+    check_prefetch(master)
     check_output_dirs(master, run_dir)
     check_prompt_files(master)
     check_chat_template(master)
@@ -334,6 +335,15 @@ def check_overlap(master: MasterConfig) -> None:
                           "a colocated engine on a GPU sleeps while the policy trains, so they cannot overlap",
                           "policy.generation.colocated.enabled=false (the engine on its own GPUs), or leave the "
                           "key null")
+
+
+def check_prefetch(master: MasterConfig) -> None:
+    """grpo.prefetch_generation=true with the engine on a GPU: the colocated engine sleeps while the policy trains
+    and is refit over CUDA IPC after it wakes, not by a load sent with the training call."""
+    if master.grpo.prefetch_generation and run_device(master) != "cpu":
+        raise ConfigError("grpo.prefetch_generation", True,
+                          "on a GPU the colocated engine sleeps while the policy trains and is refit after it wakes, "
+                          "so there is no refit to send the next generation behind", "leave the key null")
 
 
 def _cpu_reason(master: AnyMaster) -> str:

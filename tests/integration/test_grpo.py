@@ -169,21 +169,29 @@ def test_a_killed_engine_actor_stops_async_grpo_with_its_name(cache: Path, tmp_p
 def test_an_overlapped_step_equals_the_unoverlapped_one(cache: Path, tmp_path: Path) -> None:
     # Generation and training overlapped (asked for: the engine is colocated on the CPU here; 4 chunks of 2 groups)
     # give the same samples as the plain step (vLLM seeds each group's request), the same loss and metrics, and the
-    # same weights. (The split covering run above overlaps by default.)
-    common = [*SMALL, "grpo.max_num_steps=1", "grpo.val_period=0", "checkpointing.save_period=1",
+    # same weights. (The split covering run above overlaps by default.) The plain run sends step 2's generation
+    # behind the refit of step 1's update (prefetch.py): step 2 is the same too, so it ran on the new weights.
+    common = [*SMALL, "grpo.max_num_steps=2", "grpo.val_period=0", "checkpointing.save_period=1",
               "checkpointing.metric_name=train:reward"]
     runs = {how: tmp_path / how for how in ("overlapped", "plain")}
     train(runs["overlapped"], cache, *common, "grpo.overlap_generation_and_training=true")
     train(runs["plain"], cache, *common)
-    a, b = ([m for m in metrics(runs[how]) if "train/loss" in m][-1] for how in ("overlapped", "plain"))
-    assert a["train/overlap_chunks"] == 4.0 and "train/overlap_chunks" not in b
-    assert a["train/reward"] == b["train/reward"] and a["train/mean_gen_length"] == b["train/mean_gen_length"]
-    for key in ("train/loss", "train/grad_norm", "train/token_mult_prob_error", "train/probs_ratio",
-                "train/advantages/max", "train/num_valid_samples", "train/valid_response_tokens"):
-        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
-    wa, wb = _weights(runs["overlapped"], 1), _weights(runs["plain"], 1)
-    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-6  # type: ignore[operator]
-    assert a["train/grad_norm"] > 0
+    rows = {how: [m for m in metrics(runs[how]) if "train/loss" in m] for how in runs}
+    assert [m.get("train/prefetched_generation") for m in rows["plain"]] == [None, 1.0]
+    assert [m.get("train/prefetched_generation") for m in rows["overlapped"]] == [None, None]
+    for step, (a, b) in enumerate(zip(rows["overlapped"], rows["plain"], strict=True), start=1):
+        assert a["train/overlap_chunks"] == 4.0 and "train/overlap_chunks" not in b
+        assert a["train/reward"] == b["train/reward"] and a["train/mean_gen_length"] == b["train/mean_gen_length"]
+        for key in ("train/loss", "train/grad_norm", "train/token_mult_prob_error", "train/probs_ratio",
+                    "train/advantages/max", "train/num_valid_samples", "train/valid_response_tokens"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (step, key)
+        assert b["train/token_mult_prob_error"] <= 1.0001  # the engine generated with the trainer's weights
+        wa, wb = _weights(runs["overlapped"], step), _weights(runs["plain"], step)
+        assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-6  # type: ignore[operator]
+    assert rows["plain"][0]["train/grad_norm"] > 0  # step 1 changed the weights step 2 was generated with
+    # the checkpoint stores the position after the step's own prompts, not after the prompts sent ahead
+    assert json.loads((runs["plain"] / "checkpoints" / "step_1" / "train_dataloader.json").read_text()) == \
+        {"epoch": 0, "index": 1}
 
 
 def _weights(run: Path, step: int) -> dict[str, object]:
@@ -192,7 +200,7 @@ def _weights(run: Path, step: int) -> dict[str, object]:
     return load_file(str(run / "checkpoints" / f"step_{step}" / "policy" / "weights" / "hf" / "model.safetensors"))
 
 
-def test_resume_after_kill_9_matches_a_straight_run(cache: Path, tmp_path: Path) -> None:
+def test_resume_after_kill_9_matches_a_straight_run_and_a_changed_config_is_refused(cache: Path, tmp_path: Path) -> None:
     import torch
 
     common = [*SMALL, "generation=hf", "grpo.max_num_steps=8", "checkpointing.save_period=2",
@@ -219,12 +227,8 @@ def test_resume_after_kill_9_matches_a_straight_run(cache: Path, tmp_path: Path)
     wa, wb = _weights(straight, 8), _weights(resumed, 8)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
-
-def test_changed_config_refuses_to_resume(cache: Path, tmp_path: Path) -> None:
-    common = [*SMALL, "generation=hf", "grpo.max_num_steps=1", "checkpointing.metric_name=null", "grpo.val_period=0"]
-    run = tmp_path / "run"
-    train(run, cache, *common)
-    out = subprocess.run([RLPOST, "train", f"hydra.run.dir={run}", *common, "grpo.max_num_steps=2",
+    # Resuming under a changed config (not only a longer budget) is refused, before anything starts.
+    out = subprocess.run([RLPOST, "train", f"hydra.run.dir={straight}", *common, "grpo.max_num_steps=9",
                           "policy.optimizer.kwargs.lr=1e-4"], env=env(cache), capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 2

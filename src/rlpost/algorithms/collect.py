@@ -22,7 +22,7 @@ from rlpost.algorithms.advantages import (
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
 from rlpost.algorithms.grpo_setup import GRPOComponents
 from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
-from rlpost.algorithms.rollouts import RolloutBatch
+from rlpost.algorithms.rollouts import RolloutBatch, SentRollout, receive_rollout, send_rollout
 from rlpost.config.schema.grpo import GRPOConfig
 from rlpost.runtime.timer import Timer
 
@@ -60,6 +60,15 @@ def rollout_rows(components: GRPOComponents, rows: list[dict[str, Any]]) -> tupl
     return repeated, torch.arange(len(processed)).repeat_interleave(per_prompt)
 
 
+def send_step_generation(components: GRPOComponents, rows: list[dict[str, Any]], step: int) -> SentRollout:
+    """Step `step`'s single-turn generation of `rows` (repeated, seeded as `collect_batch` seeds it), sent to the
+    engine now; `collect_batch(..., sent=)` receives it."""
+    repeated, group_ids = rollout_rows(components, rows)
+    seeds = sample_seeds(components.cfg.grpo.seed, step, len(repeated))
+    return send_rollout(repeated, group_ids, components.generation, components.tokenizer,
+                        turn_settings(components.cfg).greedy, seeds)
+
+
 @dataclass
 class Collected:
     """The step's batch and what it took to get it."""
@@ -80,21 +89,29 @@ def collect_batch(
     step: int,
     timer: Timer,
     sync_weights: Callable[[], None],
+    sent: SentRollout | None = None,
 ) -> Collected:
     """Generate and score `rows` (and, with dynamic sampling, more from `next_rows`) until the batch
-    is full. `sync_weights` refits the engine when its weights are stale (a no-op otherwise)."""
+    is full. `sync_weights` refits the engine when its weights are stale (a no-op otherwise). `sent`: the
+    generation of `rows`, already sent to the engine (`send_step_generation`, rlpost.algorithms.prefetch)."""
     grpo_cfg = components.cfg.grpo
     sampler = (DynamicSampler(grpo_cfg.num_prompts_per_step * grpo_cfg.num_generations_per_prompt,
                               grpo_cfg.dynamic_sampling_max_gen_batches) if grpo_cfg.use_dynamic_sampling else None)
     generated: list[torch.Tensor] = []
     while True:
-        repeated, group_ids = rollout_rows(components, rows)
-        sync_weights()
-        seeds = sample_seeds(grpo_cfg.seed, step, len(repeated), salt=sampler.gen_batches if sampler else 0)
-        # books "generation" and "reward_calculation" (scoring) apart; warns on slow rewards
-        rollout = run_rollouts(repeated, group_ids, components.generation, components.tokenizer, components.envs,
-                               turn_settings(components.cfg), components.cfg.generation.async_rollouts(),
-                               seeds=seeds, timer=timer, label=f"step {step}")
+        label = f"step {step}"
+        if sent is not None:
+            sync_weights()  # the refit it was sent behind: waited for and its fingerprint checked first
+            rollout = receive_rollout(sent, components.tokenizer, components.envs, timer, label)
+            sent = None
+        else:
+            repeated, group_ids = rollout_rows(components, rows)
+            sync_weights()
+            seeds = sample_seeds(grpo_cfg.seed, step, len(repeated), salt=sampler.gen_batches if sampler else 0)
+            # books "generation" and "reward_calculation" (scoring) apart; warns on slow rewards
+            rollout = run_rollouts(repeated, group_ids, components.generation, components.tokenizer, components.envs,
+                                   turn_settings(components.cfg), components.cfg.generation.async_rollouts(),
+                                   seeds=seeds, timer=timer, label=label)
         with timer.time("generation"):
             components.generation.finish_generation()
         generated.append(rollout.rewards)

@@ -58,6 +58,11 @@ class EngineWeights:
         if self.components.colocated and getattr(policy, "export_staged", False):
             self._start_background()
 
+    def load_sent(self) -> bool:
+        """Whether the engines were told to load the policy's last update with the training call that made it (and
+        will, since each runs its calls in order, before anything sent to them now)."""
+        return self._chained is not None and self._chained[2] == self.policy_version
+
     def refit(self) -> float:
         """Refit now (after any refit in flight ended); the seconds it took."""
         self._settle()

@@ -24,9 +24,10 @@ from rlpost.algorithms.engine_weights import EngineWeights
 from rlpost.algorithms.grpo_setup import GRPOComponents, setup
 from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
 from rlpost.algorithms.overlap import overlapped_step
+from rlpost.algorithms.prefetch import NextGeneration
 from rlpost.algorithms.prepare import prepare
 from rlpost.algorithms.refit import refit_policy_generation
-from rlpost.algorithms.rollouts import RolloutBatch
+from rlpost.algorithms.rollouts import RolloutBatch, SentRollout
 from rlpost.config.schema.grpo import GRPOConfig, GRPOSaveState, _default_grpo_save_state
 from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.master import MasterConfig
@@ -222,8 +223,12 @@ def grpo_train(
         took = weights.refit()
         components.logger.log({**validate(components, 0), "timing/validation/refit": took}, 0)
     loader = components.dataloader
-    while loader.epochs_done() < grpo_cfg.max_num_epochs and save_state.total_steps < grpo_cfg.max_num_steps:
-        prompt_rows = loader.next_batch()
+    next_generation = NextGeneration(components, weights)
+    sent: tuple[list[dict[str, Any]], SentRollout] | None = None  # this step's prompts, their generation under way
+    while sent is not None or (loader.epochs_done() < grpo_cfg.max_num_epochs
+                               and save_state.total_steps < grpo_cfg.max_num_steps):
+        prompt_rows, sent_rollout = sent if sent is not None else (loader.next_batch(), None)
+        sent = None
         step = save_state.total_steps + 1
         timer.reset()
         step_t0 = time.perf_counter()
@@ -233,14 +238,20 @@ def grpo_train(
                 collected, train_data, advantages, results = done.collected, done.train_data, done.advantages, \
                     done.results
             else:
-                collected = collect_batch(components, prompt_rows, loader.next_batch, step, timer, weights.sync)
+                collected = collect_batch(components, prompt_rows, loader.next_batch, step, timer, weights.sync,
+                                          sent_rollout)
                 train_data, advantages = prepare(components, collected.batch, timer)
                 logprobs(components, train_data, timer)
                 results = train(components, train_data, weights, timer)
             batch = collected.batch
+            last = step >= grpo_cfg.max_num_steps or loader.epochs_done() >= grpo_cfg.max_num_epochs
+            position = loader.state_dict()  # after this step's prompts (a prefetch takes the next step's)
+            if not last:  # the next step's generation goes to the engine now, behind the refit (prefetch.py)
+                sent = next_generation.send(loader, step + 1)
             metrics = {"train/reward": float(collected.generated_rewards.mean()),  # every sample generated
                        **_step_metrics(batch, train_data, advantages, results, collected.sampler)}
-            last = step >= grpo_cfg.max_num_steps or loader.epochs_done() >= grpo_cfg.max_num_epochs
+            if sent_rollout is not None:
+                metrics["train/prefetched_generation"] = 1.0
             deadline.step_took(time.perf_counter() - step_t0)
             out_of_time = deadline.due() and not last
             # Every val_period steps, and at the run's final step (so its last checkpoint has a validation score).
@@ -249,10 +260,10 @@ def grpo_train(
                 val = validate(components, step)
                 metrics.update(val)
                 save_state.val_reward = val.get("validation/accuracy", save_state.val_reward)
-            record(components, step, train_data, metrics, (loader.epoch, loader.index))
+            record(components, step, train_data, metrics, (position["epoch"], position["index"]))
             deadline.step_took(time.perf_counter() - step_t0)
             if cfg.checkpointing.enabled and on_schedule(cfg.checkpointing.save_period, step, last or out_of_time):
-                save_step(components, step, metrics, timer, deadline)
+                save_step(components, step, metrics, timer, deadline, loader_state=position)
         slowest = log_step(components, step, metrics, timer, train_data, batch, slowest, on_step)
         if out_of_time:
             say.info(deadline.message(step))

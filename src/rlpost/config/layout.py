@@ -45,6 +45,8 @@ class Layout:
     number of micro-batches per data-parallel rank); 0 = not overlapped (`overlap_reason` says why)."""
     overlap_reason: str = ""
     """Why generation and training are not overlapped ("" when they are)."""
+    prefetch_reason: str = "not computed"
+    """Why the next step's generation is not sent behind the refit ("" when it is: rlpost.algorithms.prefetch)."""
 
     @property
     def train_world(self) -> int:
@@ -183,6 +185,10 @@ def compute_layout(cfg: MasterConfig) -> Layout:
     if cfg.grpo.overlap_generation_and_training and not chunk:
         raise ConfigError("grpo.overlap_generation_and_training", True, f"does not apply: {reason}",
                           "grpo.overlap_generation_and_training=null (on wherever it applies)")
+    prefetch_why = prefetch_reason(cfg, chunk)
+    if cfg.grpo.prefetch_generation and prefetch_why:
+        raise ConfigError("grpo.prefetch_generation", True, f"does not apply: {prefetch_why}",
+                          "grpo.prefetch_generation=null (on wherever it applies)")
     return Layout(
         colocated=cfg.generation.colocated.enabled,
         train_nodes=tn,
@@ -201,7 +207,35 @@ def compute_layout(cfg: MasterConfig) -> Layout:
         micro_batches_per_optimizer_step=gbs // (p.train_micro_batch_size * dp),
         overlap_chunk=chunk,
         overlap_reason=reason,
+        prefetch_reason=prefetch_why,
     )
+
+
+def prefetch_reason(cfg: MasterConfig, overlap_chunk: int) -> str:
+    """"" when synchronous GRPO sends the next step's generation behind the refit (rlpost.algorithms.prefetch),
+    else why not. It needs a refit the engine loads by itself, sent with the training call: a colocated vLLM
+    engine whose actors run their calls in order (not vLLM's async engine), on CPU (checked at run time,
+    `rlpost.preflight.check_prefetch`); and a step whose generation is known in advance: one single-turn batch,
+    no dynamic sampling."""
+    g = cfg.grpo
+    if g.prefetch_generation is False:
+        return "grpo.prefetch_generation=false"
+    if g.async_grpo.enabled:
+        return "async GRPO generates ahead already (grpo.async_grpo.enabled=true)"
+    if overlap_chunk:
+        return "generation and training overlap within the step instead"
+    if not cfg.generation.colocated.enabled:
+        return "the engine is on its own workers, refit by broadcast (policy.generation.colocated.enabled=false)"
+    if cfg.generation.backend != "vllm":
+        return f"the {cfg.generation.backend} engine is refit from a thread, not in its call order (generation=vllm)"
+    if cfg.generation.async_rollouts():
+        return ("vLLM's async engine serves calls concurrently, so a generation could start before the refit "
+                "(policy.generation.vllm_cfg.async_engine=false)")
+    if g.max_rollout_turns > 1:
+        return "multi-turn episodes generate turn by turn (grpo.max_rollout_turns=1)"
+    if g.use_dynamic_sampling:
+        return "dynamic sampling draws more prompts as it goes (grpo.use_dynamic_sampling=false)"
+    return ""
 
 
 def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:

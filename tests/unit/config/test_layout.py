@@ -147,3 +147,32 @@ def test_overlap_forced_on_where_it_does_not_apply_is_refused() -> None:
         load_master_config(["grpo.overlap_generation_and_training=true", "grpo.use_dynamic_sampling=true"])
     assert err.value.key == "grpo.overlap_generation_and_training"
     assert "dynamic sampling" in str(err.value)
+
+
+def test_the_default_job_sends_the_next_generation_behind_the_refit() -> None:
+    _, cfg = load_master_config([])
+    assert compute_layout(cfg).prefetch_reason == ""
+    assert dict(plan_rows(cfg))["next step's generation"].startswith("sent behind the refit as training returns")
+    _, asked = load_master_config(["grpo.prefetch_generation=true"])
+    assert compute_layout(asked).prefetch_reason == ""
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    (["grpo.prefetch_generation=false"], "grpo.prefetch_generation=false"),
+    (ASYNC, "async GRPO generates ahead already"),
+    (SPLIT, "overlap within the step instead"),
+    ([*SPLIT, "grpo.overlap_generation_and_training=false"], "the engine is on its own workers"),
+    (["generation=hf"], "the hf engine is refit from a thread"),
+    (["policy.generation.vllm_cfg.async_engine=true"], "vLLM's async engine serves calls concurrently"),
+    (["experiment=tiny_lookup"], "multi-turn episodes generate turn by turn"),
+    (["grpo.use_dynamic_sampling=true"], "dynamic sampling draws more prompts"),
+])
+def test_the_next_generation_is_sent_early_only_where_its_inputs_and_order_are_known(overrides: list[str],
+                                                                                      why: str) -> None:
+    _, cfg = load_master_config(overrides)
+    assert why in compute_layout(cfg).prefetch_reason
+    assert why in dict(plan_rows(cfg))["next step's generation"]
+    if overrides != ["grpo.prefetch_generation=false"]:
+        with pytest.raises(ConfigError) as err:
+            load_master_config([*overrides, "grpo.prefetch_generation=true"])
+        assert err.value.key == "grpo.prefetch_generation" and why in str(err.value)

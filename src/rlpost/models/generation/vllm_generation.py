@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +255,11 @@ class VllmGeneration(GenerationInterface):
     # ------------------------------------------------------------------ generation
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
         """Generate for every row of `data` (contract in rlpost.models.generation.interfaces)."""
+        return self.send_generate(data, greedy)()
+
+    def send_generate(self, data: Mapping[str, Any], greedy: bool = False) -> Callable[[], Any]:
+        """generate() sent to the replicas now, behind the calls already sent to them (each replica's actor runs its
+        calls in order, unless vllm_cfg.async_engine makes it a threaded actor); the returned function waits for it."""
         prompts = unpack_prompts(data)
         spec = sampling_spec(self.cfg, greedy, self.eos_token_id)
         chunks = contiguous_splits(len(prompts), self.num_replicas)
@@ -266,7 +271,8 @@ class VllmGeneration(GenerationInterface):
                 futures.append(self.workers[r].generate.remote(prompts[a:b], spec, seeds[a:b] if seeds else None,
                                                                stops[a:b] if stops else None))
                 used.append(r)
-        return assemble_outputs(data["input_ids"], data["input_lengths"], self._get(futures, used), self.pad_token_id)
+        return lambda: assemble_outputs(data["input_ids"], data["input_lengths"], self._get(futures, used),
+                                        self.pad_token_id)
 
     def generate_chunks(self, data: Mapping[str, Any], bounds: list[tuple[int, int]],
                         greedy: bool = False) -> Iterator[Any]:
