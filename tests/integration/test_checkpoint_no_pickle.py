@@ -1,8 +1,8 @@
 """Resume never unpickles: a policy checkpoint (2 Ray ranks; DTensor TP2, DTensor v2 DP2, Megatron PP2) with a
 malicious pickle planted under every name a loader might open is restored bit-exactly and the payload never runs; a
-pickle written over a file the resume does read is refused with a one-line CheckpointError. Then the same through
-`rlpost train`: planted pickles next to a checkpoint are ignored on resume, and a shard replaced by a pickle (the
-manifest rewritten to match, as an attacker with write access would) is refused with exit status 2.
+pickle written over a file the resume does read is refused with a one-line CheckpointError. The same through
+`rlpost train` (planted pickles ignored on resume, a shard replaced by a pickle refused with exit status 2) is in
+tests/integration/test_checkpoint_fallback.py.
 
 The per-file sweep over every saved file, and the round trip with pickle patched out, are in
 tests/unit/models/test_pickle_free_checkpoint.py (one rank, in-process).
@@ -11,11 +11,7 @@ tests/unit/models/test_pickle_free_checkpoint.py (one rank, in-process).
 from __future__ import annotations
 
 import dataclasses
-import os
-import pickle
 import re
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +28,7 @@ from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import WorkerGroupError
 from rlpost.models.policy.lm_policy import Policy
-from rlpost.runtime.checkpointing import write_manifest
+from tests.pickles import plant
 
 pytestmark = pytest.mark.slow
 
@@ -48,24 +44,6 @@ BACKENDS = {
 # Names a loader might open: DCP's pickled metadata, torch files, pickles.
 PLANTED = [".metadata", "model/.metadata", "model/__0_0.distcp", "__0_0.distcp", "model.pt", "pytorch_model.bin",
            "state.pkl", "optim/.metadata", "optim/__1_0.distcp", "scheduler.pt", "optimizer.pt", "rng_state.pth"]
-
-
-class Payload:
-    """Unpickling this creates the file `canary`."""
-
-    def __init__(self, canary: Path) -> None:
-        self.canary = canary
-
-    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
-        return (open, (str(self.canary), "w"))
-
-
-def plant(path: Path, canary: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix in (".pt", ".bin", ".pth", ".distcp"):
-        torch.save(Payload(canary), path)
-    else:
-        path.write_bytes(pickle.dumps(Payload(canary)))
 
 
 def policy_cfg(model_dir: Path, *overrides: str) -> PolicyConfig:
@@ -172,46 +150,3 @@ def test_planted_pickles_never_run_and_replaced_files_are_refused(
         _close(built, b)
         assert not canary.exists(), rel
         (ckpt / rel).write_bytes(original)
-
-
-# ---- through `rlpost train` ----------------------------------------------------------------------------------------
-REPO = Path(__file__).resolve().parents[2]
-RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
-SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=32",
-         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16", "generation=hf", "grpo.val_period=0",
-         "checkpointing.metric_name=null"]
-
-
-def _train(run: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    env: dict[str, str] = {**os.environ, "RLPOST_CACHE_DIR": str(cache), "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run([RLPOST, "train", f"hydra.run.dir={run}", *SMALL, *overrides], env=env,
-                          capture_output=True, text=True, timeout=600)
-
-
-def test_resume_ignores_planted_pickles_and_refuses_a_replaced_shard(tmp_path: Path) -> None:
-    cache, run, canary = tmp_path / "cache", tmp_path / "run", tmp_path / "PWNED"
-    out = _train(run, cache, "grpo.max_num_steps=1")
-    assert out.returncode == 0, out.stderr[-3000:]
-    step1 = run / "checkpoints" / "step_1"
-    for d in [step1, *(p for p in step1.rglob("*") if p.is_dir())]:
-        for rel in ("pickle.pkl", ".metadata", "state.pt", "pytorch_model.bin"):
-            plant(d / rel, canary)
-    write_manifest(step1)  # the planted files are listed and verify: only the loaders stand in the way
-
-    shard = next((step1 / "policy" / "weights" / "model").glob("*.safetensors"))
-    original = shard.read_bytes()
-    plant(shard, canary)
-    write_manifest(step1)
-    out = _train(run, cache, "grpo.max_num_steps=2")
-    assert out.returncode == 2, out.stderr[-3000:]
-    lines = [ln for ln in out.stderr.splitlines() if "cannot load checkpoint" in ln]
-    assert lines and str(step1) in lines[0] and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert not canary.exists()
-
-    shard.write_bytes(original)
-    write_manifest(step1)
-    out = _train(run, cache, "grpo.max_num_steps=2")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "resuming from step 1" in out.stderr
-    assert (run / "checkpoints" / "step_2" / "training_info.json").is_file()
-    assert not canary.exists()
