@@ -112,12 +112,13 @@ def run_steps(overrides: list[str]) -> tuple[Any, list[dict[str, float]], float,
     return cfg, steps, t_setup, time.perf_counter() - t0, mem.peak
 
 
+WALL = "bench/logged_at"
+"""The key `stamped` adds to a step's metrics row."""
+
+
 def stamped(m: dict[str, float]) -> dict[str, float]:
     """A step's metrics row with the wall-clock time it was logged at (WALL)."""
     return {**m, WALL: time.perf_counter()}
-
-
-WALL = "bench/logged_at"
 
 
 def wall_steps(steps: list[dict[str, float]], warmup: int) -> list[float]:

@@ -54,7 +54,7 @@ from typing import Any
 
 import ray
 
-from rlpost.algorithms.collect import rollout_rows, sample_seeds
+from rlpost.algorithms.collect import step_samples
 from rlpost.algorithms.deadline import SaveDeadline
 from rlpost.algorithms.engine_weights import EngineWeights
 from rlpost.algorithms.grpo import (
@@ -284,15 +284,13 @@ class Collector:
         self.engine_refit_s = time.perf_counter() - t0
 
     def _generate(self) -> Trajectories:
-        c, g = self.components, self.components.cfg.grpo
+        c = self.components
         version = self.version  # an in-flight refit may raise it mid-batch: the batch counts as the older one
         rows = c.dataloader.next_batch()
         t0 = time.perf_counter()
-        repeated, group_ids = rollout_rows(c, rows)
+        repeated, group_ids, seeds = step_samples(c, rows, self.index)
         batch = run_rollouts(repeated, group_ids, c.generation, c.tokenizer, c.envs, turn_settings(c.cfg),
-                             c.cfg.generation.async_rollouts(), seeds=sample_seeds(g.seed, self.index,
-                                                                                          len(repeated)),
-                             label=f"generation batch {self.index}")
+                             c.cfg.generation.async_rollouts(), seeds=seeds, label=f"generation batch {self.index}")
         entry = Trajectories(batch, version, self.index, c.dataloader.state_dict(), time.perf_counter() - t0)
         self.index += 1
         return entry

@@ -60,11 +60,17 @@ def rollout_rows(components: GRPOComponents, rows: list[dict[str, Any]]) -> tupl
     return repeated, torch.arange(len(processed)).repeat_interleave(per_prompt)
 
 
-def send_step_generation(components: GRPOComponents, rows: list[dict[str, Any]], step: int) -> SentRollout:
-    """Step `step`'s single-turn generation of `rows` (repeated, seeded as `collect_batch` seeds it), sent to the
-    engine now; `collect_batch(..., sent=)` receives it."""
+def step_samples(components: GRPOComponents, rows: list[dict[str, Any]], step: int,
+                 salt: int = 0) -> tuple[list[dict[str, Any]], torch.Tensor, list[int]]:
+    """The rows of step `step`'s generation batch `salt` (`rollout_rows`), their group ids and sampling seeds."""
     repeated, group_ids = rollout_rows(components, rows)
-    seeds = sample_seeds(components.cfg.grpo.seed, step, len(repeated))
+    return repeated, group_ids, sample_seeds(components.cfg.grpo.seed, step, len(repeated), salt=salt)
+
+
+def send_step_generation(components: GRPOComponents, rows: list[dict[str, Any]], step: int) -> SentRollout:
+    """Step `step`'s single-turn generation of `rows` (its first batch, as `collect_batch` would make it), sent to
+    the engine now; `collect_batch(..., sent=)` receives it."""
+    repeated, group_ids, seeds = step_samples(components, rows, step)
     return send_rollout(repeated, group_ids, components.generation, components.tokenizer,
                         turn_settings(components.cfg).greedy, seeds)
 
@@ -105,9 +111,8 @@ def collect_batch(
             rollout = receive_rollout(sent, components.tokenizer, components.envs, timer, label)
             sent = None
         else:
-            repeated, group_ids = rollout_rows(components, rows)
+            repeated, group_ids, seeds = step_samples(components, rows, step, sampler.gen_batches if sampler else 0)
             sync_weights()
-            seeds = sample_seeds(grpo_cfg.seed, step, len(repeated), salt=sampler.gen_batches if sampler else 0)
             # books "generation" and "reward_calculation" (scoring) apart; warns on slow rewards
             rollout = run_rollouts(repeated, group_ids, components.generation, components.tokenizer, components.envs,
                                    turn_settings(components.cfg), components.cfg.generation.async_rollouts(),

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from rlpost.algorithms.collect import Collected, rollout_rows, sample_seeds
+from rlpost.algorithms.collect import Collected, step_samples
 from rlpost.algorithms.engine_weights import EngineWeights
 from rlpost.algorithms.grpo_setup import GRPOComponents
 from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
@@ -74,9 +74,8 @@ def overlapped_step(components: GRPOComponents, rows: list[dict[str, Any]], step
     "policy_training" (from the first part sent to the optimizer step's end); they overlap, so they add up to
     more than the step."""
     cfg = components.cfg
-    repeated, group_ids = rollout_rows(components, rows)
+    repeated, group_ids, seeds = step_samples(components, rows, step)
     weights.sync()
-    seeds = sample_seeds(cfg.grpo.seed, step, len(repeated))
     spans = chunk_spans(len(repeated), layout_of(cfg).overlap_chunk)
     gen_timer = Timer()
     ready: queue.Queue[RolloutBatch | BaseException] = queue.Queue()
