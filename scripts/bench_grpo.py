@@ -224,6 +224,7 @@ def main() -> int:
         bare = limits["bare_generation_s"] + limits["bare_training_s"]
         bare_median = limits["bare_generation_median_s"] + limits["bare_training_median_s"]
         result["limits"] = {k: round(v, 4) for k, v in limits.items()}
+        result["step_s"] = round(step_s, 4)
         result["step_median_s"] = round(step_median, 4)
         result["step_over_bare"] = round(step_s / bare, 3)
         # the same statistic on both sides: the median step against the median bare runs

@@ -1,0 +1,138 @@
+"""Alternating A/B runs of scripts/bench_grpo.py: is a change faster, or is it the host?
+
+On a shared 2-core host the same run spreads by 10-30% from one hour to the next, more than most changes move a
+step. So each arm runs in turn, round after round (A, B, A, B, ...), and the comparison is made within each round:
+the paired ratio of arm k's step to the first arm's, whose median over the rounds is printed beside the spread.
+
+    .venv/bin/python scripts/bench_ab.py --rounds 3 \\
+        --arm "prefetch=" --arm "plain=grpo.prefetch_generation=false"
+    .venv/bin/python scripts/bench_ab.py --rounds 2 --async-compare \\
+        --arm "age1=" --arm "age2=grpo.async_grpo.max_trajectory_age_steps=2"
+
+An arm is LABEL=OVERRIDES (Hydra overrides, space separated; empty for the default job). `--common` adds overrides
+to every arm. With `--async-compare` an arm's overrides go to the async run only (bench_grpo's --async-override) and
+the figure compared is the async step; otherwise it is the mean wall-clock step beside its bare limit (generation +
+training, measured in the same run). Each run's own JSON goes under --dir; the summary is appended to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_arm(spec: str) -> tuple[str, list[str]]:
+    """LABEL=OVERRIDES -> (label, overrides)."""
+    label, sep, rest = spec.partition("=")
+    if not sep or not label or not label.replace("_", "").replace("-", "").isalnum():
+        raise SystemExit(f"--arm {spec!r}: expected LABEL=OVERRIDES with a label of letters, digits, - or _")
+    return label, rest.split()
+
+
+def figures(result: dict[str, Any]) -> dict[str, float]:
+    """The numbers one bench_grpo result is compared by: `step_s` and `ratio` (step over its bound) always, with the
+    bound named by the rest."""
+    if "async_compare" in result:
+        a, s = result["async_compare"]["async"], result["async_compare"]["sync"]
+        return {"step_s": a["step_s"], "ratio": a["step_over_max"], "sync_step_s": s["step_s"],
+                "speedup": result["async_compare"]["async_speedup"]}
+    lim = result["limits"]
+    bare = lim["bare_generation_s"] + lim["bare_training_s"]
+    return {"step_s": result["step_s"], "ratio": result["step_over_bare"],
+            "median_ratio": result["median_step_over_median_bare"], "bare_s": bare}
+
+
+def summarize(runs: list[dict[str, Any]], labels: list[str]) -> dict[str, Any]:
+    """Per arm: each figure's median, min and max over the rounds, and the median of the per-round ratio of its step
+    to the first arm's step in the same round (rounds where either run failed are left out of that ratio)."""
+    by_round: dict[int, dict[str, dict[str, float]]] = {}
+    for r in runs:
+        by_round.setdefault(r["round"], {})[r["label"]] = r["figures"]
+    out: dict[str, Any] = {}
+    base = labels[0]
+    for label in labels:
+        mine = [f[label] for f in by_round.values() if label in f]
+        arm: dict[str, Any] = {"runs": len(mine)}
+        for key in (mine[0] if mine else {}):
+            values = [m[key] for m in mine]
+            arm[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        paired = [f[label]["step_s"] / f[base]["step_s"] for f in by_round.values() if label in f and base in f]
+        if paired:
+            arm["step_vs_first"] = {"median": statistics.median(paired), "min": min(paired), "max": max(paired)}
+        out[label] = arm
+    return out
+
+
+def run_one(label: str, overrides: list[str], common: list[str], args: argparse.Namespace, rnd: int) -> dict[str, Any]:
+    """One bench_grpo run of an arm; its result (the last entry of its own JSON file)."""
+    out = Path(args.dir) / f"{label}.{rnd}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_grpo.py"), "--steps", str(args.steps), "--out", str(out)]
+    if args.warmup is not None:
+        cmd += ["--warmup", str(args.warmup)]
+    if args.async_compare:
+        cmd += ["--async-compare", *[f"--async-override={o}" for o in overrides], *common]
+    else:
+        cmd += [*common, *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s, check=False)
+    if proc.returncode != 0 or not out.is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise SystemExit(f"arm {label} (round {rnd}) failed with status {proc.returncode}: " + " | ".join(tail))
+    return json.loads(out.read_text())[-1]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arm", action="append", required=True, help="LABEL=OVERRIDES (two or more)")
+    p.add_argument("--common", default="", help="overrides added to every arm (space separated)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--async-compare", action="store_true", help="compare async GRPO steps (bench_grpo --async-compare)")
+    p.add_argument("--dir", default=str(REPO / "results" / "bench_ab"), help="where each run's JSON goes")
+    p.add_argument("--out", default=str(REPO / "results" / "bench_ab.json"))
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
+    args = p.parse_args()
+    arms = [parse_arm(a) for a in args.arm]
+    labels = [label for label, _ in arms]
+    if len(arms) < 2 or len(set(labels)) != len(labels):
+        raise SystemExit("--arm: give two or more arms with distinct labels")
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    for rnd in range(1, args.rounds + 1):
+        for label, overrides in arms:
+            fig = figures(run_one(label, overrides, args.common.split(), args, rnd))
+            runs.append({"round": rnd, "label": label, "figures": fig})
+            print(f"round {rnd} {label:>12}: step {fig['step_s']:.4f}s  ratio {fig['ratio']:.3f}", flush=True)
+    summary = summarize(runs, labels)
+    bound = "max(generation, training) of the async run" if args.async_compare else "bare generation + bare training"
+    print(f"\nmedian [min-max] over {args.rounds} rounds; ratio = step / {bound}; "
+          f"vs {labels[0]} = step / {labels[0]}'s step in the same round")
+    for label in labels:
+        s = summary[label]
+        line = (f"{label:>12}: step {s['step_s']['median']:.4f}s [{s['step_s']['min']:.4f}-{s['step_s']['max']:.4f}]  "
+                f"ratio {s['ratio']['median']:.3f} [{s['ratio']['min']:.3f}-{s['ratio']['max']:.3f}]")
+        if label != labels[0]:
+            v = s["step_vs_first"]
+            line += f"  vs {labels[0]} {v['median']:.3f} [{v['min']:.3f}-{v['max']:.3f}]"
+        print(line)
+    record = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "arms": dict(arms), "common": args.common.split(),
+              "async_compare": args.async_compare, "steps": args.steps, "rounds": args.rounds, "runs": runs,
+              "summary": summary}
+    out = Path(args.out)
+    history = json.loads(out.read_text()) if out.is_file() else []
+    out.write_text(json.dumps([*history, record], indent=1))
+    print(f"saved to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""scripts/bench_ab.py: the figures it reads from a bench_grpo result and its paired summary."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_ab.py"
+
+
+def _bench_ab() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_ab", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sync(step: float, gen: float, train: float) -> dict[str, object]:
+    return {"step_s": step, "step_over_bare": step / (gen + train), "median_step_over_median_bare": 1.0,
+            "limits": {"bare_generation_s": gen, "bare_training_s": train}}
+
+
+def test_the_comparison_is_paired_within_each_round() -> None:
+    """Round 2 runs on a host twice as slow: B's steps are 0.9x A's in both rounds, so the paired ratio is 0.9
+    exactly, while the arms' own medians straddle each other."""
+    ab = _bench_ab()
+    runs = [
+        {"round": 1, "label": "a", "figures": ab.figures(_sync(0.100, 0.04, 0.04))},
+        {"round": 1, "label": "b", "figures": ab.figures(_sync(0.090, 0.04, 0.04))},
+        {"round": 2, "label": "a", "figures": ab.figures(_sync(0.200, 0.08, 0.08))},
+        {"round": 2, "label": "b", "figures": ab.figures(_sync(0.180, 0.08, 0.08))},
+    ]
+    s = ab.summarize(runs, ["a", "b"])
+    assert s["b"]["step_vs_first"]["median"] == pytest.approx(0.9)
+    assert s["b"]["step_vs_first"]["max"] == pytest.approx(0.9)
+    assert s["a"]["step_s"]["min"] == pytest.approx(0.100) and s["a"]["step_s"]["max"] == pytest.approx(0.200)
+    assert s["b"]["ratio"]["median"] == pytest.approx(1.125)  # 0.090 / 0.080 and 0.180 / 0.160
+    assert s["a"]["step_vs_first"]["median"] == 1.0 and s["b"]["runs"] == 2
+
+
+def test_a_round_missing_an_arm_is_left_out_of_the_paired_ratio() -> None:
+    ab = _bench_ab()
+    runs = [
+        {"round": 1, "label": "a", "figures": ab.figures(_sync(0.100, 0.04, 0.04))},
+        {"round": 1, "label": "b", "figures": ab.figures(_sync(0.120, 0.04, 0.04))},
+        {"round": 2, "label": "b", "figures": ab.figures(_sync(0.500, 0.04, 0.04))},
+    ]
+    s = ab.summarize(runs, ["a", "b"])
+    assert s["b"]["step_vs_first"]["median"] == pytest.approx(1.2)
+    assert s["b"]["runs"] == 2 and s["b"]["step_s"]["max"] == pytest.approx(0.5)
+
+
+def test_async_results_are_compared_by_the_async_step() -> None:
+    ab = _bench_ab()
+    result = {"async_compare": {"sync": {"step_s": 0.1}, "async": {"step_s": 0.06, "step_over_max": 1.12},
+                                "async_speedup": 1.67}}
+    assert ab.figures(result) == {"step_s": 0.06, "ratio": 1.12, "sync_step_s": 0.1, "speedup": 1.67}
+
+
+@pytest.mark.parametrize("spec", ["noequals", "=x", "a b=c"])
+def test_a_malformed_arm_is_refused(spec: str) -> None:
+    with pytest.raises(SystemExit, match="LABEL=OVERRIDES"):
+        _bench_ab().parse_arm(spec)
+
+
+def test_an_arm_keeps_its_overrides() -> None:
+    assert _bench_ab().parse_arm("plain=grpo.prefetch_generation=false a=b") == (
+        "plain", ["grpo.prefetch_generation=false", "a=b"])
+    assert _bench_ab().parse_arm("default=") == ("default", [])
