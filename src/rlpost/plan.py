@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from rlpost.config.layout import Layout, fsdp_wrapping, layout_of, prev_logprobs_pass
+from rlpost.config.layout import Layout, cuda_ipc_refit, fsdp_wrapping, layout_of, prev_logprobs_pass
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 
@@ -87,6 +87,7 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
                             + (f"; {fsdp}" if (fsdp := fsdp_wrapping(cfg, lay.train_world)) else "")),
         ("engine layout", f"{lay.gen_replicas} replica(s) x TP*PP={lay.gen_tp} ({lay.gen_world} workers)"),
         ("placement", placement),
+        ("refit", _refit(cfg, lay)),
         ("prev-logprobs pass", _PREV_PASS[prev_logprobs_pass(cfg)]),
         ("rollouts", _rollouts(cfg)),
         ("generation and training", _overlap(cfg)),
@@ -114,6 +115,22 @@ def _rollouts(cfg: MasterConfig) -> str:
            else "turns in lock-step, one batched generate per turn")
     return (f"multi-turn: up to {turns} model turns per episode within {cfg.policy.max_total_sequence_length} "
             f"tokens; {how}; environment tokens masked out of the loss")
+
+
+def _refit(cfg: MasterConfig, lay: Layout) -> str:
+    """How the engine receives each update (rlpost.algorithms.refit): the driver never carries the weights."""
+    if not lay.colocated:
+        return "broadcast from the policy's rank 0 over the refit group (gloo on CPU, NCCL on GPU)"
+    if lay.train_nodes > 1:
+        return "rank 0's buckets through Ray's object store (several nodes)"
+    shm = "rank 0's shared-memory segment on this node, loaded by the engines themselves"
+    ipc = "CUDA IPC: the engine loads from rank 0's device buffer on the shared GPU (no host copy)"
+    on_gpu = (ipc if cuda_ipc_refit("cuda", lay.train_world)
+              else f"{shm} (device -> host -> device: CUDA IPC needs the policy on one GPU)")
+    device = cfg.cluster.device  # "auto" is not resolved: that would import torch for the plan
+    if device == "auto":
+        return f"on a GPU: {on_gpu}; on the CPU: {shm}"
+    return on_gpu if device == "cuda" else f"{shm} (on the CPU)"
 
 
 def _prefetch(cfg: MasterConfig) -> str:

@@ -238,6 +238,12 @@ def prefetch_reason(cfg: MasterConfig, overlap_chunk: int) -> str:
     return ""
 
 
+def cuda_ipc_refit(device: str, policy_world_size: int) -> bool:
+    """Whether a colocated refit on one node goes over CUDA IPC (rlpost.distributed.cuda_ipc_buckets): the policy
+    trains on one GPU, so the engine is on that GPU too (colocated engines share the policy's workers)."""
+    return device == "cuda" and policy_world_size == 1
+
+
 def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:
     """(completions per chunk, "") when synchronous GRPO trains on the step's first groups while the engine
     generates the rest (rlpost.algorithms.overlap), else (0, why not).

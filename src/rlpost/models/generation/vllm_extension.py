@@ -104,6 +104,15 @@ class RlpostWorkerExtension:
         """Load one refit bucket (whole layers) in place; per-tensor digests of what was consumed."""
         return self._rlpost_load(named, corrupt, partial=True).digests()
 
+    def rlpost_load_bucket_ipc(self, desc: dict[str, Any], corrupt: str | None = None) -> dict[str, str]:
+        """rlpost_load_bucket from the policy's device buffer on this worker's GPU (a CUDA IPC descriptor,
+        rlpost.distributed.cuda_ipc_buckets); the views are dropped once the copies out of them are done."""
+        from rlpost.distributed.cuda_ipc_buckets import read_cuda_ipc_bucket
+
+        digests = self.rlpost_load_bucket(read_cuda_ipc_bucket(desc), corrupt)
+        torch.cuda.current_stream().synchronize()  # the copies out of the buffer are done before rank 0 reuses it
+        return digests
+
     def rlpost_load_bucket_packed(self, records: list[Any], corrupt: str | None = None) -> dict[str, str]:
         """rlpost_load_bucket for tensors sent as pack_for_rpc records (engine core in another process)."""
         return self.rlpost_load_bucket(unpack_rpc(records), corrupt)

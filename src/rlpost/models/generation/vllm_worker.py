@@ -282,18 +282,19 @@ class VllmEngineWorker:
         return self._after_refit(fps)
 
     def load_bucket(self, box: Any, corrupt: str | None = None, last: bool = False) -> dict[str, str]:
-        """Load one refit bucket (`box`: a shared-memory descriptor, or [ref] in the object store); per-tensor
-        digests. `last`: the refit's final bucket, so `end_refit` runs in the same call."""
+        """Load one refit bucket (`box`: a shared-memory or CUDA IPC descriptor, or [ref] in the object store);
+        per-tensor digests. `last`: the refit's final bucket, so `end_refit` runs in the same call."""
+        from rlpost.distributed.cuda_ipc_buckets import is_cuda_ipc
         from rlpost.distributed.shm_buckets import read_bucket
+        from rlpost.models.generation.vllm_extension import pack_for_rpc
 
         self._before_refit()
-        named = read_bucket(box)
-        if self._in_process:
-            digests = self._rpc("rlpost_load_bucket", named, corrupt)
+        if is_cuda_ipc(box):  # each engine worker opens the policy's device buffer itself: no copy through here
+            digests = self._rpc("rlpost_load_bucket_ipc", box, corrupt)
+        elif self._in_process:
+            digests = self._rpc("rlpost_load_bucket", read_bucket(box), corrupt)
         else:
-            from rlpost.models.generation.vllm_extension import pack_for_rpc
-
-            digests = self._rpc("rlpost_load_bucket_packed", pack_for_rpc(named), corrupt)
+            digests = self._rpc("rlpost_load_bucket_packed", pack_for_rpc(read_bucket(box)), corrupt)
         if any(d != digests[0] for d in digests[1:]):
             raise RuntimeError(f"replica {self.replica}: its TP/PP workers loaded different weights")
         if last:

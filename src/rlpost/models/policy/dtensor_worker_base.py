@@ -352,7 +352,8 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         self._mem.offload_optimizer(self.optimizer)
 
     def offload_after_refit(self) -> None:
-        """The model to the CPU too, so the engine has the GPU for generation."""
+        """The refit's device buffers freed and the model to the CPU too, so the engine has the GPU for generation."""
+        self.release_device_buffers()
         self._mem.offload_optimizer(self.optimizer)
         self._mem.offload_model(self.model)
 

@@ -417,7 +417,9 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
 
     @_megatron_call
     def offload_after_refit(self) -> None:
-        """GPU: the optimizer state goes to the CPU; the weights stay on the GPU (megatron's DDP buffers)."""
+        """GPU: the refit's device buffers are freed and the optimizer state goes to the CPU; the weights stay on the
+        GPU (megatron's DDP buffers)."""
+        self.release_device_buffers()
         self._offload_optimizer_state()
 
     def gpu_memory_stats(self) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 A worker fills `self._export` (rank 0: full HF-named tensors, cast to the engine's dtype) in its own
 `prepare_weights_for_export`; this mixin serves it in bounded buckets (a reusable shared-memory segment on one
-node, else the object store), fingerprints it, stages a copy for async GRPO (in shared memory, or private), and
+node, a device buffer opened over CUDA IPC on the policy's only GPU, else the object store), fingerprints it, stages a copy for async GRPO (in shared memory, or private), and
 broadcasts it over the refit group for a non-colocated engine.
 """
 
@@ -34,6 +34,7 @@ class WeightExportMixin:
     """Needs `self.rank`, `self.device` and a `self._export` list of (name, tensor)."""
 
     rank: int
+    world_size: int
     device: torch.device
     _export: list[tuple[str, torch.Tensor]]
     _refit_group: Any = None
@@ -120,17 +121,36 @@ class WeightExportMixin:
         return {**result, "staged_weights": {**staged, "seconds": time.perf_counter() - t0}}
 
     def _shm_writer(self, slot: int | str) -> Any:
-        """Rank 0's reusable shared-memory segment `slot` (a ShmBucketWriter), created on first use."""
+        """Rank 0's reusable buffer `slot` shared with the engines on this node, created on first use: a
+        shared-memory segment (ShmBucketWriter), or on the policy's only GPU a device buffer the colocated engine
+        opens over CUDA IPC (CudaIpcBucketWriter: the export never leaves the GPU)."""
         if self._shm is None:
             self._shm = {}
         if slot not in self._shm:
-            from rlpost.distributed.shm_buckets import ShmBucketWriter
+            from rlpost.config.layout import cuda_ipc_refit
 
-            self._shm[slot] = ShmBucketWriter()
+            if cuda_ipc_refit(self.device.type, self.world_size):
+                from rlpost.distributed.cuda_ipc_buckets import CudaIpcBucketWriter
+
+                self._shm[slot] = CudaIpcBucketWriter(self.device)
+            else:
+                from rlpost.distributed.shm_buckets import ShmBucketWriter
+
+                self._shm[slot] = ShmBucketWriter()
         return self._shm[slot]
 
+    def release_device_buffers(self) -> None:
+        """Free the CUDA IPC refit buffers once the refit is over (`offload_after_refit`), so the colocated engine
+        has that GPU memory while it generates; the next refit allocates them again. Host segments stay (reused)."""
+        from rlpost.distributed.cuda_ipc_buckets import CudaIpcBucketWriter
+
+        for slot, writer in list((self._shm or {}).items()):
+            if isinstance(writer, CudaIpcBucketWriter):
+                writer.close()
+                del self._shm[slot]  # type: ignore[union-attr]
+
     def close_export_buffers(self) -> None:
-        """Unlink the shared-memory segments (at shutdown)."""
+        """Unlink the shared-memory segments, free the CUDA IPC buffers (at shutdown)."""
         for writer in (self._shm or {}).values():
             writer.close()
         self._shm = None
