@@ -131,8 +131,8 @@ class ColocatablePolicyInterface(PolicyInterface):
 
 
 class WeightBuckets(ABC):
-    """Iterates refit buckets as boxes the driver forwards unread (a shared-memory descriptor, or [object ref]);
-    `fingerprint` and `count` once exhausted."""
+    """Iterates refit buckets as boxes the driver forwards unread (a shared-memory or CUDA IPC descriptor, or
+    [object ref]); `fingerprint` and `count` once exhausted."""
 
     @abstractmethod
     def __iter__(self) -> Any: ...

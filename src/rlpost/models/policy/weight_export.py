@@ -2,8 +2,9 @@
 
 A worker fills `self._export` (rank 0: full HF-named tensors, cast to the engine's dtype) in its own
 `prepare_weights_for_export`; this mixin serves it in bounded buckets (a reusable shared-memory segment on one
-node, a device buffer opened over CUDA IPC on the policy's only GPU, else the object store), fingerprints it, stages a copy for async GRPO (in shared memory, or private), and
-broadcasts it over the refit group for a non-colocated engine.
+node, a device buffer opened over CUDA IPC on the policy's only GPU, else the object store), fingerprints it,
+stages a copy for async GRPO (in shared memory, or private), and broadcasts it over the refit group for a
+non-colocated engine.
 """
 
 from __future__ import annotations
