@@ -4,6 +4,7 @@ reload_weights, and prints what the test asserts as one JSON line."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -13,7 +14,6 @@ import torch
 
 def main(model_dir: str) -> None:
     from safetensors.torch import load_file
-    from vllm import SamplingParams
 
     from rlpost.config.schema.generation import VllmConfig
     from rlpost.models.generation import vllm_generation as vg
@@ -24,7 +24,12 @@ def main(model_dir: str) -> None:
     os.environ.update(vg.engine_env(cfg.vllm_cfg, False))
     cfg.vllm_cfg.kv_cache_space_gb = 0.125
     cfg.vllm_cfg.max_model_len = 128
+    collections = [0]  # the engine's start, vLLM's import included (nothing of vLLM is imported before it)
+    gc.callbacks.append(lambda phase, info: collections.__setitem__(0, collections[0] + (phase == "stop")))
     worker = VllmEngineWorker(model_dir, vg.engine_kwargs(cfg, 0, False))
+    gc.callbacks.clear()
+    start_gc = {"start_collections": collections[0], "start_frozen": gc.get_freeze_count()}
+    from vllm import SamplingParams
     base = [(n, t) for f in sorted(os.listdir(model_dir)) if f.endswith(".safetensors")
             for n, t in load_file(os.path.join(model_dir, f)).items()]
     g = torch.Generator().manual_seed(3)
@@ -76,7 +81,7 @@ def main(model_dir: str) -> None:
 
     result["split_fused_refused"], result["unknown_refused"] = worker.engine.collective_rpc(split_plan)[0]
     worker.shutdown()
-    print("RESULT " + json.dumps(result), flush=True)
+    print("RESULT " + json.dumps({**result, **start_gc}), flush=True)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from rlpost.models.policy.memory_phases import OffloadState, cuda_memory_stats
 from rlpost.models.policy.optim import build_optimizer, build_scheduler
 from rlpost.models.policy.train_parts import Parts, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
+from rlpost.runtime.gc_heap import import_frozen
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -50,6 +51,9 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         init_optimizer: bool = True,
         init_reference_model: bool = True,
     ) -> None:
+        # The heavy imports first, with the collector paused and their objects frozen (rlpost.runtime.gc_heap): the
+        # model classes, and torch's compiler stack that the optimizer's first param group imports.
+        import_frozen("torch._dynamo", "transformers.models.auto.modeling_auto")
         self.cfg = cfg
         self.device = torch.device(os.environ.get("RLPOST_DEVICE", "cpu"))
         if self.device.type == "cpu":

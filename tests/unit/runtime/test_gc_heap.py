@@ -1,0 +1,115 @@
+"""rlpost.runtime.gc_heap: the collector paused over a block, what the block made frozen (or freed first), and the
+starts that use it (the driver's checks, a policy worker, the vLLM engine in test_vllm_cpu_writer) collect a few
+times instead of hundreds."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rlpost.runtime.gc_heap import collect_and_freeze, import_frozen, paused_gc
+
+
+class _Node:
+    """A weak-referenceable object that can sit in a reference cycle."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.fixture(autouse=True)
+def _restore_gc() -> Iterator[None]:
+    was = gc.isenabled()
+    yield
+    gc.unfreeze()  # what a test froze goes back to the oldest generation
+    (gc.enable if was else gc.disable)()
+
+
+def _cycle() -> weakref.ref[_Node]:
+    """A cyclic object with no other reference: only a collection frees it."""
+    return weakref.ref(_Node())
+
+
+def test_the_block_runs_without_the_collector_and_freezes_what_it_made() -> None:
+    gc.enable()
+    before = gc.get_freeze_count()
+    with paused_gc():
+        assert not gc.isenabled()
+        kept = [{"x": i} for i in range(1000)]  # tracked containers
+        garbage = _cycle()
+    assert gc.isenabled()
+    assert gc.get_freeze_count() >= before + 1000
+    gc.collect()
+    assert garbage() is not None  # frozen: cyclic garbage made inside the block is never collected
+    assert len(kept) == 1000
+
+
+def test_without_freeze_the_blocks_garbage_is_collected_afterwards() -> None:
+    gc.enable()
+    before = gc.get_freeze_count()
+    with paused_gc(freeze=False):
+        garbage = _cycle()
+    assert gc.isenabled() and gc.get_freeze_count() == before
+    gc.collect()
+    assert garbage() is None
+
+
+def test_collect_and_freeze_frees_garbage_and_freezes_the_rest() -> None:
+    with paused_gc(freeze=False):
+        garbage = _cycle()
+        kept = _Node()
+    collect_and_freeze()
+    assert garbage() is None
+    assert gc.get_freeze_count() > 0 and kept.me is kept
+
+
+def test_a_nested_block_and_a_process_without_the_collector_are_left_alone() -> None:
+    gc.enable()
+    with paused_gc():
+        with paused_gc():
+            pass
+        assert not gc.isenabled()  # the inner block did not turn it back on
+    assert gc.isenabled()
+    gc.disable()
+    before = gc.get_freeze_count()
+    with paused_gc():
+        pass
+    assert not gc.isenabled() and gc.get_freeze_count() == before
+
+
+def test_the_collector_comes_back_after_an_error() -> None:
+    gc.enable()
+    with pytest.raises(ValueError), paused_gc():
+        raise ValueError("boom")
+    assert gc.isenabled()
+
+
+def test_import_frozen_imports_and_freezes() -> None:
+    gc.enable()
+    sys.modules.pop("colorsys", None)
+    import_frozen("colorsys")
+    assert "colorsys" in sys.modules and gc.get_freeze_count() > 0 and gc.isenabled()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["preflight", "policy"])
+def test_a_start_collects_a_few_times_not_hundreds(phase: str, tiny_model_dir: Path) -> None:
+    """Counted by gc.callbacks in a fresh process: without the pauses the driver's checks collected ~600 times and a
+    DTensor worker's start ~970 times (each older collection walking the imported heap)."""
+    script = Path(__file__).with_name("gc_start_check.py")
+    proc = subprocess.run([sys.executable, str(script), phase, str(tiny_model_dir)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    r = json.loads(lines[-1].removeprefix("RESULT "))
+    assert r["ok"]
+    assert r["collections"] <= 100, r
+    assert r["frozen"] > 100_000, r  # the imported heap is frozen: later collections skip it
