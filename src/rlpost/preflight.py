@@ -294,7 +294,7 @@ def _dry_build(opt: PytorchOptimizerConfig, scheduler: list[dict[str, Any]], dev
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            optimizer = build_optimizer(opt, [param])
+            optimizer = build_optimizer(opt, [param], dry_run=True)
         except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - any constructor failure is a config error

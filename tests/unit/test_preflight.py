@@ -138,6 +138,33 @@ def test_optimizer_value_rejected_by_its_constructor() -> None:
     assert err.key == "policy.optimizer.kwargs" and "rejected by torch.optim.AdamW" in err.rule and "beta" in err.rule
 
 
+def test_the_dry_build_checks_as_torch_does_without_importing_dynamo() -> None:
+    """The pre-flight's optimizer is built with torch.optim's undecorated add_param_group: the same checks, and no
+    torch._dynamo import (1 s of the driver's start) in a fresh process."""
+    import subprocess
+    import sys
+
+    from rlpost.models.policy.optim import _without_dynamo_wrapper
+
+    dry = _without_dynamo_wrapper(torch.optim.AdamW)
+    assert dry is not torch.optim.AdamW and issubclass(dry, torch.optim.AdamW) and dry.__name__ == "AdamW"
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="more than one parameter group"):  # add_param_group's own check still runs
+        dry([{"params": [p]}, {"params": [p]}], lr=1e-3)
+
+    class OwnGroups(torch.optim.SGD):
+        def add_param_group(self, param_group: dict[str, Any]) -> None:
+            super().add_param_group(param_group)
+
+    assert _without_dynamo_wrapper(OwnGroups) is OwnGroups  # a class's own add_param_group is left alone
+    code = ("import sys; from rlpost.config.load import load_master_config; from rlpost.preflight import "
+            "check_optimizer; check_optimizer(load_master_config([])[1]); "
+            "print('torch._dynamo' in sys.modules, 'torch.optim' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]  # the optimizer was built, dynamo never imported
+
+
 def test_scheduler_arguments() -> None:
     err = refused(master("policy.scheduler=[{name:torch.optim.lr_scheduler.StepLR}]"))
     assert err.key == "policy.scheduler[0].kwargs.step_size" and "required argument" in err.rule
