@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""Time to the first step as a user sees it: `rlpost train` launched as a fresh process, until the first step's
+metrics row is written, beside its limit measured on the same host in the same run: a fresh process that only
+imports vLLM and builds rlpost's engine for the same model (the engine's start is the longest part of a run's start,
+and no design that starts a vLLM engine in its own process starts faster).
+
+    .venv/bin/python scripts/bench_start.py                   # default job, 3 rounds
+    .venv/bin/python scripts/bench_start.py --rounds 5 policy=dtensor_v2
+
+Each round runs the job, then the bare engine, alternating, so the host's drift touches both. Extra arguments are
+Hydra overrides for both. `scripts/bench_grpo.py`'s `time_to_first_step_s` starts at `setup()` inside an already
+started Python (no interpreter start, CLI, Hydra composition or pre-flight checks): it is the part this one ends
+with. Results go to results/bench_start.json (one entry per run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_S = 15.0
+"""The throughput issue's target for the default job's time to the first step."""
+
+JOB = ["grpo.max_num_steps=1", "grpo.val_period=0", "grpo.val_at_start=false", "checkpointing=disabled",
+       "logger.console_progress=false"]
+"""One step, nothing after it: the run ends once its first row is written."""
+
+BARE_ENGINE = """
+import sys, time
+t0 = float(sys.argv[1])
+sys.path.insert(0, {scripts!r})
+from rlpost.config.load import load_master_config
+import bench_limits
+_, cfg = load_master_config(sys.argv[2:])
+worker, _, _ = bench_limits._engine_worker(cfg)
+print("READY", time.time() - t0, flush=True)
+worker.shutdown()
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def first_row_s(overrides: list[str], timeout_s: float = 600.0) -> float:
+    """Seconds from launching `rlpost train` to its first metrics row (the run is then left to finish)."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        cmd = [sys.executable, "-m", "rlpost.cli", "train", *JOB, *overrides, f"hydra.run.dir={run_dir}"]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        metrics = Path(run_dir) / "metrics.jsonl"
+        first = None
+        while first is None and proc.poll() is None and time.perf_counter() - t0 < timeout_s:
+            if metrics.is_file() and metrics.stat().st_size > 0:
+                first = time.perf_counter() - t0
+            time.sleep(0.02)
+        if first is None and metrics.is_file() and metrics.stat().st_size > 0:
+            first = time.perf_counter() - t0  # the run ended between two polls
+        _, err = proc.communicate(timeout=timeout_s)
+        if first is None or proc.returncode != 0:
+            raise RuntimeError(f"rlpost train exited {proc.returncode} without a metrics row: {err[-2000:]}")
+        return first
+
+
+def bare_engine_s(overrides: list[str], timeout_s: float = 600.0) -> float:
+    """Seconds from launching a fresh Python to rlpost's vLLM engine built in it (imports included)."""
+    code = BARE_ENGINE.format(scripts=str(REPO / "scripts"))
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", code, repr(t0), *overrides], env=_env(), capture_output=True,
+                         text=True, timeout=timeout_s)
+    ready = [ln for ln in out.stdout.splitlines() if ln.startswith("READY ")]
+    if out.returncode != 0 or not ready:
+        raise RuntimeError(f"the bare engine did not start: {out.stderr[-2000:]}")
+    return float(ready[-1].split()[1])
+
+
+def summarise(first: list[float], bare: list[float]) -> dict[str, Any]:
+    """Medians and spreads of both sides, and the per-round ratio first / bare (median)."""
+    ratios = [f / b for f, b in zip(first, bare, strict=True)]
+    return {"first_step_s": first, "bare_engine_s": bare,
+            "first_step_median_s": round(statistics.median(first), 2),
+            "bare_engine_median_s": round(statistics.median(bare), 2),
+            "ratio_median": round(statistics.median(ratios), 3),
+            "target_s": TARGET_S, "meets_target": statistics.median(first) <= TARGET_S}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(REPO / "results" / "bench_start.json"))
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    first, bare = [], []
+    for r in range(args.rounds):
+        first.append(round(first_row_s(args.overrides), 2))
+        bare.append(round(bare_engine_s(args.overrides), 2))
+        print(f"round {r + 1}: rlpost train's first step after {first[-1]:.2f}s; a bare engine's start "
+              f"{bare[-1]:.2f}s", flush=True)
+    result = {**summarise(first, bare), "overrides": args.overrides, "host": {"cpus": os.cpu_count()},
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    print(f"time to first step {result['first_step_median_s']:.2f}s (median of {args.rounds}; target <= "
+          f"{TARGET_S:.0f}s) vs a bare vLLM engine's start {result['bare_engine_median_s']:.2f}s in a fresh process: "
+          f"ratio {result['ratio_median']:.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    history = json.loads(out.read_text()) if out.is_file() else []
+    out.write_text(json.dumps([*history, result], indent=1))
+    print(f"saved to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
