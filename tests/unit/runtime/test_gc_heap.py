@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpost.runtime.gc_heap import collect_and_freeze, import_frozen, paused_gc
+from rlpost.runtime.gc_heap import YOUNG_THRESHOLD, collect_and_freeze, import_frozen, paused_gc, raise_young_threshold
 
 
 class _Node:
@@ -27,8 +27,9 @@ class _Node:
 
 @pytest.fixture(autouse=True)
 def _restore_gc() -> Iterator[None]:
-    was = gc.isenabled()
+    was, thresholds = gc.isenabled(), gc.get_threshold()
     yield
+    gc.set_threshold(*thresholds)
     gc.unfreeze()  # what a test froze goes back to the oldest generation
     (gc.enable if was else gc.disable)()
 
@@ -97,6 +98,15 @@ def test_import_frozen_imports_and_freezes() -> None:
     sys.modules.pop("colorsys", None)
     import_frozen("colorsys")
     assert "colorsys" in sys.modules and gc.get_freeze_count() > 0 and gc.isenabled()
+
+
+def test_the_young_threshold_is_raised_never_lowered() -> None:
+    gc.set_threshold(700, 11, 12)
+    raise_young_threshold()
+    assert gc.get_threshold() == (YOUNG_THRESHOLD, 11, 12)
+    gc.set_threshold(10 * YOUNG_THRESHOLD, 11, 12)
+    raise_young_threshold()
+    assert gc.get_threshold() == (10 * YOUNG_THRESHOLD, 11, 12)
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from rlpost.models.generation.outputs import GeneratedBatch, GeneratedSample
-from rlpost.runtime.gc_heap import paused_gc
+from rlpost.runtime.gc_heap import paused_gc, raise_young_threshold
 
 _T = TypeVar("_T")
 
@@ -127,6 +127,7 @@ class VllmEngineWorker:
             with paused_gc(freeze=False):
                 self.engine = LLM(**kwargs)
             self.tokenizer = self.engine.get_tokenizer()
+        raise_young_threshold()  # a generation call holds thousands of objects at once (rlpost.runtime.gc_heap)
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
