@@ -127,10 +127,9 @@ def main() -> int:
     record = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "arms": dict(arms), "common": args.common.split(),
               "async_compare": args.async_compare, "steps": args.steps, "rounds": args.rounds, "runs": runs,
               "summary": summary}
-    out = Path(args.out)
-    history = json.loads(out.read_text()) if out.is_file() else []
-    out.write_text(json.dumps([*history, record], indent=1))
-    print(f"saved to {out}")
+    from bench_results import append_result  # scripts/ is sys.path[0] when this runs as a script
+
+    append_result(args.out, record)
     return 0
 
 

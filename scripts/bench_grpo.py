@@ -253,11 +253,9 @@ def main() -> int:
 
 
 def _save(path: str, result: dict[str, Any]) -> None:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    history = json.loads(out.read_text()) if out.is_file() else []
-    out.write_text(json.dumps([*history, result], indent=1))
-    print(f"saved to {out}")
+    from bench_results import append_result  # scripts/ is sys.path[0] when this runs as a script
+
+    append_result(path, result)
 
 
 if __name__ == "__main__":

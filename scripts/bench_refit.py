@@ -89,11 +89,9 @@ def main() -> int:
     print(f"refit of {nbytes / 1e6:.1f} MB: median {median:.3f}s (best {best:.3f}s) = "
           f"{result['refit_gbps_median']:.2f} GB/s vs memcpy {gbps:.2f} GB/s; the engine's bare in-place load "
           f"{loads['bare_write_s']:.3f}s (vLLM's reload_weights {loads['bare_reload_s']:.3f}s)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    history = json.loads(out.read_text()) if out.is_file() else []
-    out.write_text(json.dumps([*history, result], indent=1))
-    print(f"saved to {out}")
+    from bench_results import append_result  # scripts/ is on sys.path (above)
+
+    append_result(args.out, result)
     return 0
 
 

@@ -16,7 +16,6 @@ with. Results go to results/bench_start.json (one entry per run).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -110,11 +109,9 @@ def main() -> int:
     print(f"time to first step {result['first_step_median_s']:.2f}s (median of {args.rounds}; target <= "
           f"{TARGET_S:.0f}s) vs a bare vLLM engine's start {result['bare_engine_median_s']:.2f}s in a fresh process: "
           f"ratio {result['ratio_median']:.2f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    history = json.loads(out.read_text()) if out.is_file() else []
-    out.write_text(json.dumps([*history, result], indent=1))
-    print(f"saved to {out}")
+    from bench_results import append_result  # scripts/ is sys.path[0] when this runs as a script
+
+    append_result(args.out, result)
     return 0
 
 
