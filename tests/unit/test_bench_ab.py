@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_ab.py"
+from tests.scripts import load_script
 
 
 def _bench_ab() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_ab", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_ab")
 
 
 def _sync(step: float, gen: float, train: float) -> dict[str, object]:

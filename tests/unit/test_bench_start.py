@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_start.py"
+from tests.scripts import load_script
 
 
 def _bench_start() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_start", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_start")
 
 
 def test_the_summary_takes_medians_and_pairs_each_round() -> None:
