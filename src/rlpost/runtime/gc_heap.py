@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -52,9 +53,14 @@ def collect_and_freeze() -> None:
 
 
 def import_frozen(*modules: str) -> None:
-    """Import `modules` (dotted names) with the collector paused, then freeze what the process holds."""
+    """Import `modules` (dotted names) with the collector paused, then freeze what the process holds. Nothing
+    happens when all of them are imported already: a process that builds a second engine or worker (a test, a
+    benchmark) does not freeze what the first left as cyclic garbage (vLLM's engines are full of cycles)."""
+    missing = [name for name in modules if name not in sys.modules]
+    if not missing:
+        return
     with paused_gc():
-        for name in modules:
+        for name in missing:
             importlib.import_module(name)
 
 

@@ -93,11 +93,17 @@ def test_the_collector_comes_back_after_an_error() -> None:
     assert gc.isenabled()
 
 
-def test_import_frozen_imports_and_freezes() -> None:
+def test_import_frozen_imports_and_freezes_once() -> None:
     gc.enable()
     sys.modules.pop("colorsys", None)
     import_frozen("colorsys")
     assert "colorsys" in sys.modules and gc.get_freeze_count() > 0 and gc.isenabled()
+    gc.unfreeze()
+    garbage = _cycle()  # a second engine's start must not freeze what the first left as cyclic garbage
+    import_frozen("colorsys")
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert garbage() is None
 
 
 def test_the_young_threshold_is_raised_never_lowered() -> None:

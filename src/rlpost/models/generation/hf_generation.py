@@ -47,7 +47,7 @@ from rlpost.models.generation.outputs import (
     unpack_prompts,
 )
 from rlpost.models.generation.vllm_extension import FAULT_ENV, check_against_info
-from rlpost.runtime.gc_heap import paused_gc
+from rlpost.runtime.gc_heap import import_frozen
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,8 +99,8 @@ class HFGenerationWorker:
         hf_overrides: dict[str, Any] | None = None,
     ) -> None:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        with paused_gc():  # transformers' import: its objects frozen (rlpost.runtime.gc_heap)
-            from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        import_frozen("transformers.models.auto.modeling_auto")  # its objects frozen (rlpost.runtime.gc_heap)
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = _DTYPES[precision]

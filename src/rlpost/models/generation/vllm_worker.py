@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from rlpost.models.generation.outputs import GeneratedBatch, GeneratedSample
-from rlpost.runtime.gc_heap import paused_gc, raise_young_threshold
+from rlpost.runtime.gc_heap import import_frozen, paused_gc, raise_young_threshold
 
 _T = TypeVar("_T")
 
@@ -106,9 +106,9 @@ class VllmEngineWorker:
         if "kv_cache_memory_bytes" in kwargs:  # the legacy env var would override the configured size
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if async_engine:
-            with paused_gc():  # vLLM's import: its objects frozen (rlpost.runtime.gc_heap)
-                from vllm.engine.arg_utils import AsyncEngineArgs
-                from vllm.v1.engine.async_llm import AsyncLLM
+            import_frozen("vllm.engine.arg_utils", "vllm.v1.engine.async_llm")  # rlpost.runtime.gc_heap
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
 
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async-loop", daemon=True)
@@ -120,8 +120,8 @@ class VllmEngineWorker:
             self.engine: Any = self._run(_make())
             self.tokenizer = self.engine.get_tokenizer()
         else:
-            with paused_gc():  # vLLM's import: its objects frozen (rlpost.runtime.gc_heap)
-                from vllm import LLM
+            import_frozen("vllm.entrypoints.llm")  # vLLM's import, its objects frozen (rlpost.runtime.gc_heap)
+            from vllm import LLM
             # The build with the collector off too: vLLM's engine core collects and freezes its own heap once
             # built (freeze_gc_heap), so what the build dropped is freed there.
             with paused_gc(freeze=False):
