@@ -77,12 +77,15 @@ class StopOnSignal:
 
 
 def _quiet_close(comps: Any) -> None:
-    """Release everything with SIGINT ignored, so a late Ctrl-C cannot leave processes behind."""
+    """Release everything with SIGINT ignored, so a late Ctrl-C cannot leave processes behind (Ray's task timeline
+    written first when logger.ray_timeline asks for it: the actors' events go with them)."""
     import ray
 
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
+        if comps is not None and comps.cfg.logger.ray_timeline and ray.is_initialized():
+            _timeline(comps.logger.dir)
         if comps is not None:
             comps.close()
         if ray.is_initialized():
@@ -90,6 +93,18 @@ def _quiet_close(comps: Any) -> None:
     finally:
         if main:
             signal.signal(signal.SIGINT, old)
+
+
+def _timeline(log_dir: Path) -> None:
+    """logger.ray_timeline: write it (rlpost.runtime.ray_timeline); a failure is a warning, never the run's end."""
+    from rlpost.runtime.ray_timeline import write_timeline
+
+    try:
+        path = write_timeline(log_dir)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic file must not turn a finished run into a failed one
+        say.warn(f"logger.ray_timeline: Ray's task timeline was not written ({type(exc).__name__}: {exc})")
+        return
+    say.info(f"Ray's task timeline: {path} (open it in ui.perfetto.dev or chrome://tracing)")
 
 
 def _completed_steps(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path) -> int | None:

@@ -22,7 +22,7 @@ SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "po
 
 COVER = {
     "dtensor-vllm-token-colocated": ["policy=dtensor", "generation=vllm", "loss=token_level",
-                                     "grpo.val_at_start=true", "grpo.val_period=2"],
+                                     "grpo.val_at_start=true", "grpo.val_period=2", "logger.ray_timeline=true"],
     "dtensor_v2-hf-sequence-split-kl": ["policy=dtensor_v2", "generation=hf", "loss=sequence_level",
                                         "loss_fn.reference_policy_kl_penalty=0.01", "cluster.gpus_per_node=2",
                                         "policy.generation.colocated.enabled=false",
@@ -38,9 +38,20 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
     run = tmp_path / name
     extra = COVER[name]
     val = "grpo.val_period=2" in extra
-    train(run, cache, *SMALL, "grpo.max_num_steps=3", "checkpointing=disabled",
-          *([] if val else ["grpo.val_period=0"]), *extra)
+    out = train(run, cache, *SMALL, "grpo.max_num_steps=3", "checkpointing=disabled",
+                *([] if val else ["grpo.val_period=0"]), *extra)
     lines = metrics(run)
+    timeline = run / "ray_timeline.json"
+    assert timeline.exists() == ("logger.ray_timeline=true" in extra)
+    if timeline.exists():  # every actor call of the run, each worker's row named after its actor class
+        events = json.loads(timeline.read_text())
+        rows = " ".join(e["args"]["name"] for e in events if e["ph"] == "M")
+        assert "VllmEngineWorker" in rows and "DTensorPolicyWorker" in rows, rows
+        calls = [e["cat"] for e in events if e["ph"] == "X" and e["cat"].startswith("task::")]
+        # 3 steps and 3 validations (steps 0, 2, 3) generate; every step trains
+        assert calls.count("task::VllmEngineWorker.generate") >= 6, sorted(set(calls))
+        assert sum(c.startswith("task::DTensorPolicyWorker.train") for c in calls) >= 3, sorted(set(calls))
+        assert str(timeline) in out.stderr
     steps = [m for m in lines if "train/token_mult_prob_error" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
     for m in steps:

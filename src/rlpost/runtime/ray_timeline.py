@@ -1,0 +1,68 @@
+"""logger.ray_timeline: Ray's task timeline of a run, as a Chrome trace file.
+
+Ray records when every actor call started and ended (deserialising its arguments, running, storing its result) and
+`ray.timeline()` returns those events in the Chrome tracing format. A worker's row is named only by its worker id
+there, so `write_timeline` adds a name to each row: the actor class whose calls ran on it (the engine replicas, the
+policy workers, the verifier pool, the replay buffer), then writes the file for Perfetto (ui.perfetto.dev) or
+chrome://tracing. It shows where a step's time goes across processes: a generate call beside the training call, the
+engine's load, the gaps between them.
+
+Workers report their events to Ray's control store about once a second, so the dump waits that long first (only
+when the timeline was asked for). It must run before the actors are killed; `rlpost.runner` calls it as the run
+ends, after a failure too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+FLUSH_S = 1.2
+"""How long to wait for the workers' last reports (Ray's task_events_report_interval_ms is 1000 by default)."""
+FILE_NAME = "ray_timeline.json"
+
+
+def named_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`events` preceded by a thread_name metadata event per row: a worker that ran actor calls ("task::Class.method",
+    or "task::<actor name>:Class.__init__" for the constructor) is named "Class <actor name> (worker id prefix)", a row
+    that ran several classes' calls lists them; the driver's row (its task submissions) is named "driver"."""
+    rows: dict[tuple[Any, Any], tuple[list[str], list[str]]] = {}  # row -> (classes, actor names), first seen first
+    for e in events:
+        cat, tid = str(e.get("cat", "")), e.get("tid")
+        if tid is None:
+            continue
+        classes, actors = rows.setdefault((e.get("pid"), tid), ([], []))
+        if str(tid).startswith("driver:"):
+            cls, actor = "driver", ""
+        elif cat.startswith("task::"):
+            actor, _, call = cat.removeprefix("task::").rpartition(":")
+            cls = call.split(".")[0]
+        else:
+            continue
+        for seen, new in ((classes, cls), (actors, actor)):
+            if new and new not in seen:
+                seen.append(new)
+    meta = [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+             "args": {"name": " ".join([" + ".join(classes), *actors, f"({str(tid).split(':', 1)[-1][:8]})"])}}
+            for (pid, tid), (classes, actors) in rows.items() if classes]
+    return meta + events
+
+
+def write_timeline(log_dir: Path) -> Path:
+    """Write the Ray session's task timeline, rows named (`named_rows`), to log_dir/FILE_NAME; its path."""
+    import ray
+
+    time.sleep(FLUSH_S)
+    state_log = logging.getLogger("ray._private.state")  # a notice that a later Ray reads this from its dashboard
+    level = state_log.level
+    state_log.setLevel(logging.ERROR)
+    try:
+        events = ray.timeline() or []
+    finally:
+        state_log.setLevel(level)
+    path = log_dir / FILE_NAME
+    path.write_text(json.dumps(named_rows(list(events))))
+    return path

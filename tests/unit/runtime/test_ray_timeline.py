@@ -1,0 +1,37 @@
+"""logger.ray_timeline's file: Ray's task events with each worker row named after the actor class that ran there."""
+
+from __future__ import annotations
+
+from rlpost.runtime.ray_timeline import named_rows
+
+
+def _event(cat: str, tid: str, name: str = "x") -> dict[str, object]:
+    return {"cat": cat, "name": name, "pid": "10.0.0.1", "tid": tid, "ts": 1.0, "dur": 2.0, "ph": "X"}
+
+
+def test_each_worker_row_is_named_after_its_actor_classes() -> None:
+    events = [
+        _event("submit_task", "driver:01000000ffff"),
+        _event("task:execute", "worker:aaaaaaaaaaaa"),
+        _event("task::vllm-replica0-7f30:VllmEngineWorker.__init__", "worker:aaaaaaaaaaaa", "__init__"),
+        _event("task::VllmEngineWorker.generate", "worker:aaaaaaaaaaaa", "generate"),
+        _event("task::VllmEngineWorker.load_staged", "worker:aaaaaaaaaaaa", "load_staged"),
+        _event("task::DTensorPolicyWorker.train", "worker:bbbbbbbbbbbb", "train"),
+        _event("task::ReplayBuffer.push", "worker:cccccccccccc", "push"),
+        _event("task::VerifierPool.score", "worker:cccccccccccc", "score"),
+    ]
+    out = named_rows(events)
+    meta = {(e["pid"], e["tid"]): e["args"]["name"] for e in out if e["ph"] == "M"}  # type: ignore[index]
+    assert meta == {
+        ("10.0.0.1", "driver:01000000ffff"): "driver (01000000)",
+        ("10.0.0.1", "worker:aaaaaaaaaaaa"): "VllmEngineWorker vllm-replica0-7f30 (aaaaaaaa)",
+        ("10.0.0.1", "worker:bbbbbbbbbbbb"): "DTensorPolicyWorker (bbbbbbbb)",
+        ("10.0.0.1", "worker:cccccccccccc"): "ReplayBuffer + VerifierPool (cccccccc)",
+    }
+    assert all(e["name"] == "thread_name" for e in out if e["ph"] == "M")
+    assert out[len(meta):] == events  # every event kept, in order, after the names
+
+
+def test_no_actor_call_no_names() -> None:
+    events = [_event("task:execute", "worker:aaaaaaaaaaaa")]
+    assert named_rows(events) == events
