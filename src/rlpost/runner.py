@@ -10,7 +10,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -24,6 +25,7 @@ from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.failures import EXIT_INTERRUPT, EXIT_TERMINATED, Interrupted
 from rlpost.runtime import console as say
 from rlpost.runtime.checkpointing import CheckpointError, CheckpointManager, read_json
+from rlpost.runtime.timer import Span, recording_spans
 
 _CODES = {signal.SIGINT: EXIT_INTERRUPT, signal.SIGTERM: EXIT_TERMINATED}
 
@@ -76,16 +78,17 @@ class StopOnSignal:
         return Interrupted(sig.name, _CODES[sig])
 
 
-def _quiet_close(comps: Any) -> None:
+def _quiet_close(comps: Any, spans: list[Span] | None = None) -> None:
     """Release everything with SIGINT ignored, so a late Ctrl-C cannot leave processes behind (Ray's task timeline
-    written first when logger.ray_timeline asks for it: the actors' events go with them)."""
+    written first when logger.ray_timeline recorded the driver's phases as `spans`: the actors' events go with
+    them)."""
     import ray
 
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
-        if comps is not None and comps.cfg.logger.ray_timeline and ray.is_initialized():
-            _timeline(comps.logger.dir)
+        if comps is not None and spans is not None and ray.is_initialized():
+            _timeline(comps.logger.dir, spans)
         if comps is not None:
             comps.close()
         if ray.is_initialized():
@@ -95,12 +98,22 @@ def _quiet_close(comps: Any) -> None:
             signal.signal(signal.SIGINT, old)
 
 
-def _timeline(log_dir: Path) -> None:
+@contextmanager
+def _phase_spans(cfg: MasterConfig | SupervisedMasterConfig) -> Iterator[list[Span] | None]:
+    """logger.ray_timeline: the driver's timed phases of the run, recorded for the timeline; else None."""
+    if not cfg.logger.ray_timeline:
+        yield None
+        return
+    with recording_spans() as spans:
+        yield spans
+
+
+def _timeline(log_dir: Path, spans: list[Span]) -> None:
     """logger.ray_timeline: write it (rlpost.runtime.ray_timeline); a failure is a warning, never the run's end."""
     from rlpost.runtime.ray_timeline import write_timeline
 
     try:
-        path = write_timeline(log_dir)
+        path = write_timeline(log_dir, spans)
     except Exception as exc:  # noqa: BLE001 - a diagnostic file must not turn a finished run into a failed one
         say.warn(f"logger.ray_timeline: Ray's task timeline was not written ({type(exc).__name__}: {exc})")
         return
@@ -155,7 +168,7 @@ def run_supervised(cfg: SupervisedMasterConfig, run_dir: Path) -> dict[str, Any]
                  f"in {CheckpointManager(cfg.checkpointing, run_dir).dir}); nothing to do. Raise "
                  f"{cfg.algo}.max_num_steps to train further.")
         return {"run_dir": str(run_dir), "steps": done, "complete": True}
-    with StopOnSignal() as stop:
+    with StopOnSignal() as stop, _phase_spans(cfg) as spans:
         try:
             comps = setup(cfg, run_dir)
             start = comps.save_state.total_steps
@@ -184,7 +197,7 @@ def run_supervised(cfg: SupervisedMasterConfig, run_dir: Path) -> dict[str, Any]
                 raise stop.interrupted() from exc
             raise
         finally:
-            _quiet_close(comps)
+            _quiet_close(comps, spans)
     summary = {
         "run_dir": str(run_dir),
         "steps": state.total_steps,
@@ -222,7 +235,7 @@ def run_grpo(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
                  f"{CheckpointManager(cfg.checkpointing, run_dir).dir}); nothing to do. Raise grpo.max_num_steps "
                  "to train further.")
         return {"run_dir": str(run_dir), "steps": done, "complete": True}
-    with StopOnSignal() as stop:
+    with StopOnSignal() as stop, _phase_spans(cfg) as spans:
         try:
             comps = setup(cfg, run_dir)
             start = comps.save_state.total_steps
@@ -257,7 +270,7 @@ def run_grpo(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
                 raise stop.interrupted() from exc
             raise
         finally:
-            _quiet_close(comps)
+            _quiet_close(comps, spans)
     summary = {
         "run_dir": str(run_dir),
         "steps": state.total_steps,

@@ -51,6 +51,8 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
         # 3 steps and 3 validations (steps 0, 2, 3) generate; every step trains
         assert calls.count("task::VllmEngineWorker.generate") >= 6, sorted(set(calls))
         assert sum(c.startswith("task::DTensorPolicyWorker.train") for c in calls) >= 3, sorted(set(calls))
+        phases = [e["name"] for e in events if e["ph"] == "X" and e["pid"] == "rlpost driver"]  # the driver's
+        assert phases.count("total_step_time") == 3 and phases.count("policy_training") == 3, sorted(set(phases))
         assert str(timeline) in out.stderr
     steps = [m for m in lines if "train/token_mult_prob_error" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]

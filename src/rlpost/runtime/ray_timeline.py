@@ -5,7 +5,9 @@ Ray records when every actor call started and ended (deserialising its arguments
 there, so `write_timeline` adds a name to each row: the actor class whose calls ran on it (the engine replicas, the
 policy workers, the verifier pool, the replay buffer), then writes the file for Perfetto (ui.perfetto.dev) or
 chrome://tracing. It shows where a step's time goes across processes: a generate call beside the training call, the
-engine's load, the gaps between them.
+engine's load, the gaps between them. Beside them, on rows of their own ("rlpost driver", one per driver thread), the
+driver's timed phases (`timing/*`: generation, policy_training, refit, ...) recorded by `rlpost.runtime.timer`'s
+`recording_spans`, on the same clock.
 
 Workers report their events to Ray's control store about once a second, so the dump waits that long first (only
 when the timeline was asked for). It must run before the actors are killed; `rlpost.runner` calls it as the run
@@ -19,6 +21,8 @@ import logging
 import time
 from pathlib import Path
 from typing import Any
+
+from rlpost.runtime.timer import Span
 
 FLUSH_S = 1.2
 """How long to wait for the workers' last reports (Ray's task_events_report_interval_ms is 1000 by default)."""
@@ -51,8 +55,24 @@ def named_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return meta + events
 
 
-def write_timeline(log_dir: Path) -> Path:
-    """Write the Ray session's task timeline, rows named (`named_rows`), to log_dir/FILE_NAME; its path."""
+DRIVER_PID = "rlpost driver"
+"""The process rows of the driver's phases are grouped under."""
+
+
+def driver_events(spans: list[Span]) -> list[dict[str, Any]]:
+    """The driver's timed phases as complete events (microseconds since the epoch, as Ray's), one row per thread."""
+    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": DRIVER_PID, "tid": "",
+                                     "args": {"name": DRIVER_PID}}] if spans else []
+    for thread in dict.fromkeys(t for t, _, _, _ in spans):
+        events.append({"name": "thread_name", "ph": "M", "pid": DRIVER_PID, "tid": thread, "args": {"name": thread}})
+    events += [{"name": name, "cat": "rlpost", "ph": "X", "pid": DRIVER_PID, "tid": thread, "ts": start * 1e6,
+                "dur": seconds * 1e6, "args": {}} for thread, name, start, seconds in spans]
+    return events
+
+
+def write_timeline(log_dir: Path, spans: list[Span] | None = None) -> Path:
+    """Write the Ray session's task timeline, rows named (`named_rows`), and the driver's phases (`driver_events`)
+    to log_dir/FILE_NAME; its path."""
     import ray
 
     time.sleep(FLUSH_S)
@@ -64,5 +84,5 @@ def write_timeline(log_dir: Path) -> Path:
     finally:
         state_log.setLevel(level)
     path = log_dir / FILE_NAME
-    path.write_text(json.dumps(named_rows(list(events))))
+    path.write_text(json.dumps(named_rows(list(events)) + driver_events(list(spans or []))))
     return path

@@ -1,10 +1,32 @@
-"""Step timer: nested named phases, reported as seconds under `timing/train/<phase>`."""
+"""Step timer: nested named phases, reported as seconds under `timing/train/<phase>`.
+
+While `recording_spans()` is on (logger.ray_timeline), every timed phase of every Timer is also kept as a span:
+(thread name, phase, wall-clock start, seconds), for the run's timeline (rlpost.runtime.ray_timeline).
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+Span = tuple[str, str, float, float]
+"""(thread name, phase name, wall-clock start in seconds since the epoch, seconds)."""
+
+_spans: list[Span] | None = None
+
+
+@contextmanager
+def recording_spans() -> Iterator[list[Span]]:
+    """Keep every Timer phase timed inside the block (any thread) in the yielded list."""
+    global _spans
+    spans: list[Span] = []
+    _spans = spans
+    try:
+        yield spans
+    finally:
+        _spans = None
 
 
 class Timer:
@@ -15,11 +37,16 @@ class Timer:
 
     @contextmanager
     def time(self, name: str) -> Iterator[None]:
+        spans = _spans
+        start = time.time() if spans is not None else 0.0
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.times[name] = self.times.get(name, 0.0) + seconds
+            if spans is not None:
+                spans.append((threading.current_thread().name, name, start, seconds))
 
     def metrics(self, prefix: str) -> dict[str, float]:
         return {f"{prefix}/{k}": v for k, v in self.times.items()}

@@ -35,3 +35,42 @@ def test_each_worker_row_is_named_after_its_actor_classes() -> None:
 def test_no_actor_call_no_names() -> None:
     events = [_event("task:execute", "worker:aaaaaaaaaaaa")]
     assert named_rows(events) == events
+
+
+def test_timer_phases_are_recorded_only_while_asked_and_become_driver_rows() -> None:
+    import threading
+    import time
+
+    from rlpost.runtime.ray_timeline import DRIVER_PID, driver_events
+    from rlpost.runtime.timer import Timer, recording_spans
+
+    timer = Timer()
+    with timer.time("before"):
+        pass
+    with recording_spans() as spans:
+        t0 = time.time()
+        with timer.time("total_step_time"), timer.time("generation"):
+            time.sleep(0.01)
+        def collect() -> None:
+            with Timer().time("collector_phase"):
+                pass
+
+        worker = threading.Thread(target=collect, name="collector")
+        with Timer().time("in_thread"):
+            worker.start()
+            worker.join()
+    with timer.time("after"):
+        pass
+    assert [(t, n) for t, n, _, _ in spans] == [("MainThread", "generation"), ("MainThread", "total_step_time"),
+                                               ("collector", "collector_phase"), ("MainThread", "in_thread")]
+    gen = spans[0]
+    assert t0 <= gen[2] <= t0 + 0.005 and 0.01 <= gen[3] < 0.5  # wall-clock start, seconds
+    assert set(timer.times) == {"before", "generation", "total_step_time", "after"}  # the metrics are unchanged
+
+    events = driver_events(spans)
+    phases = [e for e in events if e["ph"] == "X"]
+    assert [(e["tid"], e["name"]) for e in phases] == [(t, n) for t, n, _, _ in spans]
+    assert all(e["pid"] == DRIVER_PID for e in phases)
+    assert phases[0]["ts"] == gen[2] * 1e6 and phases[0]["dur"] == gen[3] * 1e6  # microseconds, as Ray's events
+    assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {DRIVER_PID, "MainThread", "collector"}
+    assert driver_events([]) == []
