@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,7 +79,7 @@ class StopOnSignal:
         return Interrupted(sig.name, _CODES[sig])
 
 
-def _quiet_close(comps: Any, spans: list[Span] | None = None) -> None:
+def _quiet_close(comps: Any, spans: deque[Span] | None = None) -> None:
     """Release everything with SIGINT ignored, so a late Ctrl-C cannot leave processes behind (Ray's task timeline
     written first when logger.ray_timeline recorded the driver's phases as `spans`: the actors' events go with
     them)."""
@@ -99,7 +100,7 @@ def _quiet_close(comps: Any, spans: list[Span] | None = None) -> None:
 
 
 @contextmanager
-def _phase_spans(cfg: MasterConfig | SupervisedMasterConfig) -> Iterator[list[Span] | None]:
+def _phase_spans(cfg: MasterConfig | SupervisedMasterConfig) -> Iterator[deque[Span] | None]:
     """logger.ray_timeline: the driver's timed phases of the run, recorded for the timeline; else None."""
     if not cfg.logger.ray_timeline:
         yield None
@@ -108,7 +109,7 @@ def _phase_spans(cfg: MasterConfig | SupervisedMasterConfig) -> Iterator[list[Sp
         yield spans
 
 
-def _timeline(log_dir: Path, spans: list[Span]) -> None:
+def _timeline(log_dir: Path, spans: deque[Span]) -> None:
     """logger.ray_timeline: write it (rlpost.runtime.ray_timeline); a failure is a warning, never the run's end."""
     from rlpost.runtime.ray_timeline import write_timeline
 

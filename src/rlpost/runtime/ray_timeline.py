@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from rlpost.runtime.timer import Span
 FLUSH_S = 1.2
 """How long to wait for the workers' last reports (Ray's task_events_report_interval_ms is 1000 by default)."""
 FILE_NAME = "ray_timeline.json"
+DRIVER_PID = "rlpost driver"
+"""The process the driver's phase rows are grouped under."""
 
 
 def named_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -55,10 +58,6 @@ def named_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return meta + events
 
 
-DRIVER_PID = "rlpost driver"
-"""The process rows of the driver's phases are grouped under."""
-
-
 def driver_events(spans: list[Span]) -> list[dict[str, Any]]:
     """The driver's timed phases as complete events (microseconds since the epoch, as Ray's), one row per thread."""
     events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": DRIVER_PID, "tid": "",
@@ -70,7 +69,7 @@ def driver_events(spans: list[Span]) -> list[dict[str, Any]]:
     return events
 
 
-def write_timeline(log_dir: Path, spans: list[Span] | None = None) -> Path:
+def write_timeline(log_dir: Path, spans: Iterable[Span] = ()) -> Path:
     """Write the Ray session's task timeline, rows named (`named_rows`), and the driver's phases (`driver_events`)
     to log_dir/FILE_NAME; its path."""
     import ray
@@ -84,5 +83,5 @@ def write_timeline(log_dir: Path, spans: list[Span] | None = None) -> Path:
     finally:
         state_log.setLevel(level)
     path = log_dir / FILE_NAME
-    path.write_text(json.dumps(named_rows(list(events)) + driver_events(list(spans or []))))
+    path.write_text(json.dumps(named_rows(list(events)) + driver_events(list(spans))))
     return path

@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 Span = tuple[str, str, float, float]
 """(thread name, phase name, wall-clock start in seconds since the epoch, seconds)."""
 
-_spans: list[Span] | None = None
+MAX_SPANS = 200_000
+"""The most recent spans kept (about 30 MB; a GRPO step times about ten phases): Ray keeps its last 100,000 calls."""
+
+_spans: deque[Span] | None = None
 
 
 @contextmanager
-def recording_spans() -> Iterator[list[Span]]:
-    """Keep every Timer phase timed inside the block (any thread) in the yielded list."""
+def recording_spans(limit: int = MAX_SPANS) -> Iterator[deque[Span]]:
+    """Keep every Timer phase timed inside the block (any thread) in the yielded deque, the last `limit` of them."""
     global _spans
-    spans: list[Span] = []
+    spans: deque[Span] = deque(maxlen=limit)
     _spans = spans
     try:
         yield spans

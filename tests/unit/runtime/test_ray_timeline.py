@@ -63,14 +63,19 @@ def test_timer_phases_are_recorded_only_while_asked_and_become_driver_rows() -> 
         pass
     assert [(t, n) for t, n, _, _ in spans] == [("MainThread", "generation"), ("MainThread", "total_step_time"),
                                                ("collector", "collector_phase"), ("MainThread", "in_thread")]
-    gen = spans[0]
+    gen = list(spans)[0]
     assert t0 <= gen[2] <= t0 + 0.005 and 0.01 <= gen[3] < 0.5  # wall-clock start, seconds
     assert set(timer.times) == {"before", "generation", "total_step_time", "after"}  # the metrics are unchanged
 
-    events = driver_events(spans)
+    events = driver_events(list(spans))
     phases = [e for e in events if e["ph"] == "X"]
     assert [(e["tid"], e["name"]) for e in phases] == [(t, n) for t, n, _, _ in spans]
     assert all(e["pid"] == DRIVER_PID for e in phases)
     assert phases[0]["ts"] == gen[2] * 1e6 and phases[0]["dur"] == gen[3] * 1e6  # microseconds, as Ray's events
     assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {DRIVER_PID, "MainThread", "collector"}
     assert driver_events([]) == []
+    with recording_spans(limit=2) as last:  # a long run keeps its most recent phases
+        for name in ("a", "b", "c"):
+            with timer.time(name):
+                pass
+    assert [n for _, n, _, _ in last] == ["b", "c"]
