@@ -9,7 +9,9 @@ model's bytes.
     .venv/bin/python scripts/bench_grpo.py --steps 10 model.tiny.hidden_size=512 model.tiny.num_layers=6 \
         model.tiny.num_attention_heads=8 model.tiny.num_key_value_heads=4 model.tiny.intermediate_size=1408
 
-Extra arguments are Hydra overrides. Results go to results/bench_grpo.json (one entry per run).
+Extra arguments are Hydra overrides. Results go to results/bench_grpo.json (one entry per run). With
+`logger.ray_timeline=true` each run also writes its timeline (every actor call and the driver's phases on one clock,
+rlpost.runtime.ray_timeline) to results/bench_grpo_timeline[_sync|_async].json.
 Peak memory is the largest sum of RSS over the driver and all its descendant processes (Ray's
 GCS/raylet, policy workers, engines, verifiers), sampled every 0.2 s.
 Printed ratios: step / (bare generation + bare training) (target <= 1.15), refit GB/s beside memcpy GB/s.
@@ -32,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -86,11 +89,13 @@ SPLIT = ["cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
 def run_steps(overrides: list[str]) -> tuple[Any, list[dict[str, float]], float, float, int]:
     """(config, per-step metrics, setup seconds, wall seconds, peak tree RSS bytes) of one training run."""
     from rlpost.algorithms.grpo import grpo_train, setup
+    from rlpost.runtime.timer import recording_spans
 
     _, cfg = load_master_config(overrides)
     steps: list[dict[str, float]] = []
     t0 = time.perf_counter()
-    with TreeMemory() as mem, tempfile.TemporaryDirectory() as run_dir:
+    spans_kept = recording_spans() if cfg.logger.ray_timeline else nullcontext(None)
+    with TreeMemory() as mem, tempfile.TemporaryDirectory() as run_dir, spans_kept as spans:
         from rlpost.runtime.run_log import ENV_VAR, capture_driver_output
 
         capture_driver_output(Path(run_dir) / "train.log")  # as `rlpost train` does: workers write to the run's log
@@ -104,6 +109,13 @@ def run_steps(overrides: list[str]) -> tuple[Any, list[dict[str, float]], float,
             else:
                 grpo_train(comps, on_step=lambda step, m: steps.append(stamped(m)))
         finally:
+            if spans is not None:  # before the actors go, with their events
+                from rlpost.runtime.ray_timeline import write_timeline
+
+                mode = ("_async" if cfg.grpo.async_grpo.enabled else "_sync") if SPLIT[0] in overrides else ""
+                timeline = REPO / "results" / f"bench_grpo_timeline{mode}.json"
+                timeline.parent.mkdir(exist_ok=True)
+                print(f"timeline: {write_timeline(timeline, spans)}", flush=True)
             comps.close()
             import ray
 

@@ -111,10 +111,10 @@ def _phase_spans(cfg: MasterConfig | SupervisedMasterConfig) -> Iterator[deque[S
 
 def _timeline(log_dir: Path, spans: deque[Span]) -> None:
     """logger.ray_timeline: write it (rlpost.runtime.ray_timeline); a failure is a warning, never the run's end."""
-    from rlpost.runtime.ray_timeline import write_timeline
+    from rlpost.runtime.ray_timeline import FILE_NAME, write_timeline
 
     try:
-        path = write_timeline(log_dir, spans)
+        path = write_timeline(log_dir / FILE_NAME, spans)
     except Exception as exc:  # noqa: BLE001 - a diagnostic file must not turn a finished run into a failed one
         say.warn(f"logger.ray_timeline: Ray's task timeline was not written ({type(exc).__name__}: {exc})")
         return

@@ -69,9 +69,9 @@ def driver_events(spans: list[Span]) -> list[dict[str, Any]]:
     return events
 
 
-def write_timeline(log_dir: Path, spans: Iterable[Span] = ()) -> Path:
+def write_timeline(path: Path, spans: Iterable[Span] = ()) -> Path:
     """Write the Ray session's task timeline, rows named (`named_rows`), and the driver's phases (`driver_events`)
-    to log_dir/FILE_NAME; its path."""
+    to `path` (a run's: its log dir's FILE_NAME); `path`."""
     import ray
 
     time.sleep(FLUSH_S)
@@ -82,6 +82,5 @@ def write_timeline(log_dir: Path, spans: Iterable[Span] = ()) -> Path:
         events = ray.timeline() or []
     finally:
         state_log.setLevel(level)
-    path = log_dir / FILE_NAME
     path.write_text(json.dumps(named_rows(list(events)) + driver_events(list(spans))))
     return path
