@@ -3,11 +3,11 @@
 Ray records when every actor call started and ended (deserialising its arguments, running, storing its result) and
 `ray.timeline()` returns those events in the Chrome tracing format. A worker's row is named only by its worker id
 there, so `write_timeline` adds a name to each row: the actor class whose calls ran on it (the engine replicas, the
-policy workers, a reward model's scorer, async GRPO's replay buffer), then writes the file for Perfetto (ui.perfetto.dev) or
-chrome://tracing. It shows where a step's time goes across processes: a generate call beside the training call, the
-engine's load, the gaps between them. Beside them, on rows of their own ("rlpost driver", one per driver thread), the
-driver's timed phases (`timing/*`: generation, policy_training, refit, ...) recorded by `rlpost.runtime.timer`'s
-`recording_spans`, on the same clock.
+policy workers, a reward model's scorer, async GRPO's replay buffer), then writes the file for Perfetto
+(ui.perfetto.dev) or chrome://tracing. It shows where a step's time goes across processes: a generate call beside
+the training call, the engine's load, the gaps between them. Beside them, on rows of their own ("rlpost driver", one
+per driver thread), the driver's timed phases (`timing/*`: generation, policy_training, refit, ...) recorded by
+`rlpost.runtime.timer`'s `recording_spans`, on the same clock.
 
 Workers report their events to Ray's control store about once a second, so the dump waits that long first (only
 when the timeline was asked for). It must run before the actors are killed; `rlpost.runner` calls it as the run

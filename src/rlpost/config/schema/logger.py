@@ -48,9 +48,9 @@ class LoggerConfig:
     """Show a rich progress bar with step, reward and step time."""
     ray_timeline: bool = False
     """At the end of the run (or its failure), write Ray's task timeline to <log_dir>/ray_timeline.json: every call of
-    every actor (engines, policy workers, a reward model's scorer, the replay buffer) on one clock, each worker's row named after its actor, and the
-    driver's timed phases (timing/*) beside them; a Chrome trace to open in Perfetto (ui.perfetto.dev) or
-    chrome://tracing (rlpost.runtime.ray_timeline)."""
+    every actor (engines, policy workers, a reward model's scorer, the replay buffer) on one clock, each worker's row
+    named after its actor, and the driver's timed phases (timing/*) beside them; a Chrome trace to open in Perfetto
+    (ui.perfetto.dev) or chrome://tracing (rlpost.runtime.ray_timeline)."""
     tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig)
     """TensorBoard options."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
