@@ -87,6 +87,7 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
                             + (f"; {fsdp}" if (fsdp := fsdp_wrapping(cfg, lay.train_world)) else "")),
         ("engine layout", f"{lay.gen_replicas} replica(s) x TP*PP={lay.gen_tp} ({lay.gen_world} workers)"),
         ("placement", placement),
+        ("engine process", _engine_process(lay)),
         ("refit", _refit(cfg, lay)),
         ("prev-logprobs pass", _PREV_PASS[prev_logprobs_pass(cfg)]),
         ("rollouts", _rollouts(cfg)),
@@ -117,8 +118,18 @@ def _rollouts(cfg: MasterConfig) -> str:
             f"tokens; {how}; environment tokens masked out of the loss")
 
 
+def _engine_process(lay: Layout) -> str:
+    """Whether the engine runs inside the policy's worker process (rlpost.models.generation.hosted_engine)."""
+    if lay.same_process_reason:
+        return f"an actor of its own: {lay.same_process_reason}"
+    return ("inside the policy's worker process on CPU (an actor of its own on a GPU): the training call ends with "
+            "the engine loading the update by reference")
+
+
 def _refit(cfg: MasterConfig, lay: Layout) -> str:
     """How the engine receives each update (rlpost.algorithms.refit): the driver never carries the weights."""
+    if not lay.same_process_reason and cfg.cluster.device == "cpu":
+        return "in the policy's worker process: the engine loads the trained weights by reference"
     if not lay.colocated:
         return "broadcast from the policy's rank 0 over the refit group (gloo on CPU, NCCL on GPU)"
     if lay.train_nodes > 1:

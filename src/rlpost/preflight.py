@@ -112,6 +112,7 @@ def preflight_checks(master: AnyMaster, run_dir: Path | None = None) -> None:
         return
     check_overlap(master)
     check_prefetch(master)
+    check_same_process(master)
     check_output_dirs(master, run_dir)
     check_prompt_files(master)
     check_chat_template(master)
@@ -344,6 +345,15 @@ def check_prefetch(master: MasterConfig) -> None:
         raise ConfigError("grpo.prefetch_generation", True,
                           "on a GPU the colocated engine sleeps while the policy trains and is refit after it wakes, "
                           "so there is no refit to send the next generation behind", "leave the key null")
+
+
+def check_same_process(master: MasterConfig) -> None:
+    """policy.generation.colocated.same_process=true with the engine on a GPU: the colocated GPU engine sleeps while
+    the policy trains and is refit over CUDA IPC from its own process."""
+    if master.generation.colocated.same_process and run_device(master) != "cpu":
+        raise ConfigError("policy.generation.colocated.same_process", True,
+                          "on a GPU the colocated engine runs in an actor of its own (it sleeps while the policy "
+                          "trains and is refit over CUDA IPC)", "leave the key null")
 
 
 def _cpu_reason(master: AnyMaster) -> str:

@@ -46,11 +46,12 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
     if timeline.exists():  # every actor call of the run, each worker's row named after its actor class
         events = json.loads(timeline.read_text())
         rows = " ".join(e["args"]["name"] for e in events if e["ph"] == "M")
-        assert "VllmEngineWorker" in rows and "DTensorPolicyWorker" in rows, rows
+        # colocated on CPU with one policy worker, the engine runs in that worker's process (same_process=null)
+        assert "VllmEngineWorker" not in rows and "DTensorPolicyWorker" in rows, rows
         calls = [e["cat"] for e in events if e["ph"] == "X" and e["cat"].startswith("task::")]
-        # 3 steps and 3 validations (steps 0, 2, 3) generate; every step trains
-        assert calls.count("task::VllmEngineWorker.generate") >= 6, sorted(set(calls))
-        assert sum(c.startswith("task::DTensorPolicyWorker.train") for c in calls) >= 3, sorted(set(calls))
+        # 3 steps and 3 validations (steps 0, 2, 3) generate; every step trains and loads the engine in that call
+        assert calls.count("task::DTensorPolicyWorker.hosted_generate") >= 6, sorted(set(calls))
+        assert calls.count("task::DTensorPolicyWorker.train_and_load_engine") == 3, sorted(set(calls))
         phases = [e["name"] for e in events if e["ph"] == "X" and e["pid"] == "rlpost driver"]  # the driver's
         assert phases.count("total_step_time") == 3 and phases.count("policy_training") == 3, sorted(set(phases))
         assert str(timeline) in out.stderr
@@ -65,8 +66,9 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
     # A refit before the first generation: in step 1, or before the validation at step 0 (val_at_start).
     first_refit = steps[0] if "grpo.val_at_start=true" not in extra else lines[0]
     assert "timing/train/refit" in first_refit or "timing/validation/refit" in first_refit
-    # Colocated vLLM on the CPU: from step 2 on, the training call staged the export and the engine loaded it in the
-    # background while the driver booked the step (and the engine stayed on policy: token_mult_prob_error above).
+    # Colocated vLLM on the CPU: from step 2 on, the training call ended with the engine (in the policy worker's
+    # process) loading the update, and the step waited for no refit (the engine stayed on policy: token_mult_prob_error
+    # above).
     background = ["timing/train/refit_background" in m for m in steps]
     assert background == ([False, True, True] if name == "dtensor-vllm-token-colocated" else [False] * 3), background
     # The split vLLM run overlaps generation and training (4 chunks); the KL run needs a reference pass first.
@@ -183,7 +185,9 @@ def test_an_overlapped_step_equals_the_unoverlapped_one(cache: Path, tmp_path: P
     # Generation and training overlapped (asked for: the engine is colocated on the CPU here; 4 chunks of 2 groups)
     # give the same samples as the plain step (vLLM seeds each group's request), the same loss and metrics, and the
     # same weights. (The split covering run above overlaps by default.) The plain run sends step 2's generation
-    # behind the refit of step 1's update (prefetch.py): step 2 is the same too, so it ran on the new weights.
+    # behind the refit of step 1's update (prefetch.py): step 2 is the same too, so it ran on the new weights. The
+    # plain run also hosts its engine in the policy worker's process (same_process=null), the overlapped one gives
+    # it an actor of its own (overlap needs two processes): the same samples and updates either way.
     common = [*SMALL, "grpo.max_num_steps=2", "grpo.val_period=0", "checkpointing.save_period=1",
               "checkpointing.metric_name=train:reward"]
     runs = {how: tmp_path / how for how in ("overlapped", "plain")}

@@ -187,6 +187,56 @@ def test_engines_load_the_training_calls_export_without_the_driver(ray_local: No
         cluster.shutdown()
 
 
+def test_a_hosted_engine_loads_each_update_inside_the_training_call(ray_local: None, tiny_model_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """policy.generation.colocated.same_process: the engine lives in the policy worker's own process, and each
+    training call ends with the engine loading the update it made (no refit call, no load through the driver): the
+    engine is on policy after every update, and a corrupted load fails the fingerprint check in the driver."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from rlpost.algorithms.engine_weights import EngineWeights
+    from rlpost.models.generation.vllm_generation import actor_env
+    from rlpost.runtime.timer import Timer
+
+    pcfg, gcfg = configs(tiny_model_dir)
+    _, master = load_master_config([])
+    cluster = RayVirtualCluster("hosted", 1, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
+    policy = Policy(cluster, pcfg, engine_env=actor_env(gcfg.vllm_cfg, False))
+    engine = VllmGeneration(gcfg, cluster, hosts=policy.hosts)
+    timer = Timer()
+    weights = EngineWeights(SimpleNamespace(cfg=master, policy=policy, generation=engine, colocated=True), timer)
+    try:
+        engine.wait_started()
+        (host,) = policy.hosts
+        assert ray.get(host.engine_call.remote("info"), timeout=60)["pid"] == ray.get(
+            host.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=60)  # one process
+        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
+        weights.refit()  # the engine starts from the checkpoint's weights: the first refit checks them
+        driver_loads: list[int] = []
+        real_load = engine.update_weights_from_buckets
+        monkeypatch.setattr(engine, "update_weights_from_buckets", lambda b: driver_loads.append(1) or real_load(b))
+        for _ in range(2):
+            out = engine.generate(prompts())
+            train_once(policy, out)
+            weights.policy_updated()
+            assert mult_prob_error(policy, out) > 1.01  # the weights really changed
+            assert weights.engine_version == weights.policy_version and weights.load_sent()
+            timer.reset()
+            weights.sync()
+            assert driver_loads == [] and timer.times["refit"] == 0.0 and timer.times["refit_background"] > 0
+            assert mult_prob_error(policy, engine.generate(prompts())) <= 1.0001
+        monkeypatch.setenv("RLPOST_FAULT_CORRUPT_REFIT", "model.layers.0.mlp.up_proj.weight")
+        train_once(policy, engine.generate(prompts()))
+        with pytest.raises(FingerprintMismatch):
+            weights.policy_updated()
+    finally:
+        engine.shutdown()
+        policy.shutdown()
+        cluster.shutdown()
+
+
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["broadcast", "shared-memory"])
 def test_staged_refit_sends_the_staged_weights_while_the_next_update_trains(ray_local: None,
                                                                             tiny_model_dir: Path,

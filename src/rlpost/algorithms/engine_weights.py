@@ -12,6 +12,10 @@ Colocated on the CPU, once each training call also writes the export of the weig
 Either way `sync` then waits for what is left of it (the step's "refit"; the load itself is `refit_background`) and
 raises what it raised (a FingerprintMismatch included). The driver makes no other call on the engines in between:
 everything that generates calls `sync` first.
+
+With the engine hosted in the policy's worker process (`policy.generation.colocated.same_process`), the training call
+itself ends with the engine loading its update (`train_and_load_engine`): `policy_updated` checks the two
+fingerprints it returns, and nothing is left for `sync` to wait for.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 from rlpost.algorithms.grpo_setup import GRPOComponents, generation_dtype
 from rlpost.algorithms.refit import refit_policy_generation
+from rlpost.models.fingerprint import check_fingerprints
 from rlpost.runtime.timer import Timer
 
 
@@ -37,7 +42,11 @@ class EngineWeights:
         self._sent: list[Any] | None = None  # the engines' loads sent with the training call in flight
         self._chained: tuple[list[Any], str, int] | None = None  # those loads, the export's fingerprint, its version
         policy, generation = components.policy, components.generation
-        if components.colocated and hasattr(generation, "load_staged_async") and hasattr(policy, "on_stage_submitted"):
+        self.hosted = bool(getattr(generation, "hosted", False))
+        self._hosted_load_s: float | None = None  # the hosted engine's load in the last training call, until synced
+        if self.hosted:
+            policy.engine_load = (self.dtype, lambda: generation.refit_fault(0))  # type: ignore[attr-defined]
+        elif components.colocated and hasattr(generation, "load_staged_async") and hasattr(policy, "on_stage_submitted"):
             policy.on_stage_submitted = self._send_load
 
     def _send_load(self, train_result: Any) -> None:
@@ -47,6 +56,12 @@ class EngineWeights:
         """The policy took an optimizer step: the engine is behind (and, when the export is staged, is catching up
         already or starts now)."""
         self.policy_version += 1
+        if self.hosted:
+            loaded = self.components.policy.take_engine_load()  # type: ignore[attr-defined]
+            if loaded is not None:
+                check_fingerprints([str(loaded["fingerprint"])], str(loaded["expected"]), who="replica")
+                self.engine_version, self._hosted_load_s = self.policy_version, float(loaded["seconds"])
+            return
         sent, self._sent = self._sent, None
         policy = self.components.policy
         if sent is not None:
@@ -61,6 +76,8 @@ class EngineWeights:
     def load_sent(self) -> bool:
         """Whether the engines were told to load the policy's last update with the training call that made it (and
         will, since each runs its calls in order, before anything sent to them now)."""
+        if self.hosted:
+            return self.engine_version == self.policy_version and self._hosted_load_s is not None
         return self._chained is not None and self._chained[2] == self.policy_version
 
     def refit(self) -> float:
@@ -77,6 +94,9 @@ class EngineWeights:
 
     def sync(self) -> None:
         """Bring the engine to the policy's version before it generates."""
+        if self._hosted_load_s is not None:  # loaded by the training call: nothing waited for
+            self.timer.times["refit"], self.timer.times["refit_background"] = 0.0, self._hosted_load_s
+            self._hosted_load_s = None
         if self._background is not None or self._chained is not None:
             with self.timer.time("refit"):
                 took = self._settle()

@@ -159,25 +159,27 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     opened: list[Callable[[], object]] = [*[c.shutdown for c in clusters], *[e.shutdown for e in envs.values()],
                                           logger.close]
     try:
-        from rlpost.models.policy.lm_policy import Policy
-
         weights = optim = None
         if last is not None:
             weights, optim = str(last / "policy" / "weights"), str(last / "policy" / "optimizer")
         loss_fn: LossFunction = build(_loss_config(cfg), key="loss_fn._target_")
         try:  # the workers load the checkpoint in their constructor; a failure shows on the first call
-            # The engines first (the longest start: vLLM's imports and engine), then the policy's actors beside
-            # them: neither constructor waits for its actors (the policy's imports its worker class here, 0.9 s).
-            generation: GenerationInterface = build(
-                gen_cfg, gen_cluster, model_path=cfg.policy.model_name, timeout_s=cfg.cluster.call_timeout_s,
-                key="policy.generation._target_", hf_overrides=dict(cfg.policy.hf_config_overrides))
-            opened.insert(0, generation.shutdown)
-            policy = Policy(
-                train_cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
-                init_reference_model=loss_fn.needs_reference_logprobs, device=device,
-                timeout_s=cfg.cluster.call_timeout_s,
-            )
-            opened.insert(1, policy.shutdown)  # closed after the engines, as before
+            hosted = not lay.same_process_reason and not use_gpus
+            if hosted:  # the engine inside the policy's worker (hosted_engine): the policy's actor first
+                from rlpost.models.generation.vllm_generation import actor_env
+
+                policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device,
+                                 engine_env=actor_env(gen_cfg.vllm_cfg, use_gpus))  # type: ignore[attr-defined]
+                opened.insert(0, policy.shutdown)
+                generation: GenerationInterface = _engines(cfg, gen_cluster, hosts=policy.hosts)
+                opened.insert(0, generation.shutdown)
+            else:
+                # The engines first (the longest start: vLLM's imports and engine), then the policy's actors beside
+                # them: neither constructor waits for its actors (the policy's imports its worker class here, 0.9 s).
+                generation = _engines(cfg, gen_cluster)
+                opened.insert(0, generation.shutdown)
+                policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device)
+                opened.insert(1, policy.shutdown)  # closed after the engines, as before
             generation.wait_started()
             generation.finish_generation()
             if not colocated:
@@ -201,6 +203,23 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         colocated=colocated, started_at=started_at,
         overlap=bool(lay.overlap_chunk) and (not colocated or device == "cpu"),
     )
+
+
+def _engines(cfg: MasterConfig, cluster: RayVirtualCluster, **kwargs: Any) -> GenerationInterface:
+    """The rollout engine built from `policy.generation._target_` (not waited for)."""
+    return cast(GenerationInterface, build(
+        cfg.generation, cluster, model_path=cfg.policy.model_name, timeout_s=cfg.cluster.call_timeout_s,
+        key="policy.generation._target_", hf_overrides=dict(cfg.policy.hf_config_overrides), **kwargs))
+
+
+def _policy(cfg: MasterConfig, cluster: RayVirtualCluster, weights: str | None, optim: str | None,
+            loss_fn: LossFunction, device: str, engine_env: dict[str, str] | None = None) -> Any:
+    """The policy's workers (not waited for), loading the checkpoint at `weights` / `optim` when resuming."""
+    from rlpost.models.policy.lm_policy import Policy
+
+    return Policy(cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
+                  init_reference_model=loss_fn.needs_reference_logprobs, device=device,
+                  timeout_s=cfg.cluster.call_timeout_s, engine_env=engine_env)
 
 
 def _checkpoint_load_failure(exc: BaseException) -> str | None:

@@ -47,6 +47,9 @@ class Layout:
     """Why generation and training are not overlapped ("" when they are)."""
     prefetch_reason: str = "not computed"
     """Why the next step's generation is not sent behind the refit ("" when it is: rlpost.algorithms.prefetch)."""
+    same_process_reason: str = "not computed"
+    """Why the engine does not run inside the policy's worker process ("" when it does, on CPU:
+    rlpost.models.generation.hosted_engine)."""
 
     @property
     def train_world(self) -> int:
@@ -189,6 +192,10 @@ def compute_layout(cfg: MasterConfig) -> Layout:
     if cfg.grpo.prefetch_generation and prefetch_why:
         raise ConfigError("grpo.prefetch_generation", True, f"does not apply: {prefetch_why}",
                           "grpo.prefetch_generation=null (on wherever it applies)")
+    same_process_why = same_process_reason(cfg, chunk, train_world, gen_tp)
+    if cfg.generation.colocated.same_process and same_process_why:
+        raise ConfigError("policy.generation.colocated.same_process", True, f"does not apply: {same_process_why}",
+                          "policy.generation.colocated.same_process=null (on wherever it applies)")
     return Layout(
         colocated=cfg.generation.colocated.enabled,
         train_nodes=tn,
@@ -208,6 +215,7 @@ def compute_layout(cfg: MasterConfig) -> Layout:
         overlap_chunk=chunk,
         overlap_reason=reason,
         prefetch_reason=prefetch_why,
+        same_process_reason=same_process_why,
     )
 
 
@@ -235,6 +243,32 @@ def prefetch_reason(cfg: MasterConfig, overlap_chunk: int) -> str:
         return "multi-turn episodes generate turn by turn (grpo.max_rollout_turns=1)"
     if g.use_dynamic_sampling:
         return "dynamic sampling draws more prompts as it goes (grpo.use_dynamic_sampling=false)"
+    return ""
+
+
+def same_process_reason(cfg: MasterConfig, overlap_chunk: int, train_world: int, engine_tp: int) -> str:
+    """"" when the vLLM engine runs inside the policy's worker process (rlpost.models.generation.hosted_engine), else
+    why not. It needs one colocated worker slot holding one DTensor policy rank and one synchronous vLLM replica of
+    one process, engine and policy taking turns (no overlap within the step), on CPU (checked at run time,
+    `rlpost.preflight.check_same_process`)."""
+    if cfg.generation.colocated.same_process is False:
+        return "policy.generation.colocated.same_process=false"
+    if not cfg.generation.colocated.enabled:
+        return "the engine is on its own workers (policy.generation.colocated.enabled=false)"
+    if cfg.generation.backend != "vllm":
+        return f"the {cfg.generation.backend} engine runs in an actor of its own (generation=vllm)"
+    if cfg.generation.async_rollouts():
+        return ("vLLM's async engine runs its core in a process of its own "
+                "(policy.generation.vllm_cfg.async_engine=false)")
+    if getattr(cfg.policy, "dtensor_cfg", None) is None:
+        return "only a DTensor policy worker hosts an engine (policy=dtensor or dtensor_v2)"
+    if train_world != 1:
+        return (f"the policy has {train_world} workers; a process holds one engine beside one policy rank "
+                "(cluster.gpus_per_node=1, cluster.num_nodes=1)")
+    if engine_tp != 1:
+        return f"the engine's TP x PP is {engine_tp}: a replica of several processes"
+    if overlap_chunk:
+        return "generation and training overlap within the step: they need processes of their own"
     return ""
 
 

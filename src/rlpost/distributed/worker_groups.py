@@ -185,9 +185,12 @@ class RayWorkerGroup(ActorGroup):
         env_vars: dict[str, str] | None = None,
         timeout_s: float = 900.0,
         concurrency_groups: dict[str, int] | None = None,
+        max_concurrency: int = 2,
         **kwargs: Any,
     ) -> None:
-        """`concurrency_groups`: Ray concurrency groups of the actors (name -> threads), beside the default one."""
+        """`concurrency_groups`: Ray concurrency groups of the actors (name -> threads), beside the default one.
+        `max_concurrency`: threads of the default group (2 lets a `ping` through while a long call runs; 1 runs
+        every call on the actor's main thread, in the order sent)."""
         self.cluster = cluster
         self.dims = dims or ParallelDims(dp=cluster.world_size)
         if self.dims.world_size != cluster.world_size:
@@ -214,7 +217,8 @@ class RayWorkerGroup(ActorGroup):
             opts = cluster.scheduling(rank)
             opts["runtime_env"] = {"env_vars": env}
             opts["name"] = f"{name_prefix}-{rank}-{id(self):x}"
-            opts["max_concurrency"] = 2  # lets a `ping` through while a long call runs
+            if max_concurrency > 1:
+                opts["max_concurrency"] = max_concurrency
             self.workers.append(remote_cls.options(**opts).remote(*args, **kwargs))
 
     @property

@@ -176,3 +176,33 @@ def test_the_next_generation_is_sent_early_only_where_its_inputs_and_order_are_k
         with pytest.raises(ConfigError) as err:
             load_master_config([*overrides, "grpo.prefetch_generation=true"])
         assert err.value.key == "grpo.prefetch_generation" and why in str(err.value)
+
+
+def test_the_default_job_hosts_its_engine_in_the_policy_worker() -> None:
+    _, cfg = load_master_config([])
+    assert compute_layout(cfg).same_process_reason == ""
+    rows = dict(plan_rows(cfg))
+    assert rows["engine process"].startswith("inside the policy's worker process on CPU")
+    _, asked = load_master_config(["policy.generation.colocated.same_process=true", "cluster.device=cpu"])
+    assert compute_layout(asked).same_process_reason == ""
+    assert dict(plan_rows(asked))["refit"].startswith("in the policy's worker process")
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    (["policy.generation.colocated.same_process=false"], "policy.generation.colocated.same_process=false"),
+    (SPLIT, "the engine is on its own workers"),
+    (["generation=hf"], "the hf engine runs in an actor of its own"),
+    (["policy.generation.vllm_cfg.async_engine=true"], "vLLM's async engine runs its core in a process of its own"),
+    (["policy=megatron"], "only a DTensor policy worker hosts an engine"),
+    (["cluster.gpus_per_node=2"], "the policy has 2 workers"),
+    (["grpo.overlap_generation_and_training=true"], "generation and training overlap within the step"),
+])
+def test_the_engine_gets_a_process_of_its_own_where_it_cannot_share_the_policys(overrides: list[str],
+                                                                                 why: str) -> None:
+    _, cfg = load_master_config(overrides)
+    assert why in compute_layout(cfg).same_process_reason
+    assert why in dict(plan_rows(cfg))["engine process"]
+    if overrides != ["policy.generation.colocated.same_process=false"]:
+        with pytest.raises(ConfigError) as err:
+            load_master_config([*overrides, "policy.generation.colocated.same_process=true"])
+        assert err.value.key == "policy.generation.colocated.same_process" and why in str(err.value)

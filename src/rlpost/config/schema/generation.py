@@ -30,6 +30,12 @@ class ColocationConfig:
     """True: engine and policy share bundles (weights handed over in-process/IPC). False: separate resources."""
     resources: ColocationResources = field(default_factory=ColocationResources)
     """Generation resources when not colocated."""
+    same_process: bool | None = None
+    """Colocated on CPU with one policy worker: run the vLLM engine inside that worker's process instead of an
+    actor of its own (rlpost.models.generation.hosted_engine): the training call ends with the engine loading the
+    update by reference, one process's memory and imports instead of two. null = wherever it applies (`rlpost
+    plan` says whether it does and why not); true = on, or exit 2 naming the rule the config breaks; false = an
+    actor of its own."""
 
 
 ENGINE_BACKENDS: dict[str, str] = {

@@ -50,6 +50,7 @@ from rlpost.config.schema.generation import VllmConfig
 from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
 from rlpost.distributed.worker_groups import ALIVE_TIMEOUT_S, ActorGroup
 from rlpost.models.fingerprint import check_fingerprints, fingerprint_of_digests, weight_fingerprint
+from rlpost.models.generation.hosted_engine import HostedEngine
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
 from rlpost.models.generation.outputs import assemble_outputs, contiguous_splits, row_stop_strings, unpack_prompts
 from rlpost.models.generation.vllm_extension import FAULT_ENV
@@ -74,6 +75,13 @@ def engine_env(vllm_cfg: Any, on_gpu: bool) -> dict[str, str]:
     helper stays: eagerly it would hold a [tokens, vocabulary] mask, GBs for a large batch."""
     eager_cpu = vllm_cfg.enforce_eager and not on_gpu
     return {**VLLM_ENGINE_ENV, **({"TORCHDYNAMO_DISABLE": "1"} if eager_cpu else {})}
+
+
+def actor_env(vllm_cfg: Any, on_gpu: bool) -> dict[str, str]:
+    """The environment a process hosting an engine needs on top of WORKER_ENV: `engine_env`, and the driver's own
+    VLLM_* variables (but VLLM_CPU_KVCACHE_SPACE, which would override the configured KV cache)."""
+    passthrough = {k: os.environ[k] for k in os.environ if k.startswith("VLLM_") and k != "VLLM_CPU_KVCACHE_SPACE"}
+    return {**engine_env(vllm_cfg, on_gpu), **passthrough}
 
 
 AUTO_KV_SEQS = 256
@@ -168,7 +176,11 @@ class VllmGeneration(GenerationInterface):
         timeout_s: float = 900.0,
         name_prefix: str = "vllm",
         hf_overrides: Mapping[str, Any] | None = None,
+        hosts: list[Any] | None = None,
     ) -> None:
+        """`hosts`: policy worker actors (one per replica) that hold the engines in their own processes
+        (`policy.generation.colocated.same_process`, rlpost.models.generation.hosted_engine) instead of actors of
+        their own."""
         self.cfg = cfg
         self.cluster = cluster
         self.model_path = model_path or cfg.model_name
@@ -186,12 +198,15 @@ class VllmGeneration(GenerationInterface):
         self.group = ActorGroup([], f"vLLM {name_prefix} replica", timeout_s)
         self._next_replica = 0
         self._refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
+        self.hosted = hosts is not None
+        if hosts is not None:
+            self._host_engines(hosts, hf_overrides)
+            return
         remote_cls = ray.remote(VllmEngineWorker)
-        passthrough = {k: os.environ[k] for k in os.environ if k.startswith("VLLM_") and k != "VLLM_CPU_KVCACHE_SPACE"}
         for r in range(self.num_replicas):
             first_slot = r * self.slots_per_replica
             opts = cluster.scheduling(first_slot)
-            env = {**WORKER_ENV, **engine_env(v, self.use_gpus), **passthrough}
+            env = {**WORKER_ENV, **actor_env(v, self.use_gpus)}
             if self.use_gpus and self.slots_per_replica > 1:
                 # vLLM's Ray executor starts one GPU worker per slot of this replica; the leader needs no GPU.
                 opts["num_gpus"] = 0
@@ -216,6 +231,22 @@ class VllmGeneration(GenerationInterface):
         self._info_futures = [w.info.remote() for w in self.group.workers]
         self._info: dict[str, Any] | None = None
 
+    def _host_engines(self, hosts: list[Any], hf_overrides: Mapping[str, Any] | None) -> None:
+        """Build replica r's engine inside `hosts[r]` (a policy worker's actor, whose environment already holds
+        `engine_env`); its calls go there through a `HostedEngine` handle."""
+        if len(hosts) != self.num_replicas:
+            raise ValueError(f"{len(hosts)} hosting workers for {self.num_replicas} engine replicas")
+        self.group.name_prefix = f"{self.group.name_prefix} (in its policy worker)"
+        device = "cuda" if self.use_gpus else "cpu"
+        started = [h.host_engine.remote(self.model_path, engine_kwargs(self.cfg, r, self.use_gpus, hf_overrides,
+                                                                       self.model_path), r, device)
+                   for r, h in enumerate(hosts)]
+        self.group.workers = [HostedEngine(h) for h in hosts]
+        # `info` waits inside the actor until its engine is built: a failed build is raised by both, named
+        self._info_futures = [w.info.remote() for w in self.group.workers]
+        self._host_futures = started
+        self._info = None
+
     def wait_started(self) -> None:
         self._engine_info()
 
@@ -223,6 +254,8 @@ class VllmGeneration(GenerationInterface):
         """The first replica's tokenizer facts, once every replica has started (a failed start is named)."""
         if self._info is None:
             try:
+                if self.hosted:
+                    self.group.get(self._host_futures)
                 self._info = self.group.get(self._info_futures)[0]
             except BaseException:
                 self.shutdown()
@@ -340,6 +373,10 @@ class VllmGeneration(GenerationInterface):
         """Every later refit must carry exactly these names, shapes and dtypes (checked in the engines)."""
         self._refit_info = {n: (tuple(int(d) for d in s), str(dt)) for n, (s, dt) in state_dict_info.items()}
         self._all("prepare_refit_info", self._refit_info)
+
+    def refit_fault(self, replica: int) -> str | None:
+        """The test-only fault hook's parameter name for `replica`'s next load (None: load as sent)."""
+        return self._fault(replica)
 
     def _fault(self, replica: int) -> str | None:
         name = os.environ.get(FAULT_ENV)

@@ -41,7 +41,10 @@ class Policy(ColocatablePolicyInterface):
         init_reference_model: bool = True,
         device: str = "cpu",
         timeout_s: float = 900.0,
+        engine_env: dict[str, str] | None = None,
     ) -> None:
+        """`engine_env`: the workers will host the rollout engines (`policy.generation.colocated.same_process`):
+        the engine's environment is added to theirs, and they get the engine's concurrency group."""
         self.cfg = cfg
         self.device = device
         self.single_node = cluster.num_nodes == 1
@@ -53,6 +56,10 @@ class Policy(ColocatablePolicyInterface):
         """Pending `train_part` calls (every rank's), until `finish_parts`."""
         self._staged_export: dict[str, Any] | None = None
         """Rank 0's `stage_export` answer from the last training call, until a refit takes it."""
+        self.engine_load: tuple[str, Callable[[], str | None]] | None = None
+        """(dtype, fault hook) once the workers host the engines and EngineWeights wants each training call to end
+        with the engines loading its update (`train_and_load_engine`); the outcome waits in `take_engine_load`."""
+        self._engine_loaded: dict[str, Any] | None = None
         self.on_stage_submitted: Callable[[Any], None] | None = None
         """Called with rank 0's pending result when a training call that stages the export has been sent and before
         it is waited for: an engine can be told to load the export as soon as that result exists (EngineWeights),
@@ -61,8 +68,11 @@ class Policy(ColocatablePolicyInterface):
         mp = sizes["tp"] * sizes["pp"] * sizes["cp"]
         self.dims = ParallelDims(dp=cluster.world_size // mp, tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"])
         worker_cls = resolve(cfg._target_, key="policy._target_")
-        env = {"RLPOST_DEVICE": device}
+        env = {"RLPOST_DEVICE": device, **(engine_env or {})}
         env.update(cfg.worker_env())
+        # Hosting an engine, the actor runs every call on its main thread, in the order sent (a thread pool cost
+        # each phase 10-20% on the tiny model, and the engine's calls must not overtake the load before them).
+        hosting = engine_env is not None
         self.worker_group = RayWorkerGroup(
             cluster,
             worker_cls,
@@ -75,7 +85,8 @@ class Policy(ColocatablePolicyInterface):
             name_prefix="policy",
             env_vars=env,
             timeout_s=timeout_s,
-            concurrency_groups={REFIT_GROUP: 1},
+            concurrency_groups=None if hosting else {REFIT_GROUP: 1},
+            max_concurrency=1 if hosting else 2,
         )
 
     def set_call_timeout(self, timeout_s: float) -> None:
@@ -126,10 +137,27 @@ class Policy(ColocatablePolicyInterface):
         gbs = gbs or self.cfg.train_global_batch_size
         shards, _ = self._shard(data, gbs, for_training=True)
         self._staged_export = None  # the weights change: an export staged before is stale
+        if self.engine_load is not None and not eval_mode:
+            dtype, fault = self.engine_load
+            results = self.worker_group.run_sharded("train_and_load_engine", shards, loss_fn, gbs, eval_mode, dtype,
+                                                    fault())
+            self._engine_loaded = results[0].pop("engine_load")
+            return _aggregate(results)
         if self._stage_after_train is not None and not eval_mode:
             return self._train_and_stage(self.worker_group.submit_sharded(
                 "train_and_stage_export", shards, loss_fn, gbs, eval_mode, *self._stage_after_train, self.single_node))
         return _aggregate(self.worker_group.run_sharded("train", shards, loss_fn, gbs, eval_mode))
+
+    def take_engine_load(self) -> dict[str, Any] | None:
+        """The hosted engine's load at the end of the last training call (`train_and_load_engine`): {"fingerprint",
+        "expected", "seconds"}, once; None when that call loaded nothing."""
+        loaded, self._engine_loaded = self._engine_loaded, None
+        return loaded
+
+    @property
+    def hosts(self) -> list[Any]:
+        """The worker actors (rank order): where hosted engines live."""
+        return list(self.worker_group.workers)
 
     def train_part(self, data: BatchedDataDict, loss_fn: Any) -> None:
         """Send one part of the step's single global batch (whole groups) to be trained, without waiting: each
