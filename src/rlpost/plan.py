@@ -128,8 +128,9 @@ def _engine_process(lay: Layout) -> str:
 
 def _refit(cfg: MasterConfig, lay: Layout) -> str:
     """How the engine receives each update (rlpost.algorithms.refit): the driver never carries the weights."""
+    hosted = "in the policy's worker process: the engine loads the trained weights by reference"
     if not lay.same_process_reason and cfg.cluster.device == "cpu":
-        return "in the policy's worker process: the engine loads the trained weights by reference"
+        return hosted
     if not lay.colocated:
         return "broadcast from the policy's rank 0 over the refit group (gloo on CPU, NCCL on GPU)"
     if lay.train_nodes > 1:
@@ -140,7 +141,7 @@ def _refit(cfg: MasterConfig, lay: Layout) -> str:
               else f"{shm} (device -> host -> device: CUDA IPC needs the policy on one GPU)")
     device = cfg.cluster.device  # "auto" is not resolved: that would import torch for the plan
     if device == "auto":
-        return f"on a GPU: {on_gpu}; on the CPU: {shm}"
+        return f"on a GPU: {on_gpu}; on the CPU: {shm if lay.same_process_reason else hosted}"
     return on_gpu if device == "cuda" else f"{shm} (on the CPU)"
 
 

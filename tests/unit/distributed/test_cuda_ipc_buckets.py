@@ -111,8 +111,12 @@ def test_the_plan_names_the_refit_transport() -> None:
     def refit(*overrides: str) -> str:
         return dict(plan_rows(load_master_config(list(overrides))[1]))["refit"]
 
-    assert "shared-memory segment" in refit("cluster.device=cpu") and "on the CPU" in refit("cluster.device=cpu")
-    assert refit().startswith("on a GPU: CUDA IPC") and "; on the CPU: rank 0's shared-memory segment" in refit()
+    actor = "policy.generation.colocated.same_process=false"  # the engine in an actor of its own
+    assert "shared-memory segment" in refit("cluster.device=cpu", actor) and "on the CPU" in refit("cluster.device=cpu",
+                                                                                                    actor)
+    assert refit(actor).startswith("on a GPU: CUDA IPC") and "; on the CPU: rank 0's shared-memory segment" in refit(actor)
+    assert refit("cluster.device=cpu").startswith("in the policy's worker process")  # hosted: no transport at all
+    assert refit().startswith("on a GPU: CUDA IPC") and "; on the CPU: in the policy's worker process" in refit()
     assert refit("cluster.device=cuda").startswith("CUDA IPC")
     assert "device -> host -> device" in refit("cluster.device=cuda", "cluster.gpus_per_node=2")
     assert refit("cluster.device=cpu", "cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
