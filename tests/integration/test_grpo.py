@@ -50,8 +50,8 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
         assert "VllmEngineWorker" not in rows and "DTensorPolicyWorker" in rows, rows
         calls = [e["cat"] for e in events if e["ph"] == "X" and e["cat"].startswith("task::")]
         # 3 steps and 3 validations (steps 0, 2, 3) generate; every step trains and loads the engine in that call
-        assert calls.count("task::DTensorPolicyWorker.hosted_generate") >= 6, sorted(set(calls))
-        assert calls.count("task::DTensorPolicyWorker.train_and_load_engine") == 3, sorted(set(calls))
+        assert calls.count("task::DTensorPolicyWorkerWithEngine.hosted_generate") >= 6, sorted(set(calls))
+        assert calls.count("task::DTensorPolicyWorkerWithEngine.train_and_load_engine") == 3, sorted(set(calls))
         phases = [e["name"] for e in events if e["ph"] == "X" and e["pid"] == "rlpost driver"]  # the driver's
         assert phases.count("total_step_time") == 3 and phases.count("policy_training") == 3, sorted(set(phases))
         assert str(timeline) in out.stderr
@@ -286,7 +286,7 @@ def test_default_job_learns_with_a_reduced_budget(cache: Path, tmp_path: Path) -
     assert [line for line in console if not ours.match(line)] == []
     log = (run / "train.log").read_text()
     # the engine's vLLM lines (their "[file.py:line]" prefix) come from the policy's worker, which hosts it
-    assert "actor_name:DTensorPolicyWorker" in log and "Loading weights" in log
+    assert "actor_name:DTensorPolicyWorkerWithEngine" in log and "Loading weights" in log
     assert re.search(r"WARNING \d\d-\d\d [\d:]+ \[\w+\.py:\d+\]", log)
 
 

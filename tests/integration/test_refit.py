@@ -197,13 +197,14 @@ def test_a_hosted_engine_loads_each_update_inside_the_training_call(ray_local: N
     import ray
 
     from rlpost.algorithms.engine_weights import EngineWeights
+    from rlpost.models.generation.hosted_engine import EngineHostMixin
     from rlpost.models.generation.vllm_generation import actor_env
     from rlpost.runtime.timer import Timer
 
     pcfg, gcfg = configs(tiny_model_dir)
     _, master = load_master_config([])
     cluster = RayVirtualCluster("hosted", 1, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
-    policy = Policy(cluster, pcfg, engine_env=actor_env(gcfg.vllm_cfg, False))
+    policy = Policy(cluster, pcfg, host_mixin=EngineHostMixin, engine_env=actor_env(gcfg.vllm_cfg, False))
     engine = VllmGeneration(gcfg, cluster, hosts=policy.hosts)
     timer = Timer()
     weights = EngineWeights(SimpleNamespace(cfg=master, policy=policy, generation=engine, colocated=True), timer)

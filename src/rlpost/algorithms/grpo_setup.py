@@ -166,9 +166,10 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         try:  # the workers load the checkpoint in their constructor; a failure shows on the first call
             hosted = not lay.same_process_reason and not use_gpus
             if hosted:  # the engine inside the policy's worker (hosted_engine): the policy's actor first
+                from rlpost.models.generation.hosted_engine import EngineHostMixin
                 from rlpost.models.generation.vllm_generation import actor_env
 
-                policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device,
+                policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device, host_mixin=EngineHostMixin,
                                  engine_env=actor_env(gen_cfg.vllm_cfg, use_gpus))  # type: ignore[attr-defined]
                 opened.insert(0, policy.shutdown)
                 generation: GenerationInterface = _engines(cfg, gen_cluster, hosts=policy.hosts)
@@ -213,13 +214,14 @@ def _engines(cfg: MasterConfig, cluster: RayVirtualCluster, **kwargs: Any) -> Ge
 
 
 def _policy(cfg: MasterConfig, cluster: RayVirtualCluster, weights: str | None, optim: str | None,
-            loss_fn: LossFunction, device: str, engine_env: dict[str, str] | None = None) -> Any:
+            loss_fn: LossFunction, device: str, host_mixin: type | None = None,
+            engine_env: dict[str, str] | None = None) -> Any:
     """The policy's workers (not waited for), loading the checkpoint at `weights` / `optim` when resuming."""
     from rlpost.models.policy.lm_policy import Policy
 
     return Policy(cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
                   init_reference_model=loss_fn.needs_reference_logprobs, device=device,
-                  timeout_s=cfg.cluster.call_timeout_s, engine_env=engine_env)
+                  timeout_s=cfg.cluster.call_timeout_s, host_mixin=host_mixin, engine_env=engine_env)
 
 
 def _checkpoint_load_failure(exc: BaseException) -> str | None:

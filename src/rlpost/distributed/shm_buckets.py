@@ -9,7 +9,8 @@ engines map the segment once and load straight from views of it. The driver forw
 Buckets go one at a time: the driver asks for the next bucket only after every engine loaded the previous one.
 
 Python registers a segment with the resource tracker of every process that opens it, and that tracker unlinks it
-when its process exits; the engines unregister their attachment, so only the owner's exit (or `close`) removes it,
+when its process exits; the engines unregister their attachment (unless they run in the owner's process,
+rlpost.models.generation.hosted_engine), so only the owner's exit (or `close`) removes it,
 a kill -9 of the owner included (its tracker outlives it). When the tracker died too (a kill of the whole process
 group), the next writer on the machine unlinks the segment: its name carries the owner's pid.
 """
@@ -92,7 +93,9 @@ def read_shm_bucket(desc: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
             except BufferError:  # a view of it is still alive: the mapping goes with it
                 pass
         seg = shared_memory.SharedMemory(name=name)
-        resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]  # the owner's to unlink
+        if not name.startswith(f"{PREFIX}{os.getpid()}-"):  # the owner's to unlink (an engine hosted in the owner's
+            # own process shares its tracker, whose one registration the owner's unlink removes)
+            resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
         _ATTACHED[name] = seg
     return bucket_views(torch.frombuffer(seg.buf, dtype=torch.uint8), desc["records"])
 

@@ -70,3 +70,14 @@ def test_segments_of_dead_owners_are_swept(tmp_path: Path) -> None:
     mine.write_bytes(b"x")
     assert sweep_orphans(str(tmp_path)) == [orphan.name]
     assert not orphan.exists() and mine.exists()
+
+
+def test_a_reader_in_the_owners_process_leaves_the_tracker_consistent() -> None:
+    """An engine hosted in the policy worker's process reads the segment its own process wrote: its attachment must
+    not unregister the owner's one registration, or the owner's unlink makes the resource tracker raise KeyError."""
+    script = ("from rlpost.distributed.shm_buckets import ShmBucketWriter, read_bucket; import torch; "
+              "w = ShmBucketWriter(); d = w.write([('a', torch.ones(3))]); "
+              "assert float(read_bucket(d)[0][1].sum()) == 3.0; w.close(); print('ok')")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert "KeyError" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]

@@ -6,7 +6,8 @@ reference at the end of the training call (no shared-memory copy, no second Ray 
 load), one Python heap and one set of imports (torch, transformers) instead of two, and no process switch between
 the phases. verl runs its rollout engine beside the trainer in each worker for the same reasons.
 
-Worker side, `EngineHostMixin` (mixed into the DTensor policy workers): `host_engine` builds a
+Worker side, `EngineHostMixin` (mixed into the DTensor policy worker's class by the run's setup, which is the one
+layer that may know both: `Policy(host_mixin=...)`; workers and engines never import each other): `host_engine` builds a
 `VllmEngineWorker` in this process; `engine_call` runs one of its methods; `train_and_load_engine` trains and
 then loads the update into the engine, checked by fingerprint (sender's and engine's, compared by the driver).
 The hosting actor runs every call on its main thread, in the order the driver sent them (Policy gives it no
@@ -101,12 +102,15 @@ class EngineHostMixin:
         result["engine_load"] = {"fingerprint": loaded, "expected": expected, "seconds": time.perf_counter() - t0}
         return result
 
-    def shutdown_hosted_engine(self) -> bool:
-        """Stop the hosted engine (the actor itself is the policy's and stays)."""
+    def shutdown(self) -> bool:
+        """Stop the hosted engine, then the policy rank (its own `shutdown`)."""
         if self._hosted is not None:
             engine, self._hosted = self._hosted, None
-            engine.shutdown()
-        return True
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - best effort: the rank's own shutdown still runs
+                pass
+        return bool(super().shutdown())  # type: ignore[misc]
 
 
 class _HostedMethod:

@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor
 
 from rlpost.config.schema.policy import DTensorPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.models.generation.hosted_engine import EngineHostMixin
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
 from rlpost.models.policy.memory_phases import OffloadState, cuda_memory_stats
@@ -38,7 +37,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin, EngineHostMixin):
+class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
     """One rank of a DTensor policy. Constructed inside a Ray actor with RANK/WORLD_SIZE/MASTER_* set."""
 
     DP_DIM = "dp"
@@ -412,7 +411,6 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin, EngineHostMixin):
 
     def shutdown(self) -> bool:
         self.close_export_buffers()
-        self.shutdown_hosted_engine()
         if dist.is_initialized():
             dist.destroy_process_group()
         return True

@@ -234,3 +234,15 @@ class PolicyWorker(Protocol):
     def state_fingerprint(self) -> dict[str, float]: ...
 
     def shutdown(self) -> bool: ...
+
+
+class EngineHostWorker(Protocol):
+    """What the `Policy` facade also calls on a worker that hosts the rollout engine in its process
+    (`policy.generation.colocated.same_process`: the backend's class with
+    rlpost.models.generation.hosted_engine.EngineHostMixin in front; the contract test checks the mixin's
+    signatures)."""
+
+    def train_and_load_engine(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None, eval_mode: bool,
+                              dtype: str, corrupt: str | None = None) -> dict[str, Any]:
+        """`train`, then the hosted engine loads the update (cast to `dtype`) in the same call; the result adds
+        "engine_load": {"fingerprint", "expected", "seconds"}."""

@@ -41,10 +41,13 @@ class Policy(ColocatablePolicyInterface):
         init_reference_model: bool = True,
         device: str = "cpu",
         timeout_s: float = 900.0,
+        host_mixin: type | None = None,
         engine_env: dict[str, str] | None = None,
     ) -> None:
-        """`engine_env`: the workers will host the rollout engines (`policy.generation.colocated.same_process`):
-        the engine's environment is added to theirs, and they get the engine's concurrency group."""
+        """`host_mixin`: the workers will host the rollout engines (`policy.generation.colocated.same_process`): their
+        class is the backend's with this mixin in front (rlpost.models.generation.hosted_engine.EngineHostMixin,
+        given by the run's setup: the policy package does not import an engine), and `engine_env` is added to
+        their environment."""
         self.cfg = cfg
         self.device = device
         self.single_node = cluster.num_nodes == 1
@@ -68,11 +71,13 @@ class Policy(ColocatablePolicyInterface):
         mp = sizes["tp"] * sizes["pp"] * sizes["cp"]
         self.dims = ParallelDims(dp=cluster.world_size // mp, tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"])
         worker_cls = resolve(cfg._target_, key="policy._target_")
+        if host_mixin is not None:
+            worker_cls = type(f"{worker_cls.__name__}WithEngine", (host_mixin, worker_cls), {})
         env = {"RLPOST_DEVICE": device, **(engine_env or {})}
         env.update(cfg.worker_env())
         # Hosting an engine, the actor runs every call on its main thread, in the order sent (a thread pool cost
         # each phase 10-20% on the tiny model, and the engine's calls must not overtake the load before them).
-        hosting = engine_env is not None
+        hosting = host_mixin is not None
         self.worker_group = RayWorkerGroup(
             cluster,
             worker_cls,
