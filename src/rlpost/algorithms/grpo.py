@@ -237,15 +237,18 @@ def grpo_train(
                 done = overlapped_step(components, prompt_rows, step, timer, weights)
                 collected, train_data, advantages, results = done.collected, done.train_data, done.advantages, \
                     done.results
+                last, position = _is_last(step, grpo_cfg, loader), loader.state_dict()
             else:
                 collected = collect_batch(components, prompt_rows, loader.next_batch, step, timer, weights.sync,
                                           sent_rollout)
                 train_data, advantages = prepare(components, collected.batch, timer)
                 logprobs(components, train_data, timer)
+                # after this step's prompts, before a prefetch takes the next step's
+                last, position = _is_last(step, grpo_cfg, loader), loader.state_dict()
+                if not last:  # a hosted engine gets it behind the training call (prefetch.py)
+                    next_generation.send_with_training(loader, step + 1)
                 results = train(components, train_data, weights, timer)
             batch = collected.batch
-            last = step >= grpo_cfg.max_num_steps or loader.epochs_done() >= grpo_cfg.max_num_epochs
-            position = loader.state_dict()  # after this step's prompts (a prefetch takes the next step's)
             if not last:  # the next step's generation goes to the engine now, behind the refit (prefetch.py)
                 sent = next_generation.send(loader, step + 1)
             metrics = {"train/reward": float(collected.generated_rewards.mean()),  # every sample generated
@@ -270,6 +273,11 @@ def grpo_train(
             break
     weights.finish()
     return save_state
+
+
+def _is_last(step: int, grpo_cfg: GRPOConfig, loader: Any) -> bool:
+    """Whether `step`, whose prompts the loader has handed out, is the run's last (its step or epoch budget)."""
+    return step >= grpo_cfg.max_num_steps or loader.epochs_done() >= grpo_cfg.max_num_epochs
 
 
 def on_schedule(period: int, step: int, final: bool) -> bool:

@@ -12,6 +12,11 @@ compares two steps each way).
 
 Where it applies is a config rule (`rlpost.config.layout.prefetch_reason`, shown by `rlpost plan`); at run time a
 step prefetches only when its training call did send the engines their load (a staged export).
+
+With the engine hosted in the policy worker's process (rlpost.models.generation.hosted_engine) the training call
+itself ends with the engine's load, and the hosting actor runs its calls one after the other in the order sent. So
+the next generation is sent as soon as the training call is (`send_with_training`), not when it returns: the engine
+starts it the moment the load is done, without a round trip through the driver in between.
 """
 
 from __future__ import annotations
@@ -32,10 +37,26 @@ class NextGeneration:
     def __init__(self, components: GRPOComponents, weights: EngineWeights) -> None:
         self.components, self.weights = components, weights
         self.applies = not layout_of(components.cfg).prefetch_reason
+        self._early: tuple[list[dict[str, Any]], SentRollout] | None = None
+
+    def send_with_training(self, loader: PromptLoader, step: int) -> None:
+        """With a hosted engine: send step `step`'s generation right after the next training call is sent (it runs
+        after that call's load); `send` then returns it. Elsewhere nothing happens here."""
+        if not (self.applies and self.weights.hosted):
+            return
+
+        def send() -> None:
+            rows = loader.next_batch()
+            self._early = rows, send_step_generation(self.components, rows, step)
+
+        self.components.policy.on_train_submitted = send  # type: ignore[attr-defined]
 
     def send(self, loader: PromptLoader, step: int) -> tuple[list[dict[str, Any]], SentRollout] | None:
         """Step `step`'s prompts taken from `loader` and their generation sent, or None (nothing taken) when the
         engine's load of the last update was not sent ahead of it."""
+        early, self._early = self._early, None
+        if early is not None:
+            return early
         if not (self.applies and self.weights.load_sent()):
             return None
         rows = loader.next_batch()

@@ -63,6 +63,9 @@ class Policy(ColocatablePolicyInterface):
         """(dtype, fault hook) once the workers host the engines and EngineWeights wants each training call to end
         with the engines loading its update (`train_and_load_engine`); the outcome waits in `take_engine_load`."""
         self._engine_loaded: dict[str, Any] | None = None
+        self.on_train_submitted: Callable[[], None] | None = None
+        """Called once, after the next training call that loads the hosted engines has been sent and before it is
+        waited for: a call sent to the hosting actor now runs after that load (rlpost.algorithms.prefetch)."""
         self.on_stage_submitted: Callable[[Any], None] | None = None
         """Called with rank 0's pending result when a training call that stages the export has been sent and before
         it is waited for: an engine can be told to load the export as soon as that result exists (EngineWeights),
@@ -144,8 +147,12 @@ class Policy(ColocatablePolicyInterface):
         self._staged_export = None  # the weights change: an export staged before is stale
         if self.engine_load is not None and not eval_mode:
             dtype, fault = self.engine_load
-            results = self.worker_group.run_sharded("train_and_load_engine", shards, loss_fn, gbs, eval_mode, dtype,
-                                                    fault())
+            futures = self.worker_group.submit_sharded("train_and_load_engine", shards, loss_fn, gbs, eval_mode,
+                                                       dtype, fault())
+            hook, self.on_train_submitted = self.on_train_submitted, None
+            if hook is not None:
+                hook()
+            results = self.worker_group.collect_sharded(futures)
             self._engine_loaded = results[0].pop("engine_load")
             return _aggregate(results)
         if self._stage_after_train is not None and not eval_mode:
