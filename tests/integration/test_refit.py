@@ -64,6 +64,14 @@ def assert_corrupted_refit_is_caught(policy: Policy, engine: VllmGeneration, mon
         refit_policy_generation(policy, engine, True, "float32")
 
 
+def count_driver_loads(engine: VllmGeneration, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets an item for every refit load the driver makes on `engine` from now on."""
+    loads: list[int] = []
+    real_load = engine.update_weights_from_buckets
+    monkeypatch.setattr(engine, "update_weights_from_buckets", lambda b: loads.append(1) or real_load(b))
+    return loads
+
+
 def mult_prob_error(policy: Policy, gen_out: BatchedDataDict) -> float:
     lp_train = policy.get_logprobs(BatchedDataDict(input_ids=gen_out["output_ids"],
                                                    input_lengths=gen_out["unpadded_sequence_lengths"]))["logprobs"]
@@ -163,9 +171,7 @@ def test_engines_load_the_training_calls_export_without_the_driver(ray_local: No
     try:
         engine.prepare_refit_info(policy.prepare_refit_info("float32"))
         weights.refit()  # the first refit stages on its own; from now on each training call writes its export
-        driver_loads: list[int] = []
-        real_load = engine.update_weights_from_buckets
-        monkeypatch.setattr(engine, "update_weights_from_buckets", lambda b: driver_loads.append(1) or real_load(b))
+        driver_loads = count_driver_loads(engine, monkeypatch)
         for _ in range(2):
             out = engine.generate(prompts())
             train_once(policy, out)
@@ -215,9 +221,7 @@ def test_a_hosted_engine_loads_each_update_inside_the_training_call(ray_local: N
             host.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=60)  # one process
         engine.prepare_refit_info(policy.prepare_refit_info("float32"))
         weights.refit()  # the engine starts from the checkpoint's weights: the first refit checks them
-        driver_loads: list[int] = []
-        real_load = engine.update_weights_from_buckets
-        monkeypatch.setattr(engine, "update_weights_from_buckets", lambda b: driver_loads.append(1) or real_load(b))
+        driver_loads = count_driver_loads(engine, monkeypatch)
         for _ in range(2):
             out = engine.generate(prompts())
             train_once(policy, out)
