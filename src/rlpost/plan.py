@@ -150,8 +150,10 @@ def _prefetch(cfg: MasterConfig) -> str:
     why = layout_of(cfg).prefetch_reason
     if why:
         return f"sent when the step ends: {why}"
+    hosted = "" if layout_of(cfg).same_process_reason else (
+        "; with the engine in the policy's worker, sent right behind the training call, to start as its load ends")
     return ("sent behind the refit as training returns (on CPU): the engine generates while the driver books the "
-            "step")
+            "step" + hosted)
 
 
 def _overlap(cfg: MasterConfig) -> str:

@@ -186,6 +186,9 @@ def test_the_default_job_hosts_its_engine_in_the_policy_worker() -> None:
     _, asked = load_master_config(["policy.generation.colocated.same_process=true", "cluster.device=cpu"])
     assert compute_layout(asked).same_process_reason == ""
     assert dict(plan_rows(asked))["refit"].startswith("in the policy's worker process")
+    assert "sent right behind the training call" in rows["next step's generation"]
+    _, actor = load_master_config(["policy.generation.colocated.same_process=false"])
+    assert "right behind the training call" not in dict(plan_rows(actor))["next step's generation"]
 
 
 @pytest.mark.parametrize(("overrides", "why"), [
