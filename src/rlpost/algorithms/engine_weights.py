@@ -46,7 +46,8 @@ class EngineWeights:
         self._hosted_load_s: float | None = None  # the hosted engine's load in the last training call, until synced
         if self.hosted:
             policy.engine_load = (self.dtype, lambda: generation.refit_fault(0))  # type: ignore[attr-defined]
-        elif components.colocated and hasattr(generation, "load_staged_async") and hasattr(policy, "on_stage_submitted"):
+        elif (components.colocated and hasattr(generation, "load_staged_async")
+              and hasattr(policy, "on_stage_submitted")):
             policy.on_stage_submitted = self._send_load
 
     def _send_load(self, train_result: Any) -> None:
