@@ -10,10 +10,10 @@ Worker side, `EngineHostMixin` (mixed into the DTensor policy worker's class by 
 layer that may know both: `Policy(host_mixin=...)`; workers and engines never import each other): `host_engine` builds a
 `VllmEngineWorker` in this process; `engine_call` runs one of its methods; `train_and_load_engine` trains and
 then loads the update into the engine, checked by fingerprint (sender's and engine's, compared by the driver).
-The hosting actor runs every call on its main thread, in the order the driver sent them (Policy gives it no
-thread pool): a generation sent after a training call runs after that call's load, with its weights. (Run on a
-Ray thread pool, each phase took 10-20% longer on the tiny model, and calls could overtake each other.) Every
-engine operation also holds one lock, so a call from any other thread never meets a half-loaded model.
+The hosting actor runs every call on its main thread, one at a time, in the order the driver sent them (Policy
+gives it no thread pool): a generation sent after a training call runs after that call's load, with its weights,
+and no engine call ever meets a half-loaded model. (Run on a Ray thread pool, each phase took 10-20% longer on the
+tiny model, and calls could overtake each other.)
 
 Driver side, `HostedEngine`: stands in for an engine actor handle in VllmGeneration (`handle.method.remote(...)`
 becomes `engine_call` on the hosting actor), so every engine code path is the one a separate engine actor runs.
@@ -21,7 +21,6 @@ becomes `engine_call` on the hosting actor), so every engine code path is the on
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -38,14 +37,12 @@ class EngineHostMixin:
 
     _hosted: Any = None
     _hosted_error: BaseException | None = None
-    _engine_lock: threading.Lock | None = None
 
     def host_engine(self, model_path: str, engine_kwargs: dict[str, Any], replica: int, device: str) -> bool:
         """Build the engine in this process (its vLLM import with the collector paused, as in its own actor). A
         failure is kept and raised by every later engine call, naming what failed."""
         from rlpost.models.generation.vllm_worker import VllmEngineWorker
 
-        self._engine_lock = threading.Lock()
         try:
             self._hosted = VllmEngineWorker(model_path, engine_kwargs, False, replica, device)
         except BaseException as exc:
@@ -61,28 +58,16 @@ class EngineHostMixin:
         return self._hosted
 
     def engine_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """One call of the hosted engine's `method` (VllmEngineWorker), under the engine lock."""
-        engine = self._engine()
-        assert self._engine_lock is not None
-        with self._engine_lock:
-            return getattr(engine, method)(*args, **kwargs)
+        """One call of the hosted engine's `method` (VllmEngineWorker)."""
+        return getattr(self._engine(), method)(*args, **kwargs)
 
     def hosted_generate(self, *args: Any, **kwargs: Any) -> Any:
         """The hosted engine's `generate` (VllmEngineWorker.generate)."""
         return self.engine_call("generate", *args, **kwargs)
 
     def engine_stream(self, method: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        """A generator method of the hosted engine (a Ray streaming call), each item under the engine lock."""
-        engine = self._engine()
-        assert self._engine_lock is not None
-        items = getattr(engine, method)(*args, **kwargs)
-        while True:
-            with self._engine_lock:
-                try:
-                    item = next(items)
-                except StopIteration:
-                    return
-            yield item
+        """A generator method of the hosted engine (a Ray streaming call)."""
+        yield from getattr(self._engine(), method)(*args, **kwargs)
 
     def train_and_load_engine(self, data: Any, loss_fn: Any, gbs: int | None, eval_mode: bool, dtype: str,
                               corrupt: str | None = None) -> dict[str, Any]:

@@ -233,7 +233,7 @@ class VllmGeneration(GenerationInterface):
 
     def _host_engines(self, hosts: list[Any], hf_overrides: Mapping[str, Any] | None) -> None:
         """Build replica r's engine inside `hosts[r]` (a policy worker's actor, whose environment already holds
-        `engine_env`); its calls go there through a `HostedEngine` handle."""
+        `actor_env`); its calls go there through a `HostedEngine` handle."""
         if len(hosts) != self.num_replicas:
             raise ValueError(f"{len(hosts)} hosting workers for {self.num_replicas} engine replicas")
         self.group.name_prefix = f"{self.group.name_prefix} (in its policy worker)"
@@ -242,7 +242,7 @@ class VllmGeneration(GenerationInterface):
                                                                        self.model_path), r, device)
                    for r, h in enumerate(hosts)]
         self.group.workers = [HostedEngine(h) for h in hosts]
-        # `info` waits inside the actor until its engine is built: a failed build is raised by both, named
+        # the actor runs these after `host_engine` (in the order sent): a failed build fails both, named
         self._info_futures = [w.info.remote() for w in self.group.workers]
         self._host_futures = started
         self._info = None
