@@ -327,6 +327,18 @@ def test_training_calls_stage_updates_into_alternating_slots(ray_local: None, ti
         assert update2 != update1 and second["slot"].fingerprint == update2
         assert load_buckets(engine, second["slot"]) == update2
         assert load_buckets(engine, slot1) == update1  # slot 1 still holds update 1
+        # The collector sends a batch's generation right behind its load and checks the load afterwards: the engine
+        # runs its calls in the order sent, so that generation sees the loaded weights.
+        assert engine.runs_calls_in_order
+        assert load_buckets(engine, second["slot"]) == update2
+        with_update2 = engine.generate(prompts(), greedy=True)
+        futures = engine.load_staged_copy_async(slot1)
+        chained = engine.send_generate(prompts(), greedy=True)()
+        fingerprint, load_s = engine.wait_staged_copy(futures, slot1.fingerprint)
+        assert fingerprint == update1 and load_s > 0
+        with_update1 = engine.generate(prompts(), greedy=True)
+        assert torch.equal(chained["logprobs"], with_update1["logprobs"])
+        assert not torch.equal(chained["logprobs"], with_update2["logprobs"])
     finally:
         engine.shutdown()
         policy.shutdown()

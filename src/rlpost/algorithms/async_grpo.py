@@ -30,15 +30,19 @@ with are at most max_trajectory_age_steps versions older than that, so no batch 
 in the buffer, which comes only after the trainer has booked its step and taken batch k - 1 (the push waits for room
 instead, rarely). With max age 1, batch k needs update k - 2, so stage -> engine refit -> generation -> training
 form a loop over two steps: each of its fixed costs counts half in the step. While the collector waits for fresh
-weights, the engine already loads a copy as soon as it is staged (`_start_load`).
+weights, the engine already loads a copy as soon as it is staged (`_start_load`). When the engines run their calls in
+the order sent (vLLM's sync engine), the batch's generation is sent right behind its load and the load is checked
+once the batch is back (`_refit_and_generate`): the engine goes from loading to generating without waiting for a
+round trip through this process.
 
 Checkpoints hold the dataloader position right after the last *trained* batch: on resume, batches that were
 buffered but not trained are generated again, with the checkpoint's weights (the buffer is not saved).
 
 Metrics: async/trajectory_age (versions between generation and update), async/buffer_size,
 async/dropped_stale (batches dropped as too old, so far), async/trainer_wait_s (time the trainer waited for a
-batch), async/generation_s (engine time of the batch trained on), async/engine_refit_s (what the collector's last
-refit of the engine from the staged copy kept it waiting; a load sent early may be done already),
+batch), async/generation_s (engine time of the batch trained on; a load sent right before it is left out),
+async/engine_refit_s (what the collector's last refit of the engine from the staged copy kept it waiting, a load sent
+early may be done already; with the generation sent behind the load, the engines' own time loading it),
 async/in_flight_refits (refits that landed mid-batch, so far).
 timing/train/refit is the trainer's own refit work: waiting for a free slot, the staging call, or the whole in-flight
 refit; timing/train/weight_staging is the staging done inside the training call (part of policy_training).
@@ -87,7 +91,7 @@ class Collector:
     """The generation side: a thread that fills the replay buffer, pausing at batch boundaries for refits."""
 
     def __init__(self, components: GRPOComponents, buffer: Any, version: int, call_timeout_s: float,
-                 capacity: int = 1, fused: bool = False) -> None:
+                 capacity: int = 1, fused: bool = False, chained: bool = False) -> None:
         self.components, self.buffer = components, buffer
         self.capacity = capacity  # the buffer's
         self.pushes = 0  # pushes sent to the buffer so far
@@ -111,6 +115,9 @@ class Collector:
         # staging never interleave.
         self.stage_lock = threading.Condition()
         self.engine_refit_s = 0.0  # the last refit from the staged copy
+        self.load_s = 0.0  # the engines' own time on the last load settled (`settle_load`)
+        self.chained = chained
+        """The engines run their calls in the order sent: a batch's generation is sent right behind its load."""
         self.in_flight_refits = 0  # refits that landed while a batch was being generated
         # Both sides sleep on this until the other changes something (a push, a take, the end of a pause),
         # instead of polling the buffer actor; the timeout only re-checks stop and errors.
@@ -194,8 +201,7 @@ class Collector:
                 with self.engine_lock:
                     if self.stop.is_set():
                         return
-                    self.sync_engine()
-                    entry = self._generate()
+                    entry = self._refit_and_generate()
                 while not self.stop.is_set() and not self.has_room():  # rarely: the trainer is behind
                     seen = self.ticks()
                     if not self.has_room():
@@ -209,26 +215,34 @@ class Collector:
         """While the collector waits, the engine is idle: send it the newest copy staged in shared memory now, so the
         refit before the next batch is done, or under way, when the batch may start (`sync_engine` checks it). Only
         this thread sends loads, so a batch's version is exactly the weights it was generated with."""
-        g = self.components.generation
-        if self._loading is not None or self.staged_version <= self.version or not hasattr(g, "load_staged_copy_async"):
+        if self._loading is not None or self.staged_version <= self.version:
             return
         if not self.engine_lock.acquire(blocking=False):  # the trainer holds the engine (validation)
             return
         try:
-            with self.stage_lock:
-                if self.staged is not None and self.staged_version > self.version:
-                    self._loading = (g.load_staged_copy_async(self.staged), self.staged.fingerprint,
-                                     self.staged_version)
+            self._send_load()
         finally:
             self.engine_lock.release()
 
+    def _send_load(self) -> int | None:
+        """Send the engines the copy staged in shared memory if it is newer than what they hold and none is under
+        way (the caller holds engine_lock); the version of the load under way, or None."""
+        g = self.components.generation
+        if not hasattr(g, "load_staged_copy_async"):
+            return None
+        with self.stage_lock:
+            if self._loading is None and self.staged is not None and self.staged_version > self.version:
+                self._loading = (g.load_staged_copy_async(self.staged), self.staged.fingerprint, self.staged_version)
+            return self._loading[2] if self._loading is not None else None
+
     def settle_load(self) -> None:
-        """Wait for the load `_start_load` sent, if any (the caller holds stage_lock): checked like any refit
-        (FingerprintMismatch), and the engine's version is then the copy's."""
+        """Wait for the load `_send_load` sent, if any (the caller holds stage_lock): checked like any refit
+        (FingerprintMismatch), and the engine's version is then the copy's. `engine_refit_s` is the engines' own
+        time loading it."""
         loading, self._loading = self._loading, None
         if loading is not None:
             futures, fingerprint, version = loading
-            self.components.generation.wait_staged_copy(futures, fingerprint)  # type: ignore[attr-defined]
+            _, self.load_s = self.components.generation.wait_staged_copy(futures, fingerprint)  # type: ignore[attr-defined]
             self.version = version
 
     def free_slot(self, slot: int) -> None:
@@ -283,9 +297,28 @@ class Collector:
         self.version = target
         self.engine_refit_s = time.perf_counter() - t0
 
-    def _generate(self) -> Trajectories:
+    def _refit_and_generate(self) -> Trajectories:
+        """The next batch, generated by the newest staged weights (the caller holds engine_lock). When the engines
+        run their calls in order (`chained`), the load is sent and the generation right behind it, and the load is
+        checked once the batch is back: the engine goes from one to the other without a round trip to this
+        process. Otherwise the load is waited for and checked first (`sync_engine`)."""
+        loading = self._send_load() if self.chained else None
+        if loading is None:
+            self.sync_engine()
+            return self._generate(self.version)
+        self.load_s = 0.0
+        entry = self._generate(loading)
+        with self.stage_lock:  # the trainer's `free_slot` may have settled it already
+            self.settle_load()
+        # the engines loaded before they generated: the batch's time is theirs after the load
+        entry.generation_s = max(0.0, entry.generation_s - self.load_s)
+        self.engine_refit_s = self.load_s
+        return entry
+
+    def _generate(self, version: int) -> Trajectories:
+        """A batch generated with the weights of policy `version` (an in-flight refit may raise the engine's version
+        mid-batch: the batch counts as the older one)."""
         c = self.components
-        version = self.version  # an in-flight refit may raise it mid-batch: the batch counts as the older one
         rows = c.dataloader.next_batch()
         t0 = time.perf_counter()
         repeated, group_ids, seeds = step_samples(c, rows, self.index)
@@ -323,7 +356,7 @@ def async_grpo_train(
     # One node, CPU, no in-flight refits: each training call stages its update for the engines itself.
     fused = components.policy.stages_in_shared_memory and not g.async_grpo.in_flight_weight_updates
     collector = Collector(components, buffer, weights.policy_version, cfg.cluster.call_timeout_s, capacity=max_age,
-                          fused=fused)
+                          fused=fused, chained=fused and getattr(components.generation, "runs_calls_in_order", False))
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, components.started_at)
     collector.start()
     try:

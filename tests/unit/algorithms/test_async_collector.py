@@ -53,9 +53,9 @@ class _Engine:
         self.loaded.append(buckets.fingerprint)
         return str(buckets.fingerprint)
 
-    def wait_staged_copy(self, futures: Any, expected: str) -> str:
+    def wait_staged_copy(self, futures: Any, expected: str) -> tuple[str, float]:
         self.settled.append(expected)
-        return expected
+        return expected, 0.001
 
 
 def _slots_collector() -> tuple[Collector, _Engine]:
@@ -95,3 +95,59 @@ def test_a_load_sent_early_is_settled_only_before_its_own_slot_is_written() -> N
     assert engine.settled == [] and c.version == 0  # slot 1: the load goes on
     c.free_slot(0)
     assert engine.settled == ["v2"] and c.version == 2 and c._loading is None
+
+
+class _OrderedEngine:
+    """Records the order of the collector's calls: loads sent, loads waited for (the generation is `_generate`)."""
+
+    runs_calls_in_order = True
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def load_staged_copy_async(self, staged: Any) -> list[str]:
+        self.events.append(f"send load {staged.fingerprint}")
+        return [staged.fingerprint]
+
+    def wait_staged_copy(self, futures: Any, expected: str) -> tuple[str, float]:
+        self.events.append(f"wait load {expected}")
+        return expected, 0.004
+
+
+def _generating_collector(chained: bool) -> tuple[Collector, list[str]]:
+    events: list[str] = []
+    components: Any = SimpleNamespace(generation=_OrderedEngine(events))
+    c = Collector(components, None, 0, call_timeout_s=1.0, capacity=1, fused=True, chained=chained)
+
+    def generate(version: int) -> Any:
+        events.append(f"generate as version {version}")
+        return SimpleNamespace(generation_s=0.030)
+
+    c._generate = generate  # type: ignore[method-assign]
+    return c, events
+
+
+def test_a_chained_batch_is_sent_behind_its_load_and_the_load_is_checked_after() -> None:
+    """Engines that run their calls in order get the batch's generation right behind the load: the load is waited
+    for (and its fingerprint checked) only once the batch is back. The batch counts as the loaded version, and its
+    generation time leaves out the engines' load."""
+    c, events = _generating_collector(chained=True)
+    c.publish(1, SimpleNamespace(fingerprint="v1"))  # type: ignore[arg-type]
+    with c.engine_lock:
+        entry = c._refit_and_generate()
+    assert events == ["send load v1", "generate as version 1", "wait load v1"]
+    assert c.version == 1 and c._loading is None and c.engine_refit_s == 0.004
+    assert abs(entry.generation_s - 0.026) < 1e-9
+    events.clear()
+    with c.engine_lock:  # nothing newer staged: no load
+        c._refit_and_generate()
+    assert events == ["generate as version 1"]
+
+
+def test_without_ordered_calls_the_load_is_waited_for_before_the_batch() -> None:
+    c, events = _generating_collector(chained=False)
+    c._loading = (["v1"], "v1", 1)  # sent early, while the collector waited for fresh weights
+    c.staged_version = 1
+    with c.engine_lock:
+        c._refit_and_generate()
+    assert events == ["wait load v1", "generate as version 1"]

@@ -408,15 +408,24 @@ class VllmGeneration(GenerationInterface):
             self._get([w.end_refit.remote() for w in self.workers])
         return self._check_fingerprints([self._complete_fingerprint(d) for d in digests], None)
 
+    @property
+    def runs_calls_in_order(self) -> bool:
+        """Each replica's actor runs its calls one at a time, in the order sent (not vllm_cfg.async_engine's threaded
+        actor): a call sent behind a load sees the loaded weights."""
+        return not self.cfg.vllm_cfg.async_engine
+
     def load_staged_copy_async(self, staged: Iterable[Any]) -> list[Any]:
         """Every replica loads a copy staged in one bucket (async GRPO's `stage_weights`), after the calls it has
         already been sent; for `wait_staged_copy`."""
         (box,) = list(staged)
-        return [w.load_bucket.remote(box, self._fault(r), True) for r, w in enumerate(self.workers)]
+        return [w.load_copy.remote(box, self._fault(r)) for r, w in enumerate(self.workers)]
 
-    def wait_staged_copy(self, futures: list[Any], expected: str) -> str:
-        """Wait for `load_staged_copy_async`; FingerprintMismatch unless every replica loaded exactly `expected`."""
-        return self._check_fingerprints([self._complete_fingerprint(d) for d in self._get(futures)], expected)
+    def wait_staged_copy(self, futures: list[Any], expected: str) -> tuple[str, float]:
+        """Wait for `load_staged_copy_async`: the fingerprint, and the longest replica's load in seconds.
+        FingerprintMismatch unless every replica loaded exactly `expected`."""
+        parts = self._get(futures)
+        fingerprint = self._check_fingerprints([self._complete_fingerprint(p["digests"]) for p in parts], expected)
+        return fingerprint, max(float(p["seconds"]) for p in parts)
 
     def load_staged_async(self, train_result: Any) -> list[Any]:
         """Every replica loads the export a training call staged, as soon as that call's rank-0 result (`train_result`,

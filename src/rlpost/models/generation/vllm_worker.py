@@ -313,8 +313,12 @@ class VllmEngineWorker:
         staged = train_result.get("staged_export")
         if not staged or "first" not in staged:
             return None
+        return self.load_copy(staged["first"], corrupt)
+
+    def load_copy(self, box: Any, corrupt: str | None = None) -> dict[str, Any]:
+        """Load a whole refit staged in one bucket (`box`), ending the refit: {"digests", "seconds"}."""
         t0 = time.perf_counter()
-        digests = self.load_bucket(staged["first"], corrupt, last=True)
+        digests = self.load_bucket(box, corrupt, last=True)
         return {"digests": digests, "seconds": time.perf_counter() - t0}
 
     def last_load_path(self) -> str:
