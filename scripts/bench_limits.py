@@ -4,6 +4,9 @@
   sampling settings as one GRPO step;
 - bare training: plain torch forward + backward + AdamW on the generated batch, the same
   micro-batch size, one process;
+- bare alternating: the two above in turn in that one process (generation, training, generation, ...), each
+  timed pair a step of a single-process trainer: above their sum by what each phase loses to the other's use of
+  the caches;
 - bare write: the same engine, in-process, loading the model's weights in place the way a refit does (on one
   CPU rank rlpost's CpuWeightWriter: copies, and a oneDNN re-pack of every linear layer), the part of a refit
   no transport can avoid; and bare reload: the same through vLLM's own reload_weights, for comparison;
@@ -108,23 +111,22 @@ def timed(fn: Callable[[], Any], repeats: int = 3, most: int = 11, budget_s: flo
 
 
 def bare_generation(cfg: Any, prompts: list[list[int]], repeats: int = 3
-                    ) -> tuple[list[float], list[list[int]], dict[str, float]]:
-    """Wall times of generating for `prompts` with the engine class in this process (`timed`), the sequences, and
-    the bare in-place loads (`_bare_loads`)."""
+                    ) -> tuple[list[float], list[list[int]], Callable[[], Any], Any]:
+    """Wall times of generating for `prompts` with the engine class in this process (`timed`), the sequences, the
+    generation as a function, and the engine worker (for `_bare_loads`, then its shutdown)."""
     worker, spec, seeds = _engine_worker(cfg)
     if seeds is None:
         seeds = list(range(len(prompts)))
     outs: list[Any] = []
     times = timed(lambda: outs.append(worker.generate(prompts, spec, seeds)), repeats)
-    loads = _bare_loads(cfg, worker, repeats)
-    if hasattr(worker, "shutdown"):
-        worker.shutdown()
-    return times, [list(p) + list(o.token_ids) for p, o in zip(prompts, outs[-1].samples(), strict=True)], loads
+    sequences = [list(p) + list(o.token_ids) for p, o in zip(prompts, outs[-1].samples(), strict=True)]
+    return times, sequences, lambda: worker.generate(prompts, spec, seeds), worker
 
 
-def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], repeats: int = 3) -> list[float]:
+def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], repeats: int = 3
+                  ) -> tuple[list[float], Callable[[], None]]:
     """Wall times (`timed`) of one optimizer step (forward + backward + AdamW, micro-batched) on `sequences` (the bare
-    engine's: their token count, `bare_training_tokens`, differs a little from a GRPO step's)."""
+    engine's: their token count, `bare_training_tokens`, differs a little from a GRPO step's), and the step."""
     from transformers import AutoModelForCausalLM
 
     _threads()
@@ -152,7 +154,13 @@ def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-    return timed(step, repeats)
+    return timed(step, repeats), step
+
+
+def bare_alternating(generate: Callable[[], Any], train: Callable[[], None], repeats: int = 3) -> list[float]:
+    """Wall times of one bare generation followed by one bare training step, in turn, in this one process: what a
+    single-process trainer pays for a step's two phases, each running after the other has evicted its caches."""
+    return timed(lambda: (generate(), train()), repeats)
 
 
 def memcpy_gbps(cfg: Any, repeats: int = 5) -> tuple[float, int]:
@@ -173,10 +181,17 @@ def measure_limits(cfg: Any) -> dict[str, float]:
     """Seconds of bare generation, bare training and the bare engine loads for one step's batch, and memcpy GB/s."""
     _threads()
     prompts = step_prompts(cfg)
-    gen, sequences, loads = bare_generation(cfg, prompts)
-    train = bare_training(cfg, sequences, [len(p) for p in prompts])
+    gen, sequences, generate, worker = bare_generation(cfg, prompts)
+    try:
+        train, train_step = bare_training(cfg, sequences, [len(p) for p in prompts])
+        both = bare_alternating(generate, train_step)
+        loads = _bare_loads(cfg, worker, 3)
+    finally:
+        if hasattr(worker, "shutdown"):
+            worker.shutdown()
     gbps, nbytes = memcpy_gbps(cfg)
     return {"bare_generation_s": min(gen), "bare_training_s": min(train),
             "bare_generation_median_s": statistics.median(gen), "bare_training_median_s": statistics.median(train),
+            "bare_alternating_s": min(both), "bare_alternating_median_s": statistics.median(both),
             "bare_repeats": float(min(len(gen), len(train))), **loads, "memcpy_gbps": gbps,
             "model_bytes": nbytes, "bare_training_tokens": sum(len(s) for s in sequences)}
