@@ -9,8 +9,13 @@ the paired ratio of arm k's step to the first arm's, whose median over the round
     .venv/bin/python scripts/bench_ab.py --rounds 2 --async-compare \\
         --arm "age1=" --arm "age2=grpo.async_grpo.max_trajectory_age_steps=2"
 
-An arm is LABEL=OVERRIDES (Hydra overrides, space separated; empty for the default job). `--common` adds overrides
-to every arm. With `--async-compare` an arm's overrides go to the async run only (bench_grpo's --async-override) and
+An arm is LABEL=OVERRIDES (Hydra overrides, space separated; empty for the default job), or LABEL@REV=OVERRIDES to
+run the code of git revision REV instead of the working tree's: a change against the commit before it, on one
+config, with this environment's packages (REV's bench_grpo.py and src/ from a temporary `git worktree`):
+
+    .venv/bin/python scripts/bench_ab.py --rounds 3 --arm "new=" --arm "old@HEAD~1="
+
+`--common` adds overrides to every arm. With `--async-compare` an arm's overrides go to the async run only (bench_grpo's --async-override) and
 the figure compared is the async step; otherwise it is the mean wall-clock step beside its bare limit (generation +
 training, measured in the same run). Each run's own JSON goes under --dir; the summary is appended to --out.
 """
@@ -18,23 +23,47 @@ training, measured in the same run). Each run's own JSON goes under --dir; the s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def parse_arm(spec: str) -> tuple[str, list[str]]:
-    """LABEL=OVERRIDES -> (label, overrides)."""
-    label, sep, rest = spec.partition("=")
-    if not sep or not label or not label.replace("_", "").replace("-", "").isalnum():
-        raise SystemExit(f"--arm {spec!r}: expected LABEL=OVERRIDES with a label of letters, digits, - or _")
-    return label, rest.split()
+def parse_arm(spec: str) -> tuple[str, list[str], str | None]:
+    """LABEL[@REV]=OVERRIDES -> (label, overrides, REV or None)."""
+    head, sep, rest = spec.partition("=")
+    label, at, rev = head.partition("@")
+    if not sep or not label or not label.replace("_", "").replace("-", "").isalnum() or (at and not rev.strip()):
+        raise SystemExit(f"--arm {spec!r}: expected LABEL=OVERRIDES or LABEL@REV=OVERRIDES with a label of letters, "
+                         "digits, - or _")
+    return label, rest.split(), rev.strip() if at else None
+
+
+@contextlib.contextmanager
+def code_at(rev: str, parent: Path) -> Iterator[Path]:
+    """A temporary git worktree of this repository at `rev` (detached), under `parent`; removed afterwards. A rev git
+    does not know stops the run, naming it."""
+    found = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                           capture_output=True, text=True, check=False)
+    if found.returncode != 0:
+        raise SystemExit(f"--arm ...@{rev}: git knows no commit {rev!r} in {REPO}")
+    sha = found.stdout.strip()
+    path = parent / f"worktree-{sha[:12]}"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--force", str(path), sha],
+                   capture_output=True, text=True, check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], capture_output=True,
+                       check=False)
 
 
 def figures(result: dict[str, Any]) -> dict[str, float]:
@@ -71,18 +100,21 @@ def summarize(runs: list[dict[str, Any]], labels: list[str]) -> dict[str, Any]:
     return out
 
 
-def run_one(label: str, overrides: list[str], common: list[str], args: argparse.Namespace, rnd: int) -> dict[str, Any]:
-    """One bench_grpo run of an arm; its result (the last entry of its own JSON file)."""
+def run_one(label: str, overrides: list[str], common: list[str], args: argparse.Namespace, rnd: int,
+            code: Path = REPO) -> dict[str, Any]:
+    """One bench_grpo run of an arm, with the code of `code` (a checkout of this repository); its result (the last
+    entry of its own JSON file)."""
     out = Path(args.dir) / f"{label}.{rnd}.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_grpo.py"), "--steps", str(args.steps), "--out", str(out)]
+    cmd = [sys.executable, str(code / "scripts" / "bench_grpo.py"), "--steps", str(args.steps), "--out", str(out)]
     if args.warmup is not None:
         cmd += ["--warmup", str(args.warmup)]
     if args.async_compare:
         cmd += ["--async-compare", *[f"--async-override={o}" for o in overrides], *common]
     else:
         cmd += [*common, *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s, check=False)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(code / "src"), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s, check=False, env=env)
     if proc.returncode != 0 or not out.is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         raise SystemExit(f"arm {label} (round {rnd}) failed with status {proc.returncode}: " + " | ".join(tail))
@@ -102,16 +134,18 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
     args = p.parse_args()
     arms = [parse_arm(a) for a in args.arm]
-    labels = [label for label, _ in arms]
+    labels = [label for label, _, _ in arms]
     if len(arms) < 2 or len(set(labels)) != len(labels):
         raise SystemExit("--arm: give two or more arms with distinct labels")
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
-    for rnd in range(1, args.rounds + 1):
-        for label, overrides in arms:
-            fig = figures(run_one(label, overrides, args.common.split(), args, rnd))
-            runs.append({"round": rnd, "label": label, "figures": fig})
-            print(f"round {rnd} {label:>12}: step {fig['step_s']:.4f}s  ratio {fig['ratio']:.3f}", flush=True)
+    with contextlib.ExitStack() as stack:
+        codes = {rev: stack.enter_context(code_at(rev, Path(args.dir))) for rev in {r for _, _, r in arms if r}}
+        for rnd in range(1, args.rounds + 1):
+            for label, overrides, rev in arms:
+                fig = figures(run_one(label, overrides, args.common.split(), args, rnd, codes[rev] if rev else REPO))
+                runs.append({"round": rnd, "label": label, "figures": fig})
+                print(f"round {rnd} {label:>12}: step {fig['step_s']:.4f}s  ratio {fig['ratio']:.3f}", flush=True)
     summary = summarize(runs, labels)
     bound = "max(generation, training) of the async run" if args.async_compare else "bare generation + bare training"
     print(f"\nmedian [min-max] over {args.rounds} rounds; ratio = step / {bound}; "
@@ -124,7 +158,8 @@ def main() -> int:
             v = s["step_vs_first"]
             line += f"  vs {labels[0]} {v['median']:.3f} [{v['min']:.3f}-{v['max']:.3f}]"
         print(line)
-    record = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "arms": dict(arms), "common": args.common.split(),
+    record = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "arms": {label: o for label, o, _ in arms},
+              "revisions": {label: rev for label, _, rev in arms if rev}, "common": args.common.split(),
               "async_compare": args.async_compare, "steps": args.steps, "rounds": args.rounds, "runs": runs,
               "summary": summary}
     from bench_results import append_result  # scripts/ is sys.path[0] when this runs as a script

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -63,5 +65,27 @@ def test_a_malformed_arm_is_refused(spec: str) -> None:
 
 def test_an_arm_keeps_its_overrides() -> None:
     assert _bench_ab().parse_arm("plain=grpo.prefetch_generation=false a=b") == (
-        "plain", ["grpo.prefetch_generation=false", "a=b"])
-    assert _bench_ab().parse_arm("default=") == ("default", [])
+        "plain", ["grpo.prefetch_generation=false", "a=b"], None)
+    assert _bench_ab().parse_arm("default=") == ("default", [], None)
+    assert _bench_ab().parse_arm("old@HEAD~1=a=b") == ("old", ["a=b"], "HEAD~1")
+
+
+def test_an_arm_at_an_empty_revision_is_refused() -> None:
+    with pytest.raises(SystemExit, match="LABEL@REV=OVERRIDES"):
+        _bench_ab().parse_arm("old@=")
+
+
+def test_an_arm_at_a_revision_runs_that_commits_code(tmp_path: Path) -> None:
+    """The worktree holds the revision's files (here HEAD's, which git knows in any clone) and is gone afterwards;
+    a revision git does not know is refused by name."""
+    ab = _bench_ab()
+    head = subprocess.run(["git", "-C", str(ab.REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    with ab.code_at("HEAD", tmp_path) as code:
+        assert (code / "scripts" / "bench_grpo.py").is_file() and (code / "src" / "rlpost").is_dir()
+        assert subprocess.run(["git", "-C", str(code), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip() == head
+    assert not code.exists()
+    with pytest.raises(SystemExit, match="no commit 'no-such-rev'"):
+        with ab.code_at("no-such-rev", tmp_path):
+            pass
