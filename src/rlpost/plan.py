@@ -147,10 +147,10 @@ def _refit(cfg: MasterConfig, lay: Layout) -> str:
 
 def _prefetch(cfg: MasterConfig) -> str:
     """Whether synchronous GRPO sends the next step's generation behind the refit (rlpost.algorithms.prefetch)."""
-    why = layout_of(cfg).prefetch_reason
-    if why:
-        return f"sent when the step ends: {why}"
-    hosted = "" if layout_of(cfg).same_process_reason else (
+    lay = layout_of(cfg)
+    if lay.prefetch_reason:
+        return f"sent when the step ends: {lay.prefetch_reason}"
+    hosted = "" if lay.same_process_reason else (
         "; with the engine in the policy's worker, sent right behind the training call, to start as its load ends")
     return ("sent behind the refit as training returns (on CPU): the engine generates while the driver books the "
             "step" + hosted)

@@ -237,8 +237,8 @@ class Collector:
 
     def settle_load(self) -> None:
         """Wait for the load `_send_load` sent, if any (the caller holds stage_lock): checked like any refit
-        (FingerprintMismatch), and the engine's version is then the copy's. `engine_refit_s` is the engines' own
-        time loading it."""
+        (FingerprintMismatch), and the engine's version is then the copy's; `load_s` is the engines' own time
+        loading it."""
         loading, self._loading = self._loading, None
         if loading is not None:
             futures, fingerprint, version = loading
@@ -306,7 +306,6 @@ class Collector:
         if loading is None:
             self.sync_engine()
             return self._generate(self.version)
-        self.load_s = 0.0
         entry = self._generate(loading)
         with self.stage_lock:  # the trainer's `free_slot` may have settled it already
             self.settle_load()

@@ -423,9 +423,7 @@ class VllmGeneration(GenerationInterface):
     def wait_staged_copy(self, futures: list[Any], expected: str) -> tuple[str, float]:
         """Wait for `load_staged_copy_async`: the fingerprint, and the longest replica's load in seconds.
         FingerprintMismatch unless every replica loaded exactly `expected`."""
-        parts = self._get(futures)
-        fingerprint = self._check_fingerprints([self._complete_fingerprint(p["digests"]) for p in parts], expected)
-        return fingerprint, max(float(p["seconds"]) for p in parts)
+        return self._checked_loads(self._get(futures), expected)
 
     def load_staged_async(self, train_result: Any) -> list[Any]:
         """Every replica loads the export a training call staged, as soon as that call's rank-0 result (`train_result`,
@@ -439,8 +437,13 @@ class VllmGeneration(GenerationInterface):
         parts = self._get(futures)
         if any(p is None for p in parts):
             return None
-        self._check_fingerprints([self._complete_fingerprint(p["digests"]) for p in parts], expected)
-        return max(float(p["seconds"]) for p in parts)
+        return self._checked_loads(parts, expected)[1]
+
+    def _checked_loads(self, parts: list[dict[str, Any]], expected: str) -> tuple[str, float]:
+        """Every replica's load answer ({"digests", "seconds"}): the fingerprint they all loaded, checked against
+        `expected` (FingerprintMismatch), and the longest load in seconds."""
+        fingerprint = self._check_fingerprints([self._complete_fingerprint(p["digests"]) for p in parts], expected)
+        return fingerprint, max(float(p["seconds"]) for p in parts)
 
     def _complete_fingerprint(self, digests: dict[str, str]) -> str:
         missing = sorted(set(self._refit_info or {}) - set(digests))
