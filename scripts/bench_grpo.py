@@ -13,7 +13,9 @@ Extra arguments are Hydra overrides. Results go to results/bench_grpo.json (one 
 `logger.ray_timeline=true` each run also writes its timeline (every actor call and the driver's phases on one clock,
 rlpost.runtime.ray_timeline) to results/bench_grpo_timeline[_sync|_async].json.
 Peak memory is the largest sum of RSS over the driver and all its descendant processes (Ray's
-GCS/raylet, policy workers, engines, verifiers), sampled every 0.2 s.
+GCS/raylet, policy workers, engines, verifiers), sampled every 0.2 s. The same sampler sums the tree's CPU seconds:
+over the measured steps, how many of the host's CPUs the run kept busy, and so the shortest step any schedule of that
+work could take on them (`step_cpu_floor_s`: CPU seconds a step / CPUs), the limit of overlapping phases.
 Printed ratios: step / (bare generation + bare training) (target <= 1.15), refit GB/s beside memcpy GB/s.
 
     .venv/bin/python scripts/bench_grpo.py --async-compare --steps 20 [overrides]   # sync vs async GRPO
@@ -45,13 +47,15 @@ from rlpost.config.load import load_master_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-class TreeMemory:
-    """Peak total RSS of this process and its descendants, sampled every 0.2 s. The process tree is listed again
-    only every 2 s: listing it reads every process's /proc entry, and at 0.2 s that cost a millisecond of CPU per
-    step of the default job, taken from the run it measures."""
+class TreeUsage:
+    """Peak total RSS of this process and its descendants, and their total CPU seconds, sampled every 0.2 s. The
+    process tree is listed again only every 2 s: listing it reads every process's /proc entry, and at 0.2 s that cost
+    a millisecond of CPU per step of the default job, taken from the run it measures."""
 
     def __init__(self, sample_s: float = 0.2, relist_s: float = 2.0) -> None:
         self.peak = 0
+        self.cpu_samples: list[tuple[float, float]] = []
+        """(time.perf_counter(), CPU seconds the tree's live processes have used so far), one per sample."""
         self.sample_s, self.relist_s = sample_s, relist_s
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -63,16 +67,24 @@ class TreeMemory:
         while not self._stop.is_set():
             if time.monotonic() - listed >= self.relist_s:
                 procs, listed = [me, *me.children(recursive=True)], time.monotonic()
-            total = 0
+            total, cpu = 0, 0.0
             for p in procs:
                 try:
-                    total += p.memory_info().rss
+                    with p.oneshot():
+                        total += p.memory_info().rss
+                        times = p.cpu_times()
+                        cpu += times.user + times.system
                 except psutil.Error:
                     pass
             self.peak = max(self.peak, total)
+            self.cpu_samples.append((time.perf_counter(), cpu))
             time.sleep(self.sample_s)
 
-    def __enter__(self) -> TreeMemory:
+    def cpus_busy(self, t0: float, t1: float) -> float | None:
+        """`cpus_busy` of the samples taken between perf_counter times t0 and t1."""
+        return cpus_busy(self.cpu_samples, t0, t1)
+
+    def __enter__(self) -> TreeUsage:
         self._t.start()
         return self
 
@@ -81,13 +93,35 @@ class TreeMemory:
         self._t.join(timeout=2)
 
 
+def cpus_busy(samples: list[tuple[float, float]], t0: float, t1: float) -> float | None:
+    """How many CPUs the process tree kept busy on average between times t0 and t1: CPU seconds over wall seconds
+    between the first and the last (time, CPU seconds) sample inside the window; None with fewer than two there. A
+    process that ends or starts inside the window breaks the count, so the window should be steady state."""
+    inside = [s for s in samples if t0 <= s[0] <= t1]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return None
+    (ta, ca), (tb, cb) = inside[0], inside[-1]
+    return (cb - ca) / (tb - ta)
+
+
+def cpu_floor(step_s: float, busy: float | None) -> dict[str, float]:
+    """The CPU a step uses and the shortest step any schedule of that work could take on this host's CPUs (the
+    step's CPU seconds over the number of CPUs): the limit on how far overlapping phases can shorten it."""
+    if busy is None:
+        return {}
+    cpus = os.cpu_count() or 1
+    return {"cpus_busy": round(busy, 3), "cpu_s_per_step": round(step_s * busy, 4),
+            "step_cpu_floor_s": round(step_s * busy / cpus, 4)}
+
+
 SPLIT = ["cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
          "policy.generation.colocated.resources.gpus_per_node=1", "loss_fn.use_importance_sampling_correction=true"]
 """The engine on one worker slot, the trainer on the other (what async GRPO needs), IS correction on."""
 
 
-def run_steps(overrides: list[str]) -> tuple[Any, list[dict[str, float]], float, float, int]:
-    """(config, per-step metrics, setup seconds, wall seconds, peak tree RSS bytes) of one training run."""
+def run_steps(overrides: list[str]) -> tuple[Any, list[dict[str, float]], float, float, TreeUsage]:
+    """(config, per-step metrics, setup seconds, wall seconds, the process tree's memory and CPU) of one training
+    run."""
     from rlpost.algorithms.grpo import grpo_train, setup
     from rlpost.runtime.timer import recording_spans
 
@@ -95,7 +129,7 @@ def run_steps(overrides: list[str]) -> tuple[Any, list[dict[str, float]], float,
     steps: list[dict[str, float]] = []
     t0 = time.perf_counter()
     spans_kept = recording_spans() if cfg.logger.ray_timeline else nullcontext(None)
-    with TreeMemory() as mem, tempfile.TemporaryDirectory() as run_dir, spans_kept as spans:
+    with TreeUsage() as usage, tempfile.TemporaryDirectory() as run_dir, spans_kept as spans:
         from rlpost.runtime.run_log import ENV_VAR, capture_driver_output
 
         capture_driver_output(Path(run_dir) / "train.log")  # as `rlpost train` does: workers write to the run's log
@@ -121,7 +155,7 @@ def run_steps(overrides: list[str]) -> tuple[Any, list[dict[str, float]], float,
 
             ray.shutdown()
             os.environ.pop(ENV_VAR, None)
-    return cfg, steps, t_setup, time.perf_counter() - t0, mem.peak
+    return cfg, steps, t_setup, time.perf_counter() - t0, usage
 
 
 WALL = "bench/logged_at"
@@ -149,7 +183,7 @@ def compare_async(args: argparse.Namespace, base: list[str]) -> dict[str, Any]:
     generation + training (sync's bound) and max(generation, training) (async's)."""
     out: dict[str, Any] = {}
     for mode, extra in (("sync", []), ("async", ["grpo.async_grpo.enabled=true", *args.async_override])):
-        _, steps, _, _, _ = run_steps([*base, *SPLIT, *extra])
+        _, steps, _, _, usage = run_steps([*base, *SPLIT, *extra])
         measured = steps[args.warmup:] or steps
         gen = mean(measured, "async/generation_s") if mode == "async" else mean(measured, "timing/train/generation")
         # the training call's own work: without the engine's copy that async GRPO's call stages after the update
@@ -159,7 +193,8 @@ def compare_async(args: argparse.Namespace, base: list[str]) -> dict[str, Any]:
         out[mode] = {"step_s": round(step, 4), "generation_s": round(gen, 4), "training_s": round(train, 4),
                      "refit_s": round(mean(measured, "timing/train/refit"), 4),
                      "step_over_sum": round(step / (gen + train), 3), "step_over_max": round(step / max(gen, train), 3),
-                     "final_reward": steps[-1].get("train/reward") if steps else None}
+                     "final_reward": steps[-1].get("train/reward") if steps else None,
+                     **cpu_floor(step, usage.cpus_busy(*measured_window(steps, args.warmup)))}
         if mode == "async":
             out[mode]["trainer_wait_s"] = round(mean(measured, "async/trainer_wait_s"), 4)
             # the engine's refit from the staged copy: on the generation side of the overlap
@@ -200,9 +235,12 @@ def main() -> int:
               f"(async/engine_refit_s): (generation + it) / max(gen, train) = "
               f"{(a['generation_s'] + a['engine_refit_s']) / max(a['generation_s'], a['training_s']):.2f}")
         print(f"async speed-up {result['async_compare']['async_speedup']:.2f}x (target: async step/max <= 1.1)")
+        if "cpus_busy" in a:
+            print(f"async {cpu_line(a)}, against the target 1.1 x max(gen, train) = "
+                  f"{1.1 * max(a['generation_s'], a['training_s']):.3f}s")
         _save(args.out, result)
         return 0
-    cfg, steps, t_setup, wall, peak = run_steps(overrides)
+    cfg, steps, t_setup, wall, usage = run_steps(overrides)
     measured = steps[args.warmup:] or steps
     limits: dict[str, float] = {}
     if not args.no_limits:
@@ -220,7 +258,7 @@ def main() -> int:
         "tokens_per_sec": round(mean(measured, "performance/tokens_per_sec"), 1),
         "train_tokens_per_step": round(mean(measured, "train/total_num_tokens"), 1),
         "generation_tokens_per_sec": round(mean(measured, "performance/generation_tokens_per_sec"), 1),
-        "peak_memory_gib": round(peak / 2**30, 3),
+        "peak_memory_gib": round(usage.peak / 2**30, 3),
         "time_to_first_step_s": round(t_setup + (steps[0].get("timing/train/total_step_time", 0.0) if steps else 0.0), 2),
         "final_reward": steps[-1].get("train/reward") if steps else None,
         "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
@@ -246,6 +284,7 @@ def main() -> int:
         # a single-process trainer's step: the two bare phases in turn, each after the other
         result["median_step_over_median_bare_alternating"] = round(step_median / limits["bare_alternating_median_s"], 3)
         result["refit_gbps"] = round(limits["model_bytes"] / refit_s / 1e9, 3)
+        result.update(cpu_floor(step_s, usage.cpus_busy(*measured_window(steps, args.warmup))))
     print(json.dumps(result, indent=1))
     if limits:
         print(f"step {step_s:.3f}s (mean wall clock between steps; timing/train/total_step_time "
@@ -265,8 +304,23 @@ def main() -> int:
         print(f"refit {refit_s:.3f}s = {result['refit_gbps']:.2f} GB/s vs memcpy {limits['memcpy_gbps']:.2f} GB/s "
               f"({limits['model_bytes'] / 1e6:.1f} MB); the engine's in-place load alone takes "
               f"{limits['bare_write_s']:.3f}s (vLLM's reload_weights: {limits.get('bare_reload_s', float('nan')):.3f}s)")
+        if "cpus_busy" in result:
+            print(cpu_line(result))
     _save(args.out, result)
     return 0
+
+
+def measured_window(steps: list[dict[str, float]], warmup: int) -> tuple[float, float]:
+    """The perf_counter times from the end of the warm-up to the last step's row: the steps `wall_steps` measures."""
+    if not steps:
+        return (0.0, 0.0)
+    return steps[max(warmup - 1, 0)][WALL], steps[-1][WALL]
+
+
+def cpu_line(r: dict[str, Any]) -> str:
+    return (f"CPU: the process tree kept {r['cpus_busy']:.2f} of the host's {os.cpu_count()} CPUs busy over the "
+            f"measured steps, {r['cpu_s_per_step']:.3f} CPU-s a step: no schedule of that work steps faster than "
+            f"{r['step_cpu_floor_s']:.3f}s here")
 
 
 def _save(path: str, result: dict[str, Any]) -> None:
