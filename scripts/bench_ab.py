@@ -15,9 +15,10 @@ config, with this environment's packages (REV's bench_grpo.py and src/ from a te
 
     .venv/bin/python scripts/bench_ab.py --rounds 3 --arm "new=" --arm "old@HEAD~1="
 
-`--common` adds overrides to every arm. With `--async-compare` an arm's overrides go to the async run only (bench_grpo's --async-override) and
-the figure compared is the async step; otherwise it is the mean wall-clock step beside its bare limit (generation +
-training, measured in the same run). Each run's own JSON goes under --dir; the summary is appended to --out.
+`--common` adds overrides to every arm. With `--async-compare` an arm's overrides go to the async run only
+(bench_grpo's --async-override) and the figure compared is the async step; otherwise it is the mean wall-clock step
+beside its bare limit (generation + training, measured in the same run). Each run's own JSON goes under --dir; the
+summary is appended to --out.
 """
 
 from __future__ import annotations

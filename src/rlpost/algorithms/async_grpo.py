@@ -242,7 +242,8 @@ class Collector:
         loading, self._loading = self._loading, None
         if loading is not None:
             futures, fingerprint, version = loading
-            _, self.load_s = self.components.generation.wait_staged_copy(futures, fingerprint)  # type: ignore[attr-defined]
+            wait = self.components.generation.wait_staged_copy  # type: ignore[attr-defined]  # sent by _send_load
+            _, self.load_s = wait(futures, fingerprint)
             self.version = version
 
     def free_slot(self, slot: int) -> None:
