@@ -21,14 +21,18 @@ train: install
 
 # The real-model smoke test (tests/integration/test_smollm2_smoke.py) needs SmolLM2 prepared: cached after the first run.
 test: install smollm2
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests --durations=15 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests benchmarks --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests benchmarks -m "not slow" $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff check src tests scripts benchmarks
 	$(BIN)/mypy
+
+# The benchmark suite's standard set, each result beside its limit, one table (benchmarks/suite.py); ARGS="--list" shows it.
+bench: install
+	$(BIN)/python -m benchmarks.suite $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun

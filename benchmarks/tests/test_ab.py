@@ -1,18 +1,15 @@
-"""scripts/bench_ab.py: the figures it reads from a bench_grpo result and its paired summary."""
+"""benchmarks.ab: the figures it reads from a GRPO benchmark result, its paired summary, and the code it runs for
+an arm (the working tree's, or a git revision's, in either layout the GRPO benchmark has had)."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from tests.scripts import load_script
-
-
-def _bench_ab() -> ModuleType:
-    return load_script("bench_ab")
+from benchmarks import ab
 
 
 def _sync(step: float, gen: float, train: float) -> dict[str, object]:
@@ -23,7 +20,6 @@ def _sync(step: float, gen: float, train: float) -> dict[str, object]:
 def test_the_comparison_is_paired_within_each_round() -> None:
     """Round 2 runs on a host twice as slow: B's steps are 0.9x A's in both rounds, so the paired ratio is 0.9
     exactly, while the arms' own medians straddle each other."""
-    ab = _bench_ab()
     runs = [
         {"round": 1, "label": "a", "figures": ab.figures(_sync(0.100, 0.04, 0.04))},
         {"round": 1, "label": "b", "figures": ab.figures(_sync(0.090, 0.04, 0.04))},
@@ -39,7 +35,6 @@ def test_the_comparison_is_paired_within_each_round() -> None:
 
 
 def test_a_round_missing_an_arm_is_left_out_of_the_paired_ratio() -> None:
-    ab = _bench_ab()
     runs = [
         {"round": 1, "label": "a", "figures": ab.figures(_sync(0.100, 0.04, 0.04))},
         {"round": 1, "label": "b", "figures": ab.figures(_sync(0.120, 0.04, 0.04))},
@@ -51,7 +46,6 @@ def test_a_round_missing_an_arm_is_left_out_of_the_paired_ratio() -> None:
 
 
 def test_async_results_are_compared_by_the_async_step() -> None:
-    ab = _bench_ab()
     result = {"async_compare": {"sync": {"step_s": 0.1}, "async": {"step_s": 0.06, "step_over_max": 1.12},
                                 "async_speedup": 1.67}}
     assert ab.figures(result) == {"step_s": 0.06, "ratio": 1.12, "sync_step_s": 0.1, "speedup": 1.67}
@@ -60,32 +54,63 @@ def test_async_results_are_compared_by_the_async_step() -> None:
 @pytest.mark.parametrize("spec", ["noequals", "=x", "a b=c"])
 def test_a_malformed_arm_is_refused(spec: str) -> None:
     with pytest.raises(SystemExit, match="LABEL=OVERRIDES"):
-        _bench_ab().parse_arm(spec)
+        ab.parse_arm(spec)
 
 
 def test_an_arm_keeps_its_overrides() -> None:
-    assert _bench_ab().parse_arm("plain=grpo.prefetch_generation=false a=b") == (
-        "plain", ["grpo.prefetch_generation=false", "a=b"], None)
-    assert _bench_ab().parse_arm("default=") == ("default", [], None)
-    assert _bench_ab().parse_arm("old@HEAD~1=a=b") == ("old", ["a=b"], "HEAD~1")
+    assert ab.parse_arm("mb16=policy.train_micro_batch_size=16 a=b") == (
+        "mb16", ["policy.train_micro_batch_size=16", "a=b"], None)
+    assert ab.parse_arm("default=") == ("default", [], None)
+    assert ab.parse_arm("old@HEAD~1=a=b") == ("old", ["a=b"], "HEAD~1")
 
 
 def test_an_arm_at_an_empty_revision_is_refused() -> None:
     with pytest.raises(SystemExit, match="LABEL@REV=OVERRIDES"):
-        _bench_ab().parse_arm("old@=")
+        ab.parse_arm("old@=")
 
 
 def test_an_arm_at_a_revision_runs_that_commits_code(tmp_path: Path) -> None:
-    """The worktree holds the revision's files (here HEAD's, which git knows in any clone) and is gone afterwards;
-    a revision git does not know is refused by name."""
-    ab = _bench_ab()
+    """The worktree holds the revision's files (here HEAD's, which git knows in any clone), its GRPO benchmark among
+    them, and is gone afterwards; a revision git does not know is refused by name."""
     head = subprocess.run(["git", "-C", str(ab.REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
     with ab.code_at("HEAD", tmp_path) as code:
-        assert (code / "scripts" / "bench_grpo.py").is_file() and (code / "src" / "rlpost").is_dir()
+        assert ab.bench_command(code) and (code / "src" / "rlpost").is_dir()
         assert subprocess.run(["git", "-C", str(code), "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip() == head
     assert not code.exists()
     with pytest.raises(SystemExit, match="no commit 'no-such-rev'"):
         with ab.code_at("no-such-rev", tmp_path):
             pass
+
+
+NEW = """import json, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+json.dump({"older": {"ran": "older"}, "--steps=3 x=1": {"ran": __file__, "argv": sys.argv[1:]}}, open(out, "w"))
+"""
+"""A checkout's benchmarks/grpo.py: its results file keyed by configuration, the newest last."""
+
+OLD = """import json, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+json.dump([{"ran": "older"}, {"ran": __file__, "argv": sys.argv[1:]}], open(out, "w"))
+"""
+"""A checkout's scripts/bench_grpo.py, from before the benchmarks package: its results file a list of runs."""
+
+
+@pytest.mark.parametrize(("layout", "source"), [("benchmarks/grpo.py", NEW), ("scripts/bench_grpo.py", OLD)])
+def test_an_arm_runs_the_grpo_benchmark_of_its_checkout(tmp_path: Path, layout: str, source: str) -> None:
+    """In either layout, the checkout's own benchmark runs (not this repository's, which is the working directory),
+    with the arm's arguments, and its newest result is the arm's."""
+    code = tmp_path / "checkout"
+    (code / layout).parent.mkdir(parents=True)
+    (code / layout).write_text(source)
+    (code / layout).with_name("__init__.py").write_text("")
+    args = argparse.Namespace(dir=str(tmp_path), steps=3, warmup=None, async_compare=False, timeout_s=600.0)
+    result = ab.run_one("arm", ["x=1"], ["c=2"], args, 1, code)
+    assert result == {"ran": str(code / layout), "argv": ["--steps", "3", "--out", str(tmp_path / "arm.1.json"),
+                                                          "c=2", "x=1"]}
+
+
+def test_a_checkout_without_a_grpo_benchmark_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no GRPO benchmark"):
+        ab.bench_command(tmp_path)

@@ -1,16 +1,15 @@
-#!/usr/bin/env python
 """Does a real model learn? A wall-clock-bounded GRPO run of a real model, with the same evaluation before and
 after, and the validation curve in between. Prints and saves the numbers.
 
-    make smollm2 && .venv/bin/python scripts/bench_learning.py                 # SmolLM2 on arith_add1, 30 min
-    .venv/bin/python scripts/bench_learning.py --minutes 10 grpo.val_period=2  # extra args: Hydra overrides
+    make smollm2 && .venv/bin/python -m benchmarks.learning                 # SmolLM2 on arith_add1, 30 min
+    .venv/bin/python -m benchmarks.learning --minutes 10 grpo.val_period=2  # extra args: Hydra overrides
 
 The run is `rlpost train experiment=smollm2_arith_cpu` stopped by checkpointing.checkpoint_must_save_by (it
 saves its last step and exits 0); "before" is `rlpost eval` of the prepared model, "after" the same eval of the
 last checkpoint's HF export: same prompts (the validation split), same sampling seeds. The run ends with a
 validation (every run does), and `rlpost eval` of the last checkpoint with one sample per prompt re-scores it from
-the HF export alone (it uses validation's seeds), which shows the export is what was trained. Results are
-appended to results/bench_learning.json.
+the HF export alone (it uses validation's seeds), which shows the export is what was trained. Results go to
+results/bench_learning.json, the latest run per configuration.
 """
 
 from __future__ import annotations
@@ -24,7 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.harness import REPO, RESULTS_DIR, host, now, run_key, save_latest
+
+RESULTS = RESULTS_DIR / "bench_learning.json"
 RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
 
 
@@ -48,13 +49,23 @@ def evaluate(model_args: list[str], overrides: list[str], prompts: int, k: int, 
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, and the Hydra overrides (every other argument) in `overrides`."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.learning", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30.0, help="wall-clock budget of the training run")
     parser.add_argument("--experiment", default="smollm2_arith_cpu")
     parser.add_argument("--eval-prompts", type=int, default=32)
     parser.add_argument("--eval-k", type=int, default=4)
-    args, overrides = parser.parse_known_args()
+    parser.add_argument("--out", default=str(RESULTS))
+    args, overrides = parser.parse_known_args(argv)
+    args.overrides = overrides
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    overrides = args.overrides
     base = [f"experiment={args.experiment}", *overrides]
     work = Path(tempfile.mkdtemp(prefix="bench_learning_"))
     run_dir = work / "run"
@@ -80,7 +91,7 @@ def main() -> None:
     rewards = [r["train/reward"] for r in rows if "train/reward" in r]
     step_s = [r["timing/train/total_step_time"] for r in rows if "timing/train/total_step_time" in r]
     result = {
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "date": now(),
         "experiment": args.experiment,
         "overrides": overrides,
         "budget_minutes": args.minutes,
@@ -94,11 +105,13 @@ def main() -> None:
         "final_validation": {"step": final_val["step"], "accuracy": final_val["validation/accuracy"],
                              "eval_of_export": replayed["accuracy"], "num_prompts": replayed["num_prompts"]},
         "total_s": time.perf_counter() - t0,
+        "host": host(),
     }
     print(f"\n{args.experiment}: {last} steps in {args.minutes:g} min ({result['mean_step_s']:.1f} s/step)")
     for point in curve:
         print(f"  step {point['step']:>4}  validation accuracy {point['validation/accuracy']:.3f}")
-    print(f"  train reward, first 5 steps {result['train_reward_first5']:.3f} -> last 5 {result['train_reward_last5']:.3f}")
+    print(f"  train reward, first 5 steps {result['train_reward_first5']:.3f} -> last 5 "
+          f"{result['train_reward_last5']:.3f}")
     k = args.eval_k
     for name in ("before", "after"):
         r = result[name]
@@ -108,11 +121,7 @@ def main() -> None:
     fv = result["final_validation"]
     print(f"  final validation (step {fv['step']}) {fv['accuracy']:.3f}; rlpost eval of its HF export "
           f"{fv['eval_of_export']:.3f} ({fv['num_prompts']:.0f} prompts, validation's seeds)")
-    out = REPO / "results" / "bench_learning.json"
-    out.parent.mkdir(exist_ok=True)
-    history = json.loads(out.read_text()) if out.is_file() else []
-    out.write_text(json.dumps([*history, result], indent=1))
-    print(f"  saved: {out}")
+    save_latest(args.out, run_key(args), result)
 
 
 if __name__ == "__main__":

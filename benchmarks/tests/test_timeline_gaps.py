@@ -1,4 +1,4 @@
-"""scripts/timeline_gaps.py: per-actor calls, busy fractions, idle gaps and hand-offs from a Ray timeline."""
+"""benchmarks.timeline_gaps: per-actor calls, busy fractions, idle gaps and hand-offs from a Ray timeline."""
 
 from __future__ import annotations
 
@@ -6,17 +6,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-from tests.scripts import load_script
-
-
-def _gaps() -> ModuleType:
-    return load_script("timeline_gaps")
-
+from benchmarks import timeline_gaps as g
+from benchmarks.harness import REPO
 
 POLICY, ENGINE = "DTensorPolicyWorker policy-0 (aa)", "VllmEngineWorker replica0 (bb)"
 
@@ -46,7 +41,6 @@ def _timeline() -> list[dict[str, Any]]:
 
 
 def test_calls_busy_fraction_gaps_and_handoffs() -> None:
-    g = _gaps()
     calls = g.steady(g.actor_calls(_timeline()), min_calls=3, warmup=1)
     assert {c.method for c in calls} == {"train", "load", "generate"}  # set-up calls and Ray's own events left out
     assert len(calls) == 12  # the first of each method is warm-up
@@ -66,11 +60,12 @@ def test_calls_busy_fraction_gaps_and_handoffs() -> None:
     assert "generate -> generate" not in engine["gaps"]
 
 
-def test_the_script_prints_and_writes_the_summary(tmp_path: Path) -> None:
+def test_the_module_prints_and_writes_the_summary(tmp_path: Path) -> None:
+    """Run as `python -m benchmarks.timeline_gaps` from the repository's root, as its docstring says."""
     trace, out = tmp_path / "timeline.json", tmp_path / "gaps.json"
     trace.write_text(json.dumps(_timeline()))
-    script = Path(__file__).resolve().parents[2] / "scripts" / "timeline_gaps.py"
-    run = subprocess.run([sys.executable, str(script), str(trace), "--min-calls", "3", "--warmup", "1",
-                          "--out", str(out)], capture_output=True, text=True, timeout=60, check=True)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.timeline_gaps", str(trace), "--min-calls", "3",
+                          "--warmup", "1", "--out", str(out)], cwd=REPO, capture_output=True, text=True, check=True,
+                         timeout=600)
     assert "VllmEngineWorker.generate end -> DTensorPolicyWorker.train start" in run.stdout
     assert json.loads(out.read_text())["rows"][POLICY]["calls"]["train"]["count"] == 4

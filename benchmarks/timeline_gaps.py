@@ -1,15 +1,14 @@
 """Where a step's time goes between processes: a run's Ray timeline (logger.ray_timeline) summed up per actor.
 
-    .venv/bin/python scripts/bench_grpo.py --async-compare --steps 30 logger.ray_timeline=true
-    .venv/bin/python scripts/timeline_gaps.py results/bench_grpo_timeline_async.json
+    .venv/bin/python -m benchmarks.grpo --async-compare --steps 30 logger.ray_timeline=true
+    .venv/bin/python -m benchmarks.timeline_gaps results/bench_grpo_timeline_async.json
 
 Each actor's row (named by `rlpost.runtime.ray_timeline`): its calls (count, median ms), how busy it was between its
 first and last steady-state call, and the idle gaps between one call and the next ("a -> b", median ms). Then the
 hand-offs between rows: for each call, the latest call on another row that ended after this row's previous call had
 ended and before this call started, which is what the call most plausibly waited for ("Row.a end -> Row.b start").
 On a loop where every phase waits for the one before (GRPO's steps), the hand-offs and the busy fractions say which
-side binds and what the step pays between the phases: sessions 18-20 of the README's Benchmarks and Async GRPO
-sections were measured this way.
+side binds and what the step pays between the phases.
 
 Calls made fewer than --min-calls times (set-up: __init__, the refit group) are left out, and so are the first
 --warmup calls of each kept method. Printed, and written as JSON with --out.
@@ -119,13 +118,14 @@ def render(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.timeline_gaps", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("timeline", type=Path)
     ap.add_argument("--min-calls", type=int, default=5, help="methods called fewer times are set-up, left out")
     ap.add_argument("--warmup", type=int, default=2, help="first calls of each method left out")
     ap.add_argument("--out", type=Path, help="also write the summary as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     summary = summarise(steady(actor_calls(json.loads(args.timeline.read_text())), args.min_calls, args.warmup))
     print(render(summary))
     if args.out:

@@ -1,20 +1,13 @@
-"""scripts/bench_start.py: the summary of its rounds, and the first-row clock on a real (failing) launch."""
+"""benchmarks.start: the summary of its rounds, and the first-row clock on a real (failing) launch."""
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import pytest
 
-from tests.scripts import load_script
-
-
-def _bench_start() -> ModuleType:
-    return load_script("bench_start")
+from benchmarks import start as bs
 
 
 def test_the_summary_takes_medians_and_pairs_each_round() -> None:
-    bs = _bench_start()
     r = bs.summarise([16.0, 12.0, 13.0], [8.0, 6.0, 10.0])
     assert r["first_step_median_s"] == 13.0 and r["bare_engine_median_s"] == 8.0
     assert r["ratio_median"] == 2.0  # per round 2.0, 2.0, 1.3: the median of the pairs, not 13 / 8
@@ -24,6 +17,5 @@ def test_the_summary_takes_medians_and_pairs_each_round() -> None:
 
 def test_a_run_that_writes_no_metrics_row_is_an_error() -> None:
     """A bad override exits 2 before any step: the clock does not report a time for it."""
-    bs = _bench_start()
     with pytest.raises(RuntimeError, match="exited 2 without a metrics row"):
-        bs.first_row_s(["grpo.no_such_key=1"], timeout_s=120)
+        bs.first_row_s(["grpo.no_such_key=1"])

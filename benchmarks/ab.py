@@ -1,24 +1,25 @@
-"""Alternating A/B runs of scripts/bench_grpo.py: is a change faster, or is it the host?
+"""Alternating A/B runs of benchmarks.grpo: is a change faster, or is it the host?
 
-On a shared 2-core host the same run spreads by 10-30% from one hour to the next, more than most changes move a
-step. So each arm runs in turn, round after round (A, B, A, B, ...), and the comparison is made within each round:
-the paired ratio of arm k's step to the first arm's, whose median over the rounds is printed beside the spread.
+On a shared host the same run spreads from one hour to the next by more than most changes move a step. So each arm
+runs in turn, round after round (A, B, A, B, ...), and the comparison is made within each round: the paired
+ratio of arm k's step to the first arm's, whose median over the rounds is printed beside the spread.
 
-    .venv/bin/python scripts/bench_ab.py --rounds 3 \\
-        --arm "prefetch=" --arm "plain=grpo.prefetch_generation=false"
-    .venv/bin/python scripts/bench_ab.py --rounds 2 --async-compare \\
+    .venv/bin/python -m benchmarks.ab --rounds 3 \\
+        --arm "mb64=" --arm "mb16=policy.train_micro_batch_size=16"
+    .venv/bin/python -m benchmarks.ab --rounds 2 --async-compare \\
         --arm "age1=" --arm "age2=grpo.async_grpo.max_trajectory_age_steps=2"
 
 An arm is LABEL=OVERRIDES (Hydra overrides, space separated; empty for the default job), or LABEL@REV=OVERRIDES to
 run the code of git revision REV instead of the working tree's: a change against the commit before it, on one
-config, with this environment's packages (REV's bench_grpo.py and src/ from a temporary `git worktree`):
+config, with this environment's packages (REV's GRPO benchmark and src/ from a temporary `git worktree`; a revision
+from before the benchmarks package keeps it at scripts/bench_grpo.py, and it runs from there):
 
-    .venv/bin/python scripts/bench_ab.py --rounds 3 --arm "new=" --arm "old@HEAD~1="
+    .venv/bin/python -m benchmarks.ab --rounds 3 --arm "new=" --arm "old@HEAD~1="
 
 `--common` adds overrides to every arm. With `--async-compare` an arm's overrides go to the async run only
-(bench_grpo's --async-override) and the figure compared is the async step; otherwise it is the mean wall-clock step
-beside its bare limit (generation + training, measured in the same run). Each run's own JSON goes under --dir; the
-summary is appended to --out.
+(benchmarks.grpo's --async-override) and the figure compared is the async step; otherwise it is the mean wall-clock
+step beside its bare limit (generation + training, measured in the same run). Each run's own JSON goes under --dir;
+the summary goes to --out, the latest run per configuration (arms, common overrides, mode, steps, rounds).
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.harness import REPO, RESULTS_DIR, latest, now, run_key, save_latest
+
+RESULTS = RESULTS_DIR / "bench_ab.json"
 
 
 def parse_arm(spec: str) -> tuple[str, list[str], str | None]:
@@ -67,8 +69,25 @@ def code_at(rev: str, parent: Path) -> Iterator[Path]:
                        check=False)
 
 
+def bench_command(code: Path) -> list[str]:
+    """The command that runs the GRPO benchmark of checkout `code`: its benchmarks/grpo.py as a module (`-P`: the
+    working directory, this repository, does not shadow the checkout's package on sys.path), or, in a revision from
+    before the benchmarks package, its scripts/bench_grpo.py as a script."""
+    if (code / "benchmarks" / "grpo.py").is_file():
+        return [sys.executable, "-P", "-m", "benchmarks.grpo"]
+    if (code / "scripts" / "bench_grpo.py").is_file():
+        return [sys.executable, str(code / "scripts" / "bench_grpo.py")]
+    raise SystemExit(f"{code}: no GRPO benchmark (benchmarks/grpo.py or scripts/bench_grpo.py)")
+
+
+def bench_env(code: Path) -> dict[str, str]:
+    """This environment, with checkout `code`'s benchmarks and src/ first on the import path."""
+    path = [str(code), str(code / "src"), os.environ.get("PYTHONPATH")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
 def figures(result: dict[str, Any]) -> dict[str, float]:
-    """The numbers one bench_grpo result is compared by: `step_s` and `ratio` (step over its bound) always, with the
+    """The numbers one GRPO benchmark result is compared by: `step_s` and `ratio` (step over its bound) always, with the
     bound named by the rest."""
     if "async_compare" in result:
         a, s = result["async_compare"]["async"], result["async_compare"]["sync"]
@@ -103,37 +122,43 @@ def summarize(runs: list[dict[str, Any]], labels: list[str]) -> dict[str, Any]:
 
 def run_one(label: str, overrides: list[str], common: list[str], args: argparse.Namespace, rnd: int,
             code: Path = REPO) -> dict[str, Any]:
-    """One bench_grpo run of an arm, with the code of `code` (a checkout of this repository); its result (the last
-    entry of its own JSON file)."""
+    """One GRPO benchmark run of an arm, with the code of `code` (a checkout of this repository); its result (the
+    newest in its own JSON file, which holds that run only)."""
     out = Path(args.dir) / f"{label}.{rnd}.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(code / "scripts" / "bench_grpo.py"), "--steps", str(args.steps), "--out", str(out)]
+    cmd = [*bench_command(code), "--steps", str(args.steps), "--out", str(out)]
     if args.warmup is not None:
         cmd += ["--warmup", str(args.warmup)]
     if args.async_compare:
         cmd += ["--async-compare", *[f"--async-override={o}" for o in overrides], *common]
     else:
         cmd += [*common, *overrides]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(code / "src"), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s, check=False, env=env)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s, check=False,
+                          env=bench_env(code))
     if proc.returncode != 0 or not out.is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         raise SystemExit(f"arm {label} (round {rnd}) failed with status {proc.returncode}: " + " | ".join(tail))
-    return json.loads(out.read_text())[-1]
+    return latest(json.loads(out.read_text()))
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arm", action="append", required=True, help="LABEL=OVERRIDES (two or more)")
     p.add_argument("--common", default="", help="overrides added to every arm (space separated)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--async-compare", action="store_true", help="compare async GRPO steps (bench_grpo --async-compare)")
-    p.add_argument("--dir", default=str(REPO / "results" / "bench_ab"), help="where each run's JSON goes")
-    p.add_argument("--out", default=str(REPO / "results" / "bench_ab.json"))
+    p.add_argument("--async-compare", action="store_true",
+                   help="compare async GRPO steps (benchmarks.grpo --async-compare)")
+    p.add_argument("--dir", default=str(RESULTS_DIR / "bench_ab"), help="where each run's JSON goes")
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     arms = [parse_arm(a) for a in args.arm]
     labels = [label for label, _, _ in arms]
     if len(arms) < 2 or len(set(labels)) != len(labels):
@@ -159,13 +184,11 @@ def main() -> int:
             v = s["step_vs_first"]
             line += f"  vs {labels[0]} {v['median']:.3f} [{v['min']:.3f}-{v['max']:.3f}]"
         print(line)
-    record = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "arms": {label: o for label, o, _ in arms},
+    record = {"date": now(), "arms": {label: o for label, o, _ in arms},
               "revisions": {label: rev for label, _, rev in arms if rev}, "common": args.common.split(),
               "async_compare": args.async_compare, "steps": args.steps, "rounds": args.rounds, "runs": runs,
               "summary": summary}
-    from bench_results import append_result  # scripts/ is sys.path[0] when this runs as a script
-
-    append_result(args.out, record)
+    save_latest(args.out, run_key(args, skip=("out", "dir", "timeout_s")), record)
     return 0
 
 

@@ -1,15 +1,15 @@
-#!/usr/bin/env python
 """Benchmark the colocated refit alone: the policy (its configured backend, on Ray) hands its weights to a vLLM
-engine on the same node, N times; printed and saved beside its limits measured in the same run:
+engine on the same node, N times; printed and saved beside its limits measured in the same run (benchmarks.limits):
 
 - bare write: the same engine class in this process loading the same weights in place, as a refit does (on one
   CPU rank rlpost's CpuWeightWriter), and vLLM's own reload_weights for comparison;
 - memcpy: copying the model's bytes once.
 
-    make smollm2 && .venv/bin/python scripts/bench_refit.py model=smollm2_135m      # 540 MB fp32
-    .venv/bin/python scripts/bench_refit.py --refits 20                              # the default tiny model
+    make smollm2 && .venv/bin/python -m benchmarks.refit model=smollm2_135m      # 540 MB fp32
+    .venv/bin/python -m benchmarks.refit --refits 20                              # the default tiny model
 
-Extra arguments are Hydra overrides (e.g. policy.refit_buffer_size_gb=1). Results go to results/bench_refit.json.
+Extra arguments are Hydra overrides (e.g. policy.refit_buffer_size_gb=1). Results go to results/bench_refit.json,
+the latest run per configuration.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import json
 import os
 import statistics
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.harness import RESULTS_DIR, Row, host, now, run_key, save_latest
+
+RESULTS = RESULTS_DIR / "bench_refit.json"
 
 
 def refit_times(cfg: Any, refits: int) -> list[float]:
@@ -53,25 +53,29 @@ def refit_times(cfg: Any, refits: int) -> list[float]:
         ray.shutdown()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.refit", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--refits", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=1, help="refits excluded from the statistics (the first maps)")
-    ap.add_argument("--out", default=str(REPO / "results" / "bench_refit.json"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from rlpost.config.load import load_master_config
 
     _, cfg = load_master_config(args.overrides)
     if "Vllm" not in cfg.policy.generation._target_:
-        print("bench_refit measures the vLLM engine's refit (generation=vllm)", file=sys.stderr)
+        print("benchmarks.refit measures the vLLM engine's refit (generation=vllm)", file=sys.stderr)
         return 2
     times = refit_times(cfg, args.refits + args.warmup)
     measured = times[args.warmup:] or times
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_limits import bare_loads, memcpy_gbps
+    from benchmarks.limits import bare_loads, memcpy_gbps
 
     loads = bare_loads(cfg)
     gbps, nbytes = memcpy_gbps(cfg)
@@ -82,17 +86,24 @@ def main() -> int:
         "refit_s": {"first": round(times[0], 4), "best": round(best, 4), "median": round(median, 4)},
         "refit_gbps_median": round(nbytes / median / 1e9, 3),
         "limits": {**{k: round(v, 4) for k, v in loads.items()}, "memcpy_gbps": round(gbps, 2)},
-        "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host": host(),
+        "date": now(),
     }
     print(json.dumps(result, indent=1))
     print(f"refit of {nbytes / 1e6:.1f} MB: median {median:.3f}s (best {best:.3f}s) = "
           f"{result['refit_gbps_median']:.2f} GB/s vs memcpy {gbps:.2f} GB/s; the engine's bare in-place load "
           f"{loads['bare_write_s']:.3f}s (vLLM's reload_weights {loads['bare_reload_s']:.3f}s)")
-    from bench_results import append_result  # scripts/ is on sys.path (above)
-
-    append_result(args.out, result)
+    save_latest(args.out, run_key(args), result)
     return 0
+
+
+def table_rows(result: dict[str, Any]) -> list[Row]:
+    """The suite's rows for one result: the median refit beside the engine's bare load and beside memcpy."""
+    lim, median = result["limits"], result["refit_s"]["median"]
+    return [Row("refit (median)", f"{median:.3f} s", f"{lim['bare_write_s']:.3f} s bare in-place load",
+                median / lim["bare_write_s"]),
+            Row("refit (median)", f"{result['refit_gbps_median']:.2f} GB/s", f"{lim['memcpy_gbps']:.2f} GB/s memcpy",
+                result["refit_gbps_median"] / lim["memcpy_gbps"])]
 
 
 if __name__ == "__main__":

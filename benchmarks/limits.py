@@ -12,9 +12,10 @@
   no transport can avoid; and bare reload: the same through vLLM's own reload_weights, for comparison;
 - memcpy: copying the model's bytes once (the floor for moving a refit's bytes).
 
-Used by bench_grpo.py; `measure_limits(cfg)` returns seconds and GB/s. Generation and training are timed several
-times: `bare_*_s` is the best run (the strict floor), `bare_*_median_s` the median (what the run's median step is
-compared with: this host's speed drifts by 20% and more within minutes, and a best run is a lucky one).
+Used by benchmarks.grpo and benchmarks.refit; `measure_limits(cfg)` returns seconds and GB/s. Generation and
+training are timed several times: `bare_*_s` is the best run (the strict floor), `bare_*_median_s` the median (what
+the run's median step is compared with: a shared host's speed drifts within minutes, and a best run is a lucky
+one).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _bare_loads(cfg: Any, worker: Any, repeats: int) -> dict[str, float]:
 
 
 def bare_loads(cfg: Any, repeats: int = 3) -> dict[str, float]:
-    """`_bare_loads` on a fresh engine in this process (bench_refit.py)."""
+    """`_bare_loads` on a fresh engine in this process (benchmarks.refit)."""
     worker, _, _ = _engine_worker(cfg)
     try:
         return _bare_loads(cfg, worker, repeats)
@@ -160,7 +161,11 @@ def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], 
 def bare_alternating(generate: Callable[[], Any], train: Callable[[], None], repeats: int = 3) -> list[float]:
     """Wall times of one bare generation followed by one bare training step, in turn, in this one process: what a
     single-process trainer pays for a step's two phases, each running after the other has evicted its caches."""
-    return timed(lambda: (generate(), train()), repeats)
+    def pair() -> None:
+        generate()
+        train()
+
+    return timed(pair, repeats)
 
 
 def memcpy_gbps(cfg: Any, repeats: int = 5) -> tuple[float, int]:

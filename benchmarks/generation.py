@@ -8,56 +8,66 @@ call, then the best of `--repeats` timed calls is reported as generated tokens p
 - vllm_bare:    vllm.LLM in this process, same engine settings, fp32
 - hf_rlpost:    HFGeneration (1 worker, Ray actor), fp32, generation_batch_size = N
 - hf_bare:      transformers generate in this process, fp32, one batch of N
-Every process uses one compute thread (the machine has 2 cores shared with others), so the
-difference between rlpost and bare is the wrapper's overhead: Ray dispatch, object transfer,
-sharding and output assembly.
+Every process uses one compute thread, so the difference between rlpost and bare is the wrapper's
+overhead: Ray dispatch, object transfer, sharding and output assembly.
 
 Also measured: refit latency (update_weights, object-store path) and token_mult_prob_error
 (mean exp|lp_engine - lp_ref|, lp_ref = log_softmax(logits / T) of a plain fp32 HF model with the
 same weights) for the rlpost vLLM engine in fp32 and in bf16.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_generation.py [--prompts 64 --new-tokens 32]
-Writes results/bench_generation.json.
+    .venv/bin/python -m benchmarks.generation [--prompts 64 --new-tokens 32]
+
+Results go to results/bench_generation.json, the latest run per configuration.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import json
+import logging
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from benchmarks.harness import RESULTS_DIR, Row, now, run_key, save_latest
 
-import torch  # noqa: E402
+if TYPE_CHECKING:
+    import torch
 
+RESULTS = RESULTS_DIR / "bench_generation.json"
 TEMPERATURE = 0.8
+
+ENVIRONMENT = {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "VLLM_LOGGING_LEVEL": "WARNING", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+"""Defaults set before torch and vLLM load (in `main`: importing this module changes nothing): one compute thread,
+the engine in this process."""
 
 
 def perturbed_weights(model: Any, seed: int = 1, scale: float = 0.3) -> dict[str, torch.Tensor]:
     """The model's weights plus seeded noise on every matrix (tied weights stay tied)."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in params.values():
         if p.dim() >= 2:
             p.add_(torch.randn(p.shape, generator=g) * scale)
-    return {n: params.get(n, params.get("model.embed_tokens.weight")).clone() for n in model.state_dict()}
+    tied = params["model.embed_tokens.weight"]
+    return {n: (params[n] if n in params else tied).clone() for n in model.state_dict()}
 
 
 def make_batch(n: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """n prompts of 8..16 random tokens (ids 3..vocab-1), right-padded with 0."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(8, 17, (n,), generator=g)
     ids = torch.zeros((n, int(lens.max())), dtype=torch.long)
@@ -78,6 +88,8 @@ def best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 def mult_prob_error(ref_model: Any, weights: dict, out: Any, batch: dict) -> float:
     """mean exp|lp_engine - lp_ref| over all generated tokens."""
+    import torch
+
     ref_model.load_state_dict(weights)
     errs = []
     with torch.no_grad():
@@ -92,6 +104,8 @@ def mult_prob_error(ref_model: Any, weights: dict, out: Any, batch: dict) -> flo
 
 def hf_bf16_error(ref32: Any, ref16: Any, weights: dict, out: Any, batch: dict) -> float:
     """token_mult_prob_error of a bf16 HF model against the fp32 one, on the tokens in `out`."""
+    import torch
+
     ref32.load_state_dict(weights)
     errs = []
     with torch.no_grad():
@@ -104,16 +118,24 @@ def hf_bf16_error(ref32: Any, ref16: Any, weights: dict, out: Any, batch: dict) 
     return float(torch.cat(errs).mean())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.generation", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="results/bench_generation.json")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    ap.add_argument("--out", default=str(RESULTS))
+    return ap.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for key, value in ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
     import ray
+    import torch
+
+    torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
     from rlpost.config.schema.generation import HFGenerationConfig, VllmConfig
@@ -153,7 +175,7 @@ def main() -> None:
         num_cpus=2,
         include_dashboard=False,
         object_store_memory=256 * 2**20,
-        logging_level="WARNING",
+        logging_level=logging.WARNING,
         log_to_driver=False,
     )
     try:
@@ -169,7 +191,7 @@ def main() -> None:
                 t = time.perf_counter()
                 eng.update_weights(weights.items())
                 refit_s = min(refit_s, time.perf_counter() - t)
-                seconds, out = best_time(lambda e=eng: e.generate(batch), args.repeats)
+                seconds, out = best_time(functools.partial(eng.generate, batch), args.repeats)
                 assert int(out["generation_lengths"].min()) == args.new_tokens
                 err = mult_prob_error(ref, weights, out, batch)
                 name = "vllm_rlpost" if precision == "float32" else "vllm_rlpost_bf16"
@@ -243,12 +265,13 @@ def main() -> None:
 
     # ---- bare vLLM, in this process, same settings as the rlpost replica
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     cfg = VllmConfig(max_new_tokens=args.new_tokens, temperature=TEMPERATURE, stop_token_ids=[])
     cfg.vllm_cfg.kv_cache_space_gb, cfg.vllm_cfg.max_model_len = 0.25, 128
     llm = LLM(model=str(weights_dir), **engine_kwargs(cfg, 0, use_gpus=False))
     params = SamplingParams(**sampling_spec(cfg, greedy=False, eos_token_id=None))
-    token_prompts = [{"prompt_token_ids": p} for p in prompts]
+    token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     seconds, outs = best_time(lambda: llm.generate(token_prompts, params, use_tqdm=False), args.repeats)
     assert all(len(o.outputs[0].token_ids) == args.new_tokens for o in outs)
     record("vllm_bare", seconds)
@@ -258,11 +281,20 @@ def main() -> None:
         "vllm_rlpost_vs_bare": round(e["vllm_bare"]["tokens_per_s"] / e["vllm_rlpost"]["tokens_per_s"], 3),
         "hf_rlpost_vs_bare": round(e["hf_bare"]["tokens_per_s"] / e["hf_rlpost"]["tokens_per_s"], 3),
     }
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results["overhead"]), f"-> {out_path}")
+    results["date"] = now()
+    print(json.dumps(results["overhead"]))
+    save_latest(args.out, run_key(args), results)
+    return 0
+
+
+def table_rows(result: dict[str, Any]) -> list[Row]:
+    """The suite's rows for one result: each rlpost engine's tokens/s beside the bare engine it wraps."""
+    e = result["engines"]
+    return [Row(f"{kind} generation", f"{e[f'{kind}_rlpost']['tokens_per_s']:.0f} tok/s",
+                f"{e[f'{kind}_bare']['tokens_per_s']:.0f} tok/s bare {label}",
+                e[f"{kind}_rlpost"]["tokens_per_s"] / e[f"{kind}_bare"]["tokens_per_s"])
+            for kind, label in (("vllm", "vLLM"), ("hf", "HF generate"))]
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

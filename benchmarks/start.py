@@ -1,16 +1,15 @@
-#!/usr/bin/env python
 """Time to the first step as a user sees it: `rlpost train` launched as a fresh process, until the first step's
 metrics row is written, beside its limit measured on the same host in the same run: a fresh process that only
-imports vLLM and builds rlpost's engine for the same model (the engine's start is the longest part of a run's start,
-and no design that starts a vLLM engine in its own process starts faster).
+imports vLLM and builds rlpost's engine for the same model. The engine's start is the longest part of a run's
+start, so a run cannot start faster than a process that does nothing else.
 
-    .venv/bin/python scripts/bench_start.py                   # default job, 3 rounds
-    .venv/bin/python scripts/bench_start.py --rounds 5 policy=dtensor_v2
+    .venv/bin/python -m benchmarks.start                   # default job, 3 rounds
+    .venv/bin/python -m benchmarks.start --rounds 5 policy=dtensor_v2
 
 Each round runs the job, then the bare engine, alternating, so the host's drift touches both. Extra arguments are
-Hydra overrides for both. `scripts/bench_grpo.py`'s `time_to_first_step_s` starts at `setup()` inside an already
-started Python (no interpreter start, CLI, Hydra composition or pre-flight checks): it is the part this one ends
-with. Results go to results/bench_start.json (one entry per run).
+Hydra overrides for both. benchmarks.grpo's `time_to_first_step_s` starts at `setup()` inside an already started
+Python (no interpreter start, CLI, Hydra composition or pre-flight checks): it is the part this one ends with.
+Results go to results/bench_start.json, the latest run per configuration.
 """
 
 from __future__ import annotations
@@ -25,9 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.harness import REPO, RESULTS_DIR, Row, host, now, run_key, save_latest
+
+RESULTS = RESULTS_DIR / "bench_start.json"
+
 TARGET_S = 15.0
-"""The throughput issue's target for the default job's time to the first step."""
+"""The target for the default job's time to the first step."""
 
 JOB = ["grpo.max_num_steps=1", "grpo.val_period=0", "grpo.val_at_start=false", "checkpointing=disabled",
        "logger.console_progress=false"]
@@ -36,18 +38,20 @@ JOB = ["grpo.max_num_steps=1", "grpo.val_period=0", "grpo.val_at_start=false", "
 BARE_ENGINE = """
 import sys, time
 t0 = float(sys.argv[1])
-sys.path.insert(0, {scripts!r})
 from rlpost.config.load import load_master_config
-import bench_limits
+from benchmarks import limits
 _, cfg = load_master_config(sys.argv[2:])
-worker, _, _ = bench_limits._engine_worker(cfg)
+worker, _, _ = limits._engine_worker(cfg)
 print("READY", time.time() - t0, flush=True)
 worker.shutdown()
 """
+"""A fresh Python that builds the engine and says when it is ready (seconds since its launch)."""
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    """This process's environment, one compute thread by default, and this repository's `benchmarks` importable."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": path}
 
 
 def first_row_s(overrides: list[str], timeout_s: float = 600.0) -> float:
@@ -72,9 +76,8 @@ def first_row_s(overrides: list[str], timeout_s: float = 600.0) -> float:
 
 def bare_engine_s(overrides: list[str], timeout_s: float = 600.0) -> float:
     """Seconds from launching a fresh Python to rlpost's vLLM engine built in it (imports included)."""
-    code = BARE_ENGINE.format(scripts=str(REPO / "scripts"))
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", code, repr(t0), *overrides], env=_env(), capture_output=True,
+    out = subprocess.run([sys.executable, "-c", BARE_ENGINE, repr(t0), *overrides], env=_env(), capture_output=True,
                          text=True, timeout=timeout_s)
     ready = [ln for ln in out.stdout.splitlines() if ln.startswith("READY ")]
     if out.returncode != 0 or not ready:
@@ -92,27 +95,36 @@ def summarise(first: list[float], bare: list[float]) -> dict[str, Any]:
             "target_s": TARGET_S, "meets_target": statistics.median(first) <= TARGET_S}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.start", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=str(REPO / "results" / "bench_start.json"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     first, bare = [], []
     for r in range(args.rounds):
         first.append(round(first_row_s(args.overrides), 2))
         bare.append(round(bare_engine_s(args.overrides), 2))
         print(f"round {r + 1}: rlpost train's first step after {first[-1]:.2f}s; a bare engine's start "
               f"{bare[-1]:.2f}s", flush=True)
-    result = {**summarise(first, bare), "overrides": args.overrides, "host": {"cpus": os.cpu_count()},
-              "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    result = {**summarise(first, bare), "overrides": args.overrides, "host": host(), "date": now()}
     print(f"time to first step {result['first_step_median_s']:.2f}s (median of {args.rounds}; target <= "
           f"{TARGET_S:.0f}s) vs a bare vLLM engine's start {result['bare_engine_median_s']:.2f}s in a fresh process: "
           f"ratio {result['ratio_median']:.2f}")
-    from bench_results import append_result  # scripts/ is sys.path[0] when this runs as a script
-
-    append_result(args.out, result)
+    save_latest(args.out, run_key(args), result)
     return 0
+
+
+def table_rows(result: dict[str, Any]) -> list[Row]:
+    """The suite's row for one result: the median time to the first step beside a bare engine's start."""
+    return [Row("time to first step (median)", f"{result['first_step_median_s']:.2f} s",
+                f"{result['bare_engine_median_s']:.2f} s bare engine start", result["ratio_median"],
+                f"<= {TARGET_S:.0f} s")]
 
 
 if __name__ == "__main__":
