@@ -52,7 +52,7 @@ def _runtime_errors() -> tuple[type[BaseException], ...]:
     import ray.exceptions
 
     from rlpost.algorithms.dynamic_sampling import DynamicSamplingExhausted
-    from rlpost.algorithms.grpo import HealthCheckError
+    from rlpost.algorithms.loop import HealthCheckError
     from rlpost.distributed.virtual_cluster import ClusterResourceError, ClusterUnavailable
     from rlpost.distributed.worker_groups import WorkerGroupError
     from rlpost.models.fingerprint import FingerprintMismatch

@@ -5,7 +5,14 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from rlpost.config.layout import Layout, cuda_ipc_refit, fsdp_wrapping, layout_of, prev_logprobs_pass
+from rlpost.config.layout import (
+    REFIT_TRANSPORTS,
+    Layout,
+    cuda_ipc_refit,
+    fsdp_wrapping,
+    layout_of,
+    prev_logprobs_pass,
+)
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 
@@ -87,12 +94,10 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
                             + (f"; {fsdp}" if (fsdp := fsdp_wrapping(cfg, lay.train_world)) else "")),
         ("engine layout", f"{lay.gen_replicas} replica(s) x TP*PP={lay.gen_tp} ({lay.gen_world} workers)"),
         ("placement", placement),
-        ("engine process", _engine_process(lay)),
         ("refit", _refit(cfg, lay)),
         ("prev-logprobs pass", _PREV_PASS[prev_logprobs_pass(cfg)]),
         ("rollouts", _rollouts(cfg)),
         ("generation and training", _overlap(cfg)),
-        ("next step's generation", _prefetch(cfg)),
         ("steps", f"max {g.max_num_steps} steps / {g.max_num_epochs} epoch(s); validate every {g.val_period}"),
     ]
 
@@ -118,42 +123,16 @@ def _rollouts(cfg: MasterConfig) -> str:
             f"tokens; {how}; environment tokens masked out of the loss")
 
 
-def _engine_process(lay: Layout) -> str:
-    """Whether the engine runs inside the policy's worker process (rlpost.models.generation.hosted_engine)."""
-    if lay.same_process_reason:
-        return f"an actor of its own: {lay.same_process_reason}"
-    return ("inside the policy's worker process on CPU (an actor of its own on a GPU): the training call ends with "
-            "the engine loading the update by reference")
-
-
 def _refit(cfg: MasterConfig, lay: Layout) -> str:
-    """How the engine receives each update (rlpost.algorithms.refit): the driver never carries the weights."""
-    hosted = "in the policy's worker process: the engine loads the trained weights by reference"
-    if not lay.same_process_reason and cfg.cluster.device == "cpu":
-        return hosted
-    if not lay.colocated:
-        return "broadcast from the policy's rank 0 over the refit group (gloo on CPU, NCCL on GPU)"
-    if lay.train_nodes > 1:
-        return "rank 0's buckets through Ray's object store (several nodes)"
-    shm = "rank 0's shared-memory segment on this node, loaded by the engines themselves"
-    ipc = "CUDA IPC: the engine loads from rank 0's device buffer on the shared GPU (no host copy)"
-    on_gpu = (ipc if cuda_ipc_refit("cuda", lay.train_world)
-              else f"{shm} (device -> host -> device: CUDA IPC needs the policy on one GPU)")
-    device = cfg.cluster.device  # "auto" is not resolved: that would import torch for the plan
-    if device == "auto":
-        return f"on a GPU: {on_gpu}; on the CPU: {shm if lay.same_process_reason else hosted}"
-    return on_gpu if device == "cuda" else f"{shm} (on the CPU)"
-
-
-def _prefetch(cfg: MasterConfig) -> str:
-    """Whether synchronous GRPO sends the next step's generation behind the refit (rlpost.algorithms.prefetch)."""
-    lay = layout_of(cfg)
-    if lay.prefetch_reason:
-        return f"sent when the step ends: {lay.prefetch_reason}"
-    hosted = "" if lay.same_process_reason else (
-        "; with the engine in the policy's worker, sent right behind the training call, to start as its load ends")
-    return ("sent behind the refit as training returns (on CPU): the engine generates while the driver books the "
-            "step" + hosted)
+    """The refit transport by name (rlpost.algorithms.refit), and for "ipc" on a known device the buffer's kind."""
+    row = f"{lay.refit}: {REFIT_TRANSPORTS[lay.refit]}"
+    if lay.refit != "ipc" or cfg.cluster.device == "auto":  # "auto" is not resolved: that would import torch
+        return row
+    if cfg.cluster.device == "cpu":
+        return f"{row} (POSIX shared memory)"
+    if cuda_ipc_refit("cuda", lay.train_world):
+        return f"{row} (CUDA IPC: no host copy)"
+    return f"{row} (shared memory through the host: CUDA IPC needs the policy on one GPU)"
 
 
 def _overlap(cfg: MasterConfig) -> str:
@@ -164,8 +143,7 @@ def _overlap(cfg: MasterConfig) -> str:
         lay = layout_of(cfg)
         if not lay.overlap_chunk:
             return f"one after the other (synchronous GRPO): {lay.overlap_reason}"
-        where = " (colocated: on CPU only, where the engine does not sleep)" if lay.colocated else ""
-        return (f"overlapped within the step{where}: the policy trains on each chunk of {lay.overlap_chunk} "
+        return (f"overlapped within the step: the policy trains on each chunk of {lay.overlap_chunk} "
                 f"completions while the engine generates the next ({lay.completions_per_step // lay.overlap_chunk} "
                 "chunks), one optimizer step on the same weights (synchronous GRPO)")
     refit = ("in flight: requests freeze under the new weights" if a.in_flight_weight_updates

@@ -110,9 +110,6 @@ def preflight_checks(master: AnyMaster, run_dir: Path | None = None) -> None:
         check_output_dirs(master, run_dir)
         check_supervised_data(master)
         return
-    check_overlap(master)
-    check_prefetch(master)
-    check_same_process(master)
     check_output_dirs(master, run_dir)
     check_prompt_files(master)
     check_chat_template(master)
@@ -325,35 +322,6 @@ def check_precision(master: AnyMaster) -> None:
             "use policy.precision=float32 on CPU",
         )
     p.check_device("policy", device)
-
-
-def check_overlap(master: MasterConfig) -> None:
-    """grpo.overlap_generation_and_training=true with a colocated engine on a GPU: the engine sleeps while the
-    policy trains there, so the two cannot overlap."""
-    if master.grpo.overlap_generation_and_training and master.generation.colocated.enabled \
-            and run_device(master) != "cpu":
-        raise ConfigError("grpo.overlap_generation_and_training", True,
-                          "a colocated engine on a GPU sleeps while the policy trains, so they cannot overlap",
-                          "policy.generation.colocated.enabled=false (the engine on its own GPUs), or leave the "
-                          "key null")
-
-
-def check_prefetch(master: MasterConfig) -> None:
-    """grpo.prefetch_generation=true with the engine on a GPU: the colocated engine sleeps while the policy trains
-    and is refit over CUDA IPC after it wakes, not by a load sent with the training call."""
-    if master.grpo.prefetch_generation and run_device(master) != "cpu":
-        raise ConfigError("grpo.prefetch_generation", True,
-                          "on a GPU the colocated engine sleeps while the policy trains and is refit after it wakes, "
-                          "so there is no refit to send the next generation behind", "leave the key null")
-
-
-def check_same_process(master: MasterConfig) -> None:
-    """policy.generation.colocated.same_process=true with the engine on a GPU: the colocated GPU engine sleeps while
-    the policy trains and is refit over CUDA IPC from its own process."""
-    if master.generation.colocated.same_process and run_device(master) != "cpu":
-        raise ConfigError("policy.generation.colocated.same_process", True,
-                          "on a GPU the colocated engine runs in an actor of its own (it sleeps while the policy "
-                          "trains and is refit over CUDA IPC)", "leave the key null")
 
 
 def _cpu_reason(master: AnyMaster) -> str:

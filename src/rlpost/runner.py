@@ -1,5 +1,6 @@
-"""Run one validated job in its run directory: setup -> grpo_train -> summary, always releasing
-Ray, process groups and worker processes (also between the jobs of a multirun).
+"""Run one validated job in its run directory, whatever its algorithm: setup -> the algorithm's step loop
+(rlpost.algorithms.loop) -> summary, always releasing Ray, process groups and worker processes (also between the
+jobs of a multirun).
 
 The first Ctrl-C (or SIGTERM) lets the current step finish (and, with
 `checkpointing.save_on_interrupt`, saves it), then stops; a second one abandons the step at once.
@@ -12,7 +13,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rlpost.algorithms.loop import StepLoop
 from rlpost.config.schema.checkpoint import CheckpointingConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
@@ -146,124 +149,113 @@ def _completed_steps(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path) 
     return steps if steps >= goal else None
 
 
-def run(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path) -> dict[str, Any]:
-    """Train with the configured algorithm; returns a summary (final metrics, where the outputs are)."""
-    if isinstance(cfg, SupervisedMasterConfig):
-        return run_supervised(cfg, run_dir)
-    return run_grpo(cfg, run_dir)
+@dataclass(frozen=True)
+class Job:
+    """What the runner needs to know of an algorithm: its name, how to set it up and loop it, how a step shows on
+    the progress bar and how the run is summed up."""
+
+    label: str
+    """Progress-bar label (GRPO, SFT, DPO, RM)."""
+    budget_key: str
+    """The key that bounds the run's steps, named when a finished run is re-run."""
+    max_num_steps: int
+    setup: Callable[[Any, Path], Any]
+    """(cfg, run_dir) -> the run's components (Ray started, workers built)."""
+    loop: Callable[[Any], AbstractContextManager[StepLoop]]
+    """components -> the step loop, with whatever must run around it (async GRPO's collector)."""
+    progress: Callable[[dict[str, float]], str]
+    """A step's metrics -> the progress bar's text."""
+    summary: Callable[[dict[str, float], Any], dict[str, Any]]
+    """(last step's metrics, final save state) -> the summary's algorithm-specific entries."""
+    result_line: Callable[[dict[str, Any]], str]
+    """The summary -> the console's result text."""
 
 
-def run_supervised(cfg: SupervisedMasterConfig, run_dir: Path) -> dict[str, Any]:
-    """SFT / DPO / RM: setup -> supervised_train -> summary, releasing everything at the end."""
-    from rlpost.algorithms.supervised import save_checkpoint, setup, supervised_train
+def _grpo_job(cfg: MasterConfig) -> Job:
+    from rlpost.algorithms.grpo import grpo_loop, setup
 
-    console = Console(stderr=True)
-    t0 = time.perf_counter()
-    last: dict[str, float] = {}
-    comps = None
-    loop = cfg.loop
+    if cfg.grpo.async_grpo.enabled:
+        from rlpost.algorithms.async_grpo import async_grpo_loop as loop
+    else:
+        loop = grpo_loop
+
+    def progress(m: dict[str, float]) -> str:
+        info = f"reward {m.get('train/reward', float('nan')):.3f}  step {m.get('timing/train/total_step_time', 0):.2f}s"
+        if "validation/accuracy" in m:
+            info += f"  val acc {m['validation/accuracy']:.3f}"
+        return info
+
+    def result_line(summary: dict[str, Any]) -> str:
+        reward = summary["final_reward"]
+        return f"final train/reward {reward:.3f}" if reward is not None else "no step left to run (run complete)"
+
+    return Job("GRPO", "grpo.max_num_steps", cfg.grpo.max_num_steps, setup, loop, progress,
+               lambda last, state: {"final_reward": last.get("train/reward"),
+                                    "val_accuracy": last.get("validation/accuracy", state.val_reward)},
+               result_line)
+
+
+def _supervised_job(cfg: SupervisedMasterConfig) -> Job:
+    from rlpost.algorithms.supervised import setup, supervised_loop
+
     key = "accuracy" if cfg.pairs else "token_accuracy"
-    done = _completed_steps(cfg, run_dir)
-    if done is not None:
-        say.info(f"run already complete: {done} steps, {cfg.algo}.max_num_steps={loop.max_num_steps} (checkpoints "
-                 f"in {CheckpointManager(cfg.checkpointing, run_dir).dir}); nothing to do. Raise "
-                 f"{cfg.algo}.max_num_steps to train further.")
-        return {"run_dir": str(run_dir), "steps": done, "complete": True}
-    with StopOnSignal() as stop, _phase_spans(cfg) as spans:
-        try:
-            comps = setup(cfg, run_dir)
-            start = comps.save_state.total_steps
-            if start:
-                say.info(f"resuming from step {start} ({comps.checkpointer.latest()})")
-            with Progress(
-                TextColumn(f"[bold]{cfg.algo.upper()}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
-                disable=not cfg.logger.console_progress,
-            ) as progress:
-                task = progress.add_task("train", total=loop.max_num_steps, completed=start, info="")
 
-                def on_step(step: int, m: dict[str, float]) -> None:
-                    last.update(m)
-                    info = f"loss {m.get('train/loss', float('nan')):.4f}  {key} {m.get(f'train/{key}', float('nan')):.3f}"
-                    if f"validation/{key}" in m:
-                        info += f"  val loss {m['validation/loss']:.4f}  val {key} {m[f'validation/{key}']:.3f}"
-                    progress.update(task, completed=step, info=info)
-                    stop.stop_after(step, loop.max_num_steps, cfg.checkpointing, lambda: save_checkpoint(comps, step, m))
+    def progress(m: dict[str, float]) -> str:
+        info = f"loss {m.get('train/loss', float('nan')):.4f}  {key} {m.get(f'train/{key}', float('nan')):.3f}"
+        if f"validation/{key}" in m:
+            info += f"  val loss {m['validation/loss']:.4f}  val {key} {m[f'validation/{key}']:.3f}"
+        return info
 
-                state = supervised_train(comps, on_step=on_step)
-        except Interrupted:
-            raise
-        except BaseException as exc:
-            if stop.requested:
-                raise stop.interrupted() from exc
-            raise
-        finally:
-            _quiet_close(comps, spans)
-    summary = {
-        "run_dir": str(run_dir),
-        "steps": state.total_steps,
-        "final_loss": last.get("train/loss"),
-        f"val_{key}": last.get(f"validation/{key}"),
-        "val_loss": last.get("validation/loss"),
-        "wall_s": time.perf_counter() - t0,
-        "metrics": str(comps.logger.dir / "metrics.jsonl"),
-        "tensorboard": str(comps.logger.tb_dir),
-    }
-    val = f", validation loss {summary['val_loss']:.4f}, {key} {summary[f'val_{key}']:.3f}" \
-        if summary["val_loss"] is not None else ""
-    result = f"final train/loss {summary['final_loss']:.4f}{val}" if summary["final_loss"] is not None \
-        else "no step left to run (run complete)"
-    console.print(
-        f"[bold green]done[/]: {summary['steps']} {cfg.algo.upper()} steps in {summary['wall_s']:.0f}s, {result}\n"
-        f"  metrics:     {summary['metrics']}\n  tensorboard: {summary['tensorboard']}\n"
-        f"  checkpoints: {comps.checkpointer.dir if cfg.checkpointing.enabled else '(disabled)'}",
-        soft_wrap=True,
-    )
-    return summary
+    def result_line(summary: dict[str, Any]) -> str:
+        val = f", validation loss {summary['val_loss']:.4f}, {key} {summary[f'val_{key}']:.3f}" \
+            if summary["val_loss"] is not None else ""
+        return f"final train/loss {summary['final_loss']:.4f}{val}" if summary["final_loss"] is not None \
+            else "no step left to run (run complete)"
+
+    return Job(cfg.algo.upper(), f"{cfg.algo}.max_num_steps", cfg.loop.max_num_steps, setup, supervised_loop,
+               progress, lambda last, state: {"final_loss": last.get("train/loss"),
+                                              f"val_{key}": last.get(f"validation/{key}"),
+                                              "val_loss": last.get("validation/loss")},
+               result_line)
 
 
-def run_grpo(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
-    """Train with GRPO; returns a summary (final reward, accuracy, where the outputs are)."""
-    from rlpost.algorithms.grpo import grpo_train, save_checkpoint, setup
+def job_for(cfg: MasterConfig | SupervisedMasterConfig) -> Job:
+    """The runner's view of the configured algorithm."""
+    return _supervised_job(cfg) if isinstance(cfg, SupervisedMasterConfig) else _grpo_job(cfg)
 
+
+def run(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path) -> dict[str, Any]:
+    """Train with the configured algorithm: setup -> its step loop -> summary, releasing everything at the end;
+    returns the summary (final metrics, where the outputs are)."""
+    job = job_for(cfg)
     console = Console(stderr=True)
     t0 = time.perf_counter()
     last: dict[str, float] = {}
     comps = None
     done = _completed_steps(cfg, run_dir)
     if done is not None:
-        say.info(f"run already complete: {done} steps, grpo.max_num_steps={cfg.grpo.max_num_steps} (checkpoints in "
-                 f"{CheckpointManager(cfg.checkpointing, run_dir).dir}); nothing to do. Raise grpo.max_num_steps "
+        say.info(f"run already complete: {done} steps, {job.budget_key}={job.max_num_steps} (checkpoints in "
+                 f"{CheckpointManager(cfg.checkpointing, run_dir).dir}); nothing to do. Raise {job.budget_key} "
                  "to train further.")
         return {"run_dir": str(run_dir), "steps": done, "complete": True}
     with StopOnSignal() as stop, _phase_spans(cfg) as spans:
         try:
-            comps = setup(cfg, run_dir)
+            comps = job.setup(cfg, run_dir)
             start = comps.save_state.total_steps
-            total = cfg.grpo.max_num_steps
             if start:
                 say.info(f"resuming from step {start} ({comps.checkpointer.latest()})")
             with Progress(
-                TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TextColumn(f"[bold]{job.label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                 TimeElapsedColumn(), console=console, disable=not cfg.logger.console_progress,
-            ) as progress:
-                task = progress.add_task("train", total=total, completed=start, info="")
+            ) as progress, job.loop(comps) as loop:
+                task = progress.add_task("train", total=job.max_num_steps, completed=start, info="")
 
                 def on_step(step: int, m: dict[str, float]) -> None:
                     last.update(m)
-                    info = f"reward {m.get('train/reward', float('nan')):.3f}  step {m.get('timing/train/total_step_time', 0):.2f}s"
-                    if "validation/accuracy" in m:
-                        info += f"  val acc {m['validation/accuracy']:.3f}"
-                    progress.update(task, completed=step, info=info)
-                    stop.stop_after(step, total, cfg.checkpointing, lambda: save_checkpoint(
-                        comps, step, m, loader_state=comps.extras.get("loader_state")))
+                    progress.update(task, completed=step, info=job.progress(m))
+                    stop.stop_after(step, job.max_num_steps, cfg.checkpointing, lambda: loop.save_now(step, m))
 
-                if cfg.grpo.async_grpo.enabled:
-                    from rlpost.algorithms.async_grpo import async_grpo_train
-
-                    state = async_grpo_train(comps, on_step=on_step)
-                else:
-                    state = grpo_train(comps, on_step=on_step)
+                loop.run(on_step)
         except Interrupted:
             raise
         except BaseException as exc:
@@ -272,19 +264,18 @@ def run_grpo(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
             raise
         finally:
             _quiet_close(comps, spans)
+    state = comps.save_state
     summary = {
         "run_dir": str(run_dir),
         "steps": state.total_steps,
-        "final_reward": last.get("train/reward"),
-        "val_accuracy": last.get("validation/accuracy", state.val_reward),
+        **job.summary(last, state),
         "wall_s": time.perf_counter() - t0,
         "metrics": str(comps.logger.dir / "metrics.jsonl"),
         "tensorboard": str(comps.logger.tb_dir),
     }
-    reward = summary["final_reward"]
-    result = f"final train/reward {reward:.3f}" if reward is not None else "no step left to run (run complete)"
+    steps = "steps" if job.label == "GRPO" else f"{job.label} steps"
     console.print(
-        f"[bold green]done[/]: {summary['steps']} steps in {summary['wall_s']:.0f}s, {result}\n"
+        f"[bold green]done[/]: {summary['steps']} {steps} in {summary['wall_s']:.0f}s, {job.result_line(summary)}\n"
         f"  metrics:     {summary['metrics']}\n  tensorboard: {summary['tensorboard']}\n"
         f"  checkpoints: {comps.checkpointer.dir if cfg.checkpointing.enabled else '(disabled)'}",
         soft_wrap=True,  # a long path stays on its line

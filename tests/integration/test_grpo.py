@@ -46,12 +46,14 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
     if timeline.exists():  # every actor call of the run, each worker's row named after its actor class
         events = json.loads(timeline.read_text())
         rows = " ".join(e["args"]["name"] for e in events if e["ph"] == "M")
-        # colocated on CPU with one policy worker, the engine runs in that worker's process (same_process=null)
-        assert "VllmEngineWorker" not in rows and "DTensorPolicyWorker" in rows, rows
+        # colocated: the engine runs in an actor of its own beside the policy's worker, on CPU as on a GPU
+        assert "VllmEngineWorker" in rows and "DTensorPolicyWorker" in rows, rows
         calls = [e["cat"] for e in events if e["ph"] == "X" and e["cat"].startswith("task::")]
-        # 3 steps and 3 validations (steps 0, 2, 3) generate; every step trains and loads the engine in that call
-        assert calls.count("task::DTensorPolicyWorkerWithEngine.hosted_generate") >= 6, sorted(set(calls))
-        assert calls.count("task::DTensorPolicyWorkerWithEngine.train_and_load_engine") == 3, sorted(set(calls))
+        # 3 steps and 3 validations (steps 0, 2, 3) generate; every step trains; the tiny model's refit is one
+        # bucket, loaded before the validations at steps 0, 2 and 3 and before step 2's generation
+        assert calls.count("task::VllmEngineWorker.generate") >= 6, sorted(set(calls))
+        assert calls.count("task::DTensorPolicyWorker.train") == 3, sorted(set(calls))
+        assert calls.count("task::VllmEngineWorker.load_bucket") == 4, sorted(set(calls))
         phases = [e["name"] for e in events if e["ph"] == "X" and e["pid"] == "rlpost driver"]  # the driver's
         assert phases.count("total_step_time") == 3 and phases.count("policy_training") == 3, sorted(set(phases))
         assert str(timeline) in out.stderr
@@ -66,11 +68,8 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
     # A refit before the first generation: in step 1, or before the validation at step 0 (val_at_start).
     first_refit = steps[0] if "grpo.val_at_start=true" not in extra else lines[0]
     assert "timing/train/refit" in first_refit or "timing/validation/refit" in first_refit
-    # Colocated vLLM on the CPU: from step 2 on, the training call ended with the engine (in the policy worker's
-    # process) loading the update, and the step waited for no refit (the engine stayed on policy: token_mult_prob_error
-    # above).
-    background = ["timing/train/refit_background" in m for m in steps]
-    assert background == ([False, True, True] if name == "dtensor-vllm-token-colocated" else [False] * 3), background
+    # Step 2 generates after step 1's update: its refit is on the step's clock (every layout, the same path).
+    assert "timing/train/refit" in steps[1]
     # The split vLLM run overlaps generation and training (4 chunks); the KL run needs a reference pass first.
     assert [m.get("train/overlap_chunks") for m in steps] == [4.0 if name == "dtensor-vllm-token-split" else None] * 3
     if val:
@@ -182,20 +181,17 @@ def test_a_killed_engine_actor_stops_async_grpo_with_its_name(cache: Path, tmp_p
 
 
 def test_an_overlapped_step_equals_the_unoverlapped_one(cache: Path, tmp_path: Path) -> None:
-    # Generation and training overlapped (asked for: the engine is colocated on the CPU here; 4 chunks of 2 groups)
-    # give the same samples as the plain step (vLLM seeds each group's request), the same loss and metrics, and the
-    # same weights. (The split covering run above overlaps by default.) The plain run sends step 2's generation
-    # behind the refit of step 1's update (prefetch.py): step 2 is the same too, so it ran on the new weights. The
-    # plain run also hosts its engine in the policy worker's process (same_process=null), the overlapped one gives
-    # it an actor of its own (overlap needs two processes): the same samples and updates either way.
-    common = [*SMALL, "grpo.max_num_steps=2", "grpo.val_period=0", "checkpointing.save_period=1",
+    # With the engine on its own worker, generation and training overlapped (4 chunks of 2 groups) give the same
+    # samples as the plain step (vLLM seeds each group's request), the same loss and metrics, and the same weights,
+    # at step 2 too, generated after step 1's update.
+    split = ["cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
+             "policy.generation.colocated.resources.gpus_per_node=1"]
+    common = [*SMALL, *split, "grpo.max_num_steps=2", "grpo.val_period=0", "checkpointing.save_period=1",
               "checkpointing.metric_name=train:reward"]
     runs = {how: tmp_path / how for how in ("overlapped", "plain")}
     train(runs["overlapped"], cache, *common, "grpo.overlap_generation_and_training=true")
-    train(runs["plain"], cache, *common)
+    train(runs["plain"], cache, *common, "grpo.overlap_generation_and_training=false")
     rows = {how: [m for m in metrics(runs[how]) if "train/loss" in m] for how in runs}
-    assert [m.get("train/prefetched_generation") for m in rows["plain"]] == [None, 1.0]
-    assert [m.get("train/prefetched_generation") for m in rows["overlapped"]] == [None, None]
     for step, (a, b) in enumerate(zip(rows["overlapped"], rows["plain"], strict=True), start=1):
         assert a["train/overlap_chunks"] == 4.0 and "train/overlap_chunks" not in b
         assert a["train/reward"] == b["train/reward"] and a["train/mean_gen_length"] == b["train/mean_gen_length"]
@@ -206,7 +202,7 @@ def test_an_overlapped_step_equals_the_unoverlapped_one(cache: Path, tmp_path: P
         wa, wb = _weights(runs["overlapped"], step), _weights(runs["plain"], step)
         assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-6  # type: ignore[operator]
     assert rows["plain"][0]["train/grad_norm"] > 0  # step 1 changed the weights step 2 was generated with
-    # the checkpoint stores the position after the step's own prompts, not after the prompts sent ahead
+    # the checkpoint stores the position after the step's own prompts
     assert json.loads((runs["plain"] / "checkpoints" / "step_1" / "train_dataloader.json").read_text()) == \
         {"epoch": 0, "index": 1}
 

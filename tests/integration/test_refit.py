@@ -64,14 +64,6 @@ def assert_corrupted_refit_is_caught(policy: Policy, engine: VllmGeneration, mon
         refit_policy_generation(policy, engine, True, "float32")
 
 
-def count_driver_loads(engine: VllmGeneration, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that gets an item for every refit load the driver makes on `engine` from now on."""
-    loads: list[int] = []
-    real_load = engine.update_weights_from_buckets
-    monkeypatch.setattr(engine, "update_weights_from_buckets", lambda b: loads.append(1) or real_load(b))
-    return loads
-
-
 def mult_prob_error(policy: Policy, gen_out: BatchedDataDict) -> float:
     lp_train = policy.get_logprobs(BatchedDataDict(input_ids=gen_out["output_ids"],
                                                    input_lengths=gen_out["unpadded_sequence_lengths"]))["logprobs"]
@@ -111,146 +103,10 @@ def test_refit_keeps_engine_on_policy_with_tp2(ray_local: None, tiny_model_dir: 
             gen_cluster.shutdown()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_training_call_leaves_the_next_one_bucket_refit_written(ray_local: None, tiny_model_dir: Path, tp: int,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """After one refit that fit one shared-memory bucket, each training call also stages the export of the weights
-    it produced, so the next refit makes no stage call on the policy: the engine loads the trained weights (on
-    policy after one and after two updates), and a corrupted load is still caught."""
-    pcfg, gcfg = configs(tiny_model_dir, f"cluster.gpus_per_node={tp}", f"policy.dtensor_cfg.tensor_parallel_size={tp}")
-    cluster = RayVirtualCluster(f"prestage-{tp}", tp, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
-    policy = Policy(cluster, pcfg)
-    engine = VllmGeneration(gcfg, cluster)
-    calls: list[str] = []
-    real_run_all = policy.worker_group.run_all
-
-    def run_all(method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        calls.append(method)
-        return real_run_all(method, *args, **kwargs)
-
-    monkeypatch.setattr(policy.worker_group, "run_all", run_all)
-    try:
-        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
-        refit_policy_generation(policy, engine, True, "float32")
-        assert "stage_export" in calls  # the first refit stages on its own
-        for updates in (1, 2):
-            out = engine.generate(prompts())
-            for _ in range(updates):
-                train_once(policy, out)
-            assert mult_prob_error(policy, out) > 1.01  # the engine is behind
-            calls.clear()
-            refit_policy_generation(policy, engine, True, "float32")
-            assert "stage_export" not in calls and "clear_export" not in calls, calls
-            assert mult_prob_error(policy, engine.generate(prompts())) <= 1.0001
-        train_once(policy, engine.generate(prompts()))
-        assert_corrupted_refit_is_caught(policy, engine, monkeypatch)
-    finally:
-        engine.shutdown()
-        policy.shutdown()
-        cluster.shutdown()
-
-
-def test_engines_load_the_training_calls_export_without_the_driver(ray_local: None, tiny_model_dir: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """GRPO's colocated refit after the first: the engines are sent the training call's pending result with the call
-    itself (EngineWeights through Policy.on_stage_submitted), so they load its staged export as soon as it exists;
-    the driver makes no refit call of its own (no bucket load, no stage), the engine is on policy after `sync`, and a
-    corrupted load still fails the fingerprint check there."""
-    from types import SimpleNamespace
-
-    from rlpost.algorithms.engine_weights import EngineWeights
-    from rlpost.runtime.timer import Timer
-
-    pcfg, gcfg = configs(tiny_model_dir)
-    _, master = load_master_config([])
-    cluster = RayVirtualCluster("chained", 1, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
-    policy = Policy(cluster, pcfg)
-    engine = VllmGeneration(gcfg, cluster)
-    timer = Timer()
-    weights = EngineWeights(SimpleNamespace(cfg=master, policy=policy, generation=engine, colocated=True), timer)
-    try:
-        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
-        weights.refit()  # the first refit stages on its own; from now on each training call writes its export
-        driver_loads = count_driver_loads(engine, monkeypatch)
-        for _ in range(2):
-            out = engine.generate(prompts())
-            train_once(policy, out)
-            weights.policy_updated()
-            assert mult_prob_error(policy, out) > 1.01  # the weights really changed
-            timer.reset()
-            weights.sync()
-            assert weights.engine_version == weights.policy_version and driver_loads == []
-            assert timer.times["refit_background"] > 0  # the engines' own load
-            assert mult_prob_error(policy, engine.generate(prompts())) <= 1.0001
-        monkeypatch.setenv("RLPOST_FAULT_CORRUPT_REFIT", "model.layers.0.mlp.up_proj.weight")
-        train_once(policy, engine.generate(prompts()))
-        weights.policy_updated()
-        with pytest.raises(FingerprintMismatch):
-            weights.sync()
-    finally:
-        engine.shutdown()
-        policy.shutdown()
-        cluster.shutdown()
-
-
-def test_a_hosted_engine_loads_each_update_inside_the_training_call(ray_local: None, tiny_model_dir: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """policy.generation.colocated.same_process: the engine lives in the policy worker's own process, and each
-    training call ends with the engine loading the update it made (no refit call, no load through the driver): the
-    engine is on policy after every update, and a corrupted load fails the fingerprint check in the driver."""
-    from types import SimpleNamespace
-
-    import ray
-
-    from rlpost.algorithms.engine_weights import EngineWeights
-    from rlpost.models.generation.hosted_engine import EngineHostMixin
-    from rlpost.models.generation.vllm_generation import actor_env
-    from rlpost.runtime.timer import Timer
-
-    pcfg, gcfg = configs(tiny_model_dir)
-    _, master = load_master_config([])
-    cluster = RayVirtualCluster("hosted", 1, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
-    policy = Policy(cluster, pcfg, host_mixin=EngineHostMixin, engine_env=actor_env(gcfg.vllm_cfg, False))
-    engine = VllmGeneration(gcfg, cluster, hosts=policy.hosts)
-    timer = Timer()
-    weights = EngineWeights(SimpleNamespace(cfg=master, policy=policy, generation=engine, colocated=True), timer)
-    try:
-        engine.wait_started()
-        (host,) = policy.hosts
-        assert ray.get(host.engine_call.remote("info"), timeout=60)["pid"] == ray.get(
-            host.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=60)  # one process
-        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
-        weights.refit()  # the engine starts from the checkpoint's weights: the first refit checks them
-        driver_loads = count_driver_loads(engine, monkeypatch)
-        for _ in range(2):
-            out = engine.generate(prompts())
-            train_once(policy, out)
-            weights.policy_updated()
-            assert mult_prob_error(policy, out) > 1.01  # the weights really changed
-            assert weights.engine_version == weights.policy_version and weights.load_sent()
-            timer.reset()
-            weights.sync()
-            assert driver_loads == [] and timer.times["refit"] == 0.0 and timer.times["refit_background"] > 0
-            assert mult_prob_error(policy, engine.generate(prompts())) <= 1.0001
-        monkeypatch.setenv("RLPOST_FAULT_CORRUPT_REFIT", "model.layers.0.mlp.up_proj.weight")
-        train_once(policy, engine.generate(prompts()))
-        with pytest.raises(FingerprintMismatch):
-            weights.policy_updated()
-    finally:
-        engine.shutdown()
-        policy.shutdown()
-        cluster.shutdown()
-
-
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["broadcast", "shared-memory"])
 def test_staged_refit_sends_the_staged_weights_while_the_next_update_trains(ray_local: None,
-                                                                            tiny_model_dir: Path,
-                                                                            shared_memory: bool) -> None:
+                                                                            tiny_model_dir: Path) -> None:
     """Async GRPO's refit: the weights staged after update 1 reach the engine while update 2 trains on the same
-    actor, and they are update 1's, not a mix: broadcast from the policy's 'refit' concurrency group (GPU,
-    several nodes), or loaded by the engine from rank 0's shared-memory segment (one node, CPU)."""
-    from rlpost.algorithms.refit import load_buckets
-
+    actor, and they are update 1's, not a mix: broadcast from the policy's 'refit' concurrency group."""
     pcfg, gcfg = configs(tiny_model_dir)
     train_cluster = RayVirtualCluster("staged-train", 1, cpus_per_bundle=0.4)
     gen_cluster = RayVirtualCluster("staged-gen", 1, cpus_per_bundle=0.2)
@@ -262,15 +118,12 @@ def test_staged_refit_sends_the_staged_weights_while_the_next_update_trains(ray_
         engine.prepare_refit_info(policy.prepare_refit_info("float32"))
         out0 = engine.generate(prompts())
         train_once(policy, out0)
-        staged = policy.stage_weights("float32", shared_memory=shared_memory)
-        assert (policy.staged_buckets() is not None) == shared_memory
+        staged = policy.stage_weights("float32")
         big = BatchedDataDict({k: torch.cat([v] * 8) for k, v in out0.items()})  # a longer second update
         second = threading.Thread(target=train_once, args=(policy, big))
         second.start()
 
         def refit() -> str:
-            if shared_memory:  # the engine reads the segment itself: the policy actor is not involved
-                return load_buckets(engine, policy.staged_buckets())  # type: ignore[arg-type]
             futures = engine.update_weights_from_collective_async()
             sent = policy.wait_broadcast(policy.broadcast_staged_async())
             return engine.wait_collective_update(futures, expected=sent)  # raises unless both sides agree
@@ -280,65 +133,6 @@ def test_staged_refit_sends_the_staged_weights_while_the_next_update_trains(ray_
         after = refit()  # update 2 is done: a copy that aliased the live weights would now send update 2's
         assert during == after == staged
         assert policy.stage_weights("float32") != staged  # update 2 changed the policy, not the staged copy
-    finally:
-        engine.shutdown()
-        policy.shutdown()
-        train_cluster.shutdown()
-        gen_cluster.shutdown()
-
-
-def test_training_calls_stage_updates_into_alternating_slots(ray_local: None, tiny_model_dir: Path) -> None:
-    """Async GRPO on one node: each training call also stages its update for the engines, update v into
-    shared-memory slot v % 2. The engine loads update 1 from slot 1 while update 2 trains and writes slot 0: it
-    gets update 1 exactly (not a mix with update 2), and slot 0 then holds update 2, the policy's weights."""
-    from rlpost.algorithms.refit import load_buckets
-
-    pcfg, gcfg = configs(tiny_model_dir)
-    train_cluster = RayVirtualCluster("slots-train", 1, cpus_per_bundle=0.4)
-    gen_cluster = RayVirtualCluster("slots-gen", 1, cpus_per_bundle=0.2)
-    policy = Policy(train_cluster, pcfg)
-    engine = VllmGeneration(gcfg, gen_cluster)
-    loss = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0))
-
-    def data(gen_out: BatchedDataDict) -> BatchedDataDict:
-        ids = gen_out["output_ids"]
-        n, s = ids.shape
-        return BatchedDataDict(input_ids=ids, input_lengths=gen_out["unpadded_sequence_lengths"],
-                               token_mask=(gen_out["logprobs"] != 0).float(), sample_mask=torch.ones(n),
-                               advantages=torch.randn(n, 1, generator=torch.Generator().manual_seed(1)).expand(n, s),
-                               generation_logprobs=gen_out["logprobs"], prev_logprobs=gen_out["logprobs"])
-
-    try:
-        assert policy.stages_in_shared_memory
-        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
-        out0 = engine.generate(prompts())
-        _, slot1, staging_s = policy.train_and_stage_weights(data(out0), loss, "float32", 1)
-        assert staging_s > 0
-        update1 = policy.stage_weights("float32", shared_memory=False)  # the policy now: update 1
-        assert slot1.fingerprint == update1
-        big = data(BatchedDataDict({k: torch.cat([v] * 8) for k, v in out0.items()}))  # a longer second update
-        second: dict[str, Any] = {}
-        thread = threading.Thread(target=lambda: second.update(
-            zip(("result", "slot", "s"), policy.train_and_stage_weights(big, loss, "float32", 0), strict=True)))
-        thread.start()
-        assert load_buckets(engine, slot1) == update1  # while update 2 trains and stages into slot 0
-        thread.join(timeout=300)
-        update2 = policy.stage_weights("float32", shared_memory=False)
-        assert update2 != update1 and second["slot"].fingerprint == update2
-        assert load_buckets(engine, second["slot"]) == update2
-        assert load_buckets(engine, slot1) == update1  # slot 1 still holds update 1
-        # The collector sends a batch's generation right behind its load and checks the load afterwards: the engine
-        # runs its calls in the order sent, so that generation sees the loaded weights.
-        assert engine.runs_calls_in_order
-        assert load_buckets(engine, second["slot"]) == update2
-        with_update2 = engine.generate(prompts(), greedy=True)
-        futures = engine.load_staged_copy_async(slot1)
-        chained = engine.send_generate(prompts(), greedy=True)()
-        fingerprint, load_s = engine.wait_staged_copy(futures, slot1.fingerprint)
-        assert fingerprint == update1 and load_s > 0
-        with_update1 = engine.generate(prompts(), greedy=True)
-        assert torch.equal(chained["logprobs"], with_update1["logprobs"])
-        assert not torch.equal(chained["logprobs"], with_update2["logprobs"])
     finally:
         engine.shutdown()
         policy.shutdown()
@@ -404,7 +198,7 @@ def test_refit_in_small_buckets_never_passes_through_the_driver(
         refit_policy_generation(policy, engine, True, "float32", refit_buffer_size_gb=bucket_gb)
         monkeypatch.setattr(ray, "get", real_get)
         assert exported[0].count >= 3  # the buffer bound really split the model
-        assert exported[0].shared_memory  # one node: through rank 0's reusable segment, not the object store
+        assert exported[0].ipc  # one node: through rank 0's reusable IPC buffer, not the object store
         assert sum(received) < 0.01 * model_bytes, (sum(received), model_bytes)
         err = mult_prob_error(policy, engine.generate(prompts()))
         assert err <= 1.0001, err

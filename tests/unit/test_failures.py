@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import ray.exceptions
 
-from rlpost.algorithms.grpo import HealthCheckError, call_timeout_for
+from rlpost.algorithms.loop import HealthCheckError, call_timeout_for
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.data.datasets import DataError

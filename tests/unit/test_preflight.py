@@ -339,25 +339,3 @@ def test_an_answer_math_verify_cannot_parse_is_named_by_file_and_line(tmp_path: 
     train.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError, match=rf"{re.escape(str(train))}:7: expected_answer='\?\?\?': math-verify cannot parse"):
         preflight_checks(math_data(train), tmp_path / "run")
-
-
-def test_prefetch_asked_for_on_a_gpu_is_refused() -> None:
-    from rlpost.preflight import check_prefetch
-
-    _, cfg = load_master_config(["grpo.prefetch_generation=true", "cluster.device=cuda"])
-    with pytest.raises(ConfigError) as err:
-        check_prefetch(cfg)
-    assert err.value.key == "grpo.prefetch_generation" and "on a GPU" in str(err.value)
-    _, auto = load_master_config(["cluster.device=cuda"])
-    check_prefetch(auto)  # null: applies where it can (the run decides by its refit)
-
-
-def test_a_hosted_engine_asked_for_on_a_gpu_is_refused() -> None:
-    from rlpost.preflight import check_same_process
-
-    _, cfg = load_master_config(["policy.generation.colocated.same_process=true", "cluster.device=cuda"])
-    with pytest.raises(ConfigError) as err:
-        check_same_process(cfg)
-    assert err.value.key == "policy.generation.colocated.same_process" and "on a GPU" in str(err.value)
-    _, auto = load_master_config(["cluster.device=cuda"])
-    check_same_process(auto)  # null: the engine gets an actor of its own on a GPU

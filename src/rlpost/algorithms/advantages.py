@@ -52,7 +52,7 @@ def calculate_baseline_and_std_per_prompt(
     if rewards.numel() == 0:
         return rewards.clone(), torch.zeros_like(rewards)
     # In numpy: a step's baselines are a few dozen operations on [G, n, n] arrays of a few hundred numbers, and a
-    # numpy operation costs a fraction of a torch one's dispatch (1.6 ms a step in the driver, with torch).
+    # numpy operation costs a fraction of a torch one's dispatch, which would dominate on arrays this small.
     rewards_f = rewards.detach().to("cpu", torch.float64).numpy()  # [B]
     valid = valid_mask.detach().to("cpu", torch.float64).numpy()  # [B]
     index, real = _padded_groups(_group_ids(prompts))

@@ -66,7 +66,7 @@ def write_checkpoint(checkpointer: CheckpointManager, policy: Any, step: int, sa
 
 
 def saved_metrics_row(last: Path) -> dict[str, float] | None:
-    """The metrics row checkpoint `last` recorded (None for a checkpoint written before rows were kept)."""
+    """The metrics row checkpoint `last` recorded (None when it holds none: written without a `metrics_row`)."""
     path = last / METRICS_ROW
     if not path.exists():
         return None

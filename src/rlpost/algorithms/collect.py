@@ -22,8 +22,9 @@ from rlpost.algorithms.advantages import (
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
 from rlpost.algorithms.grpo_setup import GRPOComponents
 from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
-from rlpost.algorithms.rollouts import RolloutBatch, SentRollout, receive_rollout, send_rollout
+from rlpost.algorithms.rollouts import RolloutBatch
 from rlpost.config.schema.grpo import GRPOConfig
+from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.runtime.timer import Timer
 
 
@@ -67,14 +68,6 @@ def step_samples(components: GRPOComponents, rows: list[dict[str, Any]], step: i
     return repeated, group_ids, sample_seeds(components.cfg.grpo.seed, step, len(repeated), salt=salt)
 
 
-def send_step_generation(components: GRPOComponents, rows: list[dict[str, Any]], step: int) -> SentRollout:
-    """Step `step`'s single-turn generation of `rows` (its first batch, as `collect_batch` would make it), sent to
-    the engine now; `collect_batch(..., sent=)` receives it."""
-    repeated, group_ids, seeds = step_samples(components, rows, step)
-    return send_rollout(repeated, group_ids, components.generation, components.tokenizer,
-                        turn_settings(components.cfg).greedy, seeds)
-
-
 @dataclass
 class Collected:
     """The step's batch and what it took to get it."""
@@ -88,6 +81,18 @@ class Collected:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class TrainedBatch:
+    """A GRPO step's batch, trained: what the step loop books and logs."""
+
+    collected: Collected
+    train_data: BatchedDataDict
+    """The whole batch's training tensors (for the step's metrics and save state)."""
+    advantages: torch.Tensor
+    results: dict[str, Any]
+    """The policy's training result for the whole batch."""
+
+
 def collect_batch(
     components: GRPOComponents,
     rows: list[dict[str, Any]],
@@ -95,28 +100,20 @@ def collect_batch(
     step: int,
     timer: Timer,
     sync_weights: Callable[[], None],
-    sent: SentRollout | None = None,
 ) -> Collected:
     """Generate and score `rows` (and, with dynamic sampling, more from `next_rows`) until the batch
-    is full. `sync_weights` refits the engine when its weights are stale (a no-op otherwise). `sent`: the
-    generation of `rows`, already sent to the engine (`send_step_generation`, rlpost.algorithms.prefetch)."""
+    is full. `sync_weights` refits the engine when its weights are stale (a no-op otherwise)."""
     grpo_cfg = components.cfg.grpo
     sampler = (DynamicSampler(grpo_cfg.num_prompts_per_step * grpo_cfg.num_generations_per_prompt,
                               grpo_cfg.dynamic_sampling_max_gen_batches) if grpo_cfg.use_dynamic_sampling else None)
     generated: list[torch.Tensor] = []
     while True:
-        label = f"step {step}"
-        if sent is not None:
-            sync_weights()  # the refit it was sent behind: waited for and its fingerprint checked first
-            rollout = receive_rollout(sent, components.tokenizer, components.envs, timer, label)
-            sent = None
-        else:
-            repeated, group_ids, seeds = step_samples(components, rows, step, sampler.gen_batches if sampler else 0)
-            sync_weights()
-            # books "generation" and "reward_calculation" (scoring) apart; warns on slow rewards
-            rollout = run_rollouts(repeated, group_ids, components.generation, components.tokenizer, components.envs,
-                                   turn_settings(components.cfg), components.cfg.generation.async_rollouts(),
-                                   seeds=seeds, timer=timer, label=label)
+        repeated, group_ids, seeds = step_samples(components, rows, step, sampler.gen_batches if sampler else 0)
+        sync_weights()
+        # books "generation" and "reward_calculation" (scoring) apart; warns on slow rewards
+        rollout = run_rollouts(repeated, group_ids, components.generation, components.tokenizer, components.envs,
+                               turn_settings(components.cfg), components.cfg.generation.async_rollouts(),
+                               seeds=seeds, timer=timer, label=f"step {step}")
         with timer.time("generation"):
             components.generation.finish_generation()
         generated.append(rollout.rewards)

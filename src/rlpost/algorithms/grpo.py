@@ -2,32 +2,33 @@
 
 Public names: GRPOConfig, GRPOSaveState, GRPOLoggerConfig, MasterConfig (typed dataclasses),
 setup, grpo_train, validate, refit_policy_generation, _should_use_async_rollouts.
-`grpo_train` reads as DESIGN §4, one named phase each: collect_batch (refit when stale, generate, score,
-dynamic sampling) -> prepare (advantages, train data) -> logprobs -> train -> record (save state, health
-gate) and checkpoint.
+
+`grpo_step` is one step of docs/architecture.md, read top to bottom: collect_batch (refit when stale, generate,
+score, dynamic sampling) -> prepare (advantages, train data) -> logprobs -> train. `GRPO` runs it in the shared step
+loop (rlpost.algorithms.loop), which validates, gates, checkpoints and logs; with generation and training overlapped
+(`GRPOComponents.overlap`, decided at setup) the step is rlpost.algorithms.overlap's instead.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from rlpost.algorithms.checkpoint_io import record_checkpoint_metric, write_checkpoint
-from rlpost.algorithms.collect import collect_batch, validation_seeds
-from rlpost.algorithms.deadline import SaveDeadline
+from rlpost.algorithms.collect import TrainedBatch, collect_batch, validation_seeds
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
 from rlpost.algorithms.engine_weights import EngineWeights
 from rlpost.algorithms.grpo_setup import GRPOComponents, setup
+from rlpost.algorithms.loop import DriftLimits, HealthCheckError, LoopParts, Schedule, StepLoop, StepResult
 from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
 from rlpost.algorithms.overlap import overlapped_step
-from rlpost.algorithms.prefetch import NextGeneration
 from rlpost.algorithms.prepare import prepare
 from rlpost.algorithms.refit import refit_policy_generation
-from rlpost.algorithms.rollouts import RolloutBatch, SentRollout
+from rlpost.algorithms.rollouts import RolloutBatch
 from rlpost.config.schema.grpo import GRPOConfig, GRPOSaveState, _default_grpo_save_state
 from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.master import MasterConfig
@@ -39,6 +40,7 @@ __all__ = [
     "GRPOConfig",
     "GRPOSaveState",
     "GRPOLoggerConfig",
+    "HealthCheckError",
     "MasterConfig",
     "_default_grpo_save_state",
     "_should_use_async_rollouts",
@@ -48,10 +50,6 @@ __all__ = [
     "setup",
     "validate",
 ]
-
-
-class HealthCheckError(RuntimeError):
-    """The trainer and the engine disagree too much (token_mult_prob_error above the abort threshold)."""
 
 
 def _should_use_async_rollouts(master_config: MasterConfig) -> bool:
@@ -115,56 +113,36 @@ def save_checkpoint(components: GRPOComponents, step: int, metrics: dict[str, fl
                      ck.save_consolidated, metrics_row if metrics_row is not None else metrics)
 
 
-def _health_gate(components: GRPOComponents, metrics: dict[str, float], step: int, same_weights: bool = True) -> None:
-    """Stop before a broken step is checkpointed: non-finite loss or grad norm, or engine/trainer drift (checked
-    only when the engine generated the batch with the trainer's current weights)."""
-    check_finite(metrics, step, components.cfg)
-    err = metrics.get("train/token_mult_prob_error")
-    if err is None or not same_weights:
-        return
-    grpo_cfg = components.cfg.grpo
-    if err > grpo_cfg.token_mult_prob_error_abort_threshold:
-        raise HealthCheckError(
-            f"step {step}: train/token_mult_prob_error={err:.4f} > abort threshold "
-            f"{grpo_cfg.token_mult_prob_error_abort_threshold} (grpo.token_mult_prob_error_abort_threshold): "
-            "the engine's and the trainer's logprobs disagree; check refit and precision"
-        )
-    if err > grpo_cfg.token_mult_prob_error_warn_threshold:
-        metrics["train/health_warnings"] = 1.0
-        say.warn(
-            f"step {step}: train/token_mult_prob_error={err:.4f} > warn threshold "
-            f"{grpo_cfg.token_mult_prob_error_warn_threshold} (grpo.token_mult_prob_error_warn_threshold)"
-        )
+def loop_parts(components: GRPOComponents) -> LoopParts:
+    """What the shared step loop uses of a GRPO run (sync or async)."""
+    cfg = components.cfg
+    g = cfg.grpo
+    return LoopParts(
+        logger=components.logger, checkpointing=cfg.checkpointing, cluster=cfg.cluster,
+        started_at=components.started_at, total_steps=lambda: components.save_state.total_steps,
+        lr=cfg.policy.optimizer.kwargs.get("lr", "?") if cfg.policy.optimizer is not None else "?",
+        timeouts=[components.policy, components.generation],
+        gpu_memory=components.policy if cfg.logger.monitor_gpus else None,
+        drift=DriftLimits(g.token_mult_prob_error_warn_threshold, g.token_mult_prob_error_abort_threshold),
+    )
 
 
-def check_finite(metrics: dict[str, float], step: int, cfg: Any) -> None:
-    """HealthCheckError when the step's loss or grad norm is not finite, or the update left non-finite weights
-    (the message names cfg.policy's lr)."""
-    broken = [f"{key}={metrics[key]} is not finite" for key in ("train/loss", "train/grad_norm")
-              if key in metrics and not math.isfinite(metrics[key])]
-    if metrics.get("train/params_finite") == 0.0:
-        broken.append("the policy's weights are no longer finite after the update")
-    if broken:
-        raise HealthCheckError(
-            f"step {step}: {broken[0]}; the run stopped before saving this step "
-            f"(policy.optimizer.kwargs.lr={cfg.policy.optimizer.kwargs.get('lr', '?')} may be too high; the last good "
-            "checkpoint is kept)"
-        )
+def schedule(grpo_cfg: GRPOConfig) -> Schedule:
+    return Schedule(grpo_cfg.max_num_steps, grpo_cfg.max_num_epochs, grpo_cfg.val_period, grpo_cfg.val_at_start)
 
 
-def call_timeout_for(cluster_cfg: Any, slowest_step_s: float) -> float:
-    """step_timeout_factor x the slowest step so far, within [min_call_timeout_s, call_timeout_s]."""
-    bound = cluster_cfg.step_timeout_factor * slowest_step_s
-    return min(max(bound, cluster_cfg.min_call_timeout_s), cluster_cfg.call_timeout_s)
+# ---- the phases of one step (docs/architecture.md) -----------------------------------------------------------
 
 
-def _tighten_call_timeouts(components: GRPOComponents, slowest_step_s: float) -> None:
-    timeout = call_timeout_for(components.cfg.cluster, slowest_step_s)
-    components.policy.set_call_timeout(timeout)
-    components.generation.set_call_timeout(timeout)
-
-
-# ---- the phases of one step (DESIGN §4) ------------------------------------------------------------------
+def grpo_step(components: GRPOComponents, rows: list[dict[str, Any]], step: int, timer: Timer,
+              weights: EngineWeights) -> TrainedBatch:
+    """One synchronous GRPO step on the prompts `rows`: collect (refit when stale) -> prepare -> logprobs -> train."""
+    collected = collect_batch(components, rows, components.dataloader.next_batch, step, timer,
+                              lambda: weights.sync(timer))
+    train_data, advantages = prepare(components, collected.batch, timer)
+    logprobs(components, train_data, timer)
+    results = train(components, train_data, weights, timer)
+    return TrainedBatch(collected, train_data, advantages, results)
 
 
 def logprobs(components: GRPOComponents, train_data: BatchedDataDict, timer: Timer) -> None:
@@ -183,142 +161,87 @@ def logprobs(components: GRPOComponents, train_data: BatchedDataDict, timer: Tim
 
 def train(components: GRPOComponents, train_data: BatchedDataDict, weights: EngineWeights,
           timer: Timer) -> dict[str, Any]:
-    """Optimizer steps over the batch; the engine's weights are now behind the policy's. (No separate
-    `prepare_for_training` call: each backend's `train` brings the optimizer back and sets train mode itself, and
-    the call was a Ray round trip a step.)"""
+    """Optimizer steps over the batch; the engine's weights are now behind the policy's. (Each backend's `train`
+    brings the optimizer back and sets train mode itself: no separate `prepare_for_training` call.)"""
     with timer.time("policy_training"):
         results = components.policy.train(train_data, components.loss_fn)
         weights.policy_updated()
     return results
 
 
-def record(components: GRPOComponents, step: int, train_data: BatchedDataDict, metrics: dict[str, float],
-           loader_position: tuple[int, int], same_weights: bool = True) -> None:
-    """Advance the save state to this step and stop on a broken one (before it can be saved). `same_weights`:
-    the batch was generated by the weights the trainer held (false for async GRPO's older batches, whose
-    token_mult_prob_error measures the policy's drift, not a refit or precision fault)."""
-    save_state, grpo_cfg = components.save_state, components.cfg.grpo
-    save_state.current_epoch, save_state.current_step = loader_position
+def step_result(components: GRPOComponents, done: TrainedBatch, position: dict[str, int], last: bool,
+                same_weights: bool = True) -> StepResult:
+    """The loop's view of a trained GRPO batch: its metrics row so far, the loader position, its token counts."""
+    batch = done.collected.batch
+    metrics = {"train/reward": float(done.collected.generated_rewards.mean()),  # every sample generated
+               **_step_metrics(batch, done.train_data, done.advantages, done.results, done.collected.sampler)}
+    return StepResult(metrics, position, last, trained_tokens=float(done.train_data["input_lengths"].sum()),
+                      generated_tokens=float(batch.gen["generation_lengths"].sum()), same_weights=same_weights)
+
+
+def advance(components: GRPOComponents, step: int, train_data: BatchedDataDict, position: dict[str, int]) -> None:
+    """Move the save state to `step`, whose batch `train_data` was trained, the loader now at `position`."""
+    save_state = components.save_state
+    save_state.current_epoch, save_state.current_step = position["epoch"], position["index"]
     save_state.total_steps = step
-    save_state.consumed_samples += grpo_cfg.num_prompts_per_step
+    save_state.consumed_samples += components.cfg.grpo.num_prompts_per_step
     save_state.total_valid_tokens += int(valid_response_tokens(train_data).sum())
-    _health_gate(components, metrics, step, same_weights)
+
+
+class GRPO:
+    """Synchronous GRPO as the step loop's algorithm: the engine serves the policy's current weights at every step
+    (on-policy), refit before it generates."""
+
+    def __init__(self, components: GRPOComponents) -> None:
+        self.components = components
+        self.schedule = schedule(components.cfg.grpo)
+        self.weights = EngineWeights(components)
+        self.run_step = overlapped_step if components.overlap else grpo_step  # the strategy chosen at setup
+        self._trained: BatchedDataDict | None = None
+
+    def has_data(self) -> bool:
+        return self.components.dataloader.epochs_done() < self.schedule.max_num_epochs
+
+    def step(self, step: int, timer: Timer) -> StepResult:
+        loader = self.components.dataloader
+        done = self.run_step(self.components, loader.next_batch(), step, timer, self.weights)
+        self._trained = done.train_data
+        last = step >= self.schedule.max_num_steps or loader.epochs_done() >= self.schedule.max_num_epochs
+        return step_result(self.components, done, loader.state_dict(), last)
+
+    def validate(self, step: int, timer: Timer) -> dict[str, float]:
+        """Validation of what the engine serves: refit first (checked by fingerprint)."""
+        if step == 0:
+            took = self.weights.refit()
+            return {**validate(self.components, 0), "timing/validation/refit": took}
+        self.weights.sync(timer)
+        return validate(self.components, step)
+
+    def advance(self, step: int, result: StepResult) -> None:
+        assert self._trained is not None  # set by the step
+        advance(self.components, step, self._trained, result.position)
+        self.components.save_state.val_reward = result.metrics.get("validation/accuracy",
+                                                                   self.components.save_state.val_reward)
+
+    def save(self, step: int, metrics: dict[str, float], metrics_row: dict[str, float],
+             position: dict[str, int]) -> None:
+        save_checkpoint(self.components, step, metrics, loader_state=position, metrics_row=metrics_row)
+
+
+@contextmanager
+def grpo_loop(components: GRPOComponents) -> Iterator[StepLoop]:
+    """The step loop of a synchronous GRPO run."""
+    yield StepLoop(GRPO(components), loop_parts(components))
 
 
 def grpo_train(
     components: GRPOComponents, on_step: Callable[[int, dict[str, float]], None] | None = None
 ) -> GRPOSaveState:
     """Run GRPO until grpo.max_num_steps or grpo.max_num_epochs (or, with checkpointing.checkpoint_must_save_by,
-    until the next step would pass the wall-clock budget: then it saves and returns); the final save state.
-
-    Each step: collect a batch (refit when stale, dynamic sampling) -> prepare -> logprobs -> train ->
-    validate (every val_period) -> record and checkpoint -> log."""
-    cfg, grpo_cfg, save_state = components.cfg, components.cfg.grpo, components.save_state
-    timer = Timer()
-    slowest = 0.0
-    deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, components.started_at)
-    weights = EngineWeights(components, timer)
-    if grpo_cfg.val_at_start and save_state.total_steps == 0:
-        # Validate what the engine really serves: refit (with its fingerprint check) first.
-        took = weights.refit()
-        components.logger.log({**validate(components, 0), "timing/validation/refit": took}, 0)
-    loader = components.dataloader
-    next_generation = NextGeneration(components, weights)
-    sent: tuple[list[dict[str, Any]], SentRollout] | None = None  # this step's prompts, their generation under way
-    while sent is not None or (loader.epochs_done() < grpo_cfg.max_num_epochs
-                               and save_state.total_steps < grpo_cfg.max_num_steps):
-        prompt_rows, sent_rollout = sent if sent is not None else (loader.next_batch(), None)
-        sent = None
-        step = save_state.total_steps + 1
-        timer.reset()
-        step_t0 = time.perf_counter()
-        with timer.time("total_step_time"):
-            if components.overlap:  # the same phases, with generation and training overlapped (overlap.py)
-                done = overlapped_step(components, prompt_rows, step, timer, weights)
-                collected, train_data, advantages, results = done.collected, done.train_data, done.advantages, \
-                    done.results
-                last, position = _is_last(step, grpo_cfg, loader), loader.state_dict()
-            else:
-                collected = collect_batch(components, prompt_rows, loader.next_batch, step, timer, weights.sync,
-                                          sent_rollout)
-                train_data, advantages = prepare(components, collected.batch, timer)
-                logprobs(components, train_data, timer)
-                # after this step's prompts, before a prefetch takes the next step's
-                last, position = _is_last(step, grpo_cfg, loader), loader.state_dict()
-                if not last:  # a hosted engine gets it behind the training call (prefetch.py)
-                    next_generation.send_with_training(loader, step + 1)
-                results = train(components, train_data, weights, timer)
-            batch = collected.batch
-            if not last:  # the next step's generation goes to the engine now, behind the refit (prefetch.py)
-                sent = next_generation.send(loader, step + 1)
-            metrics = {"train/reward": float(collected.generated_rewards.mean()),  # every sample generated
-                       **_step_metrics(batch, train_data, advantages, results, collected.sampler)}
-            if sent_rollout is not None:
-                metrics["train/prefetched_generation"] = 1.0
-            deadline.step_took(time.perf_counter() - step_t0)
-            out_of_time = deadline.due() and not last
-            # Every val_period steps, and at the run's final step (so its last checkpoint has a validation score).
-            if on_schedule(grpo_cfg.val_period, step, last or out_of_time):
-                weights.sync()
-                val = validate(components, step)
-                metrics.update(val)
-                save_state.val_reward = val.get("validation/accuracy", save_state.val_reward)
-            record(components, step, train_data, metrics, (position["epoch"], position["index"]))
-            deadline.step_took(time.perf_counter() - step_t0)
-            if cfg.checkpointing.enabled and on_schedule(cfg.checkpointing.save_period, step, last or out_of_time):
-                save_step(components, step, metrics, timer, deadline, loader_state=position)
-        slowest = log_step(components, step, metrics, timer, train_data, batch, slowest, on_step)
-        if out_of_time:
-            say.info(deadline.message(step))
-            break
-    weights.finish()
-    return save_state
-
-
-def _is_last(step: int, grpo_cfg: GRPOConfig, loader: Any) -> bool:
-    """Whether `step`, whose prompts the loader has handed out, is the run's last (its step or epoch budget)."""
-    return step >= grpo_cfg.max_num_steps or loader.epochs_done() >= grpo_cfg.max_num_epochs
-
-
-def on_schedule(period: int, step: int, final: bool) -> bool:
-    """Whether a periodic action (validation, checkpoint) runs at `step`: every `period` steps (0 = never) and at
-    the run's final step."""
-    return period > 0 and (step % period == 0 or final)
-
-
-def save_step(components: GRPOComponents, step: int, metrics: dict[str, float], timer: Timer, deadline: SaveDeadline,
-              loader_state: dict[str, int] | None = None) -> None:
-    """Checkpoint the step (timed, and its duration told to the save deadline)."""
-    save_t0 = time.perf_counter()
-    with timer.time("checkpointing"):
-        save_checkpoint(components, step, metrics, loader_state=loader_state,
-                        metrics_row={**metrics, **timer.metrics("timing/train")})
-    deadline.save_took(time.perf_counter() - save_t0)
-
-
-def log_step(components: GRPOComponents, step: int, metrics: dict[str, float], timer: Timer,
-             train_data: BatchedDataDict, batch: RolloutBatch, slowest: float,
-             on_step: Callable[[int, dict[str, float]], None] | None) -> float:
-    """Throughput, the step's metrics row, call timeouts tightened to the slowest step, the on_step hook;
-    returns the slowest step time so far."""
-    if components.cfg.logger.monitor_gpus:
-        metrics.update(components.policy.gpu_memory_metrics())
-    metrics.update(_throughput(timer, train_data, batch))
-    components.logger.log(metrics, step)
-    slowest = max(slowest, timer.times["total_step_time"])
-    _tighten_call_timeouts(components, slowest)
-    if on_step is not None:
-        on_step(step, metrics)
-    return slowest
-
-
-def _throughput(timer: Timer, train_data: BatchedDataDict, batch: RolloutBatch) -> dict[str, float]:
-    metrics = timer.metrics("timing/train")
-    n_tok = float(train_data["input_lengths"].sum())
-    metrics["performance/tokens_per_sec"] = n_tok / max(timer.times["total_step_time"], 1e-9)
-    gen_tok = float(batch.gen["generation_lengths"].sum())
-    metrics["performance/generation_tokens_per_sec"] = gen_tok / max(timer.times.get("generation", 0.0), 1e-9)
-    return metrics
+    until the next step would pass the wall-clock budget: then it saves and returns); the final save state."""
+    with grpo_loop(components) as loop:
+        loop.run(on_step)
+    return components.save_state
 
 
 def valid_response_tokens(train_data: Any) -> torch.Tensor:

@@ -63,8 +63,7 @@ class GRPOComponents:
     colocated: bool = True
     overlap: bool = False
     """Synchronous steps overlap generation and training (rlpost.algorithms.overlap): where `Layout.overlap_chunk`
-    applies and the engine can run while the policy trains (split, or colocated on CPU)."""
-    extras: dict[str, Any] = field(default_factory=dict)
+    applies (the engine on its own workers)."""
     started_at: float = field(default_factory=time.monotonic)
     """time.monotonic() when setup began: checkpointing.checkpoint_must_save_by counts from here."""
     closed: bool = False
@@ -164,23 +163,12 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
             weights, optim = str(last / "policy" / "weights"), str(last / "policy" / "optimizer")
         loss_fn: LossFunction = build(_loss_config(cfg), key="loss_fn._target_")
         try:  # the workers load the checkpoint in their constructor; a failure shows on the first call
-            hosted = not lay.same_process_reason and not use_gpus
-            if hosted:  # the engine inside the policy's worker (hosted_engine): the policy's actor first
-                from rlpost.models.generation.hosted_engine import EngineHostMixin
-                from rlpost.models.generation.vllm_generation import actor_env
-
-                policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device, host_mixin=EngineHostMixin,
-                                 engine_env=actor_env(gen_cfg.vllm_cfg, use_gpus))  # type: ignore[attr-defined]
-                opened.insert(0, policy.shutdown)
-                generation: GenerationInterface = _engines(cfg, gen_cluster, hosts=policy.hosts)
-                opened.insert(0, generation.shutdown)
-            else:
-                # The engines first (the longest start: vLLM's imports and engine), then the policy's actors beside
-                # them: neither constructor waits for its actors (the policy's imports its worker class here, 0.9 s).
-                generation = _engines(cfg, gen_cluster)
-                opened.insert(0, generation.shutdown)
-                policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device)
-                opened.insert(1, policy.shutdown)  # closed after the engines, as before
+            # The engines first (the longest start: vLLM's imports and engine), then the policy's actors beside
+            # them: neither constructor waits for its actors.
+            generation = _engines(cfg, gen_cluster)
+            opened.insert(0, generation.shutdown)
+            policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device)
+            opened.insert(1, policy.shutdown)  # closed after the engines
             generation.wait_started()
             generation.finish_generation()
             if not colocated:
@@ -202,26 +190,25 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         val_rows=val_rows, loss_fn=loss_fn, logger=logger, checkpointer=checkpointer, save_state=save_state,
         tokenizer=tokenizer, processor=processor, envs=envs, model_fp=model_fp, config_dict=config_dict,
         colocated=colocated, started_at=started_at,
-        overlap=bool(lay.overlap_chunk) and (not colocated or device == "cpu"),
+        overlap=bool(lay.overlap_chunk),
     )
 
 
-def _engines(cfg: MasterConfig, cluster: RayVirtualCluster, **kwargs: Any) -> GenerationInterface:
+def _engines(cfg: MasterConfig, cluster: RayVirtualCluster) -> GenerationInterface:
     """The rollout engine built from `policy.generation._target_` (not waited for)."""
     return cast(GenerationInterface, build(
         cfg.generation, cluster, model_path=cfg.policy.model_name, timeout_s=cfg.cluster.call_timeout_s,
-        key="policy.generation._target_", hf_overrides=dict(cfg.policy.hf_config_overrides), **kwargs))
+        key="policy.generation._target_", hf_overrides=dict(cfg.policy.hf_config_overrides)))
 
 
 def _policy(cfg: MasterConfig, cluster: RayVirtualCluster, weights: str | None, optim: str | None,
-            loss_fn: LossFunction, device: str, host_mixin: type | None = None,
-            engine_env: dict[str, str] | None = None) -> Any:
+            loss_fn: LossFunction, device: str) -> ColocatablePolicyInterface:
     """The policy's workers (not waited for), loading the checkpoint at `weights` / `optim` when resuming."""
     from rlpost.models.policy.lm_policy import Policy
 
     return Policy(cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
                   init_reference_model=loss_fn.needs_reference_logprobs, device=device,
-                  timeout_s=cfg.cluster.call_timeout_s, host_mixin=host_mixin, engine_env=engine_env)
+                  timeout_s=cfg.cluster.call_timeout_s)
 
 
 def _checkpoint_load_failure(exc: BaseException) -> str | None:

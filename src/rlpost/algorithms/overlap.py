@@ -11,8 +11,7 @@ rounding, and the batch is on-policy.
 
 `rlpost.config.layout.overlap_chunk` says where this applies: one optimizer step per batch, no prev-logprobs or
 reference pass over the whole batch first, no dynamic sampling, ClippedPGLossFn (DTensor or Megatron workers,
-`rlpost.models.policy.train_parts`), and an engine that can run while the policy trains (split by default;
-colocated on CPU when asked).
+`rlpost.models.policy.train_parts`), and an engine on its own workers, which can run while the policy trains.
 """
 
 from __future__ import annotations
@@ -20,12 +19,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rlpost.algorithms.collect import Collected, step_samples
+from rlpost.algorithms.collect import Collected, TrainedBatch, step_samples
 from rlpost.algorithms.engine_weights import EngineWeights
 from rlpost.algorithms.grpo_setup import GRPOComponents
 from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
@@ -37,18 +35,6 @@ from rlpost.runtime.timer import Timer
 
 _POLL_S = 1.0
 """How often a wait for the next chunk checks that the generating thread is still alive."""
-
-
-@dataclass
-class OverlappedStep:
-    """What the step's phases up to training produce, as the unoverlapped step's do."""
-
-    collected: Collected
-    train_data: BatchedDataDict
-    """The whole batch's training tensors (for the step's metrics and save state)."""
-    advantages: torch.Tensor
-    results: dict[str, Any]
-    """The policy's training result for the whole batch."""
 
 
 def chunk_spans(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -68,14 +54,14 @@ def merge_rollout_metrics(parts: list[RolloutBatch]) -> dict[str, float]:
 
 
 def overlapped_step(components: GRPOComponents, rows: list[dict[str, Any]], step: int, timer: Timer,
-                    weights: EngineWeights) -> OverlappedStep:
+                    weights: EngineWeights) -> TrainedBatch:
     """Collect, prepare and train the step's batch with generation and training overlapped (module docstring).
     Books "generation" and "reward_calculation" (the generating thread's time), "data_processing" and
     "policy_training" (from the first part sent to the optimizer step's end); they overlap, so they add up to
     more than the step."""
     cfg = components.cfg
     repeated, group_ids, seeds = step_samples(components, rows, step)
-    weights.sync()
+    weights.sync(timer)
     spans = chunk_spans(len(repeated), layout_of(cfg).overlap_chunk)
     gen_timer = Timer()
     ready: queue.Queue[RolloutBatch | BaseException] = queue.Queue()
@@ -122,7 +108,7 @@ def overlapped_step(components: GRPOComponents, rows: list[dict[str, Any]], step
         _next_chunk(ready, thread)
     for name, seconds in gen_timer.times.items():
         timer.times[name] = timer.times.get(name, 0.0) + seconds
-    return OverlappedStep(Collected(batch, batch.rewards), train_data, torch.cat(advantages), results)
+    return TrainedBatch(Collected(batch, batch.rewards), train_data, torch.cat(advantages), results)
 
 
 def _single_turn_chunks(components: GRPOComponents, rows: list[dict[str, Any]], group_ids: torch.Tensor,

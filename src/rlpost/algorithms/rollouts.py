@@ -10,7 +10,6 @@ timed-out scoring prints one warning line naming the step and the env settings t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -205,33 +204,6 @@ def seeded_prompts(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBas
     if seeds is not None:
         batch["seeds"] = torch.tensor(seeds, dtype=torch.long)
     return batch
-
-
-@dataclass
-class SentRollout:
-    """A single-turn generation sent to the engine (`send_rollout`), not yet received."""
-
-    rows: list[dict[str, Any]]
-    group_ids: torch.Tensor
-    input_lengths: torch.Tensor
-    result: Callable[[], BatchedDataDict]
-    """Waits for the engine's output."""
-
-
-def send_rollout(rows: list[dict[str, Any]], group_ids: torch.Tensor, generation: GenerationInterface,
-                 tokenizer: PreTrainedTokenizerBase, greedy: bool = False,
-                 seeds: list[int] | None = None) -> SentRollout:
-    """Send the generation for `rows` to the engine (GenerationInterface.send_generate) and return at once."""
-    batch = seeded_prompts(rows, tokenizer, seeds)
-    return SentRollout(rows, group_ids, batch["input_lengths"], generation.send_generate(batch, greedy=greedy))
-
-
-def receive_rollout(sent: SentRollout, tokenizer: PreTrainedTokenizerBase, envs: dict[str, EnvironmentInterface],
-                    timer: Timer | None = None, label: str | None = None) -> RolloutBatch:
-    """Wait for a sent generation (booked under "generation") and score it (`finish_rollout`)."""
-    with _phase(timer, "generation"):
-        gen = sent.result()
-    return finish_rollout(sent.rows, sent.group_ids, sent.input_lengths, gen, tokenizer, envs, timer, label)
 
 
 def finish_rollout(

@@ -12,7 +12,8 @@ validation rows. The only algorithm-specific parts are the loss and how a row be
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -28,6 +29,7 @@ from rlpost.algorithms.checkpoint_io import (
     write_checkpoint,
 )
 from rlpost.algorithms.grpo_setup import close_all, set_seed
+from rlpost.algorithms.loop import LoopParts, Schedule, StepLoop, StepResult
 from rlpost.config.schema.supervised import SupervisedSaveState
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.data.dataloader import PromptLoader
@@ -224,53 +226,58 @@ def save_checkpoint(comps: SupervisedComponents, step: int, metrics: dict[str, f
                      metrics_row if metrics_row is not None else metrics)
 
 
+class Supervised:
+    """SFT / DPO / RM as the step loop's algorithm: one optimizer step on the next rows."""
+
+    def __init__(self, comps: SupervisedComponents) -> None:
+        self.comps = comps
+        loop = comps.cfg.loop
+        self.schedule = Schedule(loop.max_num_steps, loop.max_num_epochs, loop.val_period, loop.val_at_start)
+        self._rows = 0
+
+    def has_data(self) -> bool:
+        return self.comps.loader.epochs_done() < self.schedule.max_num_epochs
+
+    def step(self, step: int, timer: Timer) -> StepResult:
+        loader = self.comps.loader
+        rows = cast(list[Row], loader.next_batch())
+        self._rows = len(rows)
+        metrics = _train_step(self.comps, rows, timer)
+        last = step >= self.schedule.max_num_steps or loader.epochs_done() >= self.schedule.max_num_epochs
+        return StepResult(metrics, loader.state_dict(), last, trained_tokens=metrics["train/num_tokens"])
+
+    def validate(self, step: int, timer: Timer) -> dict[str, float]:
+        return {**validate(self.comps), **(self.comps.data_metrics if step == 0 else {})}
+
+    def advance(self, step: int, result: StepResult) -> None:
+        st = self.comps.save_state
+        st.total_steps, st.current_epoch, st.current_step = step, result.position["epoch"], result.position["index"]
+        st.consumed_samples += self._rows
+
+    def save(self, step: int, metrics: dict[str, float], metrics_row: dict[str, float],
+             position: dict[str, int]) -> None:
+        save_checkpoint(self.comps, step, metrics, metrics_row)
+
+
+@contextmanager
+def supervised_loop(comps: SupervisedComponents) -> Iterator[StepLoop]:
+    """The step loop of an SFT / DPO / RM run."""
+    cfg = comps.cfg
+    yield StepLoop(Supervised(comps), LoopParts(
+        logger=comps.logger, checkpointing=cfg.checkpointing, cluster=cfg.cluster, started_at=comps.started_at,
+        total_steps=lambda: comps.save_state.total_steps,
+        lr=cfg.policy.optimizer.kwargs.get("lr", "?") if cfg.policy.optimizer is not None else "?",
+        timeouts=[comps.policy], gpu_memory=comps.policy if cfg.logger.monitor_gpus else None))
+
+
 def supervised_train(comps: SupervisedComponents,
                      on_step: Callable[[int, dict[str, float]], None] | None = None) -> SupervisedSaveState:
     """Train until {algo}.max_num_steps or max_num_epochs (or, with checkpointing.checkpoint_must_save_by, until
     the next step would pass the wall-clock budget: then it saves and returns); validate every val_period steps
     and at the end; checkpoint every checkpointing.save_period steps and at the end."""
-    from rlpost.algorithms.deadline import SaveDeadline
-    from rlpost.algorithms.grpo import call_timeout_for, check_finite, on_schedule
-
-    cfg, loop, st, loader = comps.cfg, comps.cfg.loop, comps.save_state, comps.loader
-    deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, comps.started_at)
-    if loop.val_at_start and st.total_steps == 0:
-        comps.logger.log({**validate(comps), **comps.data_metrics}, 0)
-    timer = Timer()
-    slowest = 0.0
-    while loader.epochs_done() < loop.max_num_epochs and st.total_steps < loop.max_num_steps:
-        rows = cast(list[Row], loader.next_batch())
-        step = st.total_steps + 1
-        timer.reset()
-        step_t0 = time.perf_counter()
-        with timer.time("total_step_time"):
-            metrics = _train_step(comps, rows, timer)
-            last = step >= loop.max_num_steps or loader.epochs_done() >= loop.max_num_epochs
-            deadline.step_took(time.perf_counter() - step_t0)
-            out_of_time = deadline.due() and not last
-            if on_schedule(loop.val_period, step, last or out_of_time):
-                metrics.update(validate(comps))
-            st.total_steps, st.current_epoch, st.current_step = step, loader.epoch, loader.index
-            st.consumed_samples += len(rows)
-            check_finite(metrics, step, cfg)
-            if cfg.checkpointing.enabled and on_schedule(cfg.checkpointing.save_period, step, last or out_of_time):
-                save_t0 = time.perf_counter()
-                with timer.time("checkpointing"):
-                    save_checkpoint(comps, step, metrics, {**metrics, **timer.metrics("timing/train")})
-                deadline.save_took(time.perf_counter() - save_t0)
-        metrics.update(timer.metrics("timing/train"))
-        metrics["performance/tokens_per_sec"] = metrics["train/num_tokens"] / max(timer.times["total_step_time"], 1e-9)
-        if cfg.logger.monitor_gpus:
-            metrics.update(comps.policy.gpu_memory_metrics())
-        comps.logger.log(metrics, step)
-        slowest = max(slowest, timer.times["total_step_time"])
-        comps.policy.set_call_timeout(call_timeout_for(cfg.cluster, slowest))
-        if on_step is not None:
-            on_step(step, metrics)
-        if out_of_time:
-            say.info(deadline.message(step))
-            break
-    return st
+    with supervised_loop(comps) as loop:
+        loop.run(on_step)
+    return comps.save_state
 
 
 def _train_step(comps: SupervisedComponents, rows: list[Row], timer: Timer) -> dict[str, float]:

@@ -45,11 +45,8 @@ class Layout:
     number of micro-batches per data-parallel rank); 0 = not overlapped (`overlap_reason` says why)."""
     overlap_reason: str = ""
     """Why generation and training are not overlapped ("" when they are)."""
-    prefetch_reason: str = "not computed"
-    """Why the next step's generation is not sent behind the refit ("" when it is: rlpost.algorithms.prefetch)."""
-    same_process_reason: str = "not computed"
-    """Why the engine does not run inside the policy's worker process ("" when it does, on CPU:
-    rlpost.models.generation.hosted_engine)."""
+    refit: str = "ipc"
+    """The refit transport (`refit_transport`): "ipc", "object_store" or "collective"."""
 
     @property
     def train_world(self) -> int:
@@ -188,14 +185,6 @@ def compute_layout(cfg: MasterConfig) -> Layout:
     if cfg.grpo.overlap_generation_and_training and not chunk:
         raise ConfigError("grpo.overlap_generation_and_training", True, f"does not apply: {reason}",
                           "grpo.overlap_generation_and_training=null (on wherever it applies)")
-    prefetch_why = prefetch_reason(cfg, chunk)
-    if cfg.grpo.prefetch_generation and prefetch_why:
-        raise ConfigError("grpo.prefetch_generation", True, f"does not apply: {prefetch_why}",
-                          "grpo.prefetch_generation=null (on wherever it applies)")
-    same_process_why = same_process_reason(cfg, chunk, train_world, gen_tp)
-    if cfg.generation.colocated.same_process and same_process_why:
-        raise ConfigError("policy.generation.colocated.same_process", True, f"does not apply: {same_process_why}",
-                          "policy.generation.colocated.same_process=null (on wherever it applies)")
     return Layout(
         colocated=cfg.generation.colocated.enabled,
         train_nodes=tn,
@@ -214,62 +203,24 @@ def compute_layout(cfg: MasterConfig) -> Layout:
         micro_batches_per_optimizer_step=gbs // (p.train_micro_batch_size * dp),
         overlap_chunk=chunk,
         overlap_reason=reason,
-        prefetch_reason=prefetch_why,
-        same_process_reason=same_process_why,
+        refit=refit_transport(cfg.generation.colocated.enabled, tn),
     )
 
 
-def prefetch_reason(cfg: MasterConfig, overlap_chunk: int) -> str:
-    """"" when synchronous GRPO sends the next step's generation behind the refit (rlpost.algorithms.prefetch),
-    else why not. It needs a refit the engine loads by itself, sent with the training call: a colocated vLLM
-    engine whose actors run their calls in order (not vLLM's async engine), on CPU (checked at run time,
-    `rlpost.preflight.check_prefetch`); and a step whose generation is known in advance: one single-turn batch,
-    no dynamic sampling."""
-    g = cfg.grpo
-    if g.prefetch_generation is False:
-        return "grpo.prefetch_generation=false"
-    if g.async_grpo.enabled:
-        return "async GRPO generates ahead already (grpo.async_grpo.enabled=true)"
-    if overlap_chunk:
-        return "generation and training overlap within the step instead"
-    if not cfg.generation.colocated.enabled:
-        return "the engine is on its own workers, refit by broadcast (policy.generation.colocated.enabled=false)"
-    if cfg.generation.backend != "vllm":
-        return f"the {cfg.generation.backend} engine is refit from a thread, not in its call order (generation=vllm)"
-    if cfg.generation.async_rollouts():
-        return ("vLLM's async engine serves calls concurrently, so a generation could start before the refit "
-                "(policy.generation.vllm_cfg.async_engine=false)")
-    if g.max_rollout_turns > 1:
-        return "multi-turn episodes generate turn by turn (grpo.max_rollout_turns=1)"
-    if g.use_dynamic_sampling:
-        return "dynamic sampling draws more prompts as it goes (grpo.use_dynamic_sampling=false)"
-    return ""
+REFIT_TRANSPORTS = {
+    "ipc": "rank 0 writes each bucket into a buffer on the shared node and the engines open it by handle",
+    "object_store": "rank 0's buckets through Ray's object store (policy and engines span several nodes)",
+    "collective": "a broadcast from the policy's rank 0 over the refit group (gloo on CPU, NCCL on GPU)",
+}
+"""The three refit transports, by name: how the trained weights reach the engines (rlpost.algorithms.refit)."""
 
 
-def same_process_reason(cfg: MasterConfig, overlap_chunk: int, train_world: int, engine_tp: int) -> str:
-    """"" when the vLLM engine runs inside the policy's worker process (rlpost.models.generation.hosted_engine), else
-    why not. It needs one colocated worker slot holding one DTensor policy rank and one synchronous vLLM replica of
-    one process, engine and policy taking turns (no overlap within the step), on CPU (checked at run time,
-    `rlpost.preflight.check_same_process`)."""
-    if cfg.generation.colocated.same_process is False:
-        return "policy.generation.colocated.same_process=false"
-    if not cfg.generation.colocated.enabled:
-        return "the engine is on its own workers (policy.generation.colocated.enabled=false)"
-    if cfg.generation.backend != "vllm":
-        return f"the {cfg.generation.backend} engine runs in an actor of its own (generation=vllm)"
-    if cfg.generation.async_rollouts():
-        return ("vLLM's async engine runs its core in a process of its own "
-                "(policy.generation.vllm_cfg.async_engine=false)")
-    if getattr(cfg.policy, "dtensor_cfg", None) is None:
-        return "only a DTensor policy worker hosts an engine (policy=dtensor or dtensor_v2)"
-    if train_world != 1:
-        return (f"the policy has {train_world} workers; a process holds one engine beside one policy rank "
-                "(cluster.gpus_per_node=1, cluster.num_nodes=1)")
-    if engine_tp != 1:
-        return f"the engine's TP x PP is {engine_tp}: a replica of several processes"
-    if overlap_chunk:
-        return "generation and training overlap within the step: they need processes of their own"
-    return ""
+def refit_transport(colocated: bool, train_nodes: int) -> str:
+    """The refit transport of a layout: colocated engines on one node read rank 0's IPC buffer ("ipc"), across
+    nodes the object store ("object_store"); engines on their own workers receive a broadcast ("collective")."""
+    if not colocated:
+        return "collective"
+    return "ipc" if train_nodes == 1 else "object_store"
 
 
 def cuda_ipc_refit(device: str, policy_world_size: int) -> bool:
@@ -284,9 +235,8 @@ def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:
 
     Exact only when the whole rollout batch is one optimizer step whose inputs are known per group: no
     prev-logprobs or reference pass over the whole batch first, no dynamic sampling choosing groups after the
-    fact, and a loss whose normalisation the workers can apply after accumulating (ClippedPGLossFn). By default
-    only a split engine (its own workers) overlaps; a colocated one does when asked (true), on CPU only, where it
-    does not sleep while the policy trains (checked at run time, `rlpost.preflight.check_overlap`)."""
+    fact, a loss whose normalisation the workers can apply after accumulating (ClippedPGLossFn), and an engine on
+    its own workers (a colocated one takes turns with the policy on the shared device)."""
     g, p = cfg.grpo, cfg.policy
     completions = g.num_prompts_per_step * g.num_generations_per_prompt
     per_rank = p.train_micro_batch_size * dp
@@ -297,9 +247,9 @@ def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:
         why = "grpo.overlap_generation_and_training=false"
     elif g.async_grpo.enabled:
         why = "async GRPO overlaps whole batches instead (grpo.async_grpo.enabled=true)"
-    elif cfg.generation.colocated.enabled and g.overlap_generation_and_training is None:
+    elif cfg.generation.colocated.enabled:
         why = ("the engine is colocated: it and the policy take turns on the shared workers "
-               "(grpo.overlap_generation_and_training=true overlaps them on CPU)")
+               "(policy.generation.colocated.enabled=false gives the engine workers of its own)")
     elif (megatron := getattr(p, "megatron_cfg", None)) is not None and \
             megatron.distributed_data_parallel_config.overlap_grad_reduce:
         why = ("Megatron's overlapped gradient reduce starts inside each part's last micro-batch; a batch trained in "
@@ -325,9 +275,8 @@ def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:
 def fsdp_needed(dp_size: int, tp_size: int, precision: str, cpu_offload: bool) -> bool:
     """Whether a DTensor policy wraps its model in FSDP2. With one rank in fp32 and no CPU offload FSDP2 would
     all-gather and reduce-scatter a single shard, copying every parameter and gradient per micro-batch for
-    nothing (27% of the tiny model's training step on CPU, 10% of the 17.9M shape's: `scripts/bench_grpo.py`),
-    so the model trains unwrapped, as torchtitan does (FSDP only when dp_shard > 1). Mixed precision (fp32 master
-    weights, bf16 compute) and CPU offload are FSDP2 policies, so they keep it."""
+    nothing, so the model trains unwrapped, as torchtitan does (FSDP only when dp_shard > 1). Mixed precision (fp32
+    master weights, bf16 compute) and CPU offload are FSDP2 policies, so they keep it."""
     return dp_size * tp_size > 1 or precision != "float32" or cpu_offload
 
 

@@ -19,6 +19,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import layout_of
+from rlpost.config.removed_keys import removed_rule
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.root import RootConfig, narrow
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
@@ -102,6 +103,8 @@ def check_unknown_keys(node: Any, path: str = "") -> None:
             name = str(key)
             full = f"{path}.{name}" if path else name
             if fields is not None and key not in fields:
+                if (rule := removed_rule(full)) is not None:
+                    raise ConfigError(full, _raw(node, key), rule)
                 raise ConfigError(full, _raw(node, key), "unknown config key", _did_you_mean(str(key), fields))
             check_unknown_keys(node._get_node(key), full)
     elif isinstance(node, ListConfig):
@@ -153,6 +156,8 @@ def translate_exception(exc: BaseException, cfg: DictConfig | None = None) -> Co
             key = getattr(err, "full_key", None) or (m.group(1) if m else "?")
             msg = getattr(err, "msg", None) or str(err).split("\n")[0]
             km = re.search(r"Key '([^']+)' (?:not in|is not in)", msg)
+            if km and (rule := removed_rule(key)) is not None:
+                return ConfigError(key, getattr(err, "value", None), rule)
             if km:
                 word = key.rsplit(".", 1)[-1]
                 hint = _did_you_mean(word, _key_candidates(cfg, key)) or _did_you_mean(word, _err_candidates(err))

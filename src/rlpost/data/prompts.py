@@ -17,8 +17,8 @@ def load_tokenizer(cfg: TokenizerConfig, trust_remote_code: bool = False) -> Any
     """The tokenizer of a local path; pad = eos if missing; chat template from cfg.chat_template.
 
     A directory with a tokenizer.json loads through the `tokenizers` backend class itself (what AutoTokenizer
-    returns for it in transformers 5): importing AutoTokenizer's model registry would cost the driver ~130 MB
-    (it pulls in torch._dynamo and DTensor). Other tokenizers (sentencepiece only, remote code) use
+    returns for it in transformers 5): importing AutoTokenizer's model registry would pull torch._dynamo and
+    DTensor into the driver, a lot of memory it never uses. Other tokenizers (sentencepiece only, remote code) use
     AutoTokenizer."""
     if (Path(cfg.name) / "tokenizer.json").is_file() and not trust_remote_code:
         from transformers import PreTrainedTokenizerFast
@@ -58,8 +58,8 @@ class PromptProcessor:
         return self.batch([row])[0]
 
     def batch(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Every row formatted and tokenized, in one tokenizer call (a step's prompts: 16 calls cost 1.5 ms, one
-        call 0.1 ms)."""
+        """Every row formatted and tokenized, in one tokenizer call for the whole batch: per-row calls would dominate
+        the driver's time on a step's small batch of prompts."""
         if not rows:
             return []
         texts = [

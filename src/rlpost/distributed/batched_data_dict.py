@@ -84,7 +84,7 @@ class BatchedDataDict(dict[str, Any]):
     """The dynamic batching / packing args the plan was made with."""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Tensors travel as numpy arrays (rlpost.distributed.tensor_wire): 30x cheaper to pickle than tensors.
+        # Tensors travel as numpy arrays (rlpost.distributed.tensor_wire): much cheaper to pickle than tensors.
         return (_rebuild, (type(self), {k: tensor_wire.pack(v) for k, v in self.items()}, dict(self.__dict__)))
 
     # ------------------------------------------------------------------ construction and basic ops

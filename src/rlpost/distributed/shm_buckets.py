@@ -1,18 +1,17 @@
-"""Refit buckets through one reusable shared-memory segment (colocated, single node, CPU), in the flat-buffer layout
-they share with CUDA IPC buckets (rlpost.distributed.bucket_layout).
+"""Refit buckets through one reusable shared-memory segment (colocated, one node, CPU): the CPU's IPC buffer, in the
+flat-buffer layout it shares with CUDA IPC buckets (rlpost.distributed.bucket_layout).
 
-The object store allocates every bucket afresh: for SmolLM2-135M (540 MB) a `ray.put` took 0.21-0.40 s, while
-copying the same bytes into a segment whose pages are already mapped took 0.09 s. So when the engines share a node
-with the policy's rank 0, rank 0 keeps one segment (as large as the largest bucket: `policy.refit_buffer_size_gb`
-still bounds it), copies each bucket into it and hands out a small descriptor (segment name, offsets, shapes); the
-engines map the segment once and load straight from views of it. The driver forwards the descriptor only.
-Buckets go one at a time: the driver asks for the next bucket only after every engine loaded the previous one.
+The object store allocates every bucket afresh, while copying into a segment whose pages are already mapped does not.
+So when the engines share a node with the policy's rank 0, rank 0 keeps one segment per slot (as large as the largest
+bucket: `policy.refit_buffer_size_gb` still bounds it), copies each bucket into it and hands out a small descriptor
+(segment name, offsets, shapes); the engines map the segment once and load straight from views of it. The driver
+forwards the descriptor only.
 
 Python registers a segment with the resource tracker of every process that opens it, and that tracker unlinks it
-when its process exits; the engines unregister their attachment (unless they run in the owner's process,
-rlpost.models.generation.hosted_engine), so only the owner's exit (or `close`) removes it,
-a kill -9 of the owner included (its tracker outlives it). When the tracker died too (a kill of the whole process
-group), the next writer on the machine unlinks the segment: its name carries the owner's pid.
+when its process exits; the engines unregister their attachment (unless they read it in the owner's own process), so
+only the owner's exit (or `close`) removes it, a kill -9 of the owner included (its tracker outlives it). When the
+tracker died too (a kill of the whole process group), the next writer on the machine unlinks the segment: its name
+carries the owner's pid.
 """
 
 from __future__ import annotations
@@ -93,8 +92,8 @@ def read_shm_bucket(desc: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
             except BufferError:  # a view of it is still alive: the mapping goes with it
                 pass
         seg = shared_memory.SharedMemory(name=name)
-        if not name.startswith(f"{PREFIX}{os.getpid()}-"):  # the owner's to unlink (an engine hosted in the owner's
-            # own process shares its tracker, whose one registration the owner's unlink removes)
+        if not name.startswith(f"{PREFIX}{os.getpid()}-"):  # the owner's to unlink (a reader in the owner's own
+            # process shares its tracker, whose one registration the owner's unlink removes)
             resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
         _ATTACHED[name] = seg
     return bucket_views(torch.frombuffer(seg.buf, dtype=torch.uint8), desc["records"])

@@ -111,7 +111,7 @@ def init_ray(cfg: ClusterConfig) -> None:
 
 @contextlib.contextmanager
 def _lean_local_head(log_monitor: bool) -> Iterator[None]:
-    """Start the local head without the processes a one-machine run never uses (about 270 MB of 2 GiB): the
+    """Start the local head without the processes a one-machine run never uses (their memory goes to the run): the
     autoscaler monitor (a local cluster has fixed resources: nothing to scale), the API server (`include_dashboard`
     is off, and it would still serve job submission and the state API, which a run does not use) and, when worker
     output goes to the run's train.log through the setup hook (`log_monitor=False`), the log monitor that would
@@ -167,7 +167,8 @@ def _init_local(cfg: ClusterConfig, runtime_env: dict[str, Any], to_console: boo
         configure_logging=to_console,
         logging_level=logging.WARNING,
         # No idle worker processes started ahead of tasks: every rlpost actor has its own runtime env, so a
-        # prestarted default worker (~125 MB, a CPU's worth of imports at start) would never be used.
+        # prestarted default worker (a whole process's memory, and a CPU's worth of imports at start) would never
+        # be used.
         _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
     )
 
@@ -270,7 +271,7 @@ class RayVirtualCluster:
 
     def get_master_address_and_port(self) -> tuple[str, int]:
         """An address and a free port on the node of rank 0 (for torch.distributed rendezvous): found here when
-        that node is the driver's, else by a task there (whose worker process then stays, idle, ~125 MB)."""
+        that node is the driver's, else by a task there (whose worker process then stays, idle)."""
         if self.bundle_for_rank(0).node_id == ray.get_runtime_context().get_node_id():
             return _free_port_here()
         opts = self.scheduling(0, fraction=0.001 / max(self.cpus_per_bundle, 1e-3))

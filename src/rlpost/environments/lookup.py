@@ -9,11 +9,10 @@ Each row holds a secret table (ten random digits, one per key 0-9) and asks for 
 
 A perfect episode scores 0.5 + 0.5 = 1.0 exactly (what validation's accuracy counts); the small digit
 credits play the role of the synthetic tasks' format reward (a random-init policy first learns to answer
-with digits). Both skills are copies (the key from the prompt, the value from the observation). Measured
-(`rlpost train experiment=tiny_lookup`, 16 x 16 episodes a step): validation accuracy 0.0 at step 20,
-0.47 at 60, 0.92 at 80, 1.0 at 120. With 0.25 / 0.75 it did not learn in 200 steps: the answer turn's
-lucky guesses (0.75 at 1 in 10) drowned the query turn's signal. Scoring runs in the environment's killable
-workers like every other verifier.
+with digits). Both skills are copies (the key from the prompt, the value from the observation), and
+`rlpost train experiment=tiny_lookup` learns both. The two turns weigh the same: a heavier answer turn lets its
+lucky guesses (1 in 10 without the query) drown the query turn's signal, and the policy never learns to ask.
+Scoring runs in the environment's killable workers like every other verifier.
 """
 
 from __future__ import annotations

@@ -13,14 +13,14 @@ against `timeout_s`. Warm-up has its own bound, `warmup_timeout_s`.
 Workers are spawned (not forked: the driver runs Ray's threads), so the reward function and the
 warm-up hook must be importable top-level functions.
 
-A pool of one worker sends it the whole batch in one message, and the worker answers in a few messages (whenever
-FLUSH_S has passed since its last one, and at the end), so a cheap reward function does not pay a pipe round trip per
-sample (256 exact-match rewards inside a GRPO step: 12.7 ms one message per sample, 3.5 ms batched). Timeouts stay per
-sample and exact: before each call the worker writes which sample it starts and when into a small shared-memory slot,
-so the driver knows which call is running, kills the worker when that call passes `timeout_s`, and charges only it.
-The samples after it go to the replacement, and so do those finished but not yet reported: a reward is a pure
-function of its arguments, so running it again is safe. A pool of several workers sends one sample at a time to
-whichever is free, so a hung call never holds up samples another worker could take.
+A pool of one worker sends it the whole batch in one message, and the worker answers in a few messages (whenever FLUSH_S
+has passed since its last one, and at the end), so a cheap reward function does not pay a pipe round trip per sample,
+which would cost more than the reward itself. Timeouts stay per sample and exact: before each call the worker writes
+which sample it starts and when into a small shared-memory slot, so the driver knows which call is running, kills the
+worker when that call passes `timeout_s`, and charges only it. The samples after it go to the replacement, and so do
+those finished but not yet reported: a reward is a pure function of its arguments, so running it again is safe. A pool
+of several workers sends one sample at a time to whichever is free, so a hung call never holds up samples another worker
+could take.
 """
 
 from __future__ import annotations

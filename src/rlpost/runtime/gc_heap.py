@@ -3,9 +3,9 @@
 A collection walks every tracked object of the generations it collects, and the oldest generation ends up holding
 everything a process imported. Importing vLLM, transformers and torch's compiler stack makes hundreds of thousands
 of objects and triggers a collection every few hundred allocations, each older one walking more of that growing
-heap. Measured on the 2-core CPU host (session 16, `gc.callbacks` timing every collection): the vLLM engine's start
-spent 3.4-4.0 s of 12 s in 1,877 collections, a DTensor policy worker's 1.0 s of 6 s, the driver's 1.3 s before
-`ray.init`; one full collection of an imported torch + transformers heap alone takes 0.4-0.5 s there.
+heap. So a process's start (the engine's, a policy worker's, the driver's before `ray.init`) spends a large share of
+its time in collections that free almost nothing, and a full collection of an imported torch + transformers heap is
+slow on its own.
 
 `paused_gc` turns the collector off for a block of imports. With `freeze` (the default), what exists when the block
 ends moves to the permanent generation (`gc.freeze`, as vLLM does with its own heap once started), so no later
@@ -15,8 +15,8 @@ objects that are dropped later: a frozen object that becomes cyclic garbage is n
 
 `raise_young_threshold` is for the steady state of a process that keeps thousands of short-lived containers alive
 at once: vLLM's engine holds a call's samples (token lists, a logprob dict per token) until it returns them, so
-with Python's default threshold of 700 it ran 11 young collections in every generation call of the default job
-(1.5 ms of 40 ms); at 50,000 a collection runs once in several calls, when most of those objects are freed.
+with Python's default threshold of 700 several young collections run inside every generation call, each walking
+objects that are still in use; at 50,000 a collection runs once in several calls, when most of them are freed.
 """
 
 from __future__ import annotations

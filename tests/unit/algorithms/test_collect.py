@@ -85,37 +85,3 @@ def test_without_dynamic_sampling_one_batch_is_the_step() -> None:
                             generation=_CountingEngine(), tokenizer=_Tokenizer(), envs={"t": _TableEnv()})
     got = collect_batch(comps, _rows(spread=0.0), lambda: [], step=3, timer=Timer(), sync_weights=lambda: None)
     assert got.sampler is None and got.batch.size == 4 and got.generated_rewards.tolist() == [0.25] * 4
-
-
-class _SendingEngine(_CountingEngine):
-    """Records when a generation is sent and when its result is taken."""
-
-    def __init__(self, events: list[str]) -> None:
-        super().__init__()
-        self.events = events
-
-    def send_generate(self, batch: BatchedDataDict, greedy: bool = False) -> Any:
-        self.events.append(f"sent seeds {batch['seeds'].tolist()}")
-
-        def result() -> BatchedDataDict:
-            self.events.append("result")
-            return self.generate(batch, greedy)
-        return result
-
-
-def test_a_generation_sent_ahead_is_received_after_the_refit_and_seeded_as_its_step() -> None:
-    from rlpost.algorithms.collect import sample_seeds, send_step_generation
-
-    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=2, seed=7)
-    events: list[str] = []
-    engine = _SendingEngine(events)
-    comps = SimpleNamespace(cfg=_cfg(grpo), processor=SimpleNamespace(batch=lambda rows: [dict(r) for r in rows]),
-                            generation=engine, tokenizer=_Tokenizer(), envs={"t": _TableEnv()})
-    rows = _rows(spread=0.5)
-    sent = send_step_generation(comps, rows, step=5)
-    assert events == [f"sent seeds {sample_seeds(7, 5, 4)}"]  # the seeds collect_batch gives step 5
-    got = collect_batch(comps, rows, lambda: [], step=5, timer=Timer(), sync_weights=lambda: events.append("sync"),
-                        sent=sent)
-    assert events[1:] == ["sync", "result"]  # the refit is waited for (and checked) before the samples are taken
-    assert engine.calls == 1 and got.batch.rewards.tolist() == [0.25, 0.75, 0.25, 0.75]
-    assert got.batch.group_ids.tolist() == [0, 0, 1, 1]

@@ -10,30 +10,28 @@ import torch
 from rlpost.algorithms.advantages import calculate_baseline_and_std_per_prompt
 from rlpost.algorithms.collect import sample_seeds
 from rlpost.algorithms.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted
-from rlpost.algorithms.grpo import HealthCheckError, _health_gate
+from rlpost.algorithms.loop import DriftLimits, HealthCheckError, health_gate
 from rlpost.algorithms.rollouts import RolloutBatch
 from rlpost.algorithms.train_data import build_train_data
 from rlpost.config.schema.grpo import GRPOConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 
 
-def comps(**kw: float) -> SimpleNamespace:
-    return SimpleNamespace(cfg=SimpleNamespace(grpo=GRPOConfig(**kw)))  # type: ignore[arg-type]
-
-
 def test_health_gate_warns_then_aborts(capsys: pytest.CaptureFixture[str]) -> None:
-    c = comps(token_mult_prob_error_warn_threshold=1.05, token_mult_prob_error_abort_threshold=1.5)
+    drift = DriftLimits(warn=1.05, abort=1.5)
     m = {"train/token_mult_prob_error": 1.01}
-    _health_gate(c, m, 1)
+    health_gate(m, 1, 0.1, drift)
     assert "train/health_warnings" not in m
     assert capsys.readouterr().err == ""
     m = {"train/token_mult_prob_error": 1.2}
-    _health_gate(c, m, 2)
+    health_gate(m, 2, 0.1, drift)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("rlpost: warning: step 2:") and "warn threshold" in err[0]
     assert m["train/health_warnings"] == 1.0
     with pytest.raises(HealthCheckError, match="abort threshold 1.5"):
-        _health_gate(c, {"train/token_mult_prob_error": 1.6}, 3)
+        health_gate({"train/token_mult_prob_error": 1.6}, 3, 0.1, drift)
+    health_gate({"train/token_mult_prob_error": 1.6}, 4, 0.1, drift, same_weights=False)  # an older batch: policy drift
+    health_gate({"train/token_mult_prob_error": 1.6}, 5, 0.1, None)  # no engine: no drift limits
 
 
 @pytest.mark.parametrize(
@@ -45,12 +43,14 @@ def test_health_gate_warns_then_aborts(capsys: pytest.CaptureFixture[str]) -> No
     ],
 )
 def test_health_gate_stops_on_non_finite_training(metrics: dict, match: str) -> None:
-    c = comps()
-    c.cfg.policy = SimpleNamespace(optimizer=SimpleNamespace(kwargs={"lr": 1e30}))
+    drift = DriftLimits(**{"warn": GRPOConfig().token_mult_prob_error_warn_threshold,
+                           "abort": GRPOConfig().token_mult_prob_error_abort_threshold})
     with pytest.raises(HealthCheckError, match=match) as info:
-        _health_gate(c, dict(metrics), 4)
+        health_gate(dict(metrics), 4, 1e30, drift)
     assert "lr=1e+30" in str(info.value) and "before saving this step" in str(info.value)
-    _health_gate(c, {"train/loss": 0.1, "train/grad_norm": 1.0, "train/params_finite": 1.0}, 5)
+    with pytest.raises(HealthCheckError, match=match):
+        health_gate(dict(metrics), 4, 1e30, None)  # SFT / DPO / RM: the same check without drift limits
+    health_gate({"train/loss": 0.1, "train/grad_norm": 1.0, "train/params_finite": 1.0}, 5, 1e30, drift)
 
 
 def batch(rewards: list[float], group: int) -> RolloutBatch:

@@ -114,13 +114,14 @@ def test_a_split_engine_overlaps_generation_and_training_in_chunks_of_whole_grou
     assert compute_layout(megatron).overlap_chunk == 64  # the Megatron workers train in parts too
 
 
-def test_a_colocated_engine_overlaps_only_when_asked() -> None:
+def test_a_colocated_engine_never_overlaps_and_asking_for_it_is_refused() -> None:
     _, cfg = load_master_config([])
     lay = compute_layout(cfg)
     assert lay.overlap_chunk == 0 and "the engine is colocated" in lay.overlap_reason
-    _, asked = load_master_config(["grpo.overlap_generation_and_training=true"])
-    assert compute_layout(asked).overlap_chunk == 64
-    assert dict(plan_rows(asked))["generation and training"].startswith("overlapped within the step (colocated: on CPU")
+    assert "the engine is colocated" in dict(plan_rows(cfg))["generation and training"]
+    with pytest.raises(ConfigError) as err:
+        load_master_config(["grpo.overlap_generation_and_training=true"])
+    assert err.value.key == "grpo.overlap_generation_and_training" and "the engine is colocated" in str(err.value)
 
 
 @pytest.mark.parametrize(("overrides", "why"), [
@@ -144,68 +145,37 @@ def test_overlap_applies_only_where_it_is_exact(overrides: list[str], why: str) 
 
 def test_overlap_forced_on_where_it_does_not_apply_is_refused() -> None:
     with pytest.raises(ConfigError) as err:
-        load_master_config(["grpo.overlap_generation_and_training=true", "grpo.use_dynamic_sampling=true"])
+        load_master_config([*SPLIT, "grpo.overlap_generation_and_training=true", "grpo.use_dynamic_sampling=true"])
     assert err.value.key == "grpo.overlap_generation_and_training"
     assert "dynamic sampling" in str(err.value)
 
 
-def test_the_default_job_sends_the_next_generation_behind_the_refit() -> None:
-    _, cfg = load_master_config([])
-    assert compute_layout(cfg).prefetch_reason == ""
-    assert dict(plan_rows(cfg))["next step's generation"].startswith("sent behind the refit as training returns")
-    _, asked = load_master_config(["grpo.prefetch_generation=true"])
-    assert compute_layout(asked).prefetch_reason == ""
-
-
-@pytest.mark.parametrize(("overrides", "why"), [
-    (["grpo.prefetch_generation=false"], "grpo.prefetch_generation=false"),
-    (ASYNC, "async GRPO generates ahead already"),
-    (SPLIT, "overlap within the step instead"),
-    ([*SPLIT, "grpo.overlap_generation_and_training=false"], "the engine is on its own workers"),
-    (["generation=hf"], "the hf engine is refit from a thread"),
-    (["policy.generation.vllm_cfg.async_engine=true"], "vLLM's async engine serves calls concurrently"),
-    (["experiment=tiny_lookup"], "multi-turn episodes generate turn by turn"),
-    (["grpo.use_dynamic_sampling=true"], "dynamic sampling draws more prompts"),
+@pytest.mark.parametrize(("overrides", "transport"), [
+    ([], "ipc"),
+    (["cluster.num_nodes=2"], "object_store"),
+    (SPLIT, "collective"),
+    (ASYNC, "collective"),
 ])
-def test_the_next_generation_is_sent_early_only_where_its_inputs_and_order_are_known(overrides: list[str],
-                                                                                      why: str) -> None:
+def test_the_layout_names_one_of_three_refit_transports(overrides: list[str], transport: str) -> None:
     _, cfg = load_master_config(overrides)
-    assert why in compute_layout(cfg).prefetch_reason
-    assert why in dict(plan_rows(cfg))["next step's generation"]
-    if overrides != ["grpo.prefetch_generation=false"]:
-        with pytest.raises(ConfigError) as err:
-            load_master_config([*overrides, "grpo.prefetch_generation=true"])
-        assert err.value.key == "grpo.prefetch_generation" and why in str(err.value)
+    assert compute_layout(cfg).refit == transport
+    assert dict(plan_rows(cfg))["refit"].startswith(f"{transport}: ")
 
 
-def test_the_default_job_hosts_its_engine_in_the_policy_worker() -> None:
-    _, cfg = load_master_config([])
-    assert compute_layout(cfg).same_process_reason == ""
-    rows = dict(plan_rows(cfg))
-    assert rows["engine process"].startswith("inside the policy's worker process on CPU")
-    _, asked = load_master_config(["policy.generation.colocated.same_process=true", "cluster.device=cpu"])
-    assert compute_layout(asked).same_process_reason == ""
-    assert dict(plan_rows(asked))["refit"].startswith("in the policy's worker process")
-    assert "sent right behind the training call" in rows["next step's generation"]
-    _, actor = load_master_config(["policy.generation.colocated.same_process=false"])
-    assert "right behind the training call" not in dict(plan_rows(actor))["next step's generation"]
+def test_no_plan_row_describes_two_designs() -> None:
+    """The plan describes the run as one design: no row says what happens on a CPU and, differently, on a GPU."""
+    for overrides in ([], SPLIT, ASYNC, ["cluster.device=cpu"], ["cluster.device=cuda"]):
+        _, cfg = load_master_config(overrides)
+        for label, value in plan_rows(cfg):
+            assert not ("on CPU" in value and "on a GPU" in value), (overrides, label, value)
+            assert "on the CPU" not in value and "(on CPU)" not in value, (overrides, label, value)
 
 
-@pytest.mark.parametrize(("overrides", "why"), [
-    (["policy.generation.colocated.same_process=false"], "policy.generation.colocated.same_process=false"),
-    (SPLIT, "the engine is on its own workers"),
-    (["generation=hf"], "the hf engine runs in an actor of its own"),
-    (["policy.generation.vllm_cfg.async_engine=true"], "vLLM's async engine runs its core in a process of its own"),
-    (["policy=megatron"], "only a DTensor policy worker hosts an engine"),
-    (["cluster.gpus_per_node=2"], "the policy has 2 workers"),
-    (["grpo.overlap_generation_and_training=true"], "generation and training overlap within the step"),
-])
-def test_the_engine_gets_a_process_of_its_own_where_it_cannot_share_the_policys(overrides: list[str],
-                                                                                 why: str) -> None:
-    _, cfg = load_master_config(overrides)
-    assert why in compute_layout(cfg).same_process_reason
-    assert why in dict(plan_rows(cfg))["engine process"]
-    if overrides != ["policy.generation.colocated.same_process=false"]:
-        with pytest.raises(ConfigError) as err:
-            load_master_config([*overrides, "policy.generation.colocated.same_process=true"])
-        assert err.value.key == "policy.generation.colocated.same_process" and why in str(err.value)
+@pytest.mark.parametrize("override", ["policy.generation.colocated.same_process=false",
+                                      "grpo.prefetch_generation=true"])
+def test_a_removed_key_is_refused_naming_what_replaces_it(override: str) -> None:
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_master_config([override])
+    assert err.value.key == key and "was removed" in err.value.rule
+    assert ("async_grpo" in err.value.rule) if "prefetch" in key else ("docs/backends.md" in err.value.rule)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlpost.config.layout import cuda_ipc_refit
+from rlpost.config.layout import REFIT_TRANSPORTS, cuda_ipc_refit
 from rlpost.config.load import load_master_config
 from rlpost.distributed.bucket_layout import bucket_bytes, bucket_views, fill_bucket
 from rlpost.distributed.cuda_ipc_buckets import (
@@ -111,14 +111,10 @@ def test_the_plan_names_the_refit_transport() -> None:
     def refit(*overrides: str) -> str:
         return dict(plan_rows(load_master_config(list(overrides))[1]))["refit"]
 
-    actor = "policy.generation.colocated.same_process=false"  # the engine in an actor of its own
-    assert "shared-memory segment" in refit("cluster.device=cpu", actor) and "on the CPU" in refit("cluster.device=cpu",
-                                                                                                    actor)
-    assert refit(actor).startswith("on a GPU: CUDA IPC")
-    assert "; on the CPU: rank 0's shared-memory segment" in refit(actor)
-    assert refit("cluster.device=cpu").startswith("in the policy's worker process")  # hosted: no transport at all
-    assert refit().startswith("on a GPU: CUDA IPC") and "; on the CPU: in the policy's worker process" in refit()
-    assert refit("cluster.device=cuda").startswith("CUDA IPC")
-    assert "device -> host -> device" in refit("cluster.device=cuda", "cluster.gpus_per_node=2")
+    assert refit("cluster.device=cpu") == f"ipc: {REFIT_TRANSPORTS['ipc']} (POSIX shared memory)"
+    assert refit() == f"ipc: {REFIT_TRANSPORTS['ipc']}"  # device=auto: one design, the buffer's kind by device
+    assert refit("cluster.device=cuda").endswith("(CUDA IPC: no host copy)")
+    assert "through the host" in refit("cluster.device=cuda", "cluster.gpus_per_node=2")
+    assert refit("cluster.num_nodes=2").startswith("object_store: ")
     assert refit("cluster.device=cpu", "cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
-                 "policy.generation.colocated.resources.gpus_per_node=1").startswith("broadcast")
+                 "policy.generation.colocated.resources.gpus_per_node=1").startswith("collective: a broadcast")

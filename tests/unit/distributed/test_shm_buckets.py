@@ -73,8 +73,9 @@ def test_segments_of_dead_owners_are_swept(tmp_path: Path) -> None:
 
 
 def test_a_reader_in_the_owners_process_leaves_the_tracker_consistent() -> None:
-    """An engine hosted in the policy worker's process reads the segment its own process wrote: its attachment must
-    not unregister the owner's one registration, or the owner's unlink makes the resource tracker raise KeyError."""
+    """A reader in the owner's own process (an engine beside the policy in one process, a test) reads the segment
+    its process wrote: its attachment must not unregister the owner's one registration, or the owner's unlink makes
+    the resource tracker raise KeyError."""
     script = ("from rlpost.distributed.shm_buckets import ShmBucketWriter, read_bucket; import torch; "
               "w = ShmBucketWriter(); d = w.write([('a', torch.ones(3))]); "
               "assert float(read_bucket(d)[0][1].sum()) == 3.0; w.close(); print('ok')")

@@ -13,16 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from rlpost.models.generation.hosted_engine import EngineHostMixin
 from rlpost.models.policy import lm_policy
 from rlpost.models.policy.dtensor_policy_worker import DTensorPolicyWorker
 from rlpost.models.policy.dtensor_policy_worker_v2 import DTensorPolicyWorkerV2
-from rlpost.models.policy.interfaces import EngineHostWorker, PolicyWorker
+from rlpost.models.policy.interfaces import PolicyWorker
 from rlpost.models.policy.megatron_policy_worker import MegatronPolicyWorker
 
 CONTRACT = {name for name, v in vars(PolicyWorker).items() if inspect.isfunction(v) and not name.startswith("_")}
-HOST_CONTRACT = {name for name, v in vars(EngineHostWorker).items()
-                 if inspect.isfunction(v) and not name.startswith("_")}
 CALLERS = ("run_all", "run_rank0", "run_sharded", "submit_sharded", "call_async", "_logprob_call")
 
 
@@ -42,12 +39,6 @@ def test_every_worker_family_implements_the_contract(worker: type) -> None:
         assert _params(impl) == _params(getattr(PolicyWorker, name)), f"{worker.__name__}.{name} signature"
 
 
-def test_the_engine_host_mixin_implements_its_contract() -> None:
-    assert HOST_CONTRACT == {"train_and_load_engine"}
-    for name in sorted(HOST_CONTRACT):
-        assert _params(getattr(EngineHostMixin, name)) == _params(getattr(EngineHostWorker, name)), name
-
-
 def test_the_facade_calls_only_contract_methods() -> None:
     tree = ast.parse(Path(inspect.getfile(lm_policy)).read_text())
     called: set[str] = set()
@@ -65,7 +56,6 @@ def test_the_facade_calls_only_contract_methods() -> None:
             called.add(node.value.value)
     assert {"train", "get_logprobs", "put_export_bucket", "broadcast_weights_collective", "broadcast_staged",
             "shutdown"} <= called
-    unknown = sorted(called - CONTRACT - HOST_CONTRACT)
+    unknown = sorted(called - CONTRACT)
     assert not unknown, f"called but not in PolicyWorker: {unknown}"
-    assert HOST_CONTRACT <= called
     assert CONTRACT <= called, f"in PolicyWorker but never called: {sorted(CONTRACT - called)}"

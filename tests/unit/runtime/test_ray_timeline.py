@@ -15,7 +15,7 @@ def test_each_worker_row_is_named_after_its_actor_classes() -> None:
         _event("task:execute", "worker:aaaaaaaaaaaa"),
         _event("task::vllm-replica0-7f30:VllmEngineWorker.__init__", "worker:aaaaaaaaaaaa", "__init__"),
         _event("task::VllmEngineWorker.generate", "worker:aaaaaaaaaaaa", "generate"),
-        _event("task::VllmEngineWorker.load_staged", "worker:aaaaaaaaaaaa", "load_staged"),
+        _event("task::VllmEngineWorker.load_bucket", "worker:aaaaaaaaaaaa", "load_bucket"),
         _event("task::DTensorPolicyWorker.train", "worker:bbbbbbbbbbbb", "train"),
         _event("task::ReplayBuffer.push", "worker:cccccccccccc", "push"),
         _event("task::VerifierPool.score", "worker:cccccccccccc", "score"),

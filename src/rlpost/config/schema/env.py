@@ -38,7 +38,7 @@ class SyntheticEnvConfig(EnvConfig):
 
     num_workers: int = 0
     """Verifier worker processes; 0 (the default here) compares in the driver: an exact match cannot hang, and a
-    worker process costs a round trip a batch (2-3 ms a step of the default job). With 0, nothing can be killed, so
+    worker process costs a pipe round trip a batch for nothing. With 0, nothing can be killed, so
     timeout_s and batch_timeout_s must keep their defaults."""
     task: str = "${data.synthetic.task}"
     """Task whose answers are checked."""

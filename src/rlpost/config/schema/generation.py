@@ -30,12 +30,6 @@ class ColocationConfig:
     """True: engine and policy share bundles (weights handed over in-process/IPC). False: separate resources."""
     resources: ColocationResources = field(default_factory=ColocationResources)
     """Generation resources when not colocated."""
-    same_process: bool | None = None
-    """Colocated on CPU with one policy worker: run the vLLM engine inside that worker's process instead of an
-    actor of its own (rlpost.models.generation.hosted_engine): the training call ends with the engine loading the
-    update by reference, one process's memory and imports instead of two. null = wherever it applies (`rlpost
-    plan` says whether it does and why not); true = on, or exit 2 naming the rule the config breaks; false = an
-    actor of its own."""
 
 
 ENGINE_BACKENDS: dict[str, str] = {
@@ -148,13 +142,13 @@ class VllmSpecificArgs:
     """Engine dtype: 'float32', 'bfloat16' or 'float16'."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (required on CPU). On the CPU it also runs eagerly what vLLM's sampler would
-    compile (TORCHDYNAMO_DISABLE=1 in the engine: that compile cost 1.4-2.5 s of the first step)."""
+    compile (TORCHDYNAMO_DISABLE=1 in the engine), keeping that compile off the path to the first step."""
     load_format: str = "auto"
     """'auto' loads the checkpoint; 'dummy' leaves random weights for the first refit to fill."""
     kv_cache_space_gb: float | None = None
     """CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE). None = sized from the model: room for
-    max_num_seqs (256) sequences of max_model_len tokens, at least 1/64 GiB and at most 1 GiB (the tiny
-    default model needs a few MiB, where a fixed 1 GiB cost a GiB of RAM)."""
+    max_num_seqs (256) sequences of max_model_len tokens, at least 1/64 GiB and at most 1 GiB (a small model
+    needs a few MiB, and a fixed size would hold RAM it never uses)."""
     seed: int = 0
     """Engine sampling seed."""
 

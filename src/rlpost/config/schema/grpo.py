@@ -102,18 +102,10 @@ class GRPOConfig:
     reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig)
     """Reward clamp + affine map."""
     overlap_generation_and_training: bool | None = None
-    """Synchronous GRPO: train on the step's first groups while the engine still generates its later ones, all
-    with the same weights and in the same optimizer step (rlpost.algorithms.overlap). The result is the
-    unoverlapped step's to float rounding. null = wherever it applies with the engine on its own workers
-    (`rlpost plan` says whether it does and why not); true = on, also with a colocated engine on CPU, or exit 2
-    naming the rule the config breaks; false = off."""
-    prefetch_generation: bool | None = None
-    """Synchronous GRPO with a colocated vLLM engine on CPU: send the next step's generation to the engine right
-    behind the refit load that the training call starts (rlpost.algorithms.prefetch), so the engine generates
-    while the driver books the step (metrics, logging, validation, checkpoint). The samples are the same: the
-    engine runs its calls in order, so the generation uses the update it has just loaded, with the step's seeds.
-    null = wherever it applies (`rlpost plan` says whether it does and why not); true = on, or exit 2 naming the
-    rule the config breaks; false = off."""
+    """Synchronous GRPO with the engine on its own workers: train on the step's first groups while the engine still
+    generates its later ones, all with the same weights and in the same optimizer step (rlpost.algorithms.overlap).
+    The result is the unoverlapped step's to float rounding. null = wherever it applies (`rlpost plan` says whether
+    it does and why not); true = on, or exit 2 naming the rule the config breaks; false = off."""
     token_mult_prob_error_warn_threshold: float = 1.05
     """Warn when train/token_mult_prob_error exceeds this (trainer and engine disagree)."""
     token_mult_prob_error_abort_threshold: float = 2.0

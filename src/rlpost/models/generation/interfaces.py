@@ -30,7 +30,7 @@ FingerprintMismatch.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -53,13 +53,6 @@ class GenerationInterface(ABC):
     @abstractmethod
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
         """Generate for every row of `data` (see the module docstring for the contract); a BatchedDataDict."""
-
-    def send_generate(self, data: Mapping[str, Any], greedy: bool = False) -> Callable[[], Any]:
-        """generate() sent now; calling the returned function gives its result. An engine that runs the calls sent
-        to it in order (vLLM's synchronous actors) starts it behind the calls already sent (a refit load), so it
-        runs while the caller does other work (rlpost.algorithms.prefetch). This default generates only when the
-        result is asked for."""
-        return lambda: self.generate(data, greedy)
 
     def generate_chunks(self, data: Mapping[str, Any], bounds: list[tuple[int, int]],
                         greedy: bool = False) -> Iterator[Any]:

@@ -6,7 +6,7 @@ process with AsyncLLM, in each TP worker with a multi-GPU engine) and are reache
 `collective_rpc("<method>", args=...)`. This module must stay importable without Ray.
 
 Loading on one CPU engine rank goes through rlpost's CpuWeightWriter (in-place copies, and vLLM's own
-kernel dispatch for each rebuilt linear layer: a third of `reload_weights`' time); anything it can't place,
+kernel dispatch for each rebuilt linear layer: far less work than `reload_weights`); anything it can't place,
 and every other engine, goes through vLLM's in-place `reload_weights(weights_iterator=...)`.
 `model.load_weights` after start-up fails on CPU because the CPU kernels repack the linear weights. For the same reason
 the engine's own parameters can't be read back in checkpoint form (they are fused, e.g. qkv_proj,
@@ -122,7 +122,7 @@ class RlpostWorkerExtension:
         check_against_info(named, self._rlpost_refit_info, partial=partial)
         corrupt = corrupt or os.environ.get(FAULT_ENV) or None
         names = {n for n, _ in named}
-        # A tied model needs lm_head.weight in the stream, or vLLM keeps a stale head (see cpu-stack §4).
+        # A tied model needs lm_head.weight in the stream, or vLLM keeps a stale head.
         if self._rlpost_tied() and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
             named.append(("lm_head.weight", dict(named)["model.embed_tokens.weight"]))
         fp = FingerprintBuilder()

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,6 @@ from rlpost.config.schema.generation import VllmConfig
 from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
 from rlpost.distributed.worker_groups import ALIVE_TIMEOUT_S, ActorGroup
 from rlpost.models.fingerprint import check_fingerprints, fingerprint_of_digests, weight_fingerprint
-from rlpost.models.generation.hosted_engine import HostedEngine
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
 from rlpost.models.generation.outputs import assemble_outputs, contiguous_splits, row_stop_strings, unpack_prompts
 from rlpost.models.generation.vllm_extension import FAULT_ENV
@@ -70,8 +69,8 @@ VLLM_ENGINE_ENV: dict[str, str] = {
 def engine_env(vllm_cfg: Any, on_gpu: bool) -> dict[str, str]:
     """VLLM_ENGINE_ENV for an engine with these `vllm_cfg` settings. An eager engine on the CPU compiles nothing:
     vLLM itself compiles no model then, but its sampler still `torch.compile`s a helper (the rank of each sampled
-    token's logprob), and the first generation paid 1.4-2.5 s for inductor's compiler checks and cache loads, all on
-    the time to the first step (TORCHDYNAMO_DISABLE=1 runs it eagerly: the same values, 0.2 s). On a GPU the compiled
+    token's logprob), so the first generation would pay for inductor's compiler checks and cache loads, all on the
+    time to the first step (TORCHDYNAMO_DISABLE=1 runs it eagerly, with the same values). On a GPU the compiled
     helper stays: eagerly it would hold a [tokens, vocabulary] mask, GBs for a large batch."""
     eager_cpu = vllm_cfg.enforce_eager and not on_gpu
     return {**VLLM_ENGINE_ENV, **({"TORCHDYNAMO_DISABLE": "1"} if eager_cpu else {})}
@@ -137,7 +136,7 @@ def engine_kwargs(
                                        else auto_kv_cache_bytes(model_path, v.max_model_len, v.precision))
         # A prompt prefilled in chunks has its sampled token discarded, and vLLM then rewinds that request's
         # seeded generator (set_offset), which a CPU generator refuses: batches of seeded prompts larger than
-        # one step's token budget failed ("CPU Generator does not use offset"). Whole prompts only on CPU.
+        # one step's token budget would fail ("CPU Generator does not use offset"). Whole prompts only on CPU.
         kw["enable_chunked_prefill"] = False
         kw["distributed_executor_backend"] = "uni" if v.tensor_parallel_size * v.pipeline_parallel_size == 1 else "mp"
     kw.update(cfg.vllm_kwargs or {})
@@ -176,11 +175,7 @@ class VllmGeneration(GenerationInterface):
         timeout_s: float = 900.0,
         name_prefix: str = "vllm",
         hf_overrides: Mapping[str, Any] | None = None,
-        hosts: list[Any] | None = None,
     ) -> None:
-        """`hosts`: policy worker actors (one per replica) that hold the engines in their own processes
-        (`policy.generation.colocated.same_process`, rlpost.models.generation.hosted_engine) instead of actors of
-        their own."""
         self.cfg = cfg
         self.cluster = cluster
         self.model_path = model_path or cfg.model_name
@@ -198,10 +193,6 @@ class VllmGeneration(GenerationInterface):
         self.group = ActorGroup([], f"vLLM {name_prefix} replica", timeout_s)
         self._next_replica = 0
         self._refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
-        self.hosted = hosts is not None
-        if hosts is not None:
-            self._host_engines(hosts, hf_overrides)
-            return
         remote_cls = ray.remote(VllmEngineWorker)
         for r in range(self.num_replicas):
             first_slot = r * self.slots_per_replica
@@ -231,22 +222,6 @@ class VllmGeneration(GenerationInterface):
         self._info_futures = [w.info.remote() for w in self.group.workers]
         self._info: dict[str, Any] | None = None
 
-    def _host_engines(self, hosts: list[Any], hf_overrides: Mapping[str, Any] | None) -> None:
-        """Build replica r's engine inside `hosts[r]` (a policy worker's actor, whose environment already holds
-        `actor_env`); its calls go there through a `HostedEngine` handle."""
-        if len(hosts) != self.num_replicas:
-            raise ValueError(f"{len(hosts)} hosting workers for {self.num_replicas} engine replicas")
-        self.group.name_prefix = f"{self.group.name_prefix} (in its policy worker)"
-        device = "cuda" if self.use_gpus else "cpu"
-        started = [h.host_engine.remote(self.model_path, engine_kwargs(self.cfg, r, self.use_gpus, hf_overrides,
-                                                                       self.model_path), r, device)
-                   for r, h in enumerate(hosts)]
-        self.group.workers = [HostedEngine(h) for h in hosts]
-        # the actor runs these after `host_engine` (in the order sent): a failed build fails both, named
-        self._info_futures = [w.info.remote() for w in self.group.workers]
-        self._host_futures = started
-        self._info = None
-
     def wait_started(self) -> None:
         self._engine_info()
 
@@ -254,8 +229,6 @@ class VllmGeneration(GenerationInterface):
         """The first replica's tokenizer facts, once every replica has started (a failed start is named)."""
         if self._info is None:
             try:
-                if self.hosted:
-                    self.group.get(self._host_futures)
                 self._info = self.group.get(self._info_futures)[0]
             except BaseException:
                 self.shutdown()
@@ -287,12 +260,8 @@ class VllmGeneration(GenerationInterface):
 
     # ------------------------------------------------------------------ generation
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
-        """Generate for every row of `data` (contract in rlpost.models.generation.interfaces)."""
-        return self.send_generate(data, greedy)()
-
-    def send_generate(self, data: Mapping[str, Any], greedy: bool = False) -> Callable[[], Any]:
-        """generate() sent to the replicas now, behind the calls already sent to them (each replica's actor runs its
-        calls in order, unless vllm_cfg.async_engine makes it a threaded actor); the returned function waits for it."""
+        """Generate for every row of `data` (contract in rlpost.models.generation.interfaces): contiguous chunks, one
+        per replica, put back in input order."""
         prompts = unpack_prompts(data)
         spec = sampling_spec(self.cfg, greedy, self.eos_token_id)
         chunks = contiguous_splits(len(prompts), self.num_replicas)
@@ -304,8 +273,7 @@ class VllmGeneration(GenerationInterface):
                 futures.append(self.workers[r].generate.remote(prompts[a:b], spec, seeds[a:b] if seeds else None,
                                                                stops[a:b] if stops else None))
                 used.append(r)
-        return lambda: assemble_outputs(data["input_ids"], data["input_lengths"], self._get(futures, used),
-                                        self.pad_token_id)
+        return assemble_outputs(data["input_ids"], data["input_lengths"], self._get(futures, used), self.pad_token_id)
 
     def generate_chunks(self, data: Mapping[str, Any], bounds: list[tuple[int, int]],
                         greedy: bool = False) -> Iterator[Any]:
@@ -363,7 +331,7 @@ class VllmGeneration(GenerationInterface):
     def finish_generation(self, **kwargs: Any) -> bool:
         """Sleep the engines when colocated on GPU; otherwise nothing. Cached prefixes stay valid until the weights
         change, and every refit path drops them as it ends (`end_refit`, `_after_refit`), so resetting them here too
-        was a Ray round trip a step for nothing."""
+        would be a Ray round trip a step for nothing."""
         if self.use_gpus and self.cfg.colocated.enabled:
             self._all("sleep", 1)
         return True
@@ -373,10 +341,6 @@ class VllmGeneration(GenerationInterface):
         """Every later refit must carry exactly these names, shapes and dtypes (checked in the engines)."""
         self._refit_info = {n: (tuple(int(d) for d in s), str(dt)) for n, (s, dt) in state_dict_info.items()}
         self._all("prepare_refit_info", self._refit_info)
-
-    def refit_fault(self, replica: int) -> str | None:
-        """The test-only fault hook's parameter name for `replica`'s next load (None: load as sent)."""
-        return self._fault(replica)
 
     def _fault(self, replica: int) -> str | None:
         name = os.environ.get(FAULT_ENV)
@@ -407,43 +371,6 @@ class VllmGeneration(GenerationInterface):
         if not ended:
             self._get([w.end_refit.remote() for w in self.workers])
         return self._check_fingerprints([self._complete_fingerprint(d) for d in digests], None)
-
-    @property
-    def runs_calls_in_order(self) -> bool:
-        """Each replica's actor runs its calls one at a time, in the order sent (not vllm_cfg.async_engine's threaded
-        actor): a call sent behind a load sees the loaded weights."""
-        return not self.cfg.vllm_cfg.async_engine
-
-    def load_staged_copy_async(self, staged: Iterable[Any]) -> list[Any]:
-        """Every replica loads a copy staged in one bucket (async GRPO's `stage_weights`), after the calls it has
-        already been sent; for `wait_staged_copy`."""
-        (box,) = list(staged)
-        return [w.load_copy.remote(box, self._fault(r)) for r, w in enumerate(self.workers)]
-
-    def wait_staged_copy(self, futures: list[Any], expected: str) -> tuple[str, float]:
-        """Wait for `load_staged_copy_async`: the fingerprint, and the longest replica's load in seconds.
-        FingerprintMismatch unless every replica loaded exactly `expected`."""
-        return self._checked_loads(self._get(futures), expected)
-
-    def load_staged_async(self, train_result: Any) -> list[Any]:
-        """Every replica loads the export a training call staged, as soon as that call's rank-0 result (`train_result`,
-        a pending Ray result) exists: Ray hands it to the engines itself, the driver is not in between. For
-        `wait_staged`."""
-        return [w.load_staged.remote(train_result, self._fault(r)) for r, w in enumerate(self.workers)]
-
-    def wait_staged(self, futures: list[Any], expected: str) -> float | None:
-        """Wait for `load_staged_async`; the longest replica's load in seconds, or None when the training call staged
-        nothing (no replica loaded). FingerprintMismatch unless every replica loaded exactly `expected`."""
-        parts = self._get(futures)
-        if any(p is None for p in parts):
-            return None
-        return self._checked_loads(parts, expected)[1]
-
-    def _checked_loads(self, parts: list[dict[str, Any]], expected: str) -> tuple[str, float]:
-        """Every replica's load answer ({"digests", "seconds"}): the fingerprint they all loaded, checked against
-        `expected` (FingerprintMismatch), and the longest load in seconds."""
-        fingerprint = self._check_fingerprints([self._complete_fingerprint(p["digests"]) for p in parts], expected)
-        return fingerprint, max(float(p["seconds"]) for p in parts)
 
     def _complete_fingerprint(self, digests: dict[str, str]) -> str:
         missing = sorted(set(self._refit_info or {}) - set(digests))

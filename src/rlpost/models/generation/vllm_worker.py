@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -153,8 +152,8 @@ class VllmEngineWorker:
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, spec: dict[str, Any]) -> Any:
         """One request's SamplingParams. Built fresh for each request and never reused, so vLLM may take it with
-        a shallow copy (`skip_clone`, as its own OpenAI server does) instead of deep-copying it per request: 6%
-        of the engine's time in the default job."""
+        a shallow copy (`skip_clone`, as its own OpenAI server does) instead of deep-copying it per request, a
+        cost every request would pay otherwise."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -180,7 +179,7 @@ class VllmEngineWorker:
         With `seeds`, prompt i samples with its own seed (reproducible whatever ran before); `stops[i]` adds
         stop strings for prompt i. With the async engine, concurrent calls (the actor is threaded) share it.
         Rows that repeat a prompt with consecutive seeds go as one request for several samples (`fan_out_runs`):
-        the same tokens, a third less time on a tiny model's GRPO step."""
+        the same tokens, with the prompt rendered, checked and admitted once per run instead of once per row."""
         if not prompts:
             return GeneratedBatch()
         runs = fan_out_runs(prompts, seeds, stops, float(sampling.get("temperature", 1.0)) == 0.0)
@@ -306,20 +305,6 @@ class VllmEngineWorker:
         if last:
             self.end_refit()
         return digests[0]
-
-    def load_staged(self, train_result: dict[str, Any], corrupt: str | None = None) -> dict[str, Any] | None:
-        """Load the export a training call staged (its rank-0 result's "staged_export", one bucket, which ends the
-        refit): {"digests", "seconds"}; None when the call staged nothing."""
-        staged = train_result.get("staged_export")
-        if not staged or "first" not in staged:
-            return None
-        return self.load_copy(staged["first"], corrupt)
-
-    def load_copy(self, box: Any, corrupt: str | None = None) -> dict[str, Any]:
-        """Load a whole refit staged in one bucket (`box`), ending the refit: {"digests", "seconds"}."""
-        t0 = time.perf_counter()
-        digests = self.load_bucket(box, corrupt, last=True)
-        return {"digests": digests, "seconds": time.perf_counter() - t0}
 
     def last_load_path(self) -> str:
         """How the last refit was written into the model: "writer" (rlpost's CPU writer) or "reload" (vLLM's)."""

@@ -109,7 +109,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        # Slicing a DeviceMesh builds a sub-mesh object each time (2% of a tiny model's training step): keep one.
+        # Slicing a DeviceMesh builds a sub-mesh object each time, and every global batch asks for it: keep one.
         if self._dp_group is None:
             self._dp_group = self.mesh[self.DP_DIM].get_group()
         return self._dp_group

@@ -68,13 +68,13 @@ class ColocatablePolicyInterface(PolicyInterface):
     """A policy whose full weights can be handed to a rollout engine (refit)."""
 
     @abstractmethod
-    def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def prepare_refit_info(self, dtype: str = "float32") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """{hf_name: (shape, dtype)} of the weights refit will send."""
 
     @abstractmethod
     def export_weight_buckets(self, dtype: str, max_bucket_bytes: int) -> WeightBuckets:
-        """Full weights under HF names, cast to `dtype`, in buckets of at most max_bucket_bytes (rank 0's
-        shared-memory segment on one node, else the object store)."""
+        """Full weights under HF names, cast to `dtype`, in buckets of at most max_bucket_bytes (rank 0's IPC buffer
+        on one node: shared memory, or CUDA IPC on the policy's only GPU; else the object store)."""
 
     @abstractmethod
     def init_refit_collective(self, host: str, port: int, world_size: int) -> None:
@@ -87,30 +87,9 @@ class ColocatablePolicyInterface(PolicyInterface):
         (start the engine's receive first); returns the fingerprint of what was sent."""
 
     @abstractmethod
-    def stage_weights(self, dtype: str, shared_memory: bool | None = None) -> str:
-        """Keep a copy of the full weights (HF names, `dtype`) on rank 0; returns its fingerprint. The copy
-        outlives later updates: async GRPO refits from it while training goes on. In shared memory
-        (`shared_memory`; None: on one node, on CPU) the engines load it themselves (`staged_buckets`); else it
-        is private to rank 0, for `broadcast_staged_async`."""
-
-    @abstractmethod
-    def train_and_stage_weights(self, data: BatchedDataDict, loss_fn: LossFunction, dtype: str,
-                                slot: int) -> tuple[dict[str, Any], WeightBuckets, float]:
-        """`train` (one update, policy.train_global_batch_size), then `stage_weights` into rank 0's shared-memory
-        slot `slot` in the same call on the workers (only where `stages_in_shared_memory`): the training result,
-        the staged copy as one refit bucket, and the seconds staging took inside the call. A slot must not be
-        staged into while an engine loads from it: async GRPO alternates two."""
-
-    @property
-    @abstractmethod
-    def stages_in_shared_memory(self) -> bool:
-        """`stage_weights` puts the copy in rank 0's shared memory, where the engines load it themselves (one node,
-        CPU); otherwise it is private to rank 0, for `broadcast_staged_async`."""
-
-    @abstractmethod
-    def staged_buckets(self) -> WeightBuckets | None:
-        """The last copy staged in shared memory, as one refit bucket the engines load directly; None when it
-        was staged for a broadcast."""
+    def stage_weights(self, dtype: str) -> str:
+        """Keep a private copy of the full weights (HF names, `dtype`) on rank 0; returns its fingerprint. The copy
+        outlives later updates: async GRPO broadcasts it (`broadcast_staged_async`) while training goes on."""
 
     @abstractmethod
     def broadcast_staged_async(self) -> list[Any]:
@@ -189,37 +168,21 @@ class PolicyWorker(Protocol):
 
     def clear_export(self) -> None: ...
 
-    def stage_export(self, dtype: str, max_bytes: int, shared_memory: bool = False) -> dict[str, Any]:
+    def stage_export(self, dtype: str, max_bytes: int, ipc: bool = False) -> dict[str, Any]:
         """All ranks: prepare the export; rank 0 returns {'plan': buckets of at most `max_bytes` (weight indices),
         'fingerprint': of the export} and, when it fits one bucket, 'first': that bucket already out (as
         put_export_bucket returns it; the export is then cleared)."""
 
-    def train_and_stage_export(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None, eval_mode: bool,
-                               dtype: str, max_bytes: int, shared_memory: bool) -> dict[str, Any]:
-        """`train`, then `stage_export` in the same call (rank 0's result adds it as "staged_export" when the export
-        is one bucket), so the refit after a training step needs no stage call."""
-
-    def finish_parts_and_stage_export(self, loss_fn: LossFunction, num_parts: int, dtype: str, max_bytes: int,
-                                      shared_memory: bool) -> dict[str, Any]:
-        """`finish_parts`, then `stage_export`, as `train_and_stage_export` does after `train`."""
-
-    def put_export_bucket(self, indices: list[int], shared_memory: bool = False, slot: int = 0) -> Any:
-        """Rank 0: one bucket into its shared-memory segment number `slot` (a descriptor) or the object store
-        ([its ref])."""
+    def put_export_bucket(self, indices: list[int], ipc: bool = False, slot: int = 0) -> Any:
+        """Rank 0: one bucket into its IPC buffer number `slot` (a descriptor) or the object store ([its ref])."""
 
     def init_refit_collective(self, host: str, port: int, world_size: int) -> bool: ...
 
     def broadcast_weights_collective(self, dtype: str) -> str: ...
 
-    def stage_weights(self, dtype: str, shared_memory: bool = False, slot: int = 0) -> dict[str, Any]:
-        """All ranks: gather the full weights; rank 0 keeps a copy (in its shared-memory segment number `slot`, or
-        private for `broadcast_staged`) and answers {'fingerprint', 'box': the segment's descriptor or None}; {}
-        elsewhere."""
-
-    def train_and_stage_weights(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None, dtype: str,
-                                slot: int) -> dict[str, Any]:
-        """`train`, then `stage_weights(dtype, True, slot)` in the same call; rank 0's result adds the stage answer
-        (with its "seconds") as "staged_weights"."""
+    def stage_weights(self, dtype: str) -> dict[str, Any]:
+        """All ranks: gather the full weights; rank 0 keeps a private copy for `broadcast_staged` and answers
+        {'fingerprint'}; {} elsewhere."""
 
     def broadcast_staged(self) -> str:
         """Rank 0: broadcast the staged copy over the refit group (concurrency group 'refit', so it may run
@@ -234,15 +197,3 @@ class PolicyWorker(Protocol):
     def state_fingerprint(self) -> dict[str, float]: ...
 
     def shutdown(self) -> bool: ...
-
-
-class EngineHostWorker(Protocol):
-    """What the `Policy` facade also calls on a worker that hosts the rollout engine in its process
-    (`policy.generation.colocated.same_process`: the backend's class with
-    rlpost.models.generation.hosted_engine.EngineHostMixin in front; the contract test checks the mixin's
-    signatures)."""
-
-    def train_and_load_engine(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None, eval_mode: bool,
-                              dtype: str, corrupt: str | None = None) -> dict[str, Any]:
-        """`train`, then the hosted engine loads the update (cast to `dtype`) in the same call; the result adds
-        "engine_load": {"fingerprint", "expected", "seconds"}."""

@@ -8,7 +8,7 @@ already globally normalised, as in NeMo RL) and the rest averaged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,46 +41,18 @@ class Policy(ColocatablePolicyInterface):
         init_reference_model: bool = True,
         device: str = "cpu",
         timeout_s: float = 900.0,
-        host_mixin: type | None = None,
-        engine_env: dict[str, str] | None = None,
     ) -> None:
-        """`host_mixin`: the workers will host the rollout engines (`policy.generation.colocated.same_process`): their
-        class is the backend's with this mixin in front (rlpost.models.generation.hosted_engine.EngineHostMixin,
-        given by the run's setup: the policy package does not import an engine), and `engine_env` is added to
-        their environment."""
         self.cfg = cfg
         self.device = device
         self.single_node = cluster.num_nodes == 1
-        self._staged: WeightBuckets | None = None
-        self._stage_after_train: tuple[str, int] | None = None
-        """(dtype, bucket bytes) of the last refit when it was one shared-memory bucket on the CPU: every training
-        call then ends with that export written (`train_and_stage_export`), so the refit after it is one call."""
         self._parts: list[Any] = []
         """Pending `train_part` calls (every rank's), until `finish_parts`."""
-        self._staged_export: dict[str, Any] | None = None
-        """Rank 0's `stage_export` answer from the last training call, until a refit takes it."""
-        self.engine_load: tuple[str, Callable[[], str | None]] | None = None
-        """(dtype, fault hook) once the workers host the engines and EngineWeights wants each training call to end
-        with the engines loading its update (`train_and_load_engine`); the outcome waits in `take_engine_load`."""
-        self._engine_loaded: dict[str, Any] | None = None
-        self.on_train_submitted: Callable[[], None] | None = None
-        """Called once, after the next training call that loads the hosted engines has been sent and before it is
-        waited for: a call sent to the hosting actor now runs after that load (rlpost.algorithms.prefetch)."""
-        self.on_stage_submitted: Callable[[Any], None] | None = None
-        """Called with rank 0's pending result when a training call that stages the export has been sent and before
-        it is waited for: an engine can be told to load the export as soon as that result exists (EngineWeights),
-        without a round trip through the driver."""
         sizes = cfg.parallel_sizes()
         mp = sizes["tp"] * sizes["pp"] * sizes["cp"]
         self.dims = ParallelDims(dp=cluster.world_size // mp, tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"])
         worker_cls = resolve(cfg._target_, key="policy._target_")
-        if host_mixin is not None:
-            worker_cls = type(f"{worker_cls.__name__}WithEngine", (host_mixin, worker_cls), {})
-        env = {"RLPOST_DEVICE": device, **(engine_env or {})}
+        env = {"RLPOST_DEVICE": device}
         env.update(cfg.worker_env())
-        # Hosting an engine, the actor runs every call on its main thread, in the order sent (a thread pool cost
-        # each phase 10-20% on the tiny model, and the engine's calls must not overtake the load before them).
-        hosting = host_mixin is not None
         self.worker_group = RayWorkerGroup(
             cluster,
             worker_cls,
@@ -93,8 +65,8 @@ class Policy(ColocatablePolicyInterface):
             name_prefix="policy",
             env_vars=env,
             timeout_s=timeout_s,
-            concurrency_groups=None if hosting else {REFIT_GROUP: 1},
-            max_concurrency=1 if hosting else 2,
+            concurrency_groups={REFIT_GROUP: 1},
+            max_concurrency=2,
         )
 
     def set_call_timeout(self, timeout_s: float) -> None:
@@ -144,39 +116,13 @@ class Policy(ColocatablePolicyInterface):
               eval_mode: bool = False) -> dict[str, Any]:
         gbs = gbs or self.cfg.train_global_batch_size
         shards, _ = self._shard(data, gbs, for_training=True)
-        self._staged_export = None  # the weights change: an export staged before is stale
-        if self.engine_load is not None and not eval_mode:
-            dtype, fault = self.engine_load
-            futures = self.worker_group.submit_sharded("train_and_load_engine", shards, loss_fn, gbs, eval_mode,
-                                                       dtype, fault())
-            hook, self.on_train_submitted = self.on_train_submitted, None
-            if hook is not None:
-                hook()
-            results = self.worker_group.collect_sharded(futures)
-            self._engine_loaded = results[0].pop("engine_load")
-            return _aggregate(results)
-        if self._stage_after_train is not None and not eval_mode:
-            return self._train_and_stage(self.worker_group.submit_sharded(
-                "train_and_stage_export", shards, loss_fn, gbs, eval_mode, *self._stage_after_train, self.single_node))
         return _aggregate(self.worker_group.run_sharded("train", shards, loss_fn, gbs, eval_mode))
-
-    def take_engine_load(self) -> dict[str, Any] | None:
-        """The hosted engine's load at the end of the last training call (`train_and_load_engine`): {"fingerprint",
-        "expected", "seconds"}, once; None when that call loaded nothing."""
-        loaded, self._engine_loaded = self._engine_loaded, None
-        return loaded
-
-    @property
-    def hosts(self) -> list[Any]:
-        """The worker actors (rank order): where hosted engines live."""
-        return list(self.worker_group.workers)
 
     def train_part(self, data: BatchedDataDict, loss_fn: Any) -> None:
         """Send one part of the step's single global batch (whole groups) to be trained, without waiting: each
         rank runs forward and backward over its shard and accumulates gradients (rlpost.algorithms.overlap).
         `finish_parts` steps the optimizer once every part is sent."""
         shards, _ = self._shard(data, data.size, for_training=True)
-        self._staged_export = None
         index = len(self._parts) // self.worker_group.world_size
         self._parts.extend(self.worker_group.submit_sharded("train_part", shards, loss_fn, index))
 
@@ -188,43 +134,9 @@ class Policy(ColocatablePolicyInterface):
             raise RuntimeError("finish_parts without a train_part before it")
         world = self.worker_group.world_size
         num_parts = len(pending) // world
-        stage = self._stage_after_train
-        futures = (self.worker_group.call_async("finish_parts_and_stage_export", loss_fn, num_parts, *stage,
-                                                self.single_node) if stage is not None
-                   else self.worker_group.call_async("finish_parts", loss_fn, num_parts))
+        futures = self.worker_group.call_async("finish_parts", loss_fn, num_parts)
         self.worker_group.get(pending, indices=list(range(world)) * num_parts)  # a failed part raises here, named
-        if stage is not None:
-            return self._train_and_stage(futures)
         return _aggregate(self.worker_group.collect_sharded(futures))
-
-    def _train_and_stage(self, futures: list[Any]) -> dict[str, Any]:
-        """The results of training calls that end by staging the export (one per rank, rank order)."""
-        # Rank 0's result carries the staged export; only when it is also dp 0's output rank does this facade take
-        # that export (below), so only then may the engines load it on their own (with pipeline stages the
-        # export is staged again on refit, into the segment they would still be reading).
-        if self.on_stage_submitted is not None and self.dims.is_output_rank(0):
-            self.on_stage_submitted(futures[0])
-        results = self.worker_group.collect_sharded(futures)
-        self._staged_export = results[0].pop("staged_export", None)
-        if self._staged_export is None:  # rank 0 is not dp 0's output rank (pipeline stages): stage on refit
-            self._stage_after_train = None
-        return _aggregate(results)
-
-    def train_and_stage_weights(self, data: BatchedDataDict, loss_fn: Any, dtype: str,
-                                slot: int) -> tuple[dict[str, Any], WeightBuckets, float]:
-        gbs = self.cfg.train_global_batch_size
-        shards, _ = self._shard(data, gbs, for_training=True)
-        self._staged_export = None
-        futures = self.worker_group.submit_sharded("train_and_stage_weights", shards, loss_fn, gbs, dtype, slot)
-        every = self.worker_group.collect_sharded(futures, output_only=False)  # rank order
-        staged = every[0].pop("staged_weights")  # rank 0's, also where pipeline stages make it no output rank
-        results = self.worker_group.by_shard(every)
-        self._staged = _StagedBucket(staged["box"], staged["fingerprint"])
-        return _aggregate(results), self._staged, float(staged["seconds"])
-
-    @property
-    def stages_in_shared_memory(self) -> bool:
-        return self.single_node and self.device == "cpu"
 
     def prepare_for_training(self) -> None:
         self.worker_group.run_all("prepare_for_training")
@@ -249,30 +161,10 @@ class Policy(ColocatablePolicyInterface):
         self.worker_group.run_all("clear_export")
         return info
 
-    @property
-    def export_staged(self) -> bool:
-        """The last training call left its export written: the next refit only has the engines load it."""
-        return self._staged_export is not None
-
-    def take_staged_export(self) -> dict[str, Any] | None:
-        """The last training call's staged export ({"plan", "fingerprint", "first"}), taken by an engine that loaded
-        it straight from that call's result (`on_stage_submitted`); None when there is none."""
-        staged, self._staged_export = self._staged_export, None
-        return staged
-
     def export_weight_buckets(self, dtype: str, max_bucket_bytes: int = 256 * 2**20) -> WeightBuckets:
-        # One node (a colocated engine shares the policy's): buckets go through rank 0's reusable shared-memory
-        # segment instead of a fresh object-store allocation each (rlpost.distributed.shm_buckets).
-        staged, self._staged_export = self._staged_export, None
-        if self._stage_after_train != (dtype, max_bucket_bytes):
-            staged = None
-
-        def one_bucket() -> None:  # later training calls leave this refit's export written
-            if self.device == "cpu" and self.single_node:
-                self._stage_after_train = (dtype, max_bucket_bytes)
-
-        return _RankZeroBuckets(self.worker_group, dtype, max_bucket_bytes, shared_memory=self.single_node,
-                                staged=staged, on_one_bucket=one_bucket)
+        # One node (a colocated engine shares the policy's): buckets go through rank 0's reusable IPC buffer (shared
+        # memory, or CUDA IPC on the policy's only GPU) instead of a fresh object-store allocation each.
+        return _RankZeroBuckets(self.worker_group, dtype, max_bucket_bytes, ipc=self.single_node)
 
     def init_refit_collective_async(self, host: str, port: int, world_size: int) -> list[Any]:
         """Start rank 0 joining the refit group (it blocks until the engines join too)."""
@@ -288,15 +180,8 @@ class Policy(ColocatablePolicyInterface):
     def broadcast_weights_collective(self, dtype: str) -> str:
         return str(self.worker_group.get(self.broadcast_weights_collective_async(dtype))[0])
 
-    def stage_weights(self, dtype: str, shared_memory: bool | None = None) -> str:
-        if shared_memory is None:  # an engine on this node's CPU reads rank 0's segment: no broadcast to wait for
-            shared_memory = self.stages_in_shared_memory
-        staged = self.worker_group.run_all("stage_weights", dtype, shared_memory)[0]
-        self._staged = _StagedBucket(staged["box"], staged["fingerprint"]) if staged["box"] is not None else None
-        return str(staged["fingerprint"])
-
-    def staged_buckets(self) -> WeightBuckets | None:
-        return self._staged
+    def stage_weights(self, dtype: str) -> str:
+        return str(self.worker_group.run_all("stage_weights", dtype)[0]["fingerprint"])
 
     def broadcast_staged_async(self) -> list[Any]:
         # rank 0 sends; its own concurrency group, so it runs beside a train() call on the same actor
@@ -340,65 +225,38 @@ def _aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-class _StagedBucket(WeightBuckets):
-    """The copy rank 0 staged in its shared-memory segment, as one bucket (loaded by the engines directly)."""
-
-    planned = 1
-
-    def __init__(self, box: Any, fingerprint: str) -> None:
-        self.box = box
-        self._fp = fingerprint
-
-    def __iter__(self) -> Iterator[Any]:
-        yield self.box
-
-    @property
-    def fingerprint(self) -> str:
-        return self._fp
-
-    @property
-    def count(self) -> int:
-        return 1
-
-
 class _RankZeroBuckets(WeightBuckets):
-    """Rank 0 writes the buckets one ahead of the engines (into two shared-memory slots, or the object store); the driver only
+    """Rank 0 writes the buckets one ahead of the engines (into two IPC buffers, or the object store); the driver only
     forwards the boxes. The first step of the iteration stages the export on every rank (`stage_export`); a model
-    that fits one bucket comes back from it already written. `staged`: that answer, given by the training call that
-    produced these weights (the stage call is skipped); `on_one_bucket` runs when the export was one bucket."""
+    that fits one bucket comes back from it already written."""
 
-    def __init__(self, group: RayWorkerGroup, dtype: str, max_bytes: int, shared_memory: bool = False,
-                 staged: dict[str, Any] | None = None, on_one_bucket: Callable[[], None] | None = None) -> None:
+    def __init__(self, group: RayWorkerGroup, dtype: str, max_bytes: int, ipc: bool = False) -> None:
         self.group = group
-        self.staged = staged
-        self.on_one_bucket = on_one_bucket
         self.dtype = dtype
         self.max_bytes = max_bytes
-        self.shared_memory = shared_memory
+        self.ipc = ipc
         self._fp: str | None = None
         self._count = 0
         self.planned: int | None = None
         """Buckets the export was split into (known once the iteration started)."""
 
     def __iter__(self) -> Iterator[Any]:
-        staged = self.staged or self.group.run_all("stage_export", self.dtype, self.max_bytes, self.shared_memory)[0]
+        staged = self.group.run_all("stage_export", self.dtype, self.max_bytes, self.ipc)[0]
         plan = staged["plan"]
         self.planned = len(plan)
-        if "first" in staged and self.on_one_bucket is not None:
-            self.on_one_bucket()
         try:
             if "first" in staged:  # already written, and rank 0 cleared its export
                 yield staged["first"]
                 self._count = 1
             else:
-                # One bucket ahead: rank 0 writes bucket k + 1 (into the other shared-memory slot) while the engines
-                # load bucket k. Resuming here means the consumer is done with bucket k - 1, whose slot k + 1 reuses.
+                # One bucket ahead: rank 0 writes bucket k + 1 (into the other IPC buffer) while the engines load
+                # bucket k. Resuming here means the consumer is done with bucket k - 1, whose buffer k + 1 reuses.
                 rank0 = self.group.workers[0]
-                ahead = rank0.put_export_bucket.remote(plan[0], self.shared_memory, 0)
+                ahead = rank0.put_export_bucket.remote(plan[0], self.ipc, 0)
                 for k in range(len(plan)):
                     box = self.group.get([ahead])[0]
                     if k + 1 < len(plan):
-                        ahead = rank0.put_export_bucket.remote(plan[k + 1], self.shared_memory, (k + 1) % 2)
+                        ahead = rank0.put_export_bucket.remote(plan[k + 1], self.ipc, (k + 1) % 2)
                     yield box
                     self._count += 1
             self._fp = staged["fingerprint"]

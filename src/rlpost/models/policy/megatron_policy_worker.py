@@ -142,7 +142,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
     def _setup(
         self, weights_path: str | None, optimizer_path: str | None, init_optimizer: bool, init_ref: bool
     ) -> None:
-        # megatron-core's import (3.7 s, 236k objects) with the collector paused, then frozen (rlpost.runtime.gc_heap)
+        # megatron-core's import (a large heap) with the collector paused, then frozen (rlpost.runtime.gc_heap)
         import_frozen("megatron.core.models.gpt.gpt_model", "megatron.core.optimizer", "megatron.core.distributed")
         from megatron.core import parallel_state as ps
 

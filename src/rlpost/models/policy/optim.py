@@ -20,7 +20,7 @@ def build_optimizer(cfg: PytorchOptimizerConfig, params: Iterable[torch.nn.Param
                     dry_run: bool = False) -> torch.optim.Optimizer:
     """The optimizer `cfg` names over `params`. `dry_run` (the driver's pre-flight, which only checks that the
     class takes the arguments): torch's own `add_param_group` runs without its dynamo-disable wrapper, whose first
-    call imports torch._dynamo (1 s on the 2-core host, on the path to the first step); the checks are the same
+    call imports torch._dynamo (a slow import, on the path to the first step); the checks are the same
     function's, and a class with its own `add_param_group` is built as it is."""
     cls = resolve(cfg.name, key="policy.optimizer.name")
     kwargs: dict[str, Any] = dict(cfg.kwargs)

@@ -1,15 +1,14 @@
 """The worker side of refit, shared by every policy backend.
 
 A worker fills `self._export` (rank 0: full HF-named tensors, cast to the engine's dtype) in its own
-`prepare_weights_for_export`; this mixin serves it in bounded buckets (a reusable shared-memory segment on one
-node, a device buffer opened over CUDA IPC on the policy's only GPU, else the object store), fingerprints it,
-stages a copy for async GRPO (in shared memory, or private), and broadcasts it over the refit group for a
-non-colocated engine.
+`prepare_weights_for_export`; this mixin serves it in bounded buckets through an IPC buffer on one node (a reusable
+shared-memory segment, or a device buffer opened over CUDA IPC on the policy's only GPU), else the object store;
+fingerprints it; stages a private copy for async GRPO; and broadcasts it over the refit group for an engine on its
+own workers.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,7 +19,7 @@ def params_finite(params: Iterable[torch.Tensor]) -> bool:
     """True when every (local shard of every) parameter is finite: a huge lr breaks this before the loss does.
 
     One fused norm over all of them first (a finite norm means finite elements; torch's grouped foreach norm
-    costs a fraction of an isfinite pass per tensor, which was 5% of a 17.9M-parameter training step); only a
+    costs a fraction of an isfinite pass per tensor, and this check runs after every training step); only a
     non-finite norm (or one that overflowed) is checked element by element."""
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
     local = [t.detach() for t in local if t.is_floating_point() and t.numel()]
@@ -39,9 +38,9 @@ class WeightExportMixin:
     device: torch.device
     _export: list[tuple[str, torch.Tensor]]
     _refit_group: Any = None
-    _shm: dict[int | str, Any] | None = None
-    """Rank 0's reusable shared-memory segments (ShmBucketWriter): colocated refit buckets per slot (0, 1), and
-    the staged copies per slot ("staged0", "staged1"), once written."""
+    _shm: dict[int, Any] | None = None
+    """Rank 0's reusable IPC buffers (ShmBucketWriter or CudaIpcBucketWriter) for colocated refit buckets, per slot
+    (0, 1), once written."""
     _staged: tuple[list[tuple[str, torch.Tensor]], str] | None = None
     """(weights, fingerprint) of the last `stage_weights` (rank 0): what `broadcast_staged` sends."""
 
@@ -51,13 +50,12 @@ class WeightExportMixin:
 
         return plan_buckets(self._export, max_bytes) if self.rank == 0 else []
 
-    def put_export_bucket(self, indices: list[int], shared_memory: bool = False, slot: int = 0) -> Any:
-        """Rank 0: one bucket for the engines, forwarded unread by the caller: into this rank's reusable
-        shared-memory segment number `slot` (`shared_memory`: the engines are on this node; a descriptor comes
-        back; the caller writes bucket k + 1 into the other slot while the engines load bucket k), or into the
-        object store ([ref])."""
+    def put_export_bucket(self, indices: list[int], ipc: bool = False, slot: int = 0) -> Any:
+        """Rank 0: one bucket for the engines, forwarded unread by the caller: into this rank's reusable IPC buffer
+        number `slot` (`ipc`: the engines are on this node; a descriptor comes back; the caller writes bucket k + 1
+        into the other slot while the engines load bucket k), or into the object store ([ref])."""
         named = [self._export[i] for i in indices]
-        if shared_memory:
+        if ipc:
             return self._shm_writer(slot).write(named)
         import ray
 
@@ -65,63 +63,27 @@ class WeightExportMixin:
 
         return [ray.put(encode(named))]
 
-    def stage_export(self, dtype: str, max_bytes: int, shared_memory: bool = False) -> dict[str, Any]:
+    def stage_export(self, dtype: str, max_bytes: int, ipc: bool = False) -> dict[str, Any]:
         """All ranks: gather the full weights (a collective). Rank 0 answers with the bucket plan and the export's
         fingerprint; when the whole export fits one bucket it is already out (`first`, see put_export_bucket)
-        and the export is cleared, so a small model's refit costs one call here instead of five.
+        and the export is cleared, so a small model's refit takes one call here.
 
-        Through shared memory a model larger than `max_bytes` goes in buckets of half of it, one per slot, so
-        rank 0 writes the next while the engines load the current and the two slots together stay within
-        `max_bytes` (`policy.refit_buffer_size_gb`)."""
+        Through IPC buffers a model larger than `max_bytes` goes in buckets of half of it, one per slot, so rank 0
+        writes the next while the engines load the current and the two slots together stay within `max_bytes`
+        (`policy.refit_buffer_size_gb`)."""
         self.prepare_weights_for_export(dtype)  # type: ignore[attr-defined]
         if self.rank != 0:
             return {}
         plan = self.plan_export_buckets(max_bytes)
-        if shared_memory and len(plan) > 1:
+        if ipc and len(plan) > 1:
             plan = self.plan_export_buckets(max(1, max_bytes // 2))
         out: dict[str, Any] = {"plan": plan, "fingerprint": self.export_fingerprint()}
         if len(plan) == 1:
-            out["first"] = self.put_export_bucket(plan[0], shared_memory)
+            out["first"] = self.put_export_bucket(plan[0], ipc)
             self.clear_export()
         return out
 
-    def train_and_stage_export(self, data: Any, loss_fn: Any, gbs: int | None, eval_mode: bool, dtype: str,
-                               max_bytes: int, shared_memory: bool) -> dict[str, Any]:
-        """All ranks: `train`, then `stage_export` in the same call, so the refit that follows finds its one bucket
-        written and needs no call of its own here (Policy asks for this once a refit was one bucket). Rank 0's
-        result carries the stage answer as "staged_export"; an export that is no longer one bucket is dropped."""
-        return self._with_staged_export(self.train(data, loss_fn, gbs, eval_mode),  # type: ignore[attr-defined]
-                                        dtype, max_bytes, shared_memory)
-
-    def finish_parts_and_stage_export(self, loss_fn: Any, num_parts: int, dtype: str, max_bytes: int,
-                                      shared_memory: bool) -> dict[str, Any]:
-        """`train_and_stage_export` for a batch trained in parts: `finish_parts`, then `stage_export`."""
-        return self._with_staged_export(self.finish_parts(loss_fn, num_parts),  # type: ignore[attr-defined]
-                                        dtype, max_bytes, shared_memory)
-
-    def _with_staged_export(self, result: dict[str, Any], dtype: str, max_bytes: int,
-                            shared_memory: bool) -> dict[str, Any]:
-        staged = self.stage_export(dtype, max_bytes, shared_memory)
-        if self.rank != 0:
-            return dict(result)
-        if "first" not in staged:  # the refit stages it again, bucket by bucket
-            self.clear_export()
-            return dict(result)
-        return {**result, "staged_export": staged}
-
-    def train_and_stage_weights(self, data: Any, loss_fn: Any, gbs: int | None, dtype: str,
-                                slot: int) -> dict[str, Any]:
-        """All ranks: `train`, then `stage_weights` into rank 0's shared-memory slot `slot`, in one call (async
-        GRPO on one node, CPU: the update's copy for the engines costs no call of its own). Rank 0's result adds
-        the stage answer as "staged_weights", with the seconds staging took."""
-        result = self.train(data, loss_fn, gbs, False)  # type: ignore[attr-defined]
-        t0 = time.perf_counter()
-        staged = self.stage_weights(dtype, True, slot)
-        if self.rank != 0:
-            return dict(result)
-        return {**result, "staged_weights": {**staged, "seconds": time.perf_counter() - t0}}
-
-    def _shm_writer(self, slot: int | str) -> Any:
+    def _shm_writer(self, slot: int) -> Any:
         """Rank 0's reusable buffer `slot` shared with the engines on this node, created on first use: a
         shared-memory segment (ShmBucketWriter), or on the policy's only GPU a device buffer the colocated engine
         opens over CUDA IPC (CudaIpcBucketWriter: the export never leaves the GPU)."""
@@ -164,29 +126,18 @@ class WeightExportMixin:
     def clear_export(self) -> None:
         self._export = []
 
-    def stage_weights(self, dtype: str, shared_memory: bool = False, slot: int = 0) -> dict[str, Any]:
-        """All ranks: gather the full weights (a collective); rank 0 keeps a copy, cast to `dtype`, and answers
-        {'fingerprint': its fingerprint, 'box': a shared-memory descriptor or None} ({} elsewhere). Async GRPO
-        stages after every update, so the engine's refit can run while the next update trains: the copy is never
-        written by training.
-
-        `shared_memory` (the engines are on this node, on CPU): the copy goes into this rank's reusable staged
-        segment number `slot` and the engines load it from there themselves (`box`), without this actor; the
-        caller must not stage into a slot while an engine reads it. Otherwise it is a private copy where the
-        gathered weights live (on GPU: one more copy of the model in rank 0's device memory, in the engine's
-        dtype) for `broadcast_staged`."""
+    def stage_weights(self, dtype: str) -> dict[str, Any]:
+        """All ranks: gather the full weights (a collective); rank 0 keeps a private copy, cast to `dtype`, and
+        answers {'fingerprint': its fingerprint} ({} elsewhere). Async GRPO stages after every update, so the
+        engine's refit (`broadcast_staged`) can run while the next update trains: the copy is never written by
+        training. On a GPU it is one more copy of the model in rank 0's device memory, in the engine's dtype."""
         self.prepare_weights_for_export(dtype)  # type: ignore[attr-defined]
         out: dict[str, Any] = {}
         if self.rank == 0:
             fp = self.export_fingerprint()
-            box = None
-            if shared_memory:
-                box = self._shm_writer(f"staged{slot}").write(self._export)
-                self._staged = None
-            else:
-                staged = [(n, t.detach().clone()) for n, t in self._export]  # never a view of a live parameter
-                self._staged = (staged, fp)  # one assignment: a broadcast in flight keeps the copy it started with
-            out = {"fingerprint": fp, "box": box}
+            staged = [(n, t.detach().clone()) for n, t in self._export]  # never a view of a live parameter
+            self._staged = (staged, fp)  # one assignment: a broadcast in flight keeps the copy it started with
+            out = {"fingerprint": fp}
         self.clear_export()
         return out
 
