@@ -1,5 +1,6 @@
-"""GPU paths (nccl, bf16, Megatron's mixed-precision/distributed optimizer, CUDA vLLM). Marked `gpu`:
-skipped without an NVIDIA GPU, run on a device machine with `pytest -m gpu tests/integration/test_gpu.py`."""
+"""GPU paths (nccl, bf16, Megatron's mixed-precision/distributed optimizer, CUDA vLLM, the colocated refit over
+CUDA IPC). Marked `gpu`: skipped without an NVIDIA GPU; `bash scripts/gpu_check.sh` runs every GPU check on a
+device machine."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytest.importorskip("ray")  # every check here runs the workers as Ray actors (scripts/gpu_check.sh skips them)
 
 REPO = Path(__file__).resolve().parents[2]
 
