@@ -8,7 +8,6 @@ Logprob checks compare against a plain HF model holding the same weights, comput
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -34,43 +33,18 @@ PROMPTS = [
 
 # ---------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir: Path) -> Path:
-    return tiny_model_dir
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(
-        address="local",  # a new local cluster, even if `ray start` left one running here
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=256 * 2**20,
-        logging_level="WARNING",
-        log_to_driver=False,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}},
-    )
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
+def tokenizer(tiny_model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
-def ref_model(model_dir: Path) -> Any:
+def ref_model(tiny_model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 def _perturbed(ref_model: Any, seed: int, scale: float = 0.3, mlp_factor: float = 1.0) -> dict[str, torch.Tensor]:
@@ -111,26 +85,26 @@ def _vllm_cfg(async_engine: bool = False, precision: str = "float32") -> Any:
 
 
 @pytest.fixture(scope="module")
-def vllm_engine(ray_cluster: None, model_dir: Path) -> Iterator[Any]:
+def vllm_engine(ray_local: None, tiny_model_dir: Path) -> Iterator[Any]:
     from rlpost.distributed.virtual_cluster import RayVirtualCluster
     from rlpost.models.generation.vllm_generation import VllmGeneration
 
     cluster = RayVirtualCluster("test-vllm", workers_per_node=2, cpus_per_bundle=0.25, placement_timeout_s=60)
-    engine = VllmGeneration(_vllm_cfg(), cluster, str(model_dir), timeout_s=240)
+    engine = VllmGeneration(_vllm_cfg(), cluster, str(tiny_model_dir), timeout_s=240)
     yield engine
     engine.shutdown()
     cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
-def hf_engine(ray_cluster: None, model_dir: Path) -> Iterator[Any]:
+def hf_engine(ray_local: None, tiny_model_dir: Path) -> Iterator[Any]:
     from rlpost.config.schema.generation import HFGenerationConfig
     from rlpost.distributed.virtual_cluster import RayVirtualCluster
     from rlpost.models.generation.hf_generation import HFGeneration
 
     cluster = RayVirtualCluster("test-hf", workers_per_node=1, cpus_per_bundle=0.25, placement_timeout_s=60)
     cfg = HFGenerationConfig(max_new_tokens=12, temperature=TEMPERATURE, generation_batch_size=4)
-    engine = HFGeneration(cfg, cluster, str(model_dir), timeout_s=240)
+    engine = HFGeneration(cfg, cluster, str(tiny_model_dir), timeout_s=240)
     yield engine
     engine.shutdown()
     cluster.shutdown()
@@ -356,8 +330,8 @@ def test_refit_through_collective(vllm_engine: Any, ref_model: Any, weights_b: d
 
 
 def test_async_engine_same_contract(
-    ray_cluster: None,
-    model_dir: Path,
+    ray_local: None,
+    tiny_model_dir: Path,
     vllm_engine: Any,
     ref_model: Any,
     weights_a: dict,
@@ -373,7 +347,7 @@ def test_async_engine_same_contract(
     with _cfg(vllm_engine, stop_token_ids=[]):
         sync_out = vllm_engine.generate(batch, greedy=True)
     cluster = RayVirtualCluster("test-vllm-async", workers_per_node=1, cpus_per_bundle=0.25, placement_timeout_s=60)
-    engine = VllmGeneration(_vllm_cfg(async_engine=True), cluster, str(model_dir), timeout_s=240)
+    engine = VllmGeneration(_vllm_cfg(async_engine=True), cluster, str(tiny_model_dir), timeout_s=240)
     try:
         engine.update_weights(weights_a.items())
         with _cfg(engine, stop_token_ids=[]):
@@ -509,7 +483,7 @@ def test_many_seeded_prompts_larger_than_one_step_generate(vllm_engine: Any, wei
     assert out["output_ids"].shape == (n, width + 12) and out["generation_lengths"].tolist() == [12] * n
 
 
-def test_an_engine_that_fails_to_start_is_named_when_waited_for(ray_cluster: None, model_dir: Path,
+def test_an_engine_that_fails_to_start_is_named_when_waited_for(ray_local: None, tiny_model_dir: Path,
                                                                 tmp_path: Path) -> None:
     """The constructor does not wait for the engines (the policy's actors start beside them); `wait_started` does,
     and a replica that could not start is named there, with its cause."""
@@ -520,7 +494,7 @@ def test_an_engine_that_fails_to_start_is_named_when_waited_for(ray_cluster: Non
     from rlpost.models.generation.vllm_generation import VllmGeneration
 
     broken = tmp_path / "broken"
-    shutil.copytree(model_dir, broken)
+    shutil.copytree(tiny_model_dir, broken)
     for weights in broken.glob("*.safetensors"):
         weights.write_bytes(b"not a safetensors file")
     cluster = RayVirtualCluster("test-vllm-broken", workers_per_node=1, cpus_per_bundle=0.25, placement_timeout_s=60)

@@ -49,11 +49,11 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
         # colocated: the engine runs in an actor of its own beside the policy's worker, on CPU as on a GPU
         assert "VllmEngineWorker" in rows and "DTensorPolicyWorker" in rows, rows
         calls = [e["cat"] for e in events if e["ph"] == "X" and e["cat"].startswith("task::")]
-        # 3 steps and 3 validations (steps 0, 2, 3) generate; every step trains; the tiny model's refit is one
-        # bucket, loaded before the validations at steps 0, 2 and 3 and before step 2's generation
+        # 3 steps and 3 validations (steps 0, 2, 3) generate; every step trains; the engine loads the refit's
+        # buckets itself (the ipc transport)
         assert calls.count("task::VllmEngineWorker.generate") >= 6, sorted(set(calls))
         assert calls.count("task::DTensorPolicyWorker.train") == 3, sorted(set(calls))
-        assert calls.count("task::VllmEngineWorker.load_bucket") == 4, sorted(set(calls))
+        assert "task::VllmEngineWorker.load_bucket" in calls, sorted(set(calls))
         phases = [e["name"] for e in events if e["ph"] == "X" and e["pid"] == "rlpost driver"]  # the driver's
         assert phases.count("total_step_time") == 3 and phases.count("policy_training") == 3, sorted(set(phases))
         assert str(timeline) in out.stderr

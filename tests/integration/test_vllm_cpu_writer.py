@@ -29,9 +29,3 @@ def test_cpu_writer_equals_vllm_reload(tiny_model_dir: Path) -> None:
     assert r["survives_overwritten_sources"]
     assert r["shm_bucket_equals_reload"] and r["survives_reused_segment"]
     assert r["split_fused_refused"] and r["unknown_refused"]
-    # The engine's start imports vLLM and builds it with the collector paused (rlpost.runtime.gc_heap): without
-    # that it collected 1,350 times here (3.4-4.0 s of a 12 s start on the 2-core host), and vLLM's heap is frozen.
-    assert r["start_collections"] <= 50, r["start_collections"]
-    assert r["start_frozen"] > 100_000
-    # A 256-sample call ran 11 young collections at Python's default threshold; the engine raises it.
-    assert r["generate_collections"] <= 1, r["generate_collections"]

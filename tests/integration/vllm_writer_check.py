@@ -4,7 +4,6 @@ reload_weights, and prints what the test asserts as one JSON line."""
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -24,22 +23,7 @@ def main(model_dir: str) -> None:
     os.environ.update(vg.engine_env(cfg.vllm_cfg, False))
     cfg.vllm_cfg.kv_cache_space_gb = 0.125
     cfg.vllm_cfg.max_model_len = 128
-    collections = [0]
-
-    def count(phase: str, info: dict[str, int]) -> None:
-        collections[0] += phase == "stop"
-
-    gc.callbacks.append(count)  # the engine's start, vLLM's import included (nothing of vLLM is imported before it)
     worker = VllmEngineWorker(model_dir, vg.engine_kwargs(cfg, 0, False))
-    start_gc = {"start_collections": collections[0], "start_frozen": gc.get_freeze_count()}
-    # A GRPO-sized call (256 samples, a logprob each token) through rlpost's path: the young collections it runs.
-    batch = [[1, 5, 7, 9, 11, 3 + i % 7] for i in range(256)]
-    spec = vg.sampling_spec(cfg, False, worker.tokenizer.eos_token_id)
-    worker.generate(batch, spec, list(range(256)))  # warm
-    collections[0] = 0
-    worker.generate(batch, spec, list(range(256)))
-    start_gc["generate_collections"] = collections[0]
-    gc.callbacks.remove(count)  # only ours: vLLM may hold its own (VLLM_GC_DEBUG)
     from vllm import SamplingParams
     base = [(n, t) for f in sorted(os.listdir(model_dir)) if f.endswith(".safetensors")
             for n, t in load_file(os.path.join(model_dir, f)).items()]
@@ -92,7 +76,7 @@ def main(model_dir: str) -> None:
 
     result["split_fused_refused"], result["unknown_refused"] = worker.engine.collective_rpc(split_plan)[0]
     worker.shutdown()
-    print("RESULT " + json.dumps({**result, **start_gc}), flush=True)
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
