@@ -281,8 +281,8 @@ def test_default_job_learns_with_a_reduced_budget(cache: Path, tmp_path: Path) -
     ours = re.compile(r"^(\s*rlpost plan\s*|[┌│├└].*|GRPO .*|done: .*|  (metrics|tensorboard|checkpoints): .*|rlpost: .*)$")
     assert [line for line in console if not ours.match(line)] == []
     log = (run / "train.log").read_text()
-    # the engine's vLLM lines (their "[file.py:line]" prefix) come from the policy's worker, which hosts it
-    assert "actor_name:DTensorPolicyWorkerWithEngine" in log and "Loading weights" in log
+    # the engine's vLLM lines (their "[file.py:line]" prefix) come from its own actor beside the policy's worker
+    assert "actor_name:VllmEngineWorker" in log and "Loading weights" in log
     assert re.search(r"WARNING \d\d-\d\d [\d:]+ \[\w+\.py:\d+\]", log)
 
 
