@@ -225,7 +225,8 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         optimizer = self.optimizer
         local_gbs = (gbs or self.cfg.train_global_batch_size) // self.dp_size
 
-        def step(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor) -> tuple[float, float, list[dict[str, float]]]:
+        def step(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor
+                 ) -> tuple[float, float, list[dict[str, float]]]:
             if eval_mode:
                 with torch.no_grad():
                     return forward_only(gb, gs, gt)

@@ -46,7 +46,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,11 @@ from rlpost.models.policy.train_parts import Parts, PartsLoss, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
 from rlpost.ops.loss_interface import LossFunction, VocabParallelArgs
 from rlpost.runtime.gc_heap import import_frozen
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from rlpost.models.megatron.train_step import MegatronTrainState
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -185,7 +190,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         self.reference: dict[str, torch.Tensor] | None = None
         if init_ref:
             self.reference = {k: v.detach().to("cpu", copy=True) for k, v in self.local_state().items()}
-        self.train_state: Any = None
+        self.train_state: MegatronTrainState | None = None
         if init_optimizer:
             max_norm = self.cfg.max_grad_norm
             clip = m.optimizer.clip_grad if m.optimizer.clip_grad > 0 else float(max_norm or 0.0)
@@ -202,7 +207,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         return self.rank
 
     @property
-    def gpt(self) -> Any:
+    def gpt(self) -> GPTModel:
         """The GPTModel inside the DDP / Float16Module wrappers."""
         from rlpost.models.megatron.export import unwrap_model
 
@@ -376,7 +381,8 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         step_state = dataclasses.replace(self.train_state, scheduler=_NoSchedulerStep())
         vp = self._vp_kwargs()
 
-        def step(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor) -> tuple[float, float, list[dict[str, float]]]:
+        def step(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor
+                 ) -> tuple[float, float, list[dict[str, float]]]:
             gb = self._pad_seq(gb, self._seq_multiple())
             micro = [mb.to(self.device) for mb in gb.make_microbatch_iterator(mbs)]
             recorded: list[dict[str, float]] = []
@@ -403,7 +409,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
     def _restore_optimizer_state(self) -> None:
         from rlpost.models.policy.megatron_checkpoint import move_optimizer_state
 
-        if self._offloaded:
+        if self._offloaded and self.train_state is not None:  # offloaded only with an optimizer
             move_optimizer_state(self.train_state.optimizer, self.device)
             self._offloaded = False
 
