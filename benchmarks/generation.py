@@ -86,7 +86,8 @@ def best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return best, out
 
 
-def mult_prob_error(ref_model: Any, weights: dict[str, torch.Tensor], out: Any, batch: dict[str, torch.Tensor]) -> float:
+def mult_prob_error(ref_model: Any, weights: dict[str, torch.Tensor], out: Any, batch: dict[str, torch.Tensor]
+                    ) -> float:
     """mean exp|lp_engine - lp_ref| over all generated tokens."""
     import torch
 

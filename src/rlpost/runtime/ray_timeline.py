@@ -35,7 +35,8 @@ def named_rows(events: list[dict[str, object]]) -> list[dict[str, object]]:
     """`events` preceded by a thread_name metadata event per row: a worker that ran actor calls ("task::Class.method",
     or "task::<actor name>:Class.__init__" for the constructor) is named "Class <actor name> (worker id prefix)", a row
     that ran several classes' calls lists them; the driver's row (its task submissions) is named "driver"."""
-    rows: dict[tuple[object, object], tuple[list[str], list[str]]] = {}  # row -> (classes, actor names), first seen first
+    # row -> (classes, actor names), first seen first
+    rows: dict[tuple[object, object], tuple[list[str], list[str]]] = {}
     for e in events:
         cat, tid = str(e.get("cat", "")), e.get("tid")
         if tid is None:
