@@ -86,7 +86,8 @@ def best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return best, out
 
 
-def mult_prob_error(ref_model: Any, weights: dict, out: Any, batch: dict) -> float:
+def mult_prob_error(ref_model: Any, weights: dict[str, torch.Tensor], out: Any, batch: dict[str, torch.Tensor]
+                    ) -> float:
     """mean exp|lp_engine - lp_ref| over all generated tokens."""
     import torch
 
@@ -102,7 +103,8 @@ def mult_prob_error(ref_model: Any, weights: dict, out: Any, batch: dict) -> flo
     return float(torch.cat(errs).mean())
 
 
-def hf_bf16_error(ref32: Any, ref16: Any, weights: dict, out: Any, batch: dict) -> float:
+def hf_bf16_error(ref32: Any, ref16: Any, weights: dict[str, torch.Tensor], out: Any, batch: dict[str, torch.Tensor]
+                  ) -> float:
     """token_mult_prob_error of a bf16 HF model against the fp32 one, on the tokens in `out`."""
     import torch
 

@@ -67,9 +67,12 @@ def run_steps(overrides: list[str]) -> tuple[Any, list[dict[str, float]], float,
     run."""
     from rlpost.algorithms.grpo import grpo_train, setup
     from rlpost.config.load import load_master_config
+    from rlpost.config.schema.master import MasterConfig
     from rlpost.runtime.timer import recording_spans
 
     _, cfg = load_master_config(overrides)
+    if not isinstance(cfg, MasterConfig):
+        raise SystemExit("benchmarks.grpo measures GRPO runs (algo=grpo)")
     steps: list[dict[str, float]] = []
     t0 = time.perf_counter()
     spans_kept = recording_spans() if cfg.logger.ray_timeline else nullcontext(None)

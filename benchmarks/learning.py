@@ -36,9 +36,10 @@ def rlpost(*args: str, cwd: Path) -> None:
         sys.exit(f"rlpost {args[0]} failed with exit status {done.returncode}")
 
 
-def evaluate(model_args: list[str], overrides: list[str], prompts: int, k: int, out: Path, cwd: Path) -> dict:
+def evaluate(model_args: list[str], overrides: list[str], prompts: int, k: int, out: Path, cwd: Path
+             ) -> dict[str, object]:
     """Sampled at the run's temperature (k samples per prompt) and greedy (one), on the same prompts."""
-    result = {}
+    result: dict[str, object] = {}
     for mode, extra in (("sampled", [f"eval.num_samples={k}"]), ("greedy", ["eval.greedy=true", "eval.num_samples=1"])):
         path = out.with_name(f"{out.stem}_{mode}.json")
         rlpost("eval", *overrides, *model_args, f"eval.max_prompts={prompts}", *extra, f"eval.output={path}", cwd=cwd)

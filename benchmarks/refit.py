@@ -19,31 +19,38 @@ import json
 import os
 import statistics
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.harness import RESULTS_DIR, Row, host, now, run_key, save_latest
+
+if TYPE_CHECKING:
+    from rlpost.config.schema.master import MasterConfig
 
 RESULTS = RESULTS_DIR / "bench_refit.json"
 
 
-def refit_times(cfg: Any, refits: int) -> list[float]:
+def refit_times(cfg: MasterConfig, refits: int) -> list[float]:
     """Seconds of each of `refits` colocated refits (policy -> engine, fingerprint-checked) on a local Ray."""
     import ray
 
     from rlpost.algorithms.refit import refit_policy_generation
+    from rlpost.config.schema.generation import VllmConfig
     from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray
     from rlpost.models.generation.vllm_generation import VllmGeneration
     from rlpost.models.policy.lm_policy import Policy
 
+    gen = cfg.generation
+    if not isinstance(gen, VllmConfig):
+        raise SystemExit("benchmarks.refit measures the vLLM engine's refit (generation=vllm)")
     init_ray(cfg.cluster)  # the Ray a run starts
     cluster = RayVirtualCluster("bench-refit", 1, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
     policy = Policy(cluster, cfg.policy)
-    engine = VllmGeneration(cfg.policy.generation, cluster, str(cfg.policy.model_name))
+    engine = VllmGeneration(gen, cluster, str(cfg.policy.model_name))
     try:
-        engine.prepare_refit_info(policy.prepare_refit_info(cfg.policy.generation.vllm_cfg.precision))
+        engine.prepare_refit_info(policy.prepare_refit_info(gen.vllm_cfg.precision))
         out = []
         for _ in range(refits):
-            out.append(refit_policy_generation(policy, engine, True, cfg.policy.generation.vllm_cfg.precision,
+            out.append(refit_policy_generation(policy, engine, True, gen.vllm_cfg.precision,
                                                cfg.policy.refit_buffer_size_gb))
         return out
     finally:
@@ -68,9 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from rlpost.config.load import load_master_config
+    from rlpost.config.schema.master import MasterConfig
 
     _, cfg = load_master_config(args.overrides)
-    if "Vllm" not in cfg.policy.generation._target_:
+    if not isinstance(cfg, MasterConfig) or "Vllm" not in cfg.generation._target_:
         print("benchmarks.refit measures the vLLM engine's refit (generation=vllm)", file=sys.stderr)
         return 2
     times = refit_times(cfg, args.refits + args.warmup)

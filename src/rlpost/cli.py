@@ -231,7 +231,7 @@ def check_hydra_node(hydra: dict[str, Any]) -> None:
             raise ConfigError(key, value, f"ext:// references are limited to {sorted(_LOGGING_STREAMS)}")
 
 
-def _hydra_leaves(node: Any, path: str) -> Iterator[tuple[str, Any]]:
+def _hydra_leaves(node: object, path: str) -> Iterator[tuple[str, object]]:
     """(dotted key, value) of every leaf under `node` (list items as [i]); `hydra.overrides` is skipped."""
     if path == "hydra.overrides":
         return

@@ -21,6 +21,7 @@ import torch
 
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.master import MasterConfig
+from rlpost.models.generation.interfaces import GenerationInterface
 
 
 def weights_dir(cfg: MasterConfig) -> str:
@@ -91,7 +92,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     k = cfg.eval.num_samples
     prompts = [p for p in processor.batch(rows) for _ in range(k)]
     envs = {name: build(env_cfg, key=f"env.{name}._target_") for name, env_cfg in cfg.env.items()}
-    engine: Any = None
+    engine: GenerationInterface | None = None
     cluster = None
     t0 = time.perf_counter()
     try:

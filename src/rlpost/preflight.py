@@ -16,7 +16,7 @@ import importlib
 import inspect
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -234,7 +234,8 @@ def _import(name: str, key: str) -> Any:
     return getattr(module, attr)
 
 
-def _check_kwargs(cls: Any, name: str, kwargs: dict[str, Any], key: str, passed_by_rlpost: str) -> None:
+def _check_kwargs(cls: Callable[..., object], name: str, kwargs: Mapping[str, object], key: str,
+                  passed_by_rlpost: str) -> None:
     """Every key of `kwargs` is an argument of `cls`, and none of its required arguments is missing."""
     try:
         params = list(inspect.signature(cls).parameters.values())
@@ -337,7 +338,7 @@ def check_gpu_only_keys(master: AnyMaster) -> None:
     refused naming the key. On GPU, vLLM expert parallelism also needs a mixture-of-experts model."""
     p = master.policy
     ep = p.generation.expert_parallel_size() if p.generation is not None else 1
-    keys: list[tuple[str, Any, str]] = [
+    keys: list[tuple[str, object, str]] = [
         ("logger.monitor_gpus", master.logger.monitor_gpus, "it logs the workers' CUDA memory"),
         ("policy.offload_optimizer_for_logprob", p.offload_optimizer_for_logprob,
          "it moves the optimizer state from the GPU to the CPU during logprob passes"),

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.data.datasets import DataError, load_rows
+from rlpost.data.rows import PromptRow
 from rlpost.runtime.build import resolve
 
 
@@ -39,7 +39,7 @@ def prompts_per_step(master: MasterConfig) -> int:
     return int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
 
 
-def check_answers(master: MasterConfig, rows: list[dict[str, Any]]) -> None:
+def check_answers(master: MasterConfig, rows: list[PromptRow]) -> None:
     """Every expected answer is one the data's environment can match; the first that is not is named by
     file and line."""
     env_cls = resolve(master.env[master.data.env_name]._target_, key=f"env.{master.data.env_name}._target_")
@@ -67,7 +67,7 @@ def check_chat_template(master: MasterConfig) -> None:
                           "use policy.tokenizer.chat_template=null for raw prompts, or give a template")
     processor = PromptProcessor(master.data, tokenizer, tok_cfg.chat_template_kwargs)
     try:
-        processor({"problem": "1 + 1"})
+        processor({"problem": "1 + 1", "expected_answer": "2"})
     except Exception as exc:  # noqa: BLE001 - jinja's and transformers' errors, named with the key
         shown = ct if len(ct) <= 60 else ct[:57] + "..."
         raise ConfigError(key, shown, f"fails to render a prompt ({type(exc).__name__}: "

@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -31,6 +31,11 @@ from rlpost.runtime import console as say
 from rlpost.runtime.checkpointing import CheckpointError, CheckpointManager, read_json
 from rlpost.runtime.timer import Span, recording_spans
 
+if TYPE_CHECKING:
+    from rlpost.algorithms.grpo_setup import GRPOComponents
+    from rlpost.algorithms.supervised import SupervisedComponents
+    from rlpost.runtime.metrics_logger import MetricsLogger
+
 _CODES = {signal.SIGINT: EXIT_INTERRUPT, signal.SIGTERM: EXIT_TERMINATED}
 
 
@@ -39,7 +44,7 @@ class StopOnSignal:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._old: dict[int, Any] = {}
+        self._old: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
@@ -82,7 +87,7 @@ class StopOnSignal:
         return Interrupted(sig.name, _CODES[sig])
 
 
-def _quiet_close(comps: Any, spans: deque[Span] | None = None) -> None:
+def _quiet_close(comps: Components | None, spans: deque[Span] | None = None) -> None:
     """Release everything with SIGINT ignored, so a late Ctrl-C cannot leave processes behind (Ray's task timeline
     written first when logger.ray_timeline recorded the driver's phases as `spans`: the actors' events go with
     them)."""
@@ -149,8 +154,32 @@ def _completed_steps(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path) 
     return steps if steps >= goal else None
 
 
+class _SaveState(Protocol):
+    @property
+    def total_steps(self) -> int: ...
+
+
+class Components(Protocol):
+    """What the runner uses of a run's components (GRPOComponents, SupervisedComponents)."""
+
+    @property
+    def logger(self) -> MetricsLogger: ...
+
+    @property
+    def checkpointer(self) -> CheckpointManager: ...
+
+    @property
+    def save_state(self) -> _SaveState: ...
+
+    def close(self) -> None: ...
+
+
+_Cfg = TypeVar("_Cfg", MasterConfig, SupervisedMasterConfig)
+_C = TypeVar("_C", bound=Components)
+
+
 @dataclass(frozen=True)
-class Job:
+class Job(Generic[_Cfg, _C]):
     """What the runner needs to know of an algorithm: its name, how to set it up and loop it, how a step shows on
     the progress bar and how the run is summed up."""
 
@@ -159,19 +188,20 @@ class Job:
     budget_key: str
     """The key that bounds the run's steps, named when a finished run is re-run."""
     max_num_steps: int
-    setup: Callable[[Any, Path], Any]
+    setup: Callable[[_Cfg, Path], _C]
     """(cfg, run_dir) -> the run's components (Ray started, workers built)."""
-    loop: Callable[[Any], AbstractContextManager[StepLoop]]
+    loop: Callable[[_C], AbstractContextManager[StepLoop]]
     """components -> the step loop, with whatever must run around it (async GRPO's collector)."""
     progress: Callable[[dict[str, float]], str]
     """A step's metrics -> the progress bar's text."""
-    summary: Callable[[dict[str, float], Any], dict[str, Any]]
-    """(last step's metrics, final save state) -> the summary's algorithm-specific entries."""
-    result_line: Callable[[dict[str, Any]], str]
+    summary: Callable[[dict[str, float], _C], dict[str, object]]
+    """(last step's metrics, the components with the final save state) -> the summary's algorithm-specific
+    entries."""
+    result_line: Callable[[dict[str, object]], str]
     """The summary -> the console's result text."""
 
 
-def _grpo_job(cfg: MasterConfig) -> Job:
+def _grpo_job(cfg: MasterConfig) -> Job[MasterConfig, GRPOComponents]:
     from rlpost.algorithms.grpo import grpo_loop, setup
 
     if cfg.grpo.async_grpo.enabled:
@@ -185,17 +215,17 @@ def _grpo_job(cfg: MasterConfig) -> Job:
             info += f"  val acc {m['validation/accuracy']:.3f}"
         return info
 
-    def result_line(summary: dict[str, Any]) -> str:
+    def result_line(summary: dict[str, object]) -> str:
         reward = summary["final_reward"]
         return f"final train/reward {reward:.3f}" if reward is not None else "no step left to run (run complete)"
 
     return Job("GRPO", "grpo.max_num_steps", cfg.grpo.max_num_steps, setup, loop, progress,
-               lambda last, state: {"final_reward": last.get("train/reward"),
-                                    "val_accuracy": last.get("validation/accuracy", state.val_reward)},
+               lambda last, comps: {"final_reward": last.get("train/reward"),
+                                    "val_accuracy": last.get("validation/accuracy", comps.save_state.val_reward)},
                result_line)
 
 
-def _supervised_job(cfg: SupervisedMasterConfig) -> Job:
+def _supervised_job(cfg: SupervisedMasterConfig) -> Job[SupervisedMasterConfig, SupervisedComponents]:
     from rlpost.algorithms.supervised import setup, supervised_loop
 
     key = "accuracy" if cfg.pairs else "token_accuracy"
@@ -206,32 +236,32 @@ def _supervised_job(cfg: SupervisedMasterConfig) -> Job:
             info += f"  val loss {m['validation/loss']:.4f}  val {key} {m[f'validation/{key}']:.3f}"
         return info
 
-    def result_line(summary: dict[str, Any]) -> str:
+    def result_line(summary: dict[str, object]) -> str:
         val = f", validation loss {summary['val_loss']:.4f}, {key} {summary[f'val_{key}']:.3f}" \
             if summary["val_loss"] is not None else ""
         return f"final train/loss {summary['final_loss']:.4f}{val}" if summary["final_loss"] is not None \
             else "no step left to run (run complete)"
 
     return Job(cfg.algo.upper(), f"{cfg.algo}.max_num_steps", cfg.loop.max_num_steps, setup, supervised_loop,
-               progress, lambda last, state: {"final_loss": last.get("train/loss"),
+               progress, lambda last, comps: {"final_loss": last.get("train/loss"),
                                               f"val_{key}": last.get(f"validation/{key}"),
                                               "val_loss": last.get("validation/loss")},
                result_line)
 
 
-def job_for(cfg: MasterConfig | SupervisedMasterConfig) -> Job:
-    """The runner's view of the configured algorithm."""
-    return _supervised_job(cfg) if isinstance(cfg, SupervisedMasterConfig) else _grpo_job(cfg)
-
-
-def run(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path) -> dict[str, Any]:
+def run(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path) -> dict[str, object]:
     """Train with the configured algorithm: setup -> its step loop -> summary, releasing everything at the end;
     returns the summary (final metrics, where the outputs are)."""
-    job = job_for(cfg)
+    if isinstance(cfg, SupervisedMasterConfig):
+        return _run(_supervised_job(cfg), cfg, run_dir)
+    return _run(_grpo_job(cfg), cfg, run_dir)
+
+
+def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path) -> dict[str, object]:
     console = Console(stderr=True)
     t0 = time.perf_counter()
     last: dict[str, float] = {}
-    comps = None
+    comps: _C | None = None
     done = _completed_steps(cfg, run_dir)
     if done is not None:
         say.info(f"run already complete: {done} steps, {job.budget_key}={job.max_num_steps} (checkpoints in "
@@ -264,11 +294,10 @@ def run(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path) -> dict[str, 
             raise
         finally:
             _quiet_close(comps, spans)
-    state = comps.save_state
-    summary = {
+    summary: dict[str, object] = {
         "run_dir": str(run_dir),
-        "steps": state.total_steps,
-        **job.summary(last, state),
+        "steps": comps.save_state.total_steps,
+        **job.summary(last, comps),
         "wall_s": time.perf_counter() - t0,
         "metrics": str(comps.logger.dir / "metrics.jsonl"),
         "tensorboard": str(comps.logger.tb_dir),

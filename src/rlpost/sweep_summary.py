@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import yaml
 from hydra.experimental.callback import Callback
@@ -25,9 +25,18 @@ def _last(metrics: Path, key: str) -> float | None:
     return value
 
 
-def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+class SweepRow(TypedDict):
+    """One job of a sweep: its number, the overrides it ran with, its last train/reward and validation/accuracy."""
+
+    job: int
+    overrides: dict[str, str]
+    final_reward: float | None
+    val_accuracy: float | None
+
+
+def sweep_rows(sweep_dir: Path) -> list[SweepRow]:
     """One row per job directory: its overrides, final train/reward and validation/accuracy."""
-    rows = []
+    rows: list[SweepRow] = []
     for job in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
         ov_file = job / ".hydra" / "overrides.yaml"
         overrides = yaml.safe_load(ov_file.read_text()) if ov_file.is_file() else []
@@ -43,7 +52,7 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
 class SweepSummary(Callback):
     """Prints the sweep table at the end of `rlpost train -m ...` and writes sweep_summary.json."""
 
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+    def on_multirun_end(self, config: DictConfig, **kwargs: object) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return

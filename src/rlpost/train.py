@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -42,7 +41,7 @@ def _log_file() -> Path | None:
     return None
 
 
-def run_job(cfg: DictConfig) -> Any | None:
+def run_job(cfg: DictConfig) -> dict[str, object]:
     """Validate, write the resolved config into the run directory, then run the job.
 
     Every known failure ends with one line and its documented exit status (rlpost.failures);
@@ -102,5 +101,5 @@ def _make_run_dir(run_dir: Path) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
-def main(cfg: DictConfig) -> Any | None:
+def main(cfg: DictConfig) -> dict[str, object]:
     return run_job(cfg)

@@ -19,6 +19,7 @@ from rlpost.config.schema.policy import PolicyConfig, PytorchOptimizerConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import WorkerGroupError
+from rlpost.models.policy.interfaces import TrainResult
 from rlpost.models.policy.lm_policy import Policy
 
 pytestmark = pytest.mark.slow
@@ -90,7 +91,7 @@ def train_steps(policy: Policy, n: int) -> list[float]:
     for step in range(n):
         data = make_batch(seed=step)
         data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
-        losses.append(policy.train(data, LOSS)["loss"])
+        losses.append(policy.train(data, LOSS).loss)
     return losses
 
 
@@ -298,7 +299,7 @@ def test_a_batch_trained_in_parts_equals_it_trained_whole(ray_local: None, tiny_
         data["generation_logprobs"] = -torch.rand(B, S, generator=torch.Generator().manual_seed(step))
         return data
 
-    results: dict[str, list[dict[str, Any]]] = {}
+    results: dict[str, list[TrainResult]] = {}
     weights: dict[str, dict[str, torch.Tensor]] = {}
     for how in ("whole", "parts"):
         b = Built(cfg, 2)
@@ -316,13 +317,13 @@ def test_a_batch_trained_in_parts_equals_it_trained_whole(ray_local: None, tiny_
         b.close()
         built.remove(b)
     for whole, parts in zip(results["whole"], results["parts"], strict=True):
-        assert parts["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
-        assert parts["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
-        assert whole["grad_norm"] > 0.05  # clipping acted, after the parts' scale
-        assert parts["metrics"].keys() == whole["metrics"].keys()
-        for k, v in whole["metrics"].items():
-            assert parts["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
-        assert parts["metrics"]["num_valid_samples"] == 15.0
+        assert parts.loss == pytest.approx(whole.loss, rel=1e-5, abs=1e-7)
+        assert parts.grad_norm == pytest.approx(whole.grad_norm, rel=1e-5)
+        assert whole.grad_norm > 0.05  # clipping acted, after the parts' scale
+        assert parts.metrics.keys() == whole.metrics.keys()
+        for k, v in whole.metrics.items():
+            assert parts.metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+        assert parts.metrics["num_valid_samples"] == 15.0
     assert max_diff(weights["whole"], weights["parts"]) <= 1e-6
 
 

@@ -51,7 +51,7 @@ def test_bf16_training_step_on_gpu(ray_local: None, tiny_model_dir: Path, backen
                                generation_logprobs=torch.zeros(n, s))
         data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
         out = policy.train(data, ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)))
-        assert torch.isfinite(torch.tensor(out["loss"])) and out["grad_norm"] > 0
+        assert torch.isfinite(torch.tensor(out.loss)) and out.grad_norm > 0
     finally:
         policy.shutdown()
         cluster.shutdown()
@@ -101,7 +101,7 @@ def test_dtensor_memory_phases_free_the_gpu_and_restore_it(ray_local: None, tiny
         torch.testing.assert_close(policy.get_logprobs(data)["logprobs"], before)
         policy.prepare_for_training()
         out = policy.train(data, loss_fn)
-        assert torch.isfinite(torch.tensor(out["loss"]))
+        assert torch.isfinite(torch.tensor(out.loss))
     finally:
         policy.shutdown()
         cluster.shutdown()

@@ -26,6 +26,7 @@ from rlpost.config.schema.policy import PolicyConfig, PytorchOptimizerConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import WorkerGroupError
+from rlpost.models.policy.interfaces import TrainResult
 from rlpost.models.policy.lm_policy import Policy
 
 pytestmark = pytest.mark.slow
@@ -166,7 +167,7 @@ def test_parity_with_dtensor(
     w = b.policy.full_weights()
     print(f"\n[{layout}] logprob max|diff| {lp_err:.3g}")
     assert_same_step(layout, out, w, ref)
-    assert out["all_mb_metrics"].keys() == ref["train"]["all_mb_metrics"].keys()
+    assert out.all_mb_metrics.keys() == ref["train"].all_mb_metrics.keys()
     from safetensors.torch import load_file
 
     w0 = load_file(str(tiny_model_dir / "model.safetensors"))
@@ -195,19 +196,19 @@ def test_a_batch_trained_in_parts_equals_dtensor_trained_whole(
         b.policy.train_part(data.slice(a, a + 8), LOSS)
     out = b.policy.finish_parts(LOSS)
     assert_same_step(f"{layout} in parts", out, b.policy.full_weights(), ref)
-    assert out["metrics"].keys() == dt["metrics"].keys()
-    for k, v in dt["metrics"].items():
-        assert out["metrics"][k] == pytest.approx(v, rel=TOL, abs=TOL), k
+    assert out.metrics.keys() == dt.metrics.keys()
+    for k, v in dt.metrics.items():
+        assert out.metrics[k] == pytest.approx(v, rel=TOL, abs=TOL), k
 
 
-def assert_same_step(label: str, out: dict[str, Any], w: dict[str, torch.Tensor], ref: dict[str, Any]) -> None:
+def assert_same_step(label: str, out: TrainResult, w: dict[str, torch.Tensor], ref: dict[str, Any]) -> None:
     """A Megatron training result and its weights equal the DTensor reference's SGD step (to TOL)."""
     dt = ref["train"]
-    print(f"\n[{label}] loss {out['loss']:.6g} vs {dt['loss']:.6g}, grad_norm {out['grad_norm']:.6g} vs "
-          f"{dt['grad_norm']:.6g}, weights max|diff| {max_diff(w, ref['weights']):.3g}")
-    assert out["loss"] == pytest.approx(dt["loss"], abs=TOL)
-    assert out["grad_norm"] == pytest.approx(dt["grad_norm"], rel=TOL)
-    assert out["lr"] == pytest.approx(SGD_LR)
+    print(f"\n[{label}] loss {out.loss:.6g} vs {dt.loss:.6g}, grad_norm {out.grad_norm:.6g} vs "
+          f"{dt.grad_norm:.6g}, weights max|diff| {max_diff(w, ref['weights']):.3g}")
+    assert out.loss == pytest.approx(dt.loss, abs=TOL)
+    assert out.grad_norm == pytest.approx(dt.grad_norm, rel=TOL)
+    assert out.lr == pytest.approx(SGD_LR)
     assert max_diff(w, ref["weights"]) <= TOL
 
 
@@ -252,7 +253,7 @@ def test_checkpoint_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, 
     a = build(built, cfg, 2)
     lp_initial = a.policy.get_logprobs(later)["logprobs"]
     first["prev_logprobs"] = a.policy.get_logprobs(first)["logprobs"]
-    assert a.policy.train(first, LOSS)["grad_norm"] > 1.0
+    assert a.policy.train(first, LOSS).grad_norm > 1.0
     a.policy.save_checkpoint(str(tmp_path / "weights"), str(tmp_path / "optim"))
     lp_saved = a.policy.get_logprobs(later)["logprobs"]
     fp_saved = a.policy.state_fingerprints()

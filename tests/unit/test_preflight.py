@@ -205,6 +205,7 @@ def test_metric_names_match_what_a_step_logs() -> None:
     from rlpost.config.schema.loss import ClippedPGLossConfig
     from rlpost.distributed.batched_data_dict import BatchedDataDict
     from rlpost.environments.interfaces import EnvironmentReturn
+    from rlpost.models.policy.interfaces import TrainResult
 
     b, s, v = 2, 4, 5
     lp = torch.log_softmax(torch.zeros(b, s), -1)
@@ -217,13 +218,14 @@ def test_metric_names_match_what_a_step_logs() -> None:
         _, loss_metrics = loss_fn(torch.zeros(b, s, v), data, torch.tensor(float(b)), n)
         assert set(loss_metrics) == set(LOSS_METRICS[f"rlpost.algorithms.loss_functions.{target}"]), target
 
-    env = SimpleNamespace(step=lambda responses, rows: EnvironmentReturn(rewards=[1.0] * len(rows)))
+    env = SimpleNamespace(step=lambda responses, rows: EnvironmentReturn(rewards=[1.0] * len(rows)), cfg=None)
     rewards, reward_metrics = score(["a", "b"], [{"env_name": "e"}, {"env_name": "e"}], {"e": env})
     batch = SimpleNamespace(
         gen={"generation_lengths": torch.ones(b), "truncated": torch.zeros(b)}, input_lengths=torch.ones(b),
         rows=[{}, {}], rewards=rewards, metrics=reward_metrics,
     )
-    results = {"metrics": {"loss": 1.0}, "loss": 1.0, "grad_norm": 1.0, "lr": 1.0}
+    results = TrainResult(loss=1.0, grad_norm=1.0, lr=1.0, params_finite=True, all_mb_metrics={},
+                          metrics={"loss": 1.0})
     sampler = SimpleNamespace(discarded=0, gen_batches=1)
     td = {"token_mask": torch.ones(b, s), "sample_mask": torch.ones(b), "input_lengths": torch.ones(b)}
     logged: list[Any] = list(_step_metrics(batch, td, torch.ones(b), results, sampler))  # type: ignore[arg-type]

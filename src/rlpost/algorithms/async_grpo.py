@@ -64,8 +64,10 @@ from rlpost.algorithms.loop import StepLoop, StepResult
 from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
 from rlpost.algorithms.refit import collective_refit
 from rlpost.algorithms.replay_buffer import ReplayBuffer, Trajectories
+from rlpost.algorithms.rollouts import RolloutBatch
 from rlpost.config.schema.grpo import GRPOSaveState
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.models.policy.interfaces import TrainResult
 from rlpost.runtime.timer import Timer
 
 _POLL_S = 0.01
@@ -83,8 +85,8 @@ class Collector:
         self.capacity = capacity  # the buffer's
         self.pushes = 0  # pushes sent to the buffer so far
         self.buffered = 0  # what the buffer holds as far as this process knows: exact after each `take`
-        self._push: Any = None  # the last push's pending answer
-        self._batches: dict[int, Any] = {}  # index -> RolloutBatch of the batches pushed and not yet taken
+        self._push: ray.ObjectRef[bool] | None = None  # the last push's pending answer
+        self._batches: dict[int, RolloutBatch] = {}  # index -> RolloutBatch of the batches pushed and not yet taken
         self.index = version + 1  # generation batch number: it seeds the batch (batch k+1 after step k)
         self.call_timeout_s = call_timeout_s
         self.engine_lock = threading.Lock()
@@ -139,6 +141,7 @@ class Collector:
         if self._push is not None:
             if not ray.get(self._push, timeout=self.call_timeout_s):
                 raise RuntimeError("the replay buffer refused a batch it had room for")
+        assert entry.batch is not None  # the collector's own entry, with its batch
         with self.changed:  # an RLock: `notify` takes it again
             self._batches[entry.index] = entry.batch
             self._push = self.buffer.push.remote(dataclasses.replace(entry, batch=None))
@@ -257,6 +260,7 @@ class AsyncGRPO:
         if not 0 <= age <= self.max_age:  # the buffer's take() makes this impossible; never train on it
             raise RuntimeError(f"batch {entry.index} is {age} versions old (max {self.max_age})")
         batch = entry.batch
+        assert batch is not None  # `Collector.take` puts it back
         train_data, advantages = prepare(c, batch, timer)
         logprobs(c, train_data, timer)
         results = _train(collector, train_data, weights, timer)
@@ -355,7 +359,7 @@ class _engine:
         self.collector.notify()
 
 
-def _train(collector: Collector, train_data: Any, weights: EngineWeights, timer: Timer) -> dict[str, Any]:
+def _train(collector: Collector, train_data: BatchedDataDict, weights: EngineWeights, timer: Timer) -> TrainResult:
     """One update, and the engine's copy of it (`_refit`)."""
     results = train(collector.components, train_data, weights, timer)
     _refit(collector, weights, timer)

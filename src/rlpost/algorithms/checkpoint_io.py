@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlpost.models.policy.interfaces import PolicyInterface
 from rlpost.runtime.checkpointing import CheckpointManager, checkpoint_errors, read_json
 from rlpost.runtime.metrics_logger import scalar_metrics
 
@@ -16,9 +18,9 @@ from rlpost.runtime.metrics_logger import scalar_metrics
 class SaveState(Protocol):
     """GRPOSaveState / SupervisedSaveState: checkpoint metric values in `extra`, the rest from `to_dict`."""
 
-    extra: dict[str, Any]
+    extra: dict[str, float]
 
-    def to_dict(self) -> dict[str, Any]: ...
+    def to_dict(self) -> dict[str, object]: ...
 
 
 class Loader(Protocol):
@@ -27,7 +29,7 @@ class Loader(Protocol):
     def load_state_dict(self, state: dict[str, int]) -> None: ...
 
 
-def save_rng_state() -> dict[str, Any]:
+def save_rng_state() -> dict[str, list[object]]:
     st = random.getstate()
     return {"python": [st[0], list(st[1]), st[2]]}
 
@@ -50,8 +52,8 @@ METRICS_ROW = "metrics_row.json"
 its metrics.jsonl line resumes with that line restored (`saved_metrics_row`), not missing."""
 
 
-def write_checkpoint(checkpointer: CheckpointManager, policy: Any, step: int, save_state: SaveState,
-                     loader_state: dict[str, int], config_dict: dict[str, Any], model_fp: str, hf_export: bool,
+def write_checkpoint(checkpointer: CheckpointManager, policy: PolicyInterface, step: int, save_state: SaveState,
+                     loader_state: dict[str, int], config_dict: Mapping[str, object], model_fp: str, hf_export: bool,
                      metrics_row: dict[str, float] | None = None) -> None:
     """Write step_N atomically: policy weights + optimizer, dataloader position, RNG, config, training_info, and
     the step's metrics row so far."""
@@ -75,7 +77,7 @@ def saved_metrics_row(last: Path) -> dict[str, float] | None:
     return row if isinstance(row, dict) else None
 
 
-def resume_info(checkpointer: CheckpointManager, last: Path, model_fp: str, config_dict: dict[str, Any]
+def resume_info(checkpointer: CheckpointManager, last: Path, model_fp: str, config_dict: Mapping[str, object]
                 ) -> dict[str, Any]:
     """training_info.json of checkpoint `last`, after checking it was made by this model and config."""
     with checkpoint_errors(last / "fingerprint.json"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -24,7 +23,9 @@ from rlpost.algorithms.grpo_setup import GRPOComponents
 from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
 from rlpost.algorithms.rollouts import RolloutBatch
 from rlpost.config.schema.grpo import GRPOConfig
+from rlpost.data.rows import PromptRow
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.models.policy.interfaces import TrainResult
 from rlpost.runtime.timer import Timer
 
 
@@ -53,7 +54,7 @@ def group_std(grpo_cfg: GRPOConfig, batch: RolloutBatch) -> torch.Tensor:
     return std
 
 
-def rollout_rows(components: GRPOComponents, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], torch.Tensor]:
+def rollout_rows(components: GRPOComponents, rows: list[PromptRow]) -> tuple[list[PromptRow], torch.Tensor]:
     """The rows tokenized and repeated num_generations_per_prompt times, and their group ids."""
     per_prompt = components.cfg.grpo.num_generations_per_prompt
     processed = components.processor.batch(rows)
@@ -61,8 +62,8 @@ def rollout_rows(components: GRPOComponents, rows: list[dict[str, Any]]) -> tupl
     return repeated, torch.arange(len(processed)).repeat_interleave(per_prompt)
 
 
-def step_samples(components: GRPOComponents, rows: list[dict[str, Any]], step: int,
-                 salt: int = 0) -> tuple[list[dict[str, Any]], torch.Tensor, list[int]]:
+def step_samples(components: GRPOComponents, rows: list[PromptRow], step: int,
+                 salt: int = 0) -> tuple[list[PromptRow], torch.Tensor, list[int]]:
     """The rows of step `step`'s generation batch `salt` (`rollout_rows`), their group ids and sampling seeds."""
     repeated, group_ids = rollout_rows(components, rows)
     return repeated, group_ids, sample_seeds(components.cfg.grpo.seed, step, len(repeated), salt=salt)
@@ -89,14 +90,14 @@ class TrainedBatch:
     train_data: BatchedDataDict
     """The whole batch's training tensors (for the step's metrics and save state)."""
     advantages: torch.Tensor
-    results: dict[str, Any]
+    results: TrainResult
     """The policy's training result for the whole batch."""
 
 
 def collect_batch(
     components: GRPOComponents,
-    rows: list[dict[str, Any]],
-    next_rows: Callable[[], list[dict[str, Any]]],
+    rows: list[PromptRow],
+    next_rows: Callable[[], list[PromptRow]],
     step: int,
     timer: Timer,
     sync_weights: Callable[[], None],

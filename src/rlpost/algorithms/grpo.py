@@ -12,9 +12,9 @@ loop (rlpost.algorithms.loop), which validates, gates, checkpoints and logs; wit
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,9 +32,14 @@ from rlpost.algorithms.rollouts import RolloutBatch
 from rlpost.config.schema.grpo import GRPOConfig, GRPOSaveState, _default_grpo_save_state
 from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.master import MasterConfig
+from rlpost.data.rows import PromptRow
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.models.policy.interfaces import TrainResult
 from rlpost.runtime import console as say
 from rlpost.runtime.timer import Timer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "GRPOConfig",
@@ -87,14 +92,15 @@ def validate(components: GRPOComponents, step: int) -> dict[str, float]:
     }
 
 
-def val_sample_line(tokenizer: Any, batch: RolloutBatch, i: int, step: int, k: int, n: int, width: int = 200) -> str:
+def val_sample_line(tokenizer: PreTrainedTokenizerBase, batch: RolloutBatch, i: int, step: int, k: int, n: int,
+                    width: int = 200) -> str:
     """One console line for validation sample i: prompt -> response, reward (each part shortened to fit `width`)."""
 
     def short(text: str, limit: int) -> str:
         text = repr(text)[1:-1]  # newlines and tabs escaped: one line
         return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."
 
-    prompt = tokenizer.decode(batch.rows[i]["prompt_ids"], skip_special_tokens=True)
+    prompt = str(tokenizer.decode(batch.rows[i]["prompt_ids"], skip_special_tokens=True))
     head = f"validation sample {k}/{n} at step {step}: "
     tail = f" (reward {float(batch.rewards[i]):.3f})"
     room = max(width - len(head) - len(tail) - len(" -> "), 20)
@@ -134,7 +140,7 @@ def schedule(grpo_cfg: GRPOConfig) -> Schedule:
 # ---- the phases of one step (docs/architecture.md) -----------------------------------------------------------
 
 
-def grpo_step(components: GRPOComponents, rows: list[dict[str, Any]], step: int, timer: Timer,
+def grpo_step(components: GRPOComponents, rows: list[PromptRow], step: int, timer: Timer,
               weights: EngineWeights) -> TrainedBatch:
     """One synchronous GRPO step on the prompts `rows`: collect (refit when stale) -> prepare -> logprobs -> train."""
     collected = collect_batch(components, rows, components.dataloader.next_batch, step, timer,
@@ -160,7 +166,7 @@ def logprobs(components: GRPOComponents, train_data: BatchedDataDict, timer: Tim
 
 
 def train(components: GRPOComponents, train_data: BatchedDataDict, weights: EngineWeights,
-          timer: Timer) -> dict[str, Any]:
+          timer: Timer) -> TrainResult:
     """Optimizer steps over the batch; the engine's weights are now behind the policy's. (Each backend's `train`
     brings the optimizer back and sets train mode itself: no separate `prepare_for_training` call.)"""
     with timer.time("policy_training"):
@@ -244,19 +250,20 @@ def grpo_train(
     return components.save_state
 
 
-def valid_response_tokens(train_data: Any) -> torch.Tensor:
+def valid_response_tokens(train_data: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """[B] trained tokens per sample: the token mask where the sample is not masked out (sample_mask)."""
     return (train_data["token_mask"] * train_data["sample_mask"][:, None]).sum(-1)
 
 
 def _step_metrics(
-    batch: RolloutBatch, train_data: Any, adv: torch.Tensor, results: dict[str, Any], sampler: DynamicSampler | None
+    batch: RolloutBatch, train_data: Mapping[str, torch.Tensor], adv: torch.Tensor, results: TrainResult,
+    sampler: DynamicSampler | None,
 ) -> dict[str, float]:
-    m: dict[str, float] = {f"train/{k}": float(v) for k, v in results["metrics"].items()}
-    m["train/loss"] = float(results["loss"])
-    m["train/grad_norm"] = float(results["grad_norm"])
-    m["train/lr"] = float(results["lr"])
-    m["train/params_finite"] = float(results.get("params_finite", True))
+    m: dict[str, float] = {f"train/{k}": float(v) for k, v in results.metrics.items()}
+    m["train/loss"] = float(results.loss)
+    m["train/grad_norm"] = float(results.grad_norm)
+    m["train/lr"] = float(results.lr)
+    m["train/params_finite"] = float(results.params_finite)
     resp = valid_response_tokens(train_data)
     m["train/mean_gen_length"] = float(batch.gen["generation_lengths"].float().mean())
     m["train/mean_prompt_length"] = float(batch.input_lengths.float().mean())

@@ -10,18 +10,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from omegaconf import OmegaConf
 
 from rlpost.algorithms.checkpoint_io import restore_loader_and_rng, resume_info, saved_metrics_row
 from rlpost.config.schema.grpo import GRPOSaveState
-from rlpost.config.schema.loss import ClippedPGLossConfig
+from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.data.dataloader import PromptLoader
 from rlpost.data.datasets import load_rows
 from rlpost.data.prompts import PromptProcessor, load_tokenizer
+from rlpost.data.rows import PromptRow
 from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
 from rlpost.distributed.worker_groups import WorkerGroupError
 from rlpost.environments.interfaces import EnvironmentInterface
@@ -49,8 +50,8 @@ class GRPOComponents:
     policy: ColocatablePolicyInterface
     generation: GenerationInterface
     clusters: list[RayVirtualCluster]
-    dataloader: PromptLoader
-    val_rows: list[dict[str, Any]]
+    dataloader: PromptLoader[PromptRow]
+    val_rows: list[PromptRow]
     loss_fn: LossFunction
     logger: MetricsLogger
     checkpointer: CheckpointManager
@@ -59,7 +60,7 @@ class GRPOComponents:
     processor: PromptProcessor
     envs: dict[str, EnvironmentInterface]
     model_fp: str
-    config_dict: dict[str, Any]
+    config_dict: dict[str, object]
     colocated: bool = True
     overlap: bool = False
     """Synchronous steps overlap generation and training (rlpost.algorithms.overlap): where `Layout.overlap_chunk`
@@ -103,7 +104,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     set_seed(cfg.grpo.seed)
     _prepare_model(cfg)
     logger = MetricsLogger(cfg.logger, run_dir)
-    config_dict = cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    config_dict = cast(dict[str, object], OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
     logger.log_hyperparams(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
     checkpointer = CheckpointManager(cfg.checkpointing, run_dir)
     model_fp = model_fingerprint(cfg.policy.model_name)
@@ -226,7 +227,7 @@ def _checkpoint_load_failure(exc: BaseException) -> str | None:
     return None
 
 
-def _loss_config(cfg: MasterConfig) -> Any:
+def _loss_config(cfg: MasterConfig) -> LossConfig:
     """The loss config, with force_on_policy_ratio on when the batch is one optimizer step (exact, skips a pass)."""
     from rlpost.config.layout import prev_logprobs_pass
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,15 @@ from rlpost.ops.logprobs import next_token_logprobs
 from rlpost.ops.loss_interface import LossType
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
     from rlpost.distributed.batched_data_dict import BatchedDataDict
 
 _EPS = 1e-8
 _CfgT = TypeVar("_CfgT", bound=LossConfig)
+
+LossConfigLike: TypeAlias = "LossConfig | Mapping[str, object] | DictConfig"
+"""What a loss is built from: its config dataclass, or a mapping / DictConfig of the same fields."""
 
 
 def masked_mean(
@@ -78,7 +83,7 @@ def calculate_kl(
     return kl
 
 
-def _coerce_config(cfg: Any, cls: type[_CfgT]) -> _CfgT:
+def _coerce_config(cfg: object, cls: type[_CfgT]) -> _CfgT:
     """Accept the dataclass itself, a Mapping or an OmegaConf DictConfig; reject unknown keys."""
     if isinstance(cfg, cls):
         return cfg
@@ -126,7 +131,7 @@ class ClippedPGLossFn:
     DictConfig); invalid option combinations raise ConfigError here, at build time.
     """
 
-    def __init__(self, cfg: ClippedPGLossConfig | Mapping[str, Any] | Any) -> None:
+    def __init__(self, cfg: LossConfigLike) -> None:
         self.cfg: ClippedPGLossConfig = _coerce_config(cfg, ClippedPGLossConfig)
         self.cfg.check("loss_fn")
         c = self.cfg
@@ -191,7 +196,7 @@ class ClippedPGLossFn:
         global_valid_toks: torch.Tensor,
         vocab_parallel_rank: int | None = None,
         vocab_parallel_group: dist.ProcessGroup | None = None,
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         lp, token_mask, sample_mask, mask = _slice_inputs(
             next_token_logits, data, vocab_parallel_group, vocab_parallel_rank
         )
@@ -260,7 +265,7 @@ class ClippedPGLossFn:
         loss = actor_loss + kl
 
         with torch.no_grad():
-            metrics: dict[str, Any] = {
+            metrics: dict[str, float] = {
                 "loss": float(loss.item()),
                 "probs_ratio": float(masked_mean(ratios.detach(), mask, global_normalization_factor=gvt).item()),
                 "probs_ratio_clamped": float(
@@ -312,7 +317,7 @@ class NLLLoss:
     needs_prev_logprobs = False
     needs_reference_logprobs = False
 
-    def __init__(self, cfg: NLLLossConfig | Mapping[str, Any] | Any | None = None) -> None:
+    def __init__(self, cfg: LossConfigLike | None = None) -> None:
         self.cfg: NLLLossConfig = NLLLossConfig() if cfg is None else _coerce_config(cfg, NLLLossConfig)
         self.cfg.check("loss_fn")
 
@@ -324,7 +329,7 @@ class NLLLoss:
         global_valid_toks: torch.Tensor,
         vocab_parallel_rank: int | None = None,
         vocab_parallel_group: dist.ProcessGroup | None = None,
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         del global_valid_seqs
         lp, _, sample_mask, mask = _slice_inputs(next_token_logits, data, vocab_parallel_group, vocab_parallel_rank)
         loss = -masked_mean(lp, mask, global_normalization_factor=global_valid_toks)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +35,7 @@ from rlpost.algorithms.rollouts import (
     turn_metrics,
 )
 from rlpost.config.schema.master import MasterConfig
+from rlpost.data.rows import PromptRow
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from rlpost.models.generation.interfaces import GenerationInterface
@@ -53,14 +54,14 @@ def turn_seed(seed: int, turn: int) -> int:
 class Episode:
     """One sample's conversation so far."""
 
-    row: dict[str, Any]
+    row: PromptRow
     ids: list[int]
     """Prompt, then every turn's tokens (model and environment)."""
     mask: list[int]
     """1 on the model's tokens."""
     logprobs: list[float]
     seed: int | None
-    metadata: dict[str, Any]
+    metadata: dict[str, object]
     """What the environment reads: the row, updated by the environment's next_metadata."""
     stops: list[str] | None = None
     reward: float = 0.0
@@ -75,7 +76,7 @@ class Episode:
     """Each turn's text (model, environment, model, ...)."""
 
     @staticmethod
-    def start(row: dict[str, Any], seed: int | None) -> Episode:
+    def start(row: PromptRow, seed: int | None) -> Episode:
         n = len(row["prompt_ids"])
         return Episode(row, list(row["prompt_ids"]), [0] * n, [0.0] * n, seed, dict(row))
 
@@ -194,7 +195,7 @@ def _add(total: dict[str, float], part: dict[str, float]) -> None:
 
 
 def run_multi_turn_rollout(
-    rows: list[dict[str, Any]],
+    rows: list[PromptRow],
     group_ids: torch.Tensor,
     generation: GenerationInterface,
     tokenizer: PreTrainedTokenizerBase,
@@ -225,7 +226,7 @@ def run_multi_turn_rollout(
 
 
 def run_async_multi_turn_rollout(
-    rows: list[dict[str, Any]],
+    rows: list[PromptRow],
     group_ids: torch.Tensor,
     generation: GenerationInterface,
     tokenizer: PreTrainedTokenizerBase,
@@ -262,7 +263,7 @@ def run_async_multi_turn_rollout(
 
 
 def run_rollouts(
-    rows: list[dict[str, Any]],
+    rows: list[PromptRow],
     group_ids: torch.Tensor,
     generation: GenerationInterface,
     tokenizer: PreTrainedTokenizerBase,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any
 
 import torch
 
@@ -30,6 +29,7 @@ from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
 from rlpost.algorithms.prepare import prepare
 from rlpost.algorithms.rollouts import RolloutBatch, finish_rollout, prompts_batch
 from rlpost.config.layout import layout_of
+from rlpost.data.rows import PromptRow
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.runtime.timer import Timer
 
@@ -53,7 +53,7 @@ def merge_rollout_metrics(parts: list[RolloutBatch]) -> dict[str, float]:
     return out
 
 
-def overlapped_step(components: GRPOComponents, rows: list[dict[str, Any]], step: int, timer: Timer,
+def overlapped_step(components: GRPOComponents, rows: list[PromptRow], step: int, timer: Timer,
                     weights: EngineWeights) -> TrainedBatch:
     """Collect, prepare and train the step's batch with generation and training overlapped (module docstring).
     Books "generation" and "reward_calculation" (the generating thread's time), "data_processing" and
@@ -111,7 +111,7 @@ def overlapped_step(components: GRPOComponents, rows: list[dict[str, Any]], step
     return TrainedBatch(Collected(batch, batch.rewards), train_data, torch.cat(advantages), results)
 
 
-def _single_turn_chunks(components: GRPOComponents, rows: list[dict[str, Any]], group_ids: torch.Tensor,
+def _single_turn_chunks(components: GRPOComponents, rows: list[PromptRow], group_ids: torch.Tensor,
                         seeds: list[int], spans: list[tuple[int, int]], timer: Timer,
                         ready: queue.Queue[RolloutBatch | BaseException], label: str) -> None:
     """Each chunk's single-turn rollout, from one `generate_chunks` stream, onto `ready` as it comes."""

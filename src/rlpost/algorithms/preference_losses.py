@@ -15,14 +15,13 @@ Reward model: the model's scores s (one per sequence) replace beta * r: L = mean
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlpost.algorithms.loss_functions import _coerce_config, _slice_inputs, masked_mean
+from rlpost.algorithms.loss_functions import LossConfigLike, _coerce_config, _slice_inputs, masked_mean
 from rlpost.config.schema.loss import DPOLossConfig, PreferenceLossConfig
 from rlpost.ops.loss_interface import LossType
 
@@ -60,7 +59,7 @@ class DPOLossFn:
     needs_prev_logprobs = False
     needs_reference_logprobs = True
 
-    def __init__(self, cfg: DPOLossConfig | Mapping[str, Any] | Any | None = None) -> None:
+    def __init__(self, cfg: LossConfigLike | None = None) -> None:
         self.cfg: DPOLossConfig = DPOLossConfig() if cfg is None else _coerce_config(cfg, DPOLossConfig)
         self.cfg.check("loss_fn")
 
@@ -72,7 +71,7 @@ class DPOLossFn:
         global_valid_toks: torch.Tensor,
         vocab_parallel_rank: int | None = None,
         vocab_parallel_group: dist.ProcessGroup | None = None,
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         del global_valid_toks
         c = self.cfg
         lp, token_mask, sample_mask, _ = _slice_inputs(next_token_logits, data, vocab_parallel_group,
@@ -117,7 +116,7 @@ class PreferenceLoss:
     needs_prev_logprobs = False
     needs_reference_logprobs = False
 
-    def __init__(self, cfg: PreferenceLossConfig | Mapping[str, Any] | Any | None = None) -> None:
+    def __init__(self, cfg: LossConfigLike | None = None) -> None:
         self.cfg: PreferenceLossConfig = (PreferenceLossConfig() if cfg is None
                                           else _coerce_config(cfg, PreferenceLossConfig))
 
@@ -129,7 +128,7 @@ class PreferenceLoss:
         global_valid_toks: torch.Tensor,
         vocab_parallel_rank: int | None = None,
         vocab_parallel_group: dist.ProcessGroup | None = None,
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         del global_valid_toks, vocab_parallel_rank, vocab_parallel_group
         scores = next_token_logits.to(torch.promote_types(next_token_logits.dtype, torch.float32))
         scores = scores.reshape(scores.shape[0], -1)

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlpost.algorithms.rollouts import RolloutBatch
 
 
 @dataclass
 class Trajectories:
     """One generation batch as the trainer receives it."""
 
-    batch: Any
+    batch: RolloutBatch | None
     """The RolloutBatch (whole groups); None in the buffer actor when the batch stays with the process that made and
     uses it (async GRPO's driver: `Collector.push`)."""
     version: int

@@ -10,14 +10,15 @@ timed-out scoring prints one warning line naming the step and the env settings t
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from rlpost.config.schema.env import EnvConfig
+from rlpost.data.rows import PromptRow
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from rlpost.models.generation.interfaces import GenerationInterface
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 class RolloutBatch:
     """Generated samples of one batch, in row order."""
 
-    rows: list[dict[str, Any]]
+    rows: list[PromptRow]
     """The dataset rows (with prompt_ids, loss_multiplier), one per sample."""
     group_ids: torch.Tensor
     """[B] int: samples of the same prompt share a group id."""
@@ -88,7 +89,7 @@ def padded_batch(seqs: list[list[int]], pad_id: int) -> BatchedDataDict:
     return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor(lens, dtype=torch.long))
 
 
-def prompts_batch(rows: list[dict[str, Any]], pad_id: int) -> BatchedDataDict:
+def prompts_batch(rows: list[PromptRow], pad_id: int) -> BatchedDataDict:
     """The generate() input of rows' prompt_ids."""
     return padded_batch([r["prompt_ids"] for r in rows], pad_id)
 
@@ -104,12 +105,13 @@ class EnvTurn:
 
 
 def step_envs(
-    responses: list[str], rows: list[dict[str, Any]], envs: dict[str, EnvironmentInterface]
+    responses: list[str], rows: Sequence[Mapping[str, object]], envs: dict[str, EnvironmentInterface]
 ) -> list[EnvTurn]:
-    """Each row's environment (row["env_name"]) steps on its responses, one call per environment."""
+    """Each row's environment (row["env_name"]) steps on its responses, one call per environment. `rows`: the
+    prompt rows, or (multi-turn) the episodes' metadata."""
     by_env: dict[str, list[int]] = {}
     for i, r in enumerate(rows):
-        by_env.setdefault(r["env_name"], []).append(i)
+        by_env.setdefault(str(r["env_name"]), []).append(i)
     turns = []
     for name, idx in by_env.items():
         t0 = time.perf_counter()
@@ -140,7 +142,7 @@ def turn_metrics(turns: list[EnvTurn], envs: dict[str, EnvironmentInterface], n:
 
 def score(
     responses: list[str],
-    rows: list[dict[str, Any]],
+    rows: list[PromptRow],
     envs: dict[str, EnvironmentInterface],
     label: str | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -157,8 +159,7 @@ def score(
 
 def _slow_note(name: str, env: EnvironmentInterface, ret: EnvironmentReturn, seconds: float) -> str | None:
     """What the warning says about one environment, or None when its scoring was quick and complete."""
-    cfg = getattr(env, "cfg", None)
-    cfg = cfg if isinstance(cfg, EnvConfig) else None
+    cfg = env.cfg
     slow = cfg is not None and seconds > cfg.slow_warning_s
     if not slow and ret.timeouts == 0:
         return None
@@ -176,7 +177,7 @@ def _slow_note(name: str, env: EnvironmentInterface, ret: EnvironmentReturn, sec
 
 
 def run_rollout(
-    rows: list[dict[str, Any]],
+    rows: list[PromptRow],
     group_ids: torch.Tensor,
     generation: GenerationInterface,
     tokenizer: PreTrainedTokenizerBase,
@@ -197,7 +198,7 @@ def run_rollout(
     return finish_rollout(rows, group_ids, batch["input_lengths"], gen, tokenizer, envs, timer, label)
 
 
-def seeded_prompts(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase,
+def seeded_prompts(rows: list[PromptRow], tokenizer: PreTrainedTokenizerBase,
                    seeds: list[int] | None) -> BatchedDataDict:
     """The generate() input of `rows`, with their per-row seeds."""
     batch = prompts_batch(rows, tokenizer.pad_token_id)
@@ -207,7 +208,7 @@ def seeded_prompts(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBas
 
 
 def finish_rollout(
-    rows: list[dict[str, Any]],
+    rows: list[PromptRow],
     group_ids: torch.Tensor,
     in_len: torch.Tensor,
     gen: BatchedDataDict,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from omegaconf import OmegaConf
@@ -38,13 +38,16 @@ from rlpost.data.prompts import load_tokenizer
 from rlpost.data.supervised_rows import ConversationTokenizer, Tokenized, load_supervised_rows, tokenize_rows
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
-from rlpost.models.policy.interfaces import ColocatablePolicyInterface
+from rlpost.models.policy.interfaces import ColocatablePolicyInterface, TrainResult
 from rlpost.ops.loss_interface import LossFunction
 from rlpost.runtime import console as say
 from rlpost.runtime.build import build
 from rlpost.runtime.checkpointing import CheckpointManager, model_fingerprint
 from rlpost.runtime.metrics_logger import MetricsLogger
 from rlpost.runtime.timer import Timer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Row = list[Tokenized]
 """A training row: its sequences (SFT: one; a preference pair: chosen, rejected)."""
@@ -58,7 +61,7 @@ class SupervisedComponents:
     run_dir: Path
     policy: ColocatablePolicyInterface
     cluster: RayVirtualCluster
-    loader: PromptLoader
+    loader: PromptLoader[Row]
     val_rows: list[Row]
     loss_fn: LossFunction
     logger: MetricsLogger
@@ -66,7 +69,7 @@ class SupervisedComponents:
     save_state: SupervisedSaveState
     pad_id: int
     model_fp: str
-    config_dict: dict[str, Any]
+    config_dict: dict[str, object]
     data_metrics: dict[str, float] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
     """time.monotonic() when setup began: checkpointing.checkpoint_must_save_by counts from here."""
@@ -83,7 +86,8 @@ def rows_per_step(cfg: SupervisedMasterConfig) -> int:
     return cfg.policy.train_global_batch_size // (2 if cfg.pairs else 1)
 
 
-def load_rows(cfg: SupervisedMasterConfig, tokenizer: Any) -> tuple[list[Row], list[Row], dict[str, float]]:
+def load_rows(cfg: SupervisedMasterConfig, tokenizer: PreTrainedTokenizerBase
+              ) -> tuple[list[Row], list[Row], dict[str, float]]:
     """Tokenized training and validation rows (over-length ones skipped and counted); DataError when too few
     training rows are left for one step."""
     conv = ConversationTokenizer(tokenizer, cfg.rows.add_eos, cfg.policy.tokenizer.chat_template_kwargs)
@@ -132,7 +136,7 @@ def setup(cfg: SupervisedMasterConfig, run_dir: Path) -> SupervisedComponents:
 
         ensure_tiny_model(cfg.model.tiny, cfg.model.path)
     logger = MetricsLogger(cfg.logger, run_dir)
-    config_dict = cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    config_dict = cast(dict[str, object], OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
     logger.log_hyperparams(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
     checkpointer = CheckpointManager(cfg.checkpointing, run_dir)
     model_fp = model_fingerprint(cfg.policy.model_name)
@@ -145,7 +149,7 @@ def setup(cfg: SupervisedMasterConfig, run_dir: Path) -> SupervisedComponents:
         logger.restore_row(save_state.total_steps, saved_metrics_row(last))
     tokenizer = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
     train_rows, val_rows, data_metrics = load_rows(cfg, tokenizer)
-    loader = PromptLoader(cast(list[Any], train_rows), rows_per_step(cfg), cfg.rows.shuffle, cfg.rows.seed)
+    loader = PromptLoader(train_rows, rows_per_step(cfg), cfg.rows.shuffle, cfg.rows.seed)
     if last is not None:
         restore_loader_and_rng(last, loader)
     init_ray(cfg.cluster)
@@ -180,9 +184,9 @@ def _prepare(comps: SupervisedComponents, data: BatchedDataDict) -> None:
         data["reference_policy_logprobs"] = comps.policy.get_reference_policy_logprobs(data)["reference_logprobs"]
 
 
-def _metrics(prefix: str, results: dict[str, Any]) -> dict[str, float]:
-    m = {f"{prefix}/{k}": float(v) for k, v in results["metrics"].items()}
-    m[f"{prefix}/loss"] = float(results["loss"])
+def _metrics(prefix: str, results: TrainResult) -> dict[str, float]:
+    m = {f"{prefix}/{k}": float(v) for k, v in results.metrics.items()}
+    m[f"{prefix}/loss"] = float(results.loss)
     return m
 
 
@@ -240,7 +244,7 @@ class Supervised:
 
     def step(self, step: int, timer: Timer) -> StepResult:
         loader = self.comps.loader
-        rows = cast(list[Row], loader.next_batch())
+        rows = loader.next_batch()
         self._rows = len(rows)
         metrics = _train_step(self.comps, rows, timer)
         last = step >= self.schedule.max_num_steps or loader.epochs_done() >= self.schedule.max_num_epochs
@@ -290,8 +294,8 @@ def _train_step(comps: SupervisedComponents, rows: list[Row], timer: Timer) -> d
     with timer.time("policy_training"):  # `train` onloads and sets train mode itself (see grpo.train)
         results = comps.policy.train(data, comps.loss_fn)
     metrics = _metrics("train", results)
-    metrics["train/grad_norm"] = float(results["grad_norm"])
-    metrics["train/lr"] = float(results["lr"])
+    metrics["train/grad_norm"] = float(results.grad_norm)
+    metrics["train/lr"] = float(results.lr)
     metrics["train/num_tokens"] = float(data["input_lengths"].sum())
-    metrics["train/params_finite"] = float(results.get("params_finite", True))
+    metrics["train/params_finite"] = float(results.params_finite)
     return metrics

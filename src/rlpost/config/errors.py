@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 
 class ConfigError(ValueError):
     """A config value breaks a rule. Carries the dotted key, the bad value and the rule."""
 
-    def __init__(self, key: str, value: Any, rule: str, hint: str | None = None) -> None:
+    def __init__(self, key: str, value: object, rule: str, hint: str | None = None) -> None:
         self.key = key
         self.value = value
         self.rule = rule
@@ -19,18 +19,18 @@ class ConfigError(ValueError):
             msg += f" ({hint})"
         super().__init__(msg)
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, object, str, str | None]]:
         # Picklable with its fields, so it survives the trip from a Ray worker to the driver.
         return (type(self), (self.key, self.value, self.rule, self.hint))
 
 
-def require(cond: bool, key: str, value: Any, rule: str, hint: str | None = None) -> None:
+def require(cond: bool, key: str, value: object, rule: str, hint: str | None = None) -> None:
     """Raise ConfigError(key, value, rule) unless `cond` holds."""
     if not cond:
         raise ConfigError(key, value, rule, hint)
 
 
-def one_of(key: str, value: Any, allowed: tuple[Any, ...] | list[Any]) -> None:
+def one_of(key: str, value: object, allowed: Sequence[object]) -> None:
     """Require `value` to be one of `allowed`."""
     require(value in allowed, key, value, f"must be one of {list(allowed)}")
 
@@ -63,7 +63,7 @@ LOADER_ENV_VARS = frozenset({
 """Variables that make a process load code from a path: a config must not set them for workers."""
 
 
-def safe_env_vars(key: str, env: dict[str, Any]) -> None:
+def safe_env_vars(key: str, env: Mapping[str, object]) -> None:
     """Refuse environment variables that would make worker processes import or preload other code."""
     for name in env:
         require(str(name).upper() not in LOADER_ENV_VARS, f"{key}.{name}", env[name],

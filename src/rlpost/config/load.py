@@ -12,9 +12,8 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, DictKeyType, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from rlpost.config.errors import ConfigError
@@ -56,7 +55,7 @@ def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
     return f"did you mean '{m[0]}'?" if m else None
 
 
-def _schema_fields(node: Any) -> list[str] | None:
+def _schema_fields(node: object) -> list[str] | None:
     """Field names of the dataclass schema typing `node`; None for an open (untyped) mapping."""
     t = OmegaConf.get_type(node) if isinstance(node, DictConfig) else node
     if isinstance(t, type) and dataclasses.is_dataclass(t):
@@ -78,7 +77,7 @@ def _err_candidates(err: BaseException) -> list[str]:
     return []
 
 
-def _raw(node: DictConfig, key: Any) -> Any:
+def _raw(node: DictConfig, key: DictKeyType) -> object:
     """The value under `key` as written (no interpolation resolved), for error messages."""
     try:
         child = node._get_node(key)
@@ -89,11 +88,11 @@ def _raw(node: DictConfig, key: Any) -> Any:
         return None
 
 
-def check_unknown_keys(node: Any, path: str = "") -> None:
+def check_unknown_keys(node: object, path: str = "") -> None:
     """Refuse every key the schema does not have, however it got in (`+key=...`, an experiment file,
     a YAML option). A mapping typed by a dataclass admits only that dataclass's fields (a polymorphic
     block is checked against the option's own schema, the node's object type); untyped mappings
-    (Dict[str, Any] fields such as optimizer kwargs, vllm_kwargs, env_vars) stay open, and typed
+    (free-form mapping fields such as optimizer kwargs, vllm_kwargs, env_vars) stay open, and typed
     values inside them (env entries) are checked in turn."""
     if isinstance(node, DictConfig):
         if node._is_none() or node._is_missing() or node._is_interpolation():
@@ -245,6 +244,6 @@ def load_master_config(overrides: list[str] | None = None) -> tuple[DictConfig, 
     return cfg, to_master_config(cfg)
 
 
-def to_yaml(obj: Any) -> str:
+def to_yaml(obj: object) -> str:
     """YAML of a MasterConfig or DictConfig, resolved."""
     return OmegaConf.to_yaml(OmegaConf.structured(obj) if not isinstance(obj, DictConfig) else obj, resolve=True)

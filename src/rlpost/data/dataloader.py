@@ -7,13 +7,15 @@ uninterrupted run would have seen.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Generic, TypeVar
+
+RowT = TypeVar("RowT")
 
 
-class PromptLoader:
+class PromptLoader(Generic[RowT]):
     """Batches of `batch_size` rows; an epoch ends when fewer than a batch remain."""
 
-    def __init__(self, rows: list[dict[str, Any]], batch_size: int, shuffle: bool = True, seed: int = 42) -> None:
+    def __init__(self, rows: list[RowT], batch_size: int, shuffle: bool = True, seed: int = 42) -> None:
         if batch_size > len(rows):
             raise ValueError(f"batch size {batch_size} is larger than the {len(rows)} rows of the dataset")
         self.rows = rows
@@ -40,7 +42,7 @@ class PromptLoader:
         """Completed passes over the data."""
         return self.epoch + (1 if self.index >= len(self) else 0)
 
-    def next_batch(self) -> list[dict[str, Any]]:
+    def next_batch(self) -> list[RowT]:
         """The next batch, starting a new (reshuffled) epoch when the current one is used up."""
         if self.index >= len(self):
             self.epoch += 1

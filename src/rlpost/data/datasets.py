@@ -11,9 +11,13 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rlpost.config.schema.data import DataConfig
+from rlpost.data.rows import PromptRow
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 PARQUET_MAGIC = b"PAR1"
 
@@ -22,7 +26,7 @@ class DataError(ValueError):
     """A bad data file or row; the message names the file and line."""
 
 
-def _text_field(value: Any, key: str, where: str) -> str:
+def _text_field(value: object, key: str, where: str) -> str:
     """A row's input / output as text: a non-blank string or a finite number (bools and NaN are refused)."""
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise DataError(f"{where}: {key!r} must be a string or number, got {type(value).__name__}")
@@ -33,17 +37,19 @@ def _text_field(value: Any, key: str, where: str) -> str:
     return str(value)
 
 
-def _check_row(row: Any, cfg: DataConfig, where: str, with_source: bool = False) -> dict[str, Any]:
+def _check_row(row: object, cfg: DataConfig, where: str, with_source: bool = False) -> PromptRow:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     for key in (cfg.input_key, cfg.output_key):
         if key not in row:
             raise DataError(f"{where}: missing key {key!r} (data.input_key / data.output_key)")
-    checked = {
+    checked: PromptRow = {
         "problem": _text_field(row[cfg.input_key], cfg.input_key, where),
         "expected_answer": _text_field(row[cfg.output_key], cfg.output_key, where),
     }
-    return {**checked, "source": where} if with_source else checked
+    if with_source:
+        checked["source"] = where
+    return checked
 
 
 def sniff(path: str) -> str | None:
@@ -64,7 +70,7 @@ def sniff(path: str) -> str | None:
     return None
 
 
-def jsonl_objects(path: str) -> list[tuple[Any, str]]:
+def jsonl_objects(path: str) -> list[tuple[object, str]]:
     """(parsed JSON value, 'file:line') of every non-blank line of a local JSONL file; DataError on bad input."""
     p = Path(path)
     if not p.is_file():
@@ -100,7 +106,7 @@ def jsonl_objects(path: str) -> list[tuple[Any, str]]:
     return out
 
 
-def parquet_objects(path: str) -> list[tuple[Any, str]]:
+def parquet_objects(path: str) -> list[tuple[object, str]]:
     """(row, 'file: row i') of every row of a local parquet file (read through `datasets`); DataError on bad input."""
     if not Path(path).is_file():
         raise DataError(f"{path}: no such file")
@@ -129,22 +135,22 @@ def parquet_objects(path: str) -> list[tuple[Any, str]]:
     return out
 
 
-def read_objects(path: str, dataset_name: str) -> list[tuple[Any, str]]:
+def read_objects(path: str, dataset_name: str) -> list[tuple[object, str]]:
     """Rows of a local file of data.dataset_name 'jsonl' or 'parquet', each with where it came from."""
     return jsonl_objects(path) if dataset_name == "jsonl" else parquet_objects(path)
 
 
-def read_jsonl(path: str, cfg: DataConfig, with_source: bool = False) -> list[dict[str, Any]]:
+def read_jsonl(path: str, cfg: DataConfig, with_source: bool = False) -> list[PromptRow]:
     """Prompt rows of a JSONL file, one JSON object per non-blank line."""
     return [_check_row(obj, cfg, where, with_source) for obj, where in jsonl_objects(path)]
 
 
-def read_parquet(path: str, cfg: DataConfig, with_source: bool = False) -> list[dict[str, Any]]:
+def read_parquet(path: str, cfg: DataConfig, with_source: bool = False) -> list[PromptRow]:
     """Prompt rows of a parquet file (read through `datasets`)."""
     return [_check_row(row, cfg, where, with_source) for row, where in parquet_objects(path)]
 
 
-def load_rows(cfg: DataConfig, split: str, with_source: bool = False) -> list[dict[str, Any]]:
+def load_rows(cfg: DataConfig, split: str, with_source: bool = False) -> list[PromptRow]:
     """Training (split='train') or validation rows, each tagged with cfg.env_name (and, with_source, with
     'source': the file and line it came from)."""
     if cfg.dataset_name == "synthetic":
@@ -164,7 +170,7 @@ def load_rows(cfg: DataConfig, split: str, with_source: bool = False) -> list[di
     return rows
 
 
-def as_dataset(rows: list[dict[str, Any]]) -> Any:
+def as_dataset(rows: list[PromptRow]) -> Dataset:
     """The rows as a `datasets.Dataset` (for users who want its tooling)."""
     from datasets import Dataset
 

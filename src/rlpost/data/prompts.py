@@ -7,13 +7,17 @@ loss (loss_multiplier 0); they are counted in the step metrics.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlpost.config.schema.data import DataConfig
 from rlpost.config.schema.policy import TokenizerConfig
+from rlpost.data.rows import Message, PromptRow
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
-def load_tokenizer(cfg: TokenizerConfig, trust_remote_code: bool = False) -> Any:
+def load_tokenizer(cfg: TokenizerConfig, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer of a local path; pad = eos if missing; chat template from cfg.chat_template.
 
     A directory with a tokenizer.json loads through the `tokenizers` backend class itself (what AutoTokenizer
@@ -42,22 +46,23 @@ def load_tokenizer(cfg: TokenizerConfig, trust_remote_code: bool = False) -> Any
 class PromptProcessor:
     """Formats and tokenizes rows."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self.cfg = cfg
         self.tok = tokenizer
         self.template = Path(cfg.prompt_file).read_text() if cfg.prompt_file else None
         self.system = Path(cfg.system_prompt_file).read_text().strip() if cfg.system_prompt_file else None
         self.kwargs = chat_template_kwargs or {}
 
-    def messages(self, row: dict[str, Any]) -> list[dict[str, str]]:
+    def messages(self, row: PromptRow) -> list[Message]:
         text = self.template.format(row["problem"]) if self.template else row["problem"]
         msgs = [{"role": "system", "content": self.system}] if self.system else []
         return msgs + [{"role": "user", "content": text}]
 
-    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+    def __call__(self, row: PromptRow) -> PromptRow:
         return self.batch([row])[0]
 
-    def batch(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def batch(self, rows: list[PromptRow]) -> list[PromptRow]:
         """Every row formatted and tokenized, in one tokenizer call for the whole batch: per-row calls would dominate
         the driver's time on a step's small batch of prompts."""
         if not rows:
@@ -68,7 +73,7 @@ class PromptProcessor:
             )
             for row in rows
         ]
-        out = []
+        out: list[PromptRow] = []
         for row, ids in zip(rows, self.tok(texts, add_special_tokens=False)["input_ids"], strict=True):
             too_long = len(ids) > self.cfg.max_input_seq_length
             if too_long:

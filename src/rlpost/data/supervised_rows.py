@@ -19,12 +19,16 @@ import random
 import re
 import string
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlpost.config.schema.supervised import PreferenceDataConfig, SFTDataConfig, SupervisedDataConfig
 from rlpost.data.datasets import DataError, read_objects
+from rlpost.data.rows import Message, PreferenceRow, SFTRow
 
-Messages = list[dict[str, str]]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+Messages = list[Message]
 ROLES = ("system", "user", "assistant")
 
 
@@ -77,7 +81,7 @@ def _calc_tool_rows(n: int, seed: int) -> list[tuple[str, str]]:
     return out
 
 
-def _sft_generated(cfg: SFTDataConfig, split: str) -> list[dict[str, Any]]:
+def _sft_generated(cfg: SFTDataConfig, split: str) -> list[SFTRow]:
     s = cfg.synthetic
     if s.task == "memorise":  # validation asks the training keys again: the mapping is the thing to learn
         pairs = _memorise_rows(s.num_train, s.seed)
@@ -91,7 +95,7 @@ def _sft_generated(cfg: SFTDataConfig, split: str) -> list[dict[str, Any]]:
              "source": f"data.synthetic ({s.task}) row {i}"} for i, (p, a) in enumerate(pairs)]
 
 
-def _preference_generated(cfg: PreferenceDataConfig, split: str) -> list[dict[str, Any]]:
+def _preference_generated(cfg: PreferenceDataConfig, split: str) -> list[PreferenceRow]:
     s = cfg.synthetic
     n, seed = (s.num_train, s.seed) if split == "train" else (s.num_val, s.seed + 1)
     return [{"prompt": [{"role": "user", "content": p}], "chosen": right, "rejected": wrong,
@@ -102,7 +106,7 @@ def _preference_generated(cfg: PreferenceDataConfig, split: str) -> list[dict[st
 # ---- checked rows from files --------------------------------------------------------------------------------
 
 
-def _text(value: Any, key: str, where: str) -> str:
+def _text(value: object, key: str, where: str) -> str:
     if not isinstance(value, str):
         raise DataError(f"{where}: {key!r} must be a string, got {type(value).__name__}")
     if not value.strip():
@@ -110,7 +114,7 @@ def _text(value: Any, key: str, where: str) -> str:
     return value
 
 
-def _messages(value: Any, key: str, where: str, final: str) -> Messages:
+def _messages(value: object, key: str, where: str, final: str) -> Messages:
     """A checked conversation: [system] user assistant (user assistant)* ..., ending with the role `final`."""
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: {key!r} must be a non-empty list of {{role, content}} messages")
@@ -133,7 +137,7 @@ def _messages(value: Any, key: str, where: str, final: str) -> Messages:
     return msgs
 
 
-def _sft_row(obj: Any, cfg: SFTDataConfig, where: str) -> dict[str, Any]:
+def _sft_row(obj: object, cfg: SFTDataConfig, where: str) -> SFTRow:
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if cfg.messages_key in obj:
@@ -147,13 +151,13 @@ def _sft_row(obj: Any, cfg: SFTDataConfig, where: str) -> dict[str, Any]:
     return {"messages": msgs, "source": where}
 
 
-def _prompt(value: Any, key: str, where: str) -> Messages:
+def _prompt(value: object, key: str, where: str) -> Messages:
     if isinstance(value, list):
         return _messages(value, key, where, "user")
     return [{"role": "user", "content": _text(value, key, where)}]
 
 
-def _preference_row(obj: Any, cfg: PreferenceDataConfig, where: str) -> dict[str, Any]:
+def _preference_row(obj: object, cfg: PreferenceDataConfig, where: str) -> PreferenceRow:
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     for key in (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key):
@@ -167,7 +171,7 @@ def _preference_row(obj: Any, cfg: PreferenceDataConfig, where: str) -> dict[str
             "source": where}
 
 
-def load_supervised_rows(cfg: SupervisedDataConfig, split: str) -> list[dict[str, Any]]:
+def load_supervised_rows(cfg: SupervisedDataConfig, split: str) -> list[SFTRow] | list[PreferenceRow]:
     """Checked rows of the train or val split (val: [] when there are no validation files)."""
     if isinstance(cfg, PreferenceDataConfig):
         if cfg.dataset_name == "synthetic":
@@ -187,7 +191,8 @@ def load_supervised_rows(cfg: SupervisedDataConfig, split: str) -> list[dict[str
 class ConversationTokenizer:
     """Token ids and loss masks of conversations, rendered with the tokenizer's chat template."""
 
-    def __init__(self, tokenizer: Any, add_eos: bool, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, add_eos: bool,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self.tok = tokenizer
         self.add_eos = add_eos
         self.kwargs = chat_template_kwargs or {}
@@ -243,7 +248,7 @@ class ConversationTokenizer:
             mask.append(1)
 
 
-def tokenize_rows(rows: list[dict[str, Any]], tokenizer: ConversationTokenizer, max_len: int
+def tokenize_rows(rows: list[SFTRow] | list[PreferenceRow], tokenizer: ConversationTokenizer, max_len: int
                   ) -> tuple[list[list[Tokenized]], int]:
     """Each row as its sequences (SFT: one; a preference pair: chosen, rejected), dropping rows with a sequence
     over max_len; (kept rows, number skipped)."""

@@ -19,8 +19,10 @@ from __future__ import annotations
 import random
 import string
 
+from rlpost.data.rows import PromptRow
 
-def make_example(task: str, rng: random.Random) -> dict[str, str]:
+
+def make_example(task: str, rng: random.Random) -> PromptRow:
     """One {"problem", "expected_answer"} row of `task` (lookup rows also carry their "key" and "table")."""
     if task == "next_letter":
         i = rng.randrange(26)
@@ -48,7 +50,7 @@ def make_example(task: str, rng: random.Random) -> dict[str, str]:
     raise ValueError(f"unknown synthetic task {task!r}")
 
 
-def _arith(task: str, rng: random.Random) -> dict[str, str]:
+def _arith(task: str, rng: random.Random) -> PromptRow:
     """Arithmetic levels for real models: the answer is asked for in \\boxed{} and math-verify scores it."""
     if task == "arith_add1":
         a, b, op = rng.randrange(10), rng.randrange(10), "+"
@@ -63,7 +65,7 @@ def _arith(task: str, rng: random.Random) -> dict[str, str]:
     return {"problem": f"What is {a} {op} {b}? Put the final answer in \\boxed{{}}.", "expected_answer": str(value)}
 
 
-def make_rows(task: str, n: int, seed: int) -> list[dict[str, str]]:
+def make_rows(task: str, n: int, seed: int) -> list[PromptRow]:
     rng = random.Random(seed)
     return [make_example(task, rng) for _ in range(n)]
 

@@ -14,7 +14,7 @@ shard by shard in row order go back to the caller's order with `restore_order(or
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,7 @@ class PackedMicroBatch:
         return unpack_sequences(values, self.packed.cu_seqlens, self.packed.cu_seqlens_padded, self.seq_len, pad_value)
 
 
-def _rebuild(cls: type[BatchedDataDict], values: dict[str, Any], attrs: dict[str, Any]) -> BatchedDataDict:
+def _rebuild(cls: type[BatchedDataDict], values: dict[str, object], attrs: dict[str, object]) -> BatchedDataDict:
     """Unpickle a BatchedDataDict (see its __reduce__)."""
     out = cls({k: tensor_wire.unpack(v) for k, v in values.items()})
     out.__dict__.update(attrs)
@@ -83,14 +83,14 @@ class BatchedDataDict(dict[str, Any]):
     micro_batch_args: dict[str, Any] | None = None
     """The dynamic batching / packing args the plan was made with."""
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Callable[..., BatchedDataDict], tuple[object, ...]]:
         # Tensors travel as numpy arrays (rlpost.distributed.tensor_wire): much cheaper to pickle than tensors.
         return (_rebuild, (type(self), {k: tensor_wire.pack(v) for k, v in self.items()}, dict(self.__dict__)))
 
     # ------------------------------------------------------------------ construction and basic ops
     @classmethod
     def from_batches(
-        cls, batches: Sequence[dict[str, Any]], pad_value_dict: dict[str, Any] | None = None
+        cls, batches: Sequence[Mapping[str, Any]], pad_value_dict: Mapping[str, float] | None = None
     ) -> BatchedDataDict:
         """Concatenate batches on dim 0; tensors with ndim >= 2 are right-padded on dim 1 to the longest.
 
@@ -120,7 +120,7 @@ class BatchedDataDict(dict[str, Any]):
             raise ValueError(f"inconsistent batch sizes {sorted(sizes)} in BatchedDataDict keys {list(self)}")
         return sizes.pop() if sizes else 0
 
-    def _new(self, values: dict[str, Any], keep_plan: bool = False) -> BatchedDataDict:
+    def _new(self, values: Mapping[str, object], keep_plan: bool = False) -> BatchedDataDict:
         out = type(self)(values)
         if keep_plan:
             out.micro_batch_plan = self.micro_batch_plan
@@ -137,7 +137,7 @@ class BatchedDataDict(dict[str, Any]):
     def select_indices(self, indices: IndexLike) -> BatchedDataDict:
         """Rows `indices` in that order (out[k] = self[indices[k]])."""
         idx = _to_index_list(indices)
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for k, v in self.items():
             if isinstance(v, torch.Tensor):
                 out[k] = v[torch.tensor(idx, dtype=torch.long, device=v.device)]
@@ -163,7 +163,7 @@ class BatchedDataDict(dict[str, Any]):
 
     def repeat_interleave(self, n: int) -> BatchedDataDict:
         """Each row repeated n times in place (r0, r0, ..., r1, r1, ...)."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for k, v in self.items():
             out[k] = v.repeat_interleave(n, dim=0) if isinstance(v, torch.Tensor) else [x for x in v for _ in range(n)]
         return self._new(out)
@@ -303,7 +303,7 @@ class BatchedDataDict(dict[str, Any]):
         return sum(1 for _ in self._planned_specs("packing"))
 
 
-def _pad_dim1(t: torch.Tensor, width: int, value: Any) -> torch.Tensor:
+def _pad_dim1(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
     if t.shape[1] == width:
         return t
     pad = t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), value)

@@ -4,12 +4,42 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeAlias, TypedDict, final
 
 import torch
 
+if TYPE_CHECKING:
+    import ray
+
+    from rlpost.distributed.weight_buckets import BucketRecord
+
 BucketEntry = tuple[str, int, tuple[int, ...], str]
 """One tensor of a flat bucket buffer: (HF name, byte offset, shape, torch dtype name)."""
+
+
+@final
+class ShmBucket(TypedDict):
+    """A bucket in a shared-memory segment (rlpost.distributed.shm_buckets)."""
+
+    shm: str
+    """The segment's name."""
+    records: list[BucketEntry]
+
+
+@final
+class CudaIpcBucket(TypedDict):
+    """A bucket in the policy's device buffer, opened over CUDA IPC (rlpost.distributed.cuda_ipc_buckets)."""
+
+    cuda_ipc: tuple[Callable[..., torch.Tensor], tuple[object, ...]]
+    """torch's reduce_tensor of the buffer: (rebuild, its arguments)."""
+    device_uuid: str
+    records: list[BucketEntry]
+
+
+RefitBucket: TypeAlias = "ShmBucket | CudaIpcBucket | list[ray.ObjectRef[list[BucketRecord]]]"
+"""A bucket as the driver forwards it unread: a shared-memory or CUDA IPC descriptor, or [object ref] (the object
+store; in a list so Ray does not fetch it)."""
 
 
 def _aligned(nbytes: int) -> int:

@@ -25,13 +25,20 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 """Default broadcast chunk size (bytes)."""
+
+
+class _Header(TypedDict):
+    """What `_send_header` broadcasts: the sender's chunk size and each tensor's (name, shape, dtype)."""
+
+    chunk_bytes: int
+    tensors: list[tuple[str, list[int], str]]
 
 
 @dataclass
@@ -118,7 +125,7 @@ class StatelessGroup:
         self, items: list[tuple[str, torch.Tensor]], src: int
     ) -> tuple[list[tuple[str, list[int], str]], int]:
         """Broadcast the layout (names, shapes, dtypes) and the sender's chunk size; every rank returns them."""
-        header: Any
+        header: _Header
         if self.rank == src:
             header = {"chunk_bytes": self.chunk_bytes, "tensors": [(n, list(t.shape), str(t.dtype)) for n, t in items]}
             raw = json.dumps(header).encode()

@@ -20,19 +20,19 @@ from every rank is left to do.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Final
 
 import torch
 
-from rlpost.distributed.bucket_layout import bucket_bytes, bucket_views, fill_bucket
+from rlpost.distributed.bucket_layout import CudaIpcBucket, RefitBucket, bucket_bytes, bucket_views, fill_bucket
 
-CUDA_IPC_KEY = "cuda_ipc"
+CUDA_IPC_KEY: Final = "cuda_ipc"
 """Key of a CUDA IPC descriptor (a dict, beside "device_uuid" and "records")."""
 _DEVICE_ARG = 6
 """Position of the device index in reduce_tensor's rebuild arguments (torch.multiprocessing.reductions)."""
 
 
-def is_cuda_ipc(box: Any) -> bool:
+def is_cuda_ipc(box: RefitBucket) -> bool:
     return isinstance(box, dict) and CUDA_IPC_KEY in box
 
 
@@ -60,7 +60,7 @@ class CudaIpcBucketWriter:
         self.device = device
         self.buffer: torch.Tensor | None = None
 
-    def write(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    def write(self, named: Sequence[tuple[str, torch.Tensor]]) -> CudaIpcBucket:
         """Copy `named` into the buffer; the descriptor the engine loads from."""
         from torch.multiprocessing.reductions import reduce_tensor
 
@@ -78,7 +78,7 @@ class CudaIpcBucketWriter:
             torch.cuda.ipc_collect()  # allocations the engines have let go of are freed now
 
 
-def read_cuda_ipc_bucket(desc: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+def read_cuda_ipc_bucket(desc: CudaIpcBucket) -> list[tuple[str, torch.Tensor]]:
     """Tensors viewing the policy's device buffer, opened on this process's index of its GPU (read-only by contract:
     loaders copy out of them)."""
     rebuild, args = desc[CUDA_IPC_KEY]

@@ -21,15 +21,15 @@ import uuid
 from collections.abc import Sequence
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
-from typing import Any
+from typing import Final
 
 import torch
 
-from rlpost.distributed.bucket_layout import bucket_bytes, bucket_views, fill_bucket
+from rlpost.distributed.bucket_layout import RefitBucket, ShmBucket, bucket_bytes, bucket_views, fill_bucket
 
 PREFIX = "rlpost-refit-"
 """Segment names: PREFIX + owner pid + '-' + a random part."""
-SHM_KEY = "shm"
+SHM_KEY: Final = "shm"
 """Key of a descriptor (a dict); an object-store bucket is a one-element list [ref]."""
 
 
@@ -39,7 +39,7 @@ class ShmBucketWriter:
     def __init__(self) -> None:
         self.segment: shared_memory.SharedMemory | None = None
 
-    def write(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    def write(self, named: Sequence[tuple[str, torch.Tensor]]) -> ShmBucket:
         """Copy `named` (CPU or device tensors) into the segment; the descriptor the engines load from."""
         total = bucket_bytes(named)
         self._ensure(max(total, 1))
@@ -81,7 +81,7 @@ _ATTACHED: dict[str, shared_memory.SharedMemory] = {}
 """The engine side's mappings, by segment name (one per owner; a replaced segment is dropped)."""
 
 
-def read_shm_bucket(desc: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+def read_shm_bucket(desc: ShmBucket) -> list[tuple[str, torch.Tensor]]:
     """Tensors viewing the owner's segment (read-only by contract: loaders copy out of them)."""
     name = desc[SHM_KEY]
     seg = _ATTACHED.get(name)
@@ -99,17 +99,18 @@ def read_shm_bucket(desc: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     return bucket_views(torch.frombuffer(seg.buf, dtype=torch.uint8), desc["records"])
 
 
-def read_bucket(box: Any) -> list[tuple[str, torch.Tensor]]:
+def read_bucket(box: RefitBucket) -> list[tuple[str, torch.Tensor]]:
     """A bucket whichever way it travels: a shared-memory descriptor, a CUDA IPC descriptor (views of the policy's
     device buffer, on this process's view of that GPU), or [object ref] (object store)."""
-    if isinstance(box, dict) and SHM_KEY in box:
-        return read_shm_bucket(box)
-    from rlpost.distributed.cuda_ipc_buckets import is_cuda_ipc, read_cuda_ipc_bucket
+    if isinstance(box, dict):
+        if SHM_KEY in box:
+            return read_shm_bucket(box)
+        from rlpost.distributed.cuda_ipc_buckets import read_cuda_ipc_bucket
 
-    if is_cuda_ipc(box):
         return read_cuda_ipc_bucket(box)
     import ray
 
     from rlpost.distributed.weight_buckets import decode
 
-    return decode(ray.get(box[0]))
+    records = ray.get(box[0])
+    return decode(records)

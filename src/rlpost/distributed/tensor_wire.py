@@ -12,7 +12,7 @@ require grad (their autograd flag must survive).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ class WireTensor(NamedTuple):
     """The tensor's dtype name (e.g. "bfloat16") when `array` holds it as integers; None when they agree."""
 
 
-def pack(value: Any) -> Any:
+def pack(value: object) -> object:
     """A WireTensor for a plain CPU tensor (no copy); anything else unchanged."""
     if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.layout != torch.strided:
         return value
@@ -44,7 +44,7 @@ def pack(value: Any) -> Any:
         return value
 
 
-def unpack(value: Any) -> Any:
+def unpack(value: object) -> object:
     """The tensor a WireTensor carried; anything else unchanged. An array that arrived read-only (a buffer Ray or
     pickle owns) is copied, so the tensor may be written."""
     if not isinstance(value, WireTensor):

@@ -16,7 +16,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
@@ -88,10 +88,11 @@ def init_ray(cfg: ClusterConfig) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from rlpost.runtime.run_log import ENV_VAR, SETUP_HOOK, run_log
 
-    runtime_env: dict[str, Any] = {"env_vars": dict(WORKER_ENV)}
+    env_vars = dict(WORKER_ENV)
+    runtime_env: dict[str, object] = {"env_vars": env_vars}
     log_file = run_log()
     if log_file:  # a run: worker output goes to its train.log, not through the driver to the console
-        runtime_env["env_vars"][ENV_VAR] = log_file
+        env_vars[ENV_VAR] = log_file
         runtime_env["worker_process_setup_hook"] = SETUP_HOOK
     to_console = log_file is None
     if cfg.address:
@@ -127,11 +128,11 @@ def _lean_local_head(log_monitor: bool) -> Iterator[None]:
         return
     params = getattr(parameter, "RayParams", None)
     api_server = getattr(getattr(node, "Node", None), "start_api_server", None)
-    patched: list[tuple[Any, str, Any]] = []
+    patched: list[tuple[object, str, object]] = []
     if params is not None:
 
         class LeanRayParams(params):  # type: ignore[misc, valid-type]
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
+            def __init__(self, *args: object, **kwargs: object) -> None:
                 kwargs.setdefault("no_monitor", True)
                 if not log_monitor:
                     kwargs.setdefault("include_log_monitor", False)
@@ -141,7 +142,7 @@ def _lean_local_head(log_monitor: bool) -> Iterator[None]:
         setattr(parameter, "RayParams", LeanRayParams)  # noqa: B010 - a class attribute mypy won't let be assigned
     if api_server is not None:
 
-        def start_api_server(self: Any, *, include_dashboard: bool | None, raise_on_failure: bool) -> None:
+        def start_api_server(self: node.Node, *, include_dashboard: bool | None, raise_on_failure: bool) -> None:
             if include_dashboard:
                 api_server(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
             else:
@@ -156,7 +157,7 @@ def _lean_local_head(log_monitor: bool) -> Iterator[None]:
             setattr(owner, name, original)
 
 
-def _init_local(cfg: ClusterConfig, runtime_env: dict[str, Any], to_console: bool) -> None:
+def _init_local(cfg: ClusterConfig, runtime_env: dict[str, object], to_console: bool) -> None:
     ray.init(
         address="local",  # never attach silently to a cluster someone started with `ray start`
         num_cpus=cfg.num_cpus if cfg.num_cpus is not None else os.cpu_count(),  # type: ignore[arg-type]  # fractional is fine
@@ -172,6 +173,18 @@ def _init_local(cfg: ClusterConfig, runtime_env: dict[str, Any], to_console: boo
         _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
     )
 
+
+
+class ActorOptions(TypedDict):
+    """Ray `.options()` of an actor (or task) on one worker slot: `RayVirtualCluster.scheduling`'s placement, and
+    what its caller adds."""
+
+    scheduling_strategy: PlacementGroupSchedulingStrategy
+    num_cpus: float
+    num_gpus: NotRequired[float]
+    runtime_env: NotRequired[dict[str, dict[str, str]]]
+    name: NotRequired[str]
+    max_concurrency: NotRequired[int]
 
 @dataclass(frozen=True)
 class BundlePlacement:
@@ -248,11 +261,11 @@ class RayVirtualCluster:
         self.placement_group()
         return self._order[rank]
 
-    def scheduling(self, rank: int, fraction: float | None = None) -> dict[str, Any]:
+    def scheduling(self, rank: int, fraction: float | None = None) -> ActorOptions:
         """Ray actor options placing rank `rank` on its bundle, taking 1/max_colocated of it."""
         frac = fraction if fraction is not None else 1.0 / self.max_colocated_worker_groups
         b = self.bundle_for_rank(rank)
-        opts: dict[str, Any] = {
+        opts: ActorOptions = {
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group(), placement_group_bundle_index=b.index
             ),

@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -69,7 +68,7 @@ def encode(named: Sequence[tuple[str, torch.Tensor]]) -> list[BucketRecord]:
     return out
 
 
-def decode(records: Sequence[Any]) -> list[tuple[str, torch.Tensor]]:
+def decode(records: Sequence[BucketRecord]) -> list[tuple[str, torch.Tensor]]:
     """Tensors viewing the records' buffers (read-only shared memory: loaders copy out of them)."""
     out: list[tuple[str, torch.Tensor]] = []
     with warnings.catch_warnings():
@@ -80,6 +79,6 @@ def decode(records: Sequence[Any]) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def bucket_nbytes(records: Sequence[Any]) -> int:
+def bucket_nbytes(records: Sequence[BucketRecord]) -> int:
     """Bytes of tensor data in a bucket."""
     return sum(int(r[3].nbytes) for r in records)

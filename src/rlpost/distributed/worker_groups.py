@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
+
+_T = TypeVar("_T")
 
 
 class WorkerGroupError(RuntimeError):
@@ -69,7 +71,8 @@ class ActorGroup:
     def describe(self, index: int) -> str:
         return f"{self.name_prefix} {index}"
 
-    def get(self, futures: list[Any], timeout_s: float | None = None, indices: list[int] | None = None) -> list[Any]:
+    def get(self, futures: Sequence[ray.ObjectRef[_T]], timeout_s: float | None = None, indices: list[int] | None = None
+            ) -> list[_T]:
         """ray.get with a timeout; `indices[i]` is the actor of futures[i] (default: the i-th actor)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         who = indices if indices is not None else list(range(len(futures)))
@@ -97,11 +100,11 @@ class ActorGroup:
                     pass
         return ray.get(list(futures), timeout=max(deadline - time.monotonic(), 1.0))
 
-    async def get_async(self, future: Any, index: int) -> Any:
+    async def get_async(self, future: Awaitable[_T], index: int) -> _T:
         """`get` of one future of actor `index`, awaited from a coroutine (per-sample rollouts): the same
         timeout and the same one-line errors."""
 
-        async def result() -> Any:
+        async def result() -> _T:
             return await future
 
         try:
@@ -111,7 +114,7 @@ class ActorGroup:
         except (RayActorError, RayTaskError) as exc:
             self._raise_for(exc, index)
 
-    def next_of(self, stream: Any, index: int, timeout_s: float | None = None) -> Any:
+    def next_of(self, stream: ray.ObjectRefGenerator, index: int, timeout_s: float | None = None) -> Any:
         """The next value of a streaming call (a Ray generator method) on actor `index`, within the timeout; a hang,
         an error or a dead actor is named as `get` names them."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -133,11 +136,11 @@ class ActorGroup:
         # One line first (what the console shows), then the remote traceback for train.log.
         raise WorkerGroupError(f"{self.describe(index)} raised {head}\n{exc}") from None
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: str, *args: object, **kwargs: object) -> list[Any]:
         """Call `method` on every actor with the same arguments; results in actor order."""
         return self.get(self.call_async(method, *args, **kwargs))
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_async(self, method: str, *args: object, **kwargs: object) -> list[ray.ObjectRef[Any]]:
         """`call_all` without waiting: one future per actor (actor order), for `get`."""
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
@@ -179,14 +182,14 @@ class RayWorkerGroup(ActorGroup):
         self,
         cluster: RayVirtualCluster,
         actor_cls: type,
-        *args: Any,
+        *args: object,
         dims: ParallelDims | None = None,
         name_prefix: str = "worker",
         env_vars: dict[str, str] | None = None,
         timeout_s: float = 900.0,
         concurrency_groups: dict[str, int] | None = None,
         max_concurrency: int = 2,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         """`concurrency_groups`: Ray concurrency groups of the actors (name -> threads), beside the default one.
         `max_concurrency`: threads of the default group (2 lets a `ping` through while a long call runs; 1 runs
@@ -229,24 +232,25 @@ class RayWorkerGroup(ActorGroup):
         return f"{self.name_prefix} rank {rank} on node {self.cluster.node_of_rank(rank)}"
 
     # ---- dispatch -------------------------------------------------------------------------
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def run_all(self, method: str, *args: object, **kwargs: object) -> list[Any]:
         """Call `method` on every rank with the same arguments; results in rank order."""
         return self.call_all(method, *args, **kwargs)
 
-    def run_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def run_rank0(self, method: str, *args: object, **kwargs: object) -> Any:
         return self.get([getattr(self.workers[0], method).remote(*args, **kwargs)])[0]
 
     def run_sharded(
-        self, method: str, shards: Sequence[Any], *args: Any, output_only: bool = True,
-        shard_kwargs: Sequence[dict[str, Any]] | None = None, **kwargs: Any
+        self, method: str, shards: Sequence[object], *args: object, output_only: bool = True,
+        shard_kwargs: Sequence[Mapping[str, object]] | None = None, **kwargs: object
     ) -> list[Any]:
         """Send `shards[dp]` (and `shard_kwargs[dp]`, keyword arguments of that shard) to every rank of
         data-parallel index dp; one result per shard (dp order)."""
         futures = self.submit_sharded(method, shards, *args, shard_kwargs=shard_kwargs, **kwargs)
         return self.collect_sharded(futures, output_only)
 
-    def submit_sharded(self, method: str, shards: Sequence[Any], *args: Any,
-                       shard_kwargs: Sequence[dict[str, Any]] | None = None, **kwargs: Any) -> list[Any]:
+    def submit_sharded(self, method: str, shards: Sequence[object], *args: object,
+                       shard_kwargs: Sequence[Mapping[str, object]] | None = None, **kwargs: object
+                       ) -> list[ray.ObjectRef[Any]]:
         """`run_sharded` without waiting: one future per rank (rank order), for `collect_sharded`."""
         if len(shards) != self.dims.dp:
             raise ValueError(f"{len(shards)} shards for data-parallel size {self.dims.dp}")
@@ -258,16 +262,13 @@ class RayWorkerGroup(ActorGroup):
             for r, w in enumerate(self.workers)
         ]
 
-    def collect_sharded(self, futures: list[Any], output_only: bool = True) -> list[Any]:
+    def collect_sharded(self, futures: Sequence[ray.ObjectRef[_T]], output_only: bool = True) -> list[_T]:
         """The results of `submit_sharded`: one per shard (dp order), or every rank's with output_only=False."""
         results = self.get(futures)
         return self.by_shard(results) if output_only else results
 
-    def by_shard(self, results: list[Any]) -> list[Any]:
+    def by_shard(self, results: list[_T]) -> list[_T]:
         """Every rank's results (rank order) -> the output ranks' ones, one per shard (dp order)."""
-        out: list[Any] = [None] * self.dims.dp
-        for r, res in enumerate(results):
-            if self.dims.is_output_rank(r):
-                out[self.dims.coords(r)["dp"]] = res
-        return out
+        out = {self.dims.coords(r)["dp"]: res for r, res in enumerate(results) if self.dims.is_output_rank(r)}
+        return [out[dp] for dp in range(self.dims.dp)]  # each dp index has exactly one output rank
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from rlpost.config.schema.env import CalculatorEnvConfig
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
@@ -28,9 +27,11 @@ from rlpost.environments.verifier_pool import VerifierPool
 
 CALL_OPEN, CALL_CLOSE = "<call>", "</call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.S)
-_BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_BINARY: dict[type[ast.operator], Callable[[float, float], float]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+}
+_UNARY: dict[type[ast.unaryop], Callable[[float], float]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
 def calculate(expression: str) -> float:
@@ -74,6 +75,8 @@ def parse_turn(response: str) -> tuple[str, str]:
 class CalculatorEnvironment(EnvironmentInterface):
     """Answers `<call>EXPR</call>` with `<result>VALUE</result>`, scores the final answer with math-verify."""
 
+    cfg: CalculatorEnvConfig
+
     def __init__(self, cfg: CalculatorEnvConfig) -> None:
         self.cfg = cfg
         self.pool = VerifierPool.from_config(tool_worker, cfg, warmup=warm_up_math_verify)
@@ -84,7 +87,7 @@ class CalculatorEnvironment(EnvironmentInterface):
 
         return MathEnvironment.answer_problem(answer)
 
-    def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+    def step(self, responses: list[str], metadata: Sequence[Mapping[str, object]]) -> EnvironmentReturn:
         turns = [parse_turn(r) for r in responses]
         jobs = [(i, (kind, text, str(m["expected_answer"])))
                 for i, ((kind, text), m) in enumerate(zip(turns, metadata, strict=True)) if kind != "malformed"]

@@ -14,7 +14,7 @@ environment's num_workers and timeouts have their usual effect.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from rlpost.config.schema.env import GuessGameEnvConfig
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
@@ -35,20 +35,32 @@ def guess_reward(found: bool, digit_turns: int, turns: int, over: bool) -> float
     return FOUND_REWARD if found else DIGIT_CREDIT * digit_turns / max(turns, 1)
 
 
+def _count(m: Mapping[str, object], key: str) -> int:
+    """A counter this environment keeps in the episode's metadata (0 before its first turn)."""
+    value = m.get(key, 0)
+    assert isinstance(value, int)
+    return value
+
+
 class GuessGameEnvironment(EnvironmentInterface):
     """Answers each guess with a hint until the secret is found or the guesses run out."""
+
+    cfg: GuessGameEnvConfig
 
     def __init__(self, cfg: GuessGameEnvConfig) -> None:
         self.cfg = cfg
         self.pool = VerifierPool.from_config(guess_reward, cfg)
 
-    def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
-        observations, over, nxt, args = [], [], [], []
+    def step(self, responses: list[str], metadata: Sequence[Mapping[str, object]]) -> EnvironmentReturn:
+        observations: list[str] = []
+        over: list[bool] = []
+        nxt: list[dict[str, object]] = []
+        args: list[tuple[bool, int, int, bool]] = []
         found = 0
         for r, m in zip(responses, metadata, strict=True):
-            secret, g = int(m["expected_answer"]), _digit(r)
-            turns = int(m.get("guesses", 0)) + 1
-            digit_turns = int(m.get("digit_guesses", 0)) + (g is not None)
+            secret, g = int(str(m["expected_answer"])), _digit(r)
+            turns = _count(m, "guesses") + 1
+            digit_turns = _count(m, "digit_guesses") + (g is not None)
             hit = g == secret
             done = hit or turns >= self.cfg.max_guesses
             found += hit

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+from rlpost.config.schema.env import EnvConfig
 
 
 @dataclass
@@ -28,7 +30,7 @@ class EnvironmentReturn:
     """Multi-turn: per response, True when its episode is over (None = all over)."""
     next_stop_strings: list[list[str] | None] | None = None
     """Multi-turn: stop strings of each episode's next turn, on top of policy.generation.stop_strings (None = none)."""
-    next_metadata: list[dict[str, Any]] | None = None
+    next_metadata: list[dict[str, object]] | None = None
     """Multi-turn: each episode's metadata for its next turn (the environment's state); None keeps it."""
 
 
@@ -36,8 +38,12 @@ class EnvironmentInterface(ABC):
     """Scores responses against per-sample metadata (e.g. the ground truth) and, in multi-turn episodes,
     answers them (grpo.max_rollout_turns > 1)."""
 
+    cfg: EnvConfig | None = None
+    """The environment's config, when it has one: its worker count and time limits name the cause in the warning a
+    slow or timed-out scoring prints."""
+
     @abstractmethod
-    def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+    def step(self, responses: list[str], metadata: Sequence[Mapping[str, object]]) -> EnvironmentReturn:
         """Score `responses`; metadata[i] belongs to responses[i]. In a multi-turn episode, responses[i] is the
         model's latest turn and metadata[i] the row updated by the environment's earlier `next_metadata`; the
         episode's reward is the sum of its turns' rewards."""

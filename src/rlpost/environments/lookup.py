@@ -17,7 +17,7 @@ Scoring runs in the environment's killable workers like every other verifier.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from rlpost.config.schema.env import LookupEnvConfig
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
@@ -44,18 +44,21 @@ def lookup_reward(response: str, wanted: str, is_query: bool) -> float:
 class LookupEnvironment(EnvironmentInterface):
     """The lookup tool: answers a key with its value, then scores the model's answer."""
 
+    cfg: LookupEnvConfig
+
     def __init__(self, cfg: LookupEnvConfig) -> None:
         self.cfg = cfg
         self.pool = VerifierPool.from_config(lookup_reward, cfg)
 
-    def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+    def step(self, responses: list[str], metadata: Sequence[Mapping[str, object]]) -> EnvironmentReturn:
         query = ["asked" not in m for m in metadata]
         res = self.pool.run([(r, str(m["key"]) if q else str(m["expected_answer"]), q)
                              for r, m, q in zip(responses, metadata, query, strict=True)])
-        observations, next_metadata = [], []
+        observations: list[str] = []
+        next_metadata: list[dict[str, object]] = []
         for r, m, q in zip(responses, metadata, query, strict=True):
             d = _digit(r) if q else None
-            observations.append(f" value {m['table'][int(d)]}" if d is not None else " value ?")
+            observations.append(f" value {str(m['table'])[int(d)]}" if d is not None else " value ?")
             next_metadata.append({"asked": d if d is not None else ""} if q else {})
         return EnvironmentReturn(
             res.rewards, res.timeouts, res.errors, unfinished=res.unfinished,

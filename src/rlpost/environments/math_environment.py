@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from rlpost.config.schema.env import MathEnvConfig
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
@@ -29,6 +29,8 @@ class MathEnvironment(EnvironmentInterface):
     """Scores responses with math-verify in warmed, killable workers (cfg.timeout_s per call,
     cfg.batch_timeout_s per batch)."""
 
+    cfg: MathEnvConfig
+
     def __init__(self, cfg: MathEnvConfig) -> None:
         self.cfg = cfg
         self.pool = VerifierPool.from_config(math_verify_reward, cfg, warmup=warm_up_math_verify)
@@ -42,8 +44,8 @@ class MathEnvironment(EnvironmentInterface):
             return None
         return "math-verify cannot parse it as math (it would only ever match the same literal text)"
 
-    def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
-        res = self.pool.run([(r, m["expected_answer"]) for r, m in zip(responses, metadata, strict=True)])
+    def step(self, responses: list[str], metadata: Sequence[Mapping[str, object]]) -> EnvironmentReturn:
+        res = self.pool.run([(r, str(m["expected_answer"])) for r, m in zip(responses, metadata, strict=True)])
         return EnvironmentReturn(res.rewards, res.timeouts, res.errors, unfinished=res.unfinished)
 
     def shutdown(self) -> None:

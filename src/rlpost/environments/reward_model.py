@@ -10,12 +10,16 @@ the run with its name. The row's prompt_file / system prompt are not shown to th
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.env import RewardModelEnvConfig
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+
+if TYPE_CHECKING:
+    from rlpost.distributed.worker_groups import ActorGroup
 
 
 def check_reward_model_dir(path: str, key: str) -> None:
@@ -73,12 +77,14 @@ class _Scorer:
 class RewardModelEnvironment(EnvironmentInterface):
     """Rewards from a trained reward model (single-turn)."""
 
+    cfg: RewardModelEnvConfig
+
     def __init__(self, cfg: RewardModelEnvConfig) -> None:
         check_reward_model_dir(cfg.model_path, "env.reward_model.model_path")
         self.cfg = cfg
-        self.group: Any = None
+        self.group: ActorGroup | None = None
 
-    def _actor(self) -> Any:
+    def _actor(self) -> ActorGroup:
         if self.group is None:
             import ray
 
@@ -89,7 +95,7 @@ class RewardModelEnvironment(EnvironmentInterface):
             self.group = ActorGroup([actor], "reward model scorer", self.cfg.batch_timeout_s)
         return self.group
 
-    def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+    def step(self, responses: list[str], metadata: Sequence[Mapping[str, object]]) -> EnvironmentReturn:
         from rlpost.distributed.worker_groups import WorkerGroupError
 
         group = self._actor()

@@ -10,7 +10,7 @@ the default run generates one token (answers are one token long).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from rlpost.config.schema.env import SyntheticEnvConfig
 from rlpost.data.synthetic_tasks import ALPHABETS
@@ -30,13 +30,15 @@ class SyntheticEnvironment(EnvironmentInterface):
     """Exact-match verifier of the synthetic tasks: in the calling process (`num_workers=0`, the default), or in
     killable workers with a timeout."""
 
+    cfg: SyntheticEnvConfig
+
     def __init__(self, cfg: SyntheticEnvConfig) -> None:
         self.cfg = cfg
         self.pool = VerifierPool.from_config(exact_match_reward, cfg) if cfg.num_workers > 0 else None
 
-    def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+    def step(self, responses: list[str], metadata: Sequence[Mapping[str, object]]) -> EnvironmentReturn:
         alphabet = ALPHABETS.get(self.cfg.task, "")
-        args = [(r, m["expected_answer"], alphabet, self.cfg.format_reward)
+        args = [(r, str(m["expected_answer"]), alphabet, self.cfg.format_reward)
                 for r, m in zip(responses, metadata, strict=True)]
         if self.pool is None:
             return _score_here(args)
@@ -48,7 +50,7 @@ class SyntheticEnvironment(EnvironmentInterface):
             self.pool.shutdown()
 
 
-def _score_here(args: list[tuple[Any, ...]]) -> EnvironmentReturn:
+def _score_here(args: list[tuple[str, str, str, float]]) -> EnvironmentReturn:
     """exact_match_reward of every args tuple in this process; a row it fails on gets 0 and counts as an error,
     as in a verifier worker."""
     rewards, errors = [], 0

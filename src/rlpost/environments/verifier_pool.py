@@ -29,15 +29,26 @@ import multiprocessing as mp
 import signal
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from multiprocessing.context import SpawnContext
+from typing import Protocol
 
 from rlpost.config.schema.env import EnvConfig
 
 RewardFn = Callable[..., float]
 WarmupFn = Callable[[], None]
+
+
+
+class _Slot(Protocol):
+    """A worker's shared progress slot: two doubles (multiprocessing's RawArray('d', 2))."""
+
+    def __getitem__(self, i: int) -> float: ...
+
+    def __setitem__(self, i: int, value: float) -> None: ...
+
 
 _READY = -1  # sample index of the message a worker sends once it is warm
 FLUSH_S = 0.05
@@ -45,7 +56,7 @@ FLUSH_S = 0.05
 the end): a slow reward function's progress stays visible and a kill loses at most this much finished work."""
 
 
-def _worker_loop(fn: RewardFn, warmup: WarmupFn | None, conn: Connection, progress: Any) -> None:
+def _worker_loop(fn: RewardFn, warmup: WarmupFn | None, conn: Connection, progress: _Slot) -> None:
     # A terminal's Ctrl-C reaches the whole process group; the driver decides, the verifier keeps quiet.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     err: str | None = None
@@ -84,17 +95,17 @@ class _Progress:
     and after reading the time has that sample's start time."""
 
     @staticmethod
-    def start(slot: Any, idx: int) -> None:
+    def start(slot: _Slot, idx: int) -> None:
         slot[0] = -1.0
         slot[1] = time.monotonic()
         slot[0] = float(idx)
 
     @staticmethod
-    def stop(slot: Any) -> None:
+    def stop(slot: _Slot) -> None:
         slot[0] = -1.0
 
     @staticmethod
-    def read(slot: Any) -> tuple[int, float] | None:
+    def read(slot: _Slot) -> tuple[int, float] | None:
         """(index, start) of the sample the worker is running, or None between samples."""
         while True:
             first, started, again = slot[0], slot[1], slot[0]
@@ -103,7 +114,7 @@ class _Progress:
 
 
 class _Worker:
-    def __init__(self, ctx: Any, fn: RewardFn, warmup: WarmupFn | None, warmup_timeout_s: float) -> None:
+    def __init__(self, ctx: SpawnContext, fn: RewardFn, warmup: WarmupFn | None, warmup_timeout_s: float) -> None:
         self.conn, child = ctx.Pipe()
         self.progress = ctx.RawArray("d", [-1.0, 0.0])
         self.proc = ctx.Process(target=_worker_loop, args=(fn, warmup, child, self.progress), daemon=True)
@@ -174,12 +185,12 @@ class VerifierPool:
         """A pool sized and bounded by an environment config."""
         return cls(fn, cfg.num_workers, cfg.timeout_s, cfg.batch_timeout_s, warmup)
 
-    def map(self, args_list: list[tuple[Any, ...]]) -> tuple[list[float], int, int]:
+    def map(self, args_list: Sequence[tuple[object, ...]]) -> tuple[list[float], int, int]:
         """(rewards, timeouts, errors) for each args tuple, in order."""
         r = self.run(args_list)
         return r.rewards, r.timeouts, r.errors
 
-    def run(self, args_list: list[tuple[Any, ...]]) -> PoolResult:
+    def run(self, args_list: Sequence[tuple[object, ...]]) -> PoolResult:
         """Score every args tuple; returns once all are done or the batch deadline has passed."""
         self._await_ready()
         t0 = time.monotonic()

@@ -7,13 +7,21 @@ A leaf: it imports only torch and typing (BatchedDataDict under TYPE_CHECKING on
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
     from rlpost.distributed.batched_data_dict import BatchedDataDict
+
+
+class VocabParallelArgs(TypedDict, total=False):
+    """The keyword arguments a worker adds to a loss (and logprob) call with tensor parallelism: the logits hold this
+    rank's vocabulary slice (empty without tensor parallelism)."""
+
+    vocab_parallel_group: dist.ProcessGroup | None
+    vocab_parallel_rank: int | None
 
 
 class LossType(enum.Enum):
@@ -44,7 +52,7 @@ class LossFunction(Protocol):
         global_valid_toks: torch.Tensor,
         vocab_parallel_rank: int | None = None,
         vocab_parallel_group: dist.ProcessGroup | None = None,
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Compute the loss of one micro-batch.
 
         Args:

@@ -11,7 +11,7 @@ metrics, already globally normalised, sum.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -44,13 +44,13 @@ class SequencePackingLossWrapper:
         global_valid_toks: torch.Tensor,
         vocab_parallel_rank: int | None = None,
         vocab_parallel_group: dist.ProcessGroup | None = None,
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         n_seq = self.cu_seqlens_q.numel() - 1
         if n_seq != data.size:
             raise ValueError(f"cu_seqlens describe {n_seq} sequences but the data holds {data.size} rows")
         full_len = int(data["input_ids"].shape[1])
         total: torch.Tensor | None = None
-        metrics: dict[str, Any] = {}
+        metrics: dict[str, float] = {}
         for i in range(n_seq):
             length = int(self.cu_seqlens_q[i + 1] - self.cu_seqlens_q[i])
             start = int(self.cu_seqlens_q_padded[i])

@@ -26,7 +26,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import Field, fields, is_dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Protocol
 
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.policy import DTensorConfig, PolicyConfig, PytorchOptimizerConfig
@@ -53,12 +54,18 @@ _DECLARED: dict[type, dict[str, str]] = {
 _DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)?")
 
 
+class Targeted(Protocol):
+    """A config that names the class it builds."""
+
+    _target_: str
+
+
 def looks_like_import_path(value: str) -> bool:
     """True for 'pkg.mod.Name' / 'pkg.mod:Name' strings (what a library would import)."""
     return ("." in value or ":" in value) and _DOTTED.fullmatch(value) is not None
 
 
-def _marker(obj: Any, f: Field) -> str | None:
+def _marker(obj: object, f: Field[object]) -> str | None:
     if IMPORT_PATH in f.metadata:
         return str(f.metadata[IMPORT_PATH])
     for cls in type(obj).__mro__:
@@ -67,7 +74,7 @@ def _marker(obj: Any, f: Field) -> str | None:
     return None
 
 
-def _walk_targets(obj: Any, path: str, dotted: bool = False) -> Iterator[tuple[str, Any]]:
+def _walk_targets(obj: object, path: str, dotted: bool = False) -> Iterator[tuple[str, object]]:
     """Yield (key, import path) for every `_target_` and every declared import path in a config tree."""
     if is_dataclass(obj) and not isinstance(obj, type):
         for f in fields(obj):
@@ -101,7 +108,7 @@ def allowed_module(name: str) -> bool:
     return any(name == p or name.startswith(p + ".") for p in ALLOWED_PACKAGES)
 
 
-def check_target(key: str, target: Any) -> None:
+def check_target(key: str, target: object) -> None:
     """ConfigError unless `target` is a dotted Python name under the allow-list (strings only, no import)."""
     if not isinstance(target, str):
         raise ConfigError(key, target, "must be an import path (a string)")
@@ -114,24 +121,24 @@ def check_target(key: str, target: Any) -> None:
         raise ConfigError(key, target, "may not name a dunder attribute")
 
 
-def check_targets(cfg: Any) -> None:
+def check_targets(cfg: object) -> None:
     """Check every import path in a (dataclass) config against the allow-list, without importing."""
     for key, target in _walk_targets(cfg, ""):
         check_target(key, target)
 
 
-def verify_target(key: str, target: Any) -> None:
+def verify_target(key: str, target: object) -> None:
     """`check_target`, then prove `target` names a class/function defined in an allowed package.
 
     Proven from the source files when possible (imports nothing); otherwise the named rlpost /
     torch.optim module is imported and `resolve`'s object checks decide.
     """
-    check_target(key, target)
-    if not _proven_in_source(target):
-        _locate(target, key)
+    check_target(key, target)  # a str from here on
+    if not _proven_in_source(str(target)):
+        _locate(str(target), key)
 
 
-def verify_targets(cfg: Any) -> None:
+def verify_targets(cfg: object) -> None:
     """`check_target` on every import path of `cfg` first (nothing foreign is ever imported), then `verify_target`."""
     found = list(_walk_targets(cfg, ""))
     for key, target in found:
@@ -145,7 +152,7 @@ def resolve(target: str, key: str = "_target_") -> Any:
     return _locate(target, key)
 
 
-def build(cfg: Any, *args: Any, key: str = "_target_", **kwargs: Any) -> Any:
+def build(cfg: Targeted, *args: object, key: str = "_target_", **kwargs: object) -> Any:
     """Instantiate `cfg._target_` with the typed config itself as first argument: `Target(cfg, *args, **kwargs)`."""
     return resolve(cfg._target_, key)(cfg, *args, **kwargs)
 
@@ -158,7 +165,7 @@ def _root_len(target: str) -> int:
     return next(len(p.split(".")) for p in ALLOWED_PACKAGES if target.startswith(p + "."))
 
 
-def _import_prefix(parts: list[str], key: str, target: str) -> tuple[Any, int]:
+def _import_prefix(parts: list[str], key: str, target: str) -> tuple[ModuleType, int]:
     """Import the longest module prefix of `parts` (within the allowed package); (module, its length)."""
     n = _root_len(target)
     name = ".".join(parts[:n])

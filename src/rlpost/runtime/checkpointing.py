@@ -23,7 +23,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,23 +79,23 @@ def _files(root: Path) -> list[str]:
     return sorted(out)
 
 
-def write_manifest(ckpt: Path, cache: dict[_StatKey, str] | None = None) -> dict[str, Any]:
+def write_manifest(ckpt: Path, cache: dict[_StatKey, str] | None = None) -> dict[str, object]:
     """Write `manifest.json` (size and sha256 of every other file under `ckpt`); returns it."""
-    files: dict[str, dict[str, Any]] = {}
+    files: dict[str, dict[str, int | str]] = {}
     for rel in _files(ckpt):
         st = (ckpt / rel).stat()
         digest = file_hash(ckpt / rel)
         files[rel] = {"size": st.st_size, HASH: digest}
         if cache is not None:
             cache[_stat_key(st)] = digest
-    manifest = {"version": MANIFEST_VERSION, "hash": HASH, "files": files}
+    manifest: dict[str, object] = {"version": MANIFEST_VERSION, "hash": HASH, "files": files}
     tmp = ckpt / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     os.replace(tmp, ckpt / MANIFEST)
     return manifest
 
 
-def _read_manifest(ckpt: Path) -> tuple[dict[str, dict[str, Any]] | None, str]:
+def _read_manifest(ckpt: Path) -> tuple[dict[str, dict[str, object]] | None, str]:
     """(files, "") for a well-formed manifest, else (None, why not)."""
     path = ckpt / MANIFEST
     if not path.is_file():
@@ -188,16 +188,16 @@ def model_fingerprint(model_dir: str, samples: int = 17, block: int = 1 << 16) -
     return h.hexdigest()[:16]
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+def _flatten(d: object, prefix: str = "") -> dict[str, object]:
     if isinstance(d, dict):
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for k, v in d.items():
             out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
         return out
     return {prefix: d}
 
 
-def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+def config_diff(old: Mapping[str, object], new: Mapping[str, object]) -> list[str]:
     """Keys whose values differ, ignoring RESUMABLE_KEYS."""
     a, b = _flatten(old), _flatten(new)
     keys = sorted(set(a) | set(b))
@@ -265,7 +265,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {ckpt} is corrupt and could not be moved aside: {exc}") from exc
         return dest
 
-    def check_resume(self, ckpt: Path, model_fp: str, config: dict[str, Any]) -> None:
+    def check_resume(self, ckpt: Path, model_fp: str, config: Mapping[str, object]) -> None:
         """Raise CheckpointMismatch (unless force_resume) when the model or config differ."""
         saved = json.loads((ckpt / "fingerprint.json").read_text()) if (ckpt / "fingerprint.json").is_file() else {}
         problems = []
@@ -288,7 +288,8 @@ class CheckpointManager:
         tmp.mkdir(parents=True)
         return tmp
 
-    def finalize(self, tmp: Path, step: int, info: dict[str, Any], model_fp: str, config: dict[str, Any]) -> Path:
+    def finalize(self, tmp: Path, step: int, info: Mapping[str, object], model_fp: str, config: Mapping[str, object]
+                 ) -> Path:
         """Write the fingerprints, training_info.json and, last, the manifest; rename into place; prune."""
         (tmp / "fingerprint.json").write_text(json.dumps({"model": model_fp, "config": config}, indent=1, default=str))
         (tmp / "training_info.json").write_text(json.dumps(info, indent=1))

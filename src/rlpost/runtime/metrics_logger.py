@@ -11,8 +11,8 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from rlpost.config.schema.logger import LoggerConfig
 
@@ -21,15 +21,15 @@ TB_FLUSH_S = 1.0
 the driver wait for the writer thread each step); metrics.jsonl is flushed at every row."""
 
 
-def _scalar(v: Any) -> float | None:
+def _scalar(v: object) -> float | None:
     try:
-        f = float(v)
+        f = float(v)  # type: ignore[arg-type]  # whatever float() takes; the rest is not a scalar
     except (TypeError, ValueError):
         return None
     return f if math.isfinite(f) else None
 
 
-def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+def scalar_metrics(metrics: Mapping[str, object]) -> dict[str, float]:
     """The finite scalars of a metrics dict: what a row keeps."""
     return {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
 
@@ -82,7 +82,7 @@ class MetricsLogger:
             self.tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=step + 1)
         return dropped
 
-    def restore_row(self, step: int, row: dict[str, Any] | None) -> bool:
+    def restore_row(self, step: int, row: Mapping[str, object] | None) -> bool:
         """After `truncate_after(step)`: log `row` as step `step`'s when metrics.jsonl has no row for that step
         (the run died after its checkpoint, before its line). True when it did."""
         if row is None or self.jsonl is None:
@@ -96,7 +96,7 @@ class MetricsLogger:
         self.log(row, step)
         return True
 
-    def log(self, metrics: dict[str, Any], step: int) -> None:
+    def log(self, metrics: Mapping[str, object], step: int) -> None:
         clean = scalar_metrics(metrics)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")

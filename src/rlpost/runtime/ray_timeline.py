@@ -21,7 +21,6 @@ import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from rlpost.runtime.timer import Span
 
@@ -32,11 +31,12 @@ DRIVER_PID = "rlpost driver"
 """The process the driver's phase rows are grouped under."""
 
 
-def named_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def named_rows(events: list[dict[str, object]]) -> list[dict[str, object]]:
     """`events` preceded by a thread_name metadata event per row: a worker that ran actor calls ("task::Class.method",
     or "task::<actor name>:Class.__init__" for the constructor) is named "Class <actor name> (worker id prefix)", a row
     that ran several classes' calls lists them; the driver's row (its task submissions) is named "driver"."""
-    rows: dict[tuple[Any, Any], tuple[list[str], list[str]]] = {}  # row -> (classes, actor names), first seen first
+    # row -> (classes, actor names), first seen first
+    rows: dict[tuple[object, object], tuple[list[str], list[str]]] = {}
     for e in events:
         cat, tid = str(e.get("cat", "")), e.get("tid")
         if tid is None:
@@ -58,9 +58,9 @@ def named_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return meta + events
 
 
-def driver_events(spans: list[Span]) -> list[dict[str, Any]]:
+def driver_events(spans: list[Span]) -> list[dict[str, object]]:
     """The driver's timed phases as complete events (microseconds since the epoch, as Ray's), one row per thread."""
-    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": DRIVER_PID, "tid": "",
+    events: list[dict[str, object]] = [{"name": "process_name", "ph": "M", "pid": DRIVER_PID, "tid": "",
                                      "args": {"name": DRIVER_PID}}] if spans else []
     for thread in dict.fromkeys(t for t, _, _, _ in spans):
         events.append({"name": "thread_name", "ph": "M", "pid": DRIVER_PID, "tid": thread, "args": {"name": thread}})

@@ -11,7 +11,7 @@ import torch
 from rlpost.algorithms.collect import collect_batch
 from rlpost.config.schema.grpo import GRPOConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.environments.interfaces import EnvironmentReturn
+from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from rlpost.runtime.timer import Timer
 
 
@@ -39,7 +39,7 @@ class _CountingEngine:
         return True
 
 
-class _TableEnv:
+class _TableEnv(EnvironmentInterface):
     """Reward = the row's 'base' when the answer is token 1, else 'base' + the row's 'spread'."""
 
     def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:

@@ -15,6 +15,7 @@ from rlpost.algorithms.rollouts import RolloutBatch
 from rlpost.algorithms.train_data import build_train_data
 from rlpost.config.schema.grpo import GRPOConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.models.policy.interfaces import TrainResult
 
 
 def test_health_gate_warns_then_aborts(capsys: pytest.CaptureFixture[str]) -> None:
@@ -158,6 +159,6 @@ def test_valid_tokens_leave_out_masked_samples() -> None:
     td = {"token_mask": torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 0]], dtype=torch.float32),
           "sample_mask": torch.tensor([1.0, 0.0, 1.0]), "input_lengths": torch.tensor([4, 4, 4])}
     assert valid_response_tokens(td).tolist() == [2.0, 0.0, 1.0]
-    results = {"metrics": {}, "loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
+    results = TrainResult(loss=0.0, grad_norm=0.0, lr=0.0, params_finite=True, all_mb_metrics={}, metrics={})
     m = _step_metrics(b, td, torch.zeros(3), results, None)  # type: ignore[arg-type]
     assert m["train/valid_response_tokens"] == 3.0  # the masked sample's 3 tokens are not counted

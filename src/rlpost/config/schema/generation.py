@@ -112,7 +112,7 @@ class GenerationConfig:
         """(TP x PP of one engine, its TP, the key that sets the TP) for the layout's checks."""
         return 1, 1, "policy.generation._target_"
 
-    def gpu_only_keys(self, path: str) -> list[tuple[str, Any, str]]:
+    def gpu_only_keys(self, path: str) -> list[tuple[str, object, str]]:
         """(key, value, what it does) of options that act on GPUs only; a true value is refused on CPU."""
         return []
 
@@ -232,7 +232,7 @@ class VllmConfig(GenerationConfig):
         return v.tensor_parallel_size * v.pipeline_parallel_size, v.tensor_parallel_size, \
             "policy.generation.vllm_cfg.tensor_parallel_size"
 
-    def gpu_only_keys(self, path: str) -> list[tuple[str, Any, str]]:
+    def gpu_only_keys(self, path: str) -> list[tuple[str, object, str]]:
         ep = self.vllm_cfg.expert_parallel_size
         return [(f"{path}.vllm_cfg.expert_parallel_size", ep if ep > 1 else None,
                  "vLLM's expert parallelism shards MoE experts over GPUs")]

@@ -170,10 +170,10 @@ class GRPOSaveState:
     """Valid training tokens seen in all."""
     val_reward: float = -99999999.0
     """Last validation accuracy."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)
     """Checkpoint metric values (e.g. 'val:accuracy') written at save time."""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         extra = d.pop("extra")
         d.update(extra)

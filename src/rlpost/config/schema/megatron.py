@@ -263,7 +263,7 @@ class MegatronPolicyConfig(PolicyConfig):
     def check_device(self, path: str, device: str, init_optimizer: bool = True) -> None:
         m = self.megatron_cfg
         if device == "cpu":
-            gpu_only: list[tuple[str, Any, str]] = [
+            gpu_only: list[tuple[str, object, str]] = [
                 (f"{path}.megatron_cfg.optimizer.{name}", getattr(m.optimizer, name), what)
                 for name, what in GPU_ONLY_OPTIMIZER.items()
             ]

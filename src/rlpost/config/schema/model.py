@@ -6,7 +6,6 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from rlpost.config.errors import ConfigError, one_of, positive, require
 
@@ -83,7 +82,7 @@ class ModelConfig:
             check_tiny_target(self.path, self.cache_dir, self.tiny, f"{path}.path")
 
 
-def tiny_spec(cfg: TinyModelConfig) -> dict[str, Any]:
+def tiny_spec(cfg: TinyModelConfig) -> dict[str, object]:
     """What a tiny build records in its marker file; a build is reused only when this matches."""
     return {"builder_version": TINY_BUILDER_VERSION, **asdict(cfg)}
 

@@ -71,9 +71,10 @@ class SchedulerMilestones:
     """Steps at which the next scheduler takes over."""
 
 
-def parse_scheduler(path: str, entries: list[dict[str, Any]]) -> list[Any]:
+def parse_scheduler(path: str, entries: list[dict[str, Any]]
+                    ) -> list[SinglePytorchSchedulerConfig | SchedulerMilestones]:
     """Turn the YAML list of `policy.scheduler` into typed entries and check its shape."""
-    out: list[Any] = []
+    out: list[SinglePytorchSchedulerConfig | SchedulerMilestones] = []
     for i, e in enumerate(entries):
         key = f"{path}[{i}]"
         require(isinstance(e, dict), key, e, "each scheduler entry is a mapping")
@@ -338,7 +339,7 @@ class PolicyConfig:
         """The key that sets the tensor-parallel size (for error messages)."""
         return "policy._target_"
 
-    def gpu_only_keys(self, path: str) -> list[tuple[str, Any, str]]:
+    def gpu_only_keys(self, path: str) -> list[tuple[str, object, str]]:
         """(key, value, what it does) of options that act on GPUs only; a true value is refused on CPU."""
         return []
 
@@ -378,7 +379,7 @@ class DTensorPolicyConfig(PolicyConfig):
     def tp_key(self) -> str:
         return "policy.dtensor_cfg.tensor_parallel_size"
 
-    def gpu_only_keys(self, path: str) -> list[tuple[str, Any, str]]:
+    def gpu_only_keys(self, path: str) -> list[tuple[str, object, str]]:
         d = self.dtensor_cfg
         return [
             (f"{path}.dtensor_cfg.cpu_offload", d.cpu_offload,

@@ -161,10 +161,10 @@ class SupervisedSaveState:
     """Batch index within the current epoch."""
     consumed_samples: int = 0
     """Training rows (pairs, for DPO and RM) consumed so far."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)
     """Checkpoint metric values (e.g. 'val:loss') written at save time."""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d.update(d.pop("extra"))
         return d

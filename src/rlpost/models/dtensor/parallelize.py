@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from rlpost.config.layout import fsdp_needed
 
@@ -32,9 +32,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def qwen2_llama_tp_plan() -> dict[str, Any]:
+def qwen2_llama_tp_plan() -> dict[str, ParallelStyle]:
     """TP plan for Qwen2/Llama-style decoders (relative to the HF CausalLM module)."""
-    plan: dict[str, Any] = {
+    plan: dict[str, ParallelStyle] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
@@ -54,7 +54,7 @@ TP_PLANS = {
 }
 
 
-def get_tp_plan(model: nn.Module, custom_plan: str | None = None) -> dict[str, Any]:
+def get_tp_plan(model: nn.Module, custom_plan: str | None = None) -> dict[str, ParallelStyle]:
     """The built-in plan for the model's architecture, or the one at `custom_plan` (allow-listed import path)."""
     if custom_plan:
         from rlpost.runtime.build import resolve

@@ -28,17 +28,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import ray
 import torch
 
-from rlpost.config.schema.generation import HFGenerationConfig
+from rlpost.config.schema.generation import GenerationConfig, HFGenerationConfig
+from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import ALIVE_TIMEOUT_S, ParallelDims, RayWorkerGroup
 from rlpost.models.fingerprint import FingerprintBuilder, check_fingerprints, fingerprint_of_digests, weight_fingerprint
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
 from rlpost.models.generation.outputs import (
+    EngineInfo,
     GeneratedBatch,
     GeneratedSample,
     assemble_outputs,
@@ -49,10 +51,29 @@ from rlpost.models.generation.outputs import (
 from rlpost.models.generation.vllm_extension import FAULT_ENV, check_against_info
 from rlpost.runtime.gc_heap import import_frozen
 
+if TYPE_CHECKING:
+    from transformers import StopStringCriteria
+
+    from rlpost.distributed.bucket_layout import RefitBucket
+    from rlpost.distributed.collective import StatelessGroup
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def hf_sampling_spec(cfg: Any, greedy: bool, eos_token_id: int | None) -> dict[str, Any]:
+class HFSamplingSpec(TypedDict):
+    """The sampling settings of one generate call, as the HF workers get them."""
+
+    greedy: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    """0: off."""
+    max_new_tokens: int
+    stop_token_ids: list[int]
+    stop_strings: list[str]
+
+
+def hf_sampling_spec(cfg: GenerationConfig, greedy: bool, eos_token_id: int | None) -> HFSamplingSpec:
     """The per-call sampling settings sent to the HF workers (plain data)."""
     stop_ids = list(cfg.stop_token_ids) if cfg.stop_token_ids is not None else [eos_token_id]
     return {
@@ -66,7 +87,8 @@ def hf_sampling_spec(cfg: Any, greedy: bool, eos_token_id: int | None) -> dict[s
     }
 
 
-def _stop_recorder(prompt_width: int, batch: int, stop_ids: list[int], string_criteria: Any) -> Any:
+def _stop_recorder(prompt_width: int, batch: int, stop_ids: list[int], string_criteria: StopStringCriteria | None
+                   ) -> Any:
     from transformers import StoppingCriteria
 
     class _StopRecorder(StoppingCriteria):
@@ -76,7 +98,7 @@ def _stop_recorder(prompt_width: int, batch: int, stop_ids: list[int], string_cr
             self.lengths: list[int | None] = [None] * batch
             self._ids = torch.tensor(stop_ids, dtype=torch.long)
 
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
             n = input_ids.shape[1] - prompt_width
             hit = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
             if len(stop_ids):
@@ -96,7 +118,7 @@ class HFGenerationWorker:
 
     def __init__(
         self, model_path: str, precision: str = "float32", batch_size: int = 32, seed: int = 0,
-        hf_overrides: dict[str, Any] | None = None,
+        hf_overrides: dict[str, object] | None = None,
     ) -> None:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         import_frozen("transformers.models.auto.modeling_auto")  # its objects frozen (rlpost.runtime.gc_heap)
@@ -115,16 +137,16 @@ class HFGenerationWorker:
         gc.eos_token_id = None  # stops come only from the rlpost config
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
-        self.group: Any = None
+        self.group: StatelessGroup | None = None
         torch.manual_seed(seed + int(os.environ.get("RANK", "0")))
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> EngineInfo:
         """Tokenizer ids and placement."""
         return {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": self.pad_id, "pid": os.getpid()}
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], spec: dict[str, Any]) -> list[GeneratedSample]:
+    def _generate_batch(self, prompts: list[list[int]], spec: HFSamplingSpec) -> list[GeneratedSample]:
         from transformers import GenerationConfig, StoppingCriteriaList, StopStringCriteria
 
         width = max(len(p) for p in prompts)
@@ -167,7 +189,7 @@ class HFGenerationWorker:
         return out
 
     def generate(
-        self, prompts: list[list[int]], spec: dict[str, Any], seed: int | None = None,
+        self, prompts: list[list[int]], spec: HFSamplingSpec, seed: int | None = None,
         stops: list[list[str]] | None = None,
     ) -> GeneratedBatch:
         """One sample per prompt, in order (packed); `seed` reseeds the sampler first (reproducible shards); `stops[i]`
@@ -179,7 +201,7 @@ class HFGenerationWorker:
             groups.setdefault(tuple(stops[i]) if stops else (), []).append(i)
         out: list[GeneratedSample | None] = [None] * len(prompts)
         for extra, idx in groups.items():
-            group_spec = {**spec, "stop_strings": [*spec["stop_strings"], *extra]} if extra else spec
+            group_spec: HFSamplingSpec = {**spec, "stop_strings": [*spec["stop_strings"], *extra]} if extra else spec
             for s in range(0, len(idx), self.batch_size):
                 part = idx[s : s + self.batch_size]
                 for i, sample in zip(part, self._generate_batch([prompts[i] for i in part], group_spec), strict=True):
@@ -211,7 +233,7 @@ class HFGenerationWorker:
         own = self.model.state_dict()
         return weight_fingerprint((n, own[n]) for n in sd)
 
-    def load_bucket(self, box: Any, corrupt: str | None = None) -> dict[str, str]:
+    def load_bucket(self, box: RefitBucket, corrupt: str | None = None) -> dict[str, str]:
         """Load one refit bucket (`box`: a shared-memory descriptor, or [ref] in the object store); per-tensor
         digests."""
         from rlpost.distributed.shm_buckets import read_bucket
@@ -262,7 +284,7 @@ class HFGeneration(GenerationInterface):
         model_path: str | None = None,
         timeout_s: float = 900.0,
         seed: int = 0,
-        hf_overrides: Mapping[str, Any] | None = None,
+        hf_overrides: Mapping[str, object] | None = None,
     ) -> None:
         self.cfg = cfg
         self.cluster = cluster
@@ -282,7 +304,7 @@ class HFGeneration(GenerationInterface):
             name_prefix="hf-generation",
             timeout_s=timeout_s,
         )
-        info = self.group.run_rank0("info")
+        info: EngineInfo = self.group.run_rank0("info")
         self.eos_token_id: int | None = info["eos_token_id"]
         self.pad_token_id: int = int(info["pad_token_id"])
 
@@ -299,7 +321,7 @@ class HFGeneration(GenerationInterface):
     def check_alive(self) -> None:
         self.group.check_alive("info", ALIVE_TIMEOUT_S)
 
-    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
+    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict:
         """Generate for every row of `data` (contract in rlpost.models.generation.interfaces)."""
         prompts = unpack_prompts(data)
         spec = hf_sampling_spec(self.cfg, greedy, self.eos_token_id)
@@ -312,13 +334,13 @@ class HFGeneration(GenerationInterface):
         parts = self.group.run_sharded("generate", shards, spec, shard_kwargs=per_shard)
         return assemble_outputs(data["input_ids"], data["input_lengths"], parts, self.pad_token_id)
 
-    def prepare_for_generation(self, **kwargs: Any) -> bool:
-        """Bring the model back to the GPU when colocated (no-op on CPU)."""
+    def prepare_for_generation(self, tags: list[str] | None = None, **kwargs: object) -> bool:
+        """Bring the model back to the GPU when colocated (no-op on CPU); the whole model, whatever `tags` asks."""
         if self.cluster.use_gpus and self.cfg.colocated.enabled:
             self.group.run_all("to_device", "engine")
         return True
 
-    def finish_generation(self, **kwargs: Any) -> bool:
+    def finish_generation(self, **kwargs: object) -> bool:
         """Offload the model to CPU when colocated on GPU (no-op on CPU)."""
         if self.cluster.use_gpus and self.cfg.colocated.enabled:
             self.group.run_all("to_device", "cpu")
@@ -344,7 +366,7 @@ class HFGeneration(GenerationInterface):
         fps = self.group.run_all("update_weights", ray.put(items), corrupt)
         return self._check(fps, self._expected(items))
 
-    def update_weights_from_buckets(self, buckets: Iterable[list[Any]]) -> str:
+    def update_weights_from_buckets(self, buckets: Iterable[object]) -> str:
         """Every worker loads each bucket where rank 0 wrote it (shared memory or the object store); the checked
         fingerprint."""
         corrupt = os.environ.get(FAULT_ENV) or None
@@ -362,7 +384,7 @@ class HFGeneration(GenerationInterface):
 
     def init_collective_async(
         self, master_addr: str, master_port: int, rank_offset: int, world_size: int, timeout_s: float = 300.0
-    ) -> list[Any]:
+    ) -> list[ray.ObjectRef[object]]:
         """Start joining the refit group; wait with `self.group.get(futures)`."""
         return [
             w.init_collective.remote(master_addr, master_port, rank_offset, world_size, timeout_s)
@@ -378,14 +400,14 @@ class HFGeneration(GenerationInterface):
         """Processes that join the refit group."""
         return self.group.world_size
 
-    def wait_collective_init(self, futures: list[Any]) -> None:
+    def wait_collective_init(self, futures: list[ray.ObjectRef[object]]) -> None:
         self.group.get(futures)
 
-    def update_weights_from_collective_async(self) -> list[Any]:
+    def update_weights_from_collective_async(self) -> list[ray.ObjectRef[str]]:
         """Start receiving a broadcast; finish with `wait_collective_update(futures)`."""
         return [w.update_weights_from_collective.remote() for w in self.group.workers]
 
-    def wait_collective_update(self, futures: list[Any], expected: str | None = None) -> str:
+    def wait_collective_update(self, futures: list[ray.ObjectRef[str]], expected: str | None = None) -> str:
         """Wait for a collective refit; workers must agree (and match `expected`, the sender's, if given)."""
         return self._check(self.group.get(futures), expected)
 

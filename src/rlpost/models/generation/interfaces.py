@@ -31,9 +31,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from rlpost.distributed.batched_data_dict import BatchedDataDict
+
+if TYPE_CHECKING:
+    import ray
 
 StateDictInfo = dict[str, tuple[tuple[int, ...], torch.dtype]]
 """Parameter name -> (shape, dtype), as the trainer will send them."""
@@ -51,11 +56,11 @@ class GenerationInterface(ABC):
     """A rollout engine: generate from token prompts, take new weights from the trainer."""
 
     @abstractmethod
-    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
+    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict:
         """Generate for every row of `data` (see the module docstring for the contract); a BatchedDataDict."""
 
     def generate_chunks(self, data: Mapping[str, Any], bounds: list[tuple[int, int]],
-                        greedy: bool = False) -> Iterator[Any]:
+                        greedy: bool = False) -> Iterator[BatchedDataDict]:
         """generate() for rows [a, b) of `data`, for each (a, b) of `bounds` in order, each chunk's result as soon as
         it is there (synchronous GRPO trains on a chunk while the next one generates: rlpost.algorithms.overlap).
         This default makes one generate() call per chunk; an engine that can run its chunks back to back (vLLM:
@@ -63,7 +68,7 @@ class GenerationInterface(ABC):
         for a, b in bounds:
             yield self.generate(slice_rows(data, a, b), greedy)
 
-    async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
+    async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict:
         """generate() awaited from a coroutine, so many small requests (one per multi-turn sample) run at once.
         The default runs generate() in a thread; an engine with an async core (vLLM's AsyncLLM) overrides it."""
         import asyncio
@@ -90,11 +95,12 @@ class GenerationInterface(ABC):
         the receiver is the one to name)."""
 
     @abstractmethod
-    def prepare_for_generation(self, **kwargs: Any) -> bool:
-        """Make the engine ready to generate (wake weights / KV cache on GPU); True when done."""
+    def prepare_for_generation(self, tags: list[str] | None = None, **kwargs: object) -> bool:
+        """Make the engine ready to generate (wake weights / KV cache on GPU, or only `tags` of them); True when
+        done."""
 
     @abstractmethod
-    def finish_generation(self, **kwargs: Any) -> bool:
+    def finish_generation(self, **kwargs: object) -> bool:
         """Release generation memory for training (sleep on GPU when colocated); True when done."""
 
     @abstractmethod
@@ -106,8 +112,9 @@ class GenerationInterface(ABC):
         """Load new weights (HF names, full tensors); returns the engine-side fingerprint."""
 
     @abstractmethod
-    def update_weights_from_buckets(self, buckets: Iterable[list[Any]]) -> str:
-        """Load refit buckets ([object ref] boxes from the trainer's rank 0, never read by the driver);
+    def update_weights_from_buckets(self, buckets: Iterable[object]) -> str:
+        """Load refit buckets (boxes from the trainer's rank 0: IPC descriptors or [object ref], never read by the
+        driver);
         returns the fingerprint of everything loaded, checked across the engine's workers."""
 
     @abstractmethod
@@ -120,11 +127,12 @@ class GenerationInterface(ABC):
         """
 
     @abstractmethod
-    def init_collective_async(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> list[Any]:
+    def init_collective_async(self, master_addr: str, master_port: int, rank_offset: int, world_size: int
+                              ) -> list[ray.ObjectRef[object]]:
         """`init_collective` without waiting: the handles for `wait_collective_init`."""
 
     @abstractmethod
-    def wait_collective_init(self, futures: list[Any]) -> None:
+    def wait_collective_init(self, futures: list[ray.ObjectRef[object]]) -> None:
         """Wait for `init_collective_async`."""
 
     @property
@@ -133,11 +141,11 @@ class GenerationInterface(ABC):
         """Processes of the engine that join the refit group."""
 
     @abstractmethod
-    def update_weights_from_collective_async(self) -> list[Any]:
+    def update_weights_from_collective_async(self) -> list[ray.ObjectRef[str]]:
         """Start receiving a broadcast; finish with `wait_collective_update`."""
 
     @abstractmethod
-    def wait_collective_update(self, futures: list[Any], expected: str | None = None) -> str:
+    def wait_collective_update(self, futures: list[ray.ObjectRef[str]], expected: str | None = None) -> str:
         """Wait for a collective refit; the engine's workers must agree (and match `expected` when given);
         returns the fingerprint."""
 

@@ -10,14 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import torch
 
-try:  # written concurrently; fall back to a plain dict until it exists
-    from rlpost.distributed.batched_data_dict import BatchedDataDict as _OutDict
-except ImportError:  # pragma: no cover
-    _OutDict = dict  # type: ignore[assignment,misc]
+from rlpost.distributed.batched_data_dict import BatchedDataDict
+
+
+class EngineInfo(TypedDict):
+    """What an engine worker's `info()` answers: its tokenizer's ids and where it runs."""
+
+    eos_token_id: int | None
+    pad_token_id: int
+    pid: int
+    replica: NotRequired[int]
+    device: NotRequired[str]
 
 
 @dataclass
@@ -120,7 +127,7 @@ def contiguous_splits(n: int, parts: int) -> list[tuple[int, int]]:
 def assemble_outputs(
     input_ids: torch.Tensor, input_lengths: torch.Tensor,
     samples: GeneratedBatch | Sequence[GeneratedSample | GeneratedBatch], pad_id: int
-) -> Any:
+) -> BatchedDataDict:
     """Build the generate() result (a BatchedDataDict) from the rows' samples, in row order: each row is its
     prompt, then its generated tokens, then padding to the longest."""
     packed = samples if isinstance(samples, GeneratedBatch) else GeneratedBatch.of(samples)
@@ -144,7 +151,7 @@ def assemble_outputs(
     output_ids[in_answer] = torch.tensor(packed.token_ids, dtype=torch.int64)
     logprobs = torch.zeros((b, width), dtype=torch.float32)
     logprobs[in_answer] = torch.tensor(packed.logprobs, dtype=torch.float32)
-    return _OutDict(
+    return BatchedDataDict(
         output_ids=output_ids,
         logprobs=logprobs,
         generation_lengths=gen_lens,

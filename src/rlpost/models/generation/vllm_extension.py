@@ -19,11 +19,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from rlpost.models.fingerprint import FingerprintBuilder
+
+if TYPE_CHECKING:
+    from rlpost.distributed.bucket_layout import CudaIpcBucket
+    from rlpost.distributed.collective import StatelessGroup
+    from rlpost.models.generation.vllm_cpu_writer import CpuWeightWriter
 
 FAULT_ENV = "RLPOST_FAULT_CORRUPT_REFIT"
 """Test-only: name of a parameter to corrupt (add 1.0) inside the engine before it is loaded."""
@@ -34,8 +39,11 @@ WRITER_ENV = "RLPOST_VLLM_CPU_WRITER"
 RefitInfo = dict[str, tuple[tuple[int, ...], str]]
 """name -> (shape, dtype string), as prepared by prepare_refit_info."""
 
+RpcRecord = tuple[str, list[int], str, bytes]
+"""One tensor as pack_for_rpc sends it: (name, shape, dtype, raw bytes)."""
 
-def pack_for_rpc(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, list[int], str, bytes]]:
+
+def pack_for_rpc(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[RpcRecord]:
     """(name, shape, dtype, raw bytes) records: what an RPC to a separate engine-core process can carry."""
     out = []
     for name, t in named_tensors:
@@ -44,7 +52,7 @@ def pack_for_rpc(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tupl
     return out
 
 
-def unpack_rpc(records: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
+def unpack_rpc(records: Iterable[RpcRecord]) -> list[tuple[str, torch.Tensor]]:
     """Inverse of pack_for_rpc."""
     out = []
     for name, shape, dtype, raw in records:
@@ -82,8 +90,8 @@ class RlpostWorkerExtension:
     """Methods added to vLLM's Worker (self is the worker: self.model_runner, self.rank, self.reload_weights)."""
 
     _rlpost_refit_info: RefitInfo | None = None
-    _rlpost_group: Any = None
-    _rlpost_writer: Any = None
+    _rlpost_group: StatelessGroup | None = None
+    _rlpost_writer: CpuWeightWriter | Literal[False] | None = None
     rlpost_last_path: str = ""
     """How the last load was written: "writer" (CpuWeightWriter) or "reload" (vLLM's reload_weights)."""
 
@@ -104,7 +112,7 @@ class RlpostWorkerExtension:
         """Load one refit bucket (whole layers) in place; per-tensor digests of what was consumed."""
         return self._rlpost_load(named, corrupt, partial=True).digests()
 
-    def rlpost_load_bucket_ipc(self, desc: dict[str, Any], corrupt: str | None = None) -> dict[str, str]:
+    def rlpost_load_bucket_ipc(self, desc: CudaIpcBucket, corrupt: str | None = None) -> dict[str, str]:
         """rlpost_load_bucket from the policy's device buffer on this worker's GPU (a CUDA IPC descriptor,
         rlpost.distributed.cuda_ipc_buckets); the views are dropped once the copies out of them are done."""
         from rlpost.distributed.cuda_ipc_buckets import read_cuda_ipc_bucket
@@ -113,7 +121,7 @@ class RlpostWorkerExtension:
         torch.cuda.current_stream().synchronize()  # the copies out of the buffer are done before rank 0 reuses it
         return digests
 
-    def rlpost_load_bucket_packed(self, records: list[Any], corrupt: str | None = None) -> dict[str, str]:
+    def rlpost_load_bucket_packed(self, records: list[RpcRecord], corrupt: str | None = None) -> dict[str, str]:
         """rlpost_load_bucket for tensors sent as pack_for_rpc records (engine core in another process)."""
         return self.rlpost_load_bucket(unpack_rpc(records), corrupt)
 
@@ -130,7 +138,7 @@ class RlpostWorkerExtension:
             named = [(n, t.detach().clone().add_(1.0) if n == corrupt else t) for n, t in named]
         writer = self._rlpost_cpu_writer()
         plan = writer.plan(named) if writer is not None else None
-        if plan is not None:
+        if writer is not None and plan is not None:
             fp.add_all(named)
             writer.write(plan)
             self.rlpost_last_path = "writer"
@@ -148,7 +156,7 @@ class RlpostWorkerExtension:
             raise RuntimeError(f"vLLM did not consume {sorted({n for n, _ in named} - consumed)[:5]}")
         return fp
 
-    def _rlpost_cpu_writer(self) -> Any:
+    def _rlpost_cpu_writer(self) -> CpuWeightWriter | None:
         """The CpuWeightWriter of this worker's model, or None where it does not apply (see its `supported`)."""
         if os.environ.get(WRITER_ENV, "1") == "0":
             return None
@@ -164,7 +172,7 @@ class RlpostWorkerExtension:
         """How the last load was written ("writer" or "reload"; "" before any)."""
         return self.rlpost_last_path
 
-    def rlpost_load_packed(self, records: list[Any], corrupt: str | None = None) -> str:
+    def rlpost_load_packed(self, records: list[RpcRecord], corrupt: str | None = None) -> str:
         """rlpost_load for tensors sent as pack_for_rpc records (engine core in another process)."""
         return self.rlpost_load(unpack_rpc(records), corrupt)
 

@@ -39,21 +39,31 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 import torch
 
-from rlpost.config.schema.generation import VllmConfig
+from rlpost.config.schema.generation import GenerationConfig, VllmConfig, VllmSpecificArgs
+from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
 from rlpost.distributed.worker_groups import ALIVE_TIMEOUT_S, ActorGroup
 from rlpost.models.fingerprint import check_fingerprints, fingerprint_of_digests, weight_fingerprint
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
-from rlpost.models.generation.outputs import assemble_outputs, contiguous_splits, row_stop_strings, unpack_prompts
+from rlpost.models.generation.outputs import (
+    EngineInfo,
+    GeneratedBatch,
+    assemble_outputs,
+    contiguous_splits,
+    row_stop_strings,
+    unpack_prompts,
+)
 from rlpost.models.generation.vllm_extension import FAULT_ENV
-from rlpost.models.generation.vllm_worker import VllmEngineWorker
+from rlpost.models.generation.vllm_worker import SamplingSpec, VllmEngineWorker
+
+_T = TypeVar("_T")
 
 FAULT_REPLICA_ENV = "RLPOST_FAULT_CORRUPT_REFIT_REPLICA"
 """Test-only: which replica applies RLPOST_FAULT_CORRUPT_REFIT (default 0)."""
@@ -66,7 +76,7 @@ VLLM_ENGINE_ENV: dict[str, str] = {
 """Environment of every engine actor (on top of WORKER_ENV); the driver's own values win."""
 
 
-def engine_env(vllm_cfg: Any, on_gpu: bool) -> dict[str, str]:
+def engine_env(vllm_cfg: VllmSpecificArgs, on_gpu: bool) -> dict[str, str]:
     """VLLM_ENGINE_ENV for an engine with these `vllm_cfg` settings. An eager engine on the CPU compiles nothing:
     vLLM itself compiles no model then, but its sampler still `torch.compile`s a helper (the rank of each sampled
     token's logprob), so the first generation would pay for inductor's compiler checks and cache loads, all on the
@@ -76,7 +86,7 @@ def engine_env(vllm_cfg: Any, on_gpu: bool) -> dict[str, str]:
     return {**VLLM_ENGINE_ENV, **({"TORCHDYNAMO_DISABLE": "1"} if eager_cpu else {})}
 
 
-def actor_env(vllm_cfg: Any, on_gpu: bool) -> dict[str, str]:
+def actor_env(vllm_cfg: VllmSpecificArgs, on_gpu: bool) -> dict[str, str]:
     """The environment a process hosting an engine needs on top of WORKER_ENV: `engine_env`, and the driver's own
     VLLM_* variables (but VLLM_CPU_KVCACHE_SPACE, which would override the configured KV cache)."""
     passthrough = {k: os.environ[k] for k in os.environ if k.startswith("VLLM_") and k != "VLLM_CPU_KVCACHE_SPACE"}
@@ -104,7 +114,7 @@ def auto_kv_cache_bytes(model_path: str | None, max_model_len: int | None, preci
 
 
 def engine_kwargs(
-    cfg: VllmConfig, replica: int, use_gpus: bool, hf_overrides: Mapping[str, Any] | None = None,
+    cfg: VllmConfig, replica: int, use_gpus: bool, hf_overrides: Mapping[str, object] | None = None,
     model_path: str | None = None,
 ) -> dict[str, Any]:
     """The vllm.LLM / AsyncEngineArgs keyword arguments for replica `replica`; `hf_overrides` is
@@ -143,7 +153,7 @@ def engine_kwargs(
     return kw
 
 
-def sampling_spec(cfg: Any, greedy: bool, eos_token_id: int | None) -> dict[str, Any]:
+def sampling_spec(cfg: GenerationConfig, greedy: bool, eos_token_id: int | None) -> SamplingSpec:
     """SamplingParams keyword arguments for one generate call (plain data, built on the driver)."""
     stop_ids = list(cfg.stop_token_ids) if cfg.stop_token_ids is not None else [eos_token_id]
     return {
@@ -174,7 +184,7 @@ class VllmGeneration(GenerationInterface):
         model_path: str | None = None,
         timeout_s: float = 900.0,
         name_prefix: str = "vllm",
-        hf_overrides: Mapping[str, Any] | None = None,
+        hf_overrides: Mapping[str, object] | None = None,
     ) -> None:
         self.cfg = cfg
         self.cluster = cluster
@@ -220,12 +230,12 @@ class VllmGeneration(GenerationInterface):
             )
         # Not waited for here: the policy's workers (built next) start beside the engines; the first use waits.
         self._info_futures = [w.info.remote() for w in self.group.workers]
-        self._info: dict[str, Any] | None = None
+        self._info: EngineInfo | None = None
 
     def wait_started(self) -> None:
         self._engine_info()
 
-    def _engine_info(self) -> dict[str, Any]:
+    def _engine_info(self) -> EngineInfo:
         """The first replica's tokenizer facts, once every replica has started (a failed start is named)."""
         if self._info is None:
             try:
@@ -252,14 +262,14 @@ class VllmGeneration(GenerationInterface):
         """One actor per replica (the replica's leader)."""
         return self.group.workers
 
-    def _get(self, futures: list[Any], replicas: list[int] | None = None) -> list[Any]:
+    def _get(self, futures: Sequence[ray.ObjectRef[_T]], replicas: list[int] | None = None) -> list[_T]:
         return self.group.get(futures, indices=replicas)
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
+    def _all(self, method: str, *args: object) -> list[Any]:
         return self.group.call_all(method, *args)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
+    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict:
         """Generate for every row of `data` (contract in rlpost.models.generation.interfaces): contiguous chunks, one
         per replica, put back in input order."""
         prompts = unpack_prompts(data)
@@ -276,7 +286,7 @@ class VllmGeneration(GenerationInterface):
         return assemble_outputs(data["input_ids"], data["input_lengths"], self._get(futures, used), self.pad_token_id)
 
     def generate_chunks(self, data: Mapping[str, Any], bounds: list[tuple[int, int]],
-                        greedy: bool = False) -> Iterator[Any]:
+                        greedy: bool = False) -> Iterator[BatchedDataDict]:
         """Chunks of `data` (contract in rlpost.models.generation.interfaces), with one streaming call per replica:
         replica r generates chunks r, r + R, ... back to back and sends each back when it is done, so an engine
         never waits for the driver between chunks. Chunks come out in order."""
@@ -297,7 +307,7 @@ class VllmGeneration(GenerationInterface):
                 [stops[i] for i in rows] if stops else None, local))
         for k, (a, b) in enumerate(bounds):
             r = k % self.num_replicas
-            samples = self.group.next_of(streams[r], r)
+            samples: GeneratedBatch = self.group.next_of(streams[r], r)
             yield assemble_outputs(data["input_ids"][a:b], data["input_lengths"][a:b], samples, self.pad_token_id)
 
     def pause_for_refit(self, recompute_kv_cache: bool = False) -> None:
@@ -310,7 +320,7 @@ class VllmGeneration(GenerationInterface):
     def check_alive(self) -> None:
         self.group.check_alive("info", ALIVE_TIMEOUT_S)
 
-    async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> Any:
+    async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict:
         """One request set (typically one multi-turn sample's turn) on the next replica, awaited: with
         vllm_cfg.async_engine the replicas' threaded actors serve many of these at once."""
         prompts = unpack_prompts(data)
@@ -322,13 +332,13 @@ class VllmGeneration(GenerationInterface):
         samples = await self.group.get_async(future, replica)
         return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
 
-    def prepare_for_generation(self, tags: list[str] | None = None, **kwargs: Any) -> bool:
+    def prepare_for_generation(self, tags: list[str] | None = None, **kwargs: object) -> bool:
         """Wake the engines (GPU sleep mode); a no-op on CPU."""
         if self.use_gpus:
             self._all("wake_up", tags)
         return True
 
-    def finish_generation(self, **kwargs: Any) -> bool:
+    def finish_generation(self, **kwargs: object) -> bool:
         """Sleep the engines when colocated on GPU; otherwise nothing. Cached prefixes stay valid until the weights
         change, and every refit path drops them as it ends (`end_refit`, `_after_refit`), so resetting them here too
         would be a Ray round trip a step for nothing."""
@@ -358,7 +368,7 @@ class VllmGeneration(GenerationInterface):
             [w.update_weights.remote(ref, self._fault(r)) for r, w in enumerate(self.workers)])
         return self._check_fingerprints(fps, expected)
 
-    def update_weights_from_buckets(self, buckets: Iterable[list[Any]]) -> str:
+    def update_weights_from_buckets(self, buckets: Iterable[object]) -> str:
         """Every replica loads each bucket where rank 0 wrote it (shared memory or the object store); the checked
         fingerprint."""
         digests: list[dict[str, str]] = [{} for _ in self.workers]
@@ -380,7 +390,7 @@ class VllmGeneration(GenerationInterface):
 
     def init_collective_async(
         self, master_addr: str, master_port: int, rank_offset: int, world_size: int, timeout_s: float = 300.0
-    ) -> list[Any]:
+    ) -> list[ray.ObjectRef[object]]:
         """Start joining the refit group (replica r's workers take ranks rank_offset + r * tp * pp + k)."""
         return [
             w.init_collective.remote(
@@ -394,18 +404,18 @@ class VllmGeneration(GenerationInterface):
         """Processes that join the refit group."""
         return self.num_replicas * self.slots_per_replica
 
-    def wait_collective_init(self, futures: list[Any]) -> None:
+    def wait_collective_init(self, futures: list[ray.ObjectRef[object]]) -> None:
         self._get(futures)
 
     def init_collective(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> None:
         """Join the refit group; blocks until the trainer's rank 0 joins too (from another process/thread)."""
         self._get(self.init_collective_async(master_addr, master_port, rank_offset, world_size))
 
-    def update_weights_from_collective_async(self) -> list[Any]:
+    def update_weights_from_collective_async(self) -> list[ray.ObjectRef[str]]:
         """Start receiving a broadcast; finish with `wait_collective_update(futures)`."""
         return [w.update_weights_from_collective.remote(self._fault(r)) for r, w in enumerate(self.workers)]
 
-    def wait_collective_update(self, futures: list[Any], expected: str | None = None) -> str:
+    def wait_collective_update(self, futures: list[ray.ObjectRef[str]], expected: str | None = None) -> str:
         """Wait for a collective refit; replicas must agree (and match `expected`, the sender's, if given)."""
         return self._check_fingerprints(self._get(futures), expected)
 

@@ -17,26 +17,49 @@ import asyncio
 import os
 import threading
 from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, TypeVar
 
 import torch
 
-from rlpost.models.generation.outputs import GeneratedBatch, GeneratedSample
+from rlpost.models.generation.outputs import EngineInfo, GeneratedBatch, GeneratedSample
 from rlpost.runtime.gc_heap import import_frozen, paused_gc, raise_young_threshold
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.outputs import CompletionOutput
+
+    from rlpost.distributed.bucket_layout import RefitBucket
 
 _T = TypeVar("_T")
 
 EXTENSION_CLS = "rlpost.models.generation.vllm_extension.RlpostWorkerExtension"
 
 
-def _to_sample(completion: Any) -> GeneratedSample:
+class SamplingSpec(TypedDict):
+    """vLLM SamplingParams keyword arguments of one generate call (plain data, built on the driver)."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    stop: list[str] | None
+    logprobs: int
+    detokenize: bool
+    seed: NotRequired[int]
+
+
+def _to_sample(completion: CompletionOutput) -> GeneratedSample:
     """A vLLM CompletionOutput (with logprobs=0) as a GeneratedSample."""
     ids = [int(t) for t in completion.token_ids]
     lps: list[float] = []
     if ids:
         if completion.logprobs is None:
             raise RuntimeError("vLLM returned no logprobs; SamplingParams.logprobs must be 0")
-        lps = [float(pos[tok].logprob) for pos, tok in zip(completion.logprobs, ids, strict=True)]
+        lps = [float(pos[tok].logprob)  # type: ignore[index]  # logprobs=0: every position has the sampled token's
+               for pos, tok in zip(completion.logprobs, ids, strict=True)]
     return GeneratedSample(token_ids=ids, logprobs=lps, truncated=completion.finish_reason == "length")
 
 
@@ -72,7 +95,7 @@ def fan_out_runs(
     return runs
 
 
-def _in_order(completions: list[Any]) -> list[Any]:
+def _in_order(completions: list[CompletionOutput]) -> list[CompletionOutput]:
     """A request's n samples by their index (sample i has the seed `seed + i`)."""
     return sorted(completions, key=lambda c: c.index)
 
@@ -113,7 +136,7 @@ class VllmEngineWorker:
             self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async-loop", daemon=True)
             self._thread.start()
 
-            async def _make() -> Any:
+            async def _make() -> AsyncLLM:
                 return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
             self.engine: Any = self._run(_make())
@@ -129,15 +152,15 @@ class VllmEngineWorker:
         raise_young_threshold()  # a generation call holds thousands of objects at once (rlpost.runtime.gc_heap)
 
     # ------------------------------------------------------------------ plumbing
-    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+    def _run(self, coro: Coroutine[object, None, _T]) -> _T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def _rpc(self, method: str, *args: Any) -> list[Any]:
+    def _rpc(self, method: str, *args: object) -> list[Any]:
         if self.async_engine:
             return self._run(self.engine.collective_rpc(method, args=args))
         return self.engine.collective_rpc(method, args=args)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> EngineInfo:
         """Tokenizer ids and where this replica runs."""
         return {
             "replica": self.replica,
@@ -150,7 +173,7 @@ class VllmEngineWorker:
         }
 
     # ------------------------------------------------------------------ generation
-    def _sampling_params(self, spec: dict[str, Any]) -> Any:
+    def _sampling_params(self, spec: SamplingSpec) -> SamplingParams:
         """One request's SamplingParams. Built fresh for each request and never reused, so vLLM may take it with
         a shallow copy (`skip_clone`, as its own OpenAI server does) instead of deep-copying it per request, a
         cost every request would pay otherwise."""
@@ -159,7 +182,7 @@ class VllmEngineWorker:
 
         return SamplingParams(**spec, output_kind=RequestOutputKind.FINAL_ONLY, skip_clone=True)
 
-    def generate_chunks(self, prompts: list[list[int]], sampling: dict[str, Any], seeds: list[int] | None,
+    def generate_chunks(self, prompts: list[list[int]], sampling: SamplingSpec, seeds: list[int] | None,
                         stops: list[list[str]] | None, bounds: list[tuple[int, int]]) -> Iterator[GeneratedBatch]:
         """`generate` for rows [a, b) of each (a, b) in `bounds`, one after the other, each chunk yielded (a Ray
         streaming call: the caller gets it while the next one generates)."""
@@ -170,7 +193,7 @@ class VllmEngineWorker:
     def generate(
         self,
         prompts: list[list[int]],
-        sampling: dict[str, Any],
+        sampling: SamplingSpec,
         seeds: list[int] | None = None,
         stops: list[list[str]] | None = None,
     ) -> GeneratedBatch:
@@ -185,7 +208,7 @@ class VllmEngineWorker:
         runs = fan_out_runs(prompts, seeds, stops, float(sampling.get("temperature", 1.0)) == 0.0)
         per_run = []
         for a, b in runs:
-            spec = dict(sampling)
+            spec = sampling.copy()
             spec["n"] = b - a
             if seeds is not None:
                 spec["seed"] = int(seeds[a])
@@ -201,7 +224,7 @@ class VllmEngineWorker:
             base = self._req
             self._req += len(runs)
 
-        async def one(i: int, prompt: dict[str, Any]) -> list[GeneratedSample]:
+        async def one(i: int, prompt: dict[str, list[int]]) -> list[GeneratedSample]:
             final = None
             async for out in self.engine.generate(prompt, per_run[i], request_id=f"r{self.replica}-{base + i}"):
                 final = out
@@ -286,7 +309,7 @@ class VllmEngineWorker:
             fps = self._rpc("rlpost_load_packed", pack_for_rpc(named), corrupt)
         return self._after_refit(fps)
 
-    def load_bucket(self, box: Any, corrupt: str | None = None, last: bool = False) -> dict[str, str]:
+    def load_bucket(self, box: RefitBucket, corrupt: str | None = None, last: bool = False) -> dict[str, str]:
         """Load one refit bucket (`box`: a shared-memory or CUDA IPC descriptor, or [ref] in the object store);
         per-tensor digests. `last`: the refit's final bucket, so `end_refit` runs in the same call."""
         from rlpost.distributed.cuda_ipc_buckets import is_cuda_ipc

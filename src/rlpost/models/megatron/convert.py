@@ -51,6 +51,7 @@ import torch
 
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers import PretrainedConfig
 
     from rlpost.config.schema.megatron import MegatronConfig
 
@@ -88,7 +89,7 @@ class HFModelDims:
     initializer_range: float
 
 
-def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+def _rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
     """transformers 5 keeps RoPE settings in `rope_parameters`; 4.x used rope_theta + rope_scaling."""
     params = getattr(hf_config, "rope_parameters", None)
     if params:
@@ -98,7 +99,7 @@ def _rope_parameters(hf_config: Any) -> dict[str, Any]:
     return out
 
 
-def hf_model_dims(hf_config: Any, converter_type: str = "auto") -> HFModelDims:
+def hf_model_dims(hf_config: PretrainedConfig, converter_type: str = "auto") -> HFModelDims:
     """Read and validate the dims of a Qwen2 / Llama config; raise NotImplementedError for unsupported variants."""
     if converter_type == "auto":
         archs = list(getattr(hf_config, "architectures", None) or [])
@@ -175,7 +176,7 @@ def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def transformer_config_from_hf(
-    hf_config: Any, megatron_cfg: MegatronConfig, params_dtype: torch.dtype | str
+    hf_config: PretrainedConfig, megatron_cfg: MegatronConfig, params_dtype: torch.dtype | str
 ) -> TransformerConfig:
     """megatron TransformerConfig of the HF model under megatron_cfg's parallelism (see the module docstring).
 
@@ -237,7 +238,7 @@ def transformer_config_from_hf(
     return TransformerConfig(**kwargs)
 
 
-def gpt_model_args_from_hf(hf_config: Any, megatron_cfg: MegatronConfig) -> dict[str, Any]:
+def gpt_model_args_from_hf(hf_config: PretrainedConfig, megatron_cfg: MegatronConfig) -> dict[str, Any]:
     """GPTModel constructor arguments (besides config / spec / pre- and post-process) for the HF model."""
     d = hf_model_dims(hf_config, megatron_cfg.converter_type)
     return dict(
@@ -364,7 +365,7 @@ def _layer_hf_to_megatron(hf: Mapping[str, torch.Tensor], g: int, d: HFModelDims
 
 def hf_to_megatron_state_dict(
     hf_state_dict: Mapping[str, torch.Tensor],
-    hf_config: Any,
+    hf_config: PretrainedConfig,
     tp_rank: int = 0,
     tp_size: int = 1,
     pp_rank: int = 0,
@@ -459,7 +460,7 @@ def full_megatron_to_hf(
 
 def megatron_to_hf_state_dict(
     tp_shards: Sequence[Mapping[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-    hf_config: Any,
+    hf_config: PretrainedConfig,
     *,
     layer_offset: int = 0,
     include_tied_lm_head: bool = True,

@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -63,7 +62,7 @@ __all__ = [
 ]
 
 
-def _is_cuda_device(device: Any) -> bool:
+def _is_cuda_device(device: object) -> bool:
     """True for "cuda", "cuda:N", torch.device("cuda", ...) and a bare int ordinal (= a CUDA device in torch)."""
     if isinstance(device, bool):
         return False
@@ -81,11 +80,11 @@ class _CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(
         self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+        func: Callable[..., object],
+        types: tuple[type, ...],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
@@ -102,7 +101,7 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.depth = 0
-        self.saved_current_device: Callable[[], Any] | None = None
+        self.saved_current_device: Callable[[], int] | None = None
         self.mode: _CudaToCpuMode | None = None
 
 

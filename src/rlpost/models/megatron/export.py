@@ -8,7 +8,7 @@ stage broadcasts the resulting HF tensor over the PP group. Data-parallel replic
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -22,17 +22,21 @@ from rlpost.models.megatron.convert import (
     tp_split_dim,
 )
 
+if TYPE_CHECKING:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from transformers import PretrainedConfig
+
 Unit = tuple[str, int]  # ("embed", -1) | ("layer", global index) | ("final", -1)
 
 
-def unwrap_model(model: Any) -> Any:
+def unwrap_model(model: torch.nn.Module) -> GPTModel:
     """The GPTModel inside megatron DDP / Float16Module wrappers."""
     while hasattr(model, "module"):
-        model = model.module
-    return model
+        model = cast(torch.nn.Module, model.module)
+    return cast("GPTModel", model)
 
 
-def _stage_layout(gpt: Any) -> tuple[int, int, bool, bool]:
+def _stage_layout(gpt: GPTModel) -> tuple[int, int, bool, bool]:
     """(first global layer, number of layers, has the embedding, is the last stage) of this rank's stage."""
     layers = list(gpt.decoder.layers)
     offset = int(layers[0].layer_number) - 1 if layers else 0
@@ -95,8 +99,8 @@ def _units(layouts: list[tuple[int, int, bool, bool]]) -> list[tuple[Unit, int, 
 
 
 def export_hf_weights(
-    model: Any,
-    hf_config: Any,
+    model: torch.nn.Module,
+    hf_config: PretrainedConfig,
     tp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None,
     *,

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,11 +42,12 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers import PretrainedConfig
 
     from rlpost.config.schema.megatron import MegatronConfig
 
 
-def load_hf_checkpoint(model_dir: str | os.PathLike[str]) -> tuple[Any, dict[str, torch.Tensor]]:
+def load_hf_checkpoint(model_dir: str | os.PathLike[str]) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
     """(HF config, state dict) of a local checkpoint: *.safetensors (single or indexed), else pytorch_model.bin.
 
     Never runs checkpoint code (trust_remote_code=False).
@@ -93,7 +94,8 @@ def layer_spec(use_te: bool | None = None) -> ModuleSpec:
 
 
 def load_hf_weights(
-    model: GPTModel, hf_config: Any, hf_state_dict: Mapping[str, torch.Tensor], megatron_cfg: MegatronConfig
+    model: GPTModel, hf_config: PretrainedConfig, hf_state_dict: Mapping[str, torch.Tensor],
+    megatron_cfg: MegatronConfig,
 ) -> None:
     """Convert the HF weights to this rank's TP shard / PP stage and copy them into the (unwrapped) model."""
     from megatron.core import parallel_state as ps
@@ -133,7 +135,7 @@ def freeze_moe_routers(model: torch.nn.Module) -> int:
 
 
 def build_gpt_model(
-    hf_model: str | os.PathLike[str] | Any,
+    hf_model: str | os.PathLike[str] | PretrainedConfig,
     megatron_cfg: MegatronConfig,
     precision: str = "float32",
     pre_process: bool | None = None,
@@ -181,7 +183,7 @@ def build_gpt_model(
     return model
 
 
-def vocab_shard_range(model: Any, tp_group: dist.ProcessGroup | None) -> tuple[int, int, int]:
+def vocab_shard_range(model: torch.nn.Module, tp_group: dist.ProcessGroup | None) -> tuple[int, int, int]:
     """(start, end, unpadded vocab) of this TP rank's slice of the padded vocabulary."""
     gpt = unwrap_model(model)
     size = 1 if tp_group is None else dist.get_world_size(tp_group)
@@ -231,7 +233,7 @@ def _microbatches(input_ids: torch.Tensor, micro_batch_size: int, pp_size: int) 
 
 
 def forward_logprobs(
-    model: Any,
+    model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     temperature: float = 1.0,
@@ -257,7 +259,8 @@ def forward_logprobs(
     mbs = micro_batch_size or batch_size
     chunks = _microbatches(input_ids.to(device), mbs, ps.get_pipeline_model_parallel_world_size())
 
-    def forward_step(data_iterator: Iterator[torch.Tensor], mdl: Any) -> tuple[torch.Tensor, Any]:
+    def forward_step(data_iterator: Iterator[torch.Tensor], mdl: torch.nn.Module
+                     ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
         ids = next(data_iterator)
         output = mdl(ids, None, None)
 

@@ -41,7 +41,10 @@ if TYPE_CHECKING:
 
     from rlpost.config.schema.megatron import MegatronConfig
 
-MicrobatchLoss = Callable[[torch.Tensor, Mapping[str, Any]], tuple[torch.Tensor, Mapping[str, Any]]]
+LossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+"""megatron schedule's loss_func: output -> (loss, token count, metrics to report)."""
+
+MicrobatchLoss = Callable[[torch.Tensor, Mapping[str, Any]], tuple[torch.Tensor, Mapping[str, float]]]
 """loss_fn(logits_or_logprobs, microbatch) -> (globally normalised scalar loss, metrics of python floats)."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,7 +91,7 @@ def _check_cpu_support(megatron_cfg: MegatronConfig) -> None:
         raise ValueError("megatron_cfg.distributed_data_parallel_config.use_custom_fsdp is GPU-only")
 
 
-def wrap_ddp(model: Any, megatron_cfg: MegatronConfig) -> DistributedDataParallel:
+def wrap_ddp(model: torch.nn.Module, megatron_cfg: MegatronConfig) -> DistributedDataParallel:
     """megatron DistributedDataParallel around the built model, from MegatronDDPConfig."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -159,7 +162,7 @@ def build_scheduler(
 
 
 def _finalize_without_token_scaling(
-    model_chunks: list[torch.nn.Module], num_tokens: torch.Tensor | None, **kwargs: Any
+    model_chunks: list[torch.nn.Module], num_tokens: torch.Tensor | None, **kwargs: object
 ) -> None:
     """finalize_model_grads with num_tokens=None: grads are summed over DP and never divided by a token count."""
     from megatron.core.distributed import finalize_model_grads
@@ -168,7 +171,8 @@ def _finalize_without_token_scaling(
     finalize_model_grads(model_chunks, None, **kwargs)
 
 
-def setup_training(model: Any, megatron_cfg: MegatronConfig, train_iters: int | None = None) -> MegatronTrainState:
+def setup_training(model: torch.nn.Module, megatron_cfg: MegatronConfig, train_iters: int | None = None
+                   ) -> MegatronTrainState:
     """Wrap the built model in DDP, build optimizer + scheduler and install the schedule hooks on its config."""
     _check_cpu_support(megatron_cfg)
     ddp = wrap_ddp(model, megatron_cfg)
@@ -233,7 +237,7 @@ def _forward_backward(
     device = next(unwrap_model(ddp).parameters()).device
     metric_sums: dict[str, float] = {}
 
-    def forward_step(data_iterator: Iterator[Mapping[str, Any]], mdl: Any) -> tuple[torch.Tensor, Any]:
+    def forward_step(data_iterator: Iterator[Mapping[str, Any]], mdl: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:
         mb = next(data_iterator)
         ids = mb["input_ids"].to(device)
         output = mdl(ids, None, None)

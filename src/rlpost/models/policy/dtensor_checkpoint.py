@@ -49,7 +49,7 @@ class TrainState(Protocol):
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
-    scheduler: Any | None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -14,7 +14,7 @@ in `_accelerator`), then uses accelerate's preparation unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +23,10 @@ from rlpost.config.layout import fsdp_needed
 from rlpost.models.dtensor.parallelize import DTYPES, decoder_layers
 from rlpost.models.policy.dtensor_worker_base import DTensorWorkerBase
 from rlpost.models.policy.hf_loading import load_hf_causal_lm
+from rlpost.ops.loss_interface import VocabParallelArgs
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 
 class DTensorPolicyWorkerV2(DTensorWorkerBase):
@@ -30,7 +34,7 @@ class DTensorPolicyWorkerV2(DTensorWorkerBase):
 
     DP_DIM = "dp_shard_cp"
 
-    def _accelerator(self, layer_cls: str) -> Any:
+    def _accelerator(self, layer_cls: str) -> Accelerator:
         from accelerate import Accelerator
         from accelerate.parallelism_config import ParallelismConfig
         from accelerate.utils import FullyShardedDataParallelPlugin
@@ -62,7 +66,7 @@ class DTensorPolicyWorkerV2(DTensorWorkerBase):
         if self.tp_size > 1:
             from transformers import AutoModelForCausalLM
 
-            model: Any = AutoModelForCausalLM.from_pretrained(
+            model: nn.Module = AutoModelForCausalLM.from_pretrained(
                 self.cfg.model_name,
                 dtype=torch.float32,
                 tp_plan="auto",
@@ -82,5 +86,5 @@ class DTensorPolicyWorkerV2(DTensorWorkerBase):
             return model
         return fsdp2_prepare_model(acc, model)
 
-    def _vp_kwargs(self) -> dict[str, Any]:
+    def _vp_kwargs(self) -> VocabParallelArgs:
         return {}  # transformers' lm_head plan gathers the logits: the loss sees the full vocabulary

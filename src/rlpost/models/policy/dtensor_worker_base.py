@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,14 +23,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from rlpost.config.schema.policy import DTensorPolicyConfig
-from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.data.packing import PackedSequences
+from rlpost.distributed.batched_data_dict import BatchedDataDict, PackedMicroBatch
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
+from rlpost.models.policy.interfaces import WorkerTrainResult
 from rlpost.models.policy.memory_phases import OffloadState, cuda_memory_stats
 from rlpost.models.policy.optim import build_optimizer, build_scheduler
-from rlpost.models.policy.train_parts import Parts, TrainPartsMixin
+from rlpost.models.policy.train_parts import Parts, PartsLoss, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
+from rlpost.ops.loss_interface import LossFunction, VocabParallelArgs
 from rlpost.runtime.gc_heap import import_frozen
+
+if TYPE_CHECKING:
+    from rlpost.ops.packed_loss import SequencePackingLossWrapper
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +120,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
             self._dp_group = self.mesh[self.DP_DIM].get_group()
         return self._dp_group
 
-    def _microbatches(self, data: BatchedDataDict, mbs: int) -> Iterator[Any]:
+    def _microbatches(self, data: BatchedDataDict, mbs: int) -> Iterator[BatchedDataDict | PackedMicroBatch]:
         if data.micro_batch_kind == "packing":
             yield from data.make_microbatch_iterator_for_packable_sequences()
         elif data.micro_batch_kind == "dynamic":
@@ -122,9 +128,10 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         else:
             yield from data.make_microbatch_iterator(mbs)
 
-    def _forward_logits(self, mb: Any) -> tuple[torch.Tensor, BatchedDataDict, Any]:
+    def _forward_logits(self, mb: BatchedDataDict | PackedMicroBatch
+                        ) -> tuple[torch.Tensor, BatchedDataDict, PackedSequences | None]:
         """Logits / temperature for a micro-batch: ([1, T, V] packed or [B, S, V]), its rows, the packing."""
-        if hasattr(mb, "packed"):
+        if isinstance(mb, PackedMicroBatch):
             pk = mb.packed
             mask = pk.attention_mask(torch.float32).to(self.device)
             out = self.model(
@@ -144,7 +151,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         # nothing downstream writes into the logits, so at temperature 1 they are used as they are (no copy)
         return (logits / self.temperature if self.temperature != 1.0 else logits), rows, pk
 
-    def _vp_kwargs(self) -> dict[str, Any]:
+    def _vp_kwargs(self) -> VocabParallelArgs:
         if self.tp_size == 1:
             return {}
         return {"vocab_parallel_group": self.tp_group, "vocab_parallel_rank": self.mesh["tp"].get_local_rank()}
@@ -160,7 +167,8 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         outs: list[torch.Tensor] = []
         for mb in self._microbatches(data, self.cfg.logprob_batch_size):
             logits, rows, pk = self._forward_logits(mb)
-            if pk is not None:
+            if isinstance(mb, PackedMicroBatch):
+                pk = mb.packed
                 ids = pk.input_ids.to(self.device)
                 lp = next_token_logprobs(logits, ids, chunk_size=self.cfg.logprob_chunk_size, **self._vp_kwargs())
                 starts = pk.cu_seqlens_padded[:-1].long()
@@ -173,7 +181,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
                 ).cpu()
             if lp.shape[1] < full_len:
                 lp = torch.nn.functional.pad(lp, (0, full_len - lp.shape[1]))
-            if not getattr(mb, "is_padding", False) and not getattr(rows, "is_padding", False):
+            if not mb.is_padding and not rows.is_padding:
                 outs.append(lp)
         return BatchedDataDict(logprobs=torch.cat(outs, dim=0) if outs else torch.zeros(0, full_len))
 
@@ -206,8 +214,8 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         return old
 
     # ---- training ----------------------------------------------------------------------
-    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: int | None = None,
-              eval_mode: bool = False) -> dict[str, Any]:
+    def train(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None = None,
+              eval_mode: bool = False) -> WorkerTrainResult:
         """One optimizer step per global batch of `data` (eval_mode: the loss and metrics only, under no_grad,
         with no update and no scheduler step: validation)."""
         if self.optimizer is None:
@@ -217,7 +225,8 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         optimizer = self.optimizer
         local_gbs = (gbs or self.cfg.train_global_batch_size) // self.dp_size
 
-        def step(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor) -> tuple[float, float, list[dict[str, Any]]]:
+        def step(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor
+                 ) -> tuple[float, float, list[dict[str, float]]]:
             if eval_mode:
                 with torch.no_grad():
                     return forward_only(gb, gs, gt)
@@ -230,7 +239,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
             return float(gb_loss), grad_norm, recorded
 
         def forward_only(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor
-                         ) -> tuple[float, float, list[dict[str, Any]]]:
+                         ) -> tuple[float, float, list[dict[str, float]]]:
             gb_loss = torch.zeros((), device=self.device)
             recorded = []
             for mb in self._microbatches(gb, self.cfg.train_micro_batch_size):
@@ -251,13 +260,13 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
             raise RuntimeError("the policy was built without an optimizer (init_optimizer=False)")
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _accumulate_part(self, parts: Parts, data: BatchedDataDict, loss_fn: Any) -> None:
+    def _accumulate_part(self, parts: Parts, data: BatchedDataDict, loss_fn: LossFunction) -> None:
         self._onload(with_optimizer=True)
         self.model.train()
         one = torch.ones((), device=self.device)
         parts.metrics += self._backward_micro_batches(data, loss_fn, one, one, parts.loss)
 
-    def _step_parts(self, parts: Parts, loss_fn: Any) -> dict[str, Any]:
+    def _step_parts(self, parts: Parts, loss_fn: PartsLoss) -> WorkerTrainResult:
         assert self.optimizer is not None  # _begin_parts checked it
         scale, metric_scales = parts.global_scales(loss_fn, self.dp_group)
         with torch.no_grad():
@@ -273,8 +282,8 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         return finish_result(parts.result(float(loss), grad_norm, metric_scales), self.optimizer.param_groups[0]["lr"],
                              self.model.parameters())
 
-    def _backward_micro_batches(self, data: BatchedDataDict, loss_fn: Any, gs: torch.Tensor, gt: torch.Tensor,
-                                loss_sum: torch.Tensor) -> list[dict[str, Any]]:
+    def _backward_micro_batches(self, data: BatchedDataDict, loss_fn: LossFunction, gs: torch.Tensor, gt: torch.Tensor,
+                                loss_sum: torch.Tensor) -> list[dict[str, float]]:
         """Forward and backward over `data`'s training micro-batches, gradients accumulating; each micro-batch's
         loss is added into `loss_sum` (in place); their metrics."""
         recorded = []
@@ -286,18 +295,18 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
             self._maybe_clear_cache()
         return recorded
 
-    def _micro_loss(self, mb: Any, loss_fn: Any, gs: torch.Tensor, gt: torch.Tensor
-                    ) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _micro_loss(self, mb: BatchedDataDict | PackedMicroBatch, loss_fn: LossFunction, gs: torch.Tensor,
+                    gt: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss (zero for a padding micro-batch) and metrics of one micro-batch, packed or not."""
         logits, rows, pk = self._forward_logits(mb)
         rows = rows.to(self.device)
-        fn = loss_fn
+        fn: LossFunction | SequencePackingLossWrapper = loss_fn
         if pk is not None:
             from rlpost.ops.packed_loss import SequencePackingLossWrapper
 
             fn = SequencePackingLossWrapper(loss_fn, pk.cu_seqlens, pk.cu_seqlens_padded)
         loss, metrics = fn(logits, rows, gs, gt, **self._vp_kwargs())
-        if getattr(mb, "is_padding", False) or getattr(rows, "is_padding", False):
+        if mb.is_padding or rows.is_padding:
             loss = loss * 0.0
         return loss, metrics
 
@@ -308,7 +317,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         norm is taken per mesh and combined; torch's clip_grad_norm_ refuses mixed meshes.
         """
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        groups: dict[Any, list[torch.Tensor]] = {}
+        groups: dict[tuple[tuple[str, ...], tuple[int, ...]] | None, list[torch.Tensor]] = {}
         for g in grads:
             key = (tuple(g.device_mesh.mesh_dim_names or ()), tuple(g.device_mesh.mesh.flatten().tolist())) if isinstance(
                 g, DTensor

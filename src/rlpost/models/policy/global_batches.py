@@ -8,16 +8,16 @@ result dict is what `Policy.train` merges across ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.models.policy.interfaces import GlobalBatchesResult, WorkerTrainResult
 from rlpost.models.policy.weight_export import params_finite
 
-StepFn = Callable[[BatchedDataDict, torch.Tensor, torch.Tensor], tuple[float, float, list[dict[str, Any]]]]
+StepFn = Callable[[BatchedDataDict, torch.Tensor, torch.Tensor], tuple[float, float, list[dict[str, float]]]]
 """(global batch, valid sequences Gs, valid tokens Gt) -> (its loss, grad norm, per-micro-batch metrics)."""
 
 
@@ -38,7 +38,7 @@ def local_valid_counts(batch: BatchedDataDict) -> torch.Tensor:
 
 
 def train_global_batches(data: BatchedDataDict, local_gbs: int, device: torch.device,
-                         dp_group: dist.ProcessGroup | None, step: StepFn) -> dict[str, Any]:
+                         dp_group: dist.ProcessGroup | None, step: StepFn) -> GlobalBatchesResult:
     """Run `step` on every local global batch of `data`; the loss, grad norm (means over global batches),
     the number of global batches and every micro-batch's metrics. The caller adds lr and params_finite."""
     n_global = data.size // local_gbs if local_gbs else 0
@@ -59,7 +59,7 @@ def train_global_batches(data: BatchedDataDict, local_gbs: int, device: torch.de
     }
 
 
-def add_mb_metrics(into: dict[str, list[float]], recorded: list[dict[str, Any]],
+def add_mb_metrics(into: dict[str, list[float]], recorded: Iterable[Mapping[str, float]],
                    scales: dict[str, float] | None = None) -> None:
     """Append each micro-batch's metrics to `into` (name -> values), metric k multiplied by scales[k] if given."""
     for metrics in recorded:
@@ -67,6 +67,6 @@ def add_mb_metrics(into: dict[str, list[float]], recorded: list[dict[str, Any]],
             into.setdefault(k, []).append(float(v) * scales.get(k, 1.0) if scales else float(v))
 
 
-def finish_result(result: dict[str, Any], lr: float, parameters: Any) -> dict[str, Any]:
+def finish_result(result: GlobalBatchesResult, lr: float, parameters: Iterable[torch.Tensor]) -> WorkerTrainResult:
     """The train result with the optimizer's lr and whether every weight is still finite."""
     return {**result, "lr": float(lr), "params_finite": params_finite(parameters)}

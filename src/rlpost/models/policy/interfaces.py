@@ -3,13 +3,69 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 if TYPE_CHECKING:
+    import ray
     import torch
 
     from rlpost.distributed.batched_data_dict import BatchedDataDict
     from rlpost.ops.loss_interface import LossFunction
+
+
+class GlobalBatchesResult(TypedDict):
+    """A worker rank's training over its shard, before the optimizer's lr and the weight check are added."""
+
+    loss: float
+    """Mean over the global batches of their loss."""
+    grad_norm: float
+    """Mean over the global batches of the gradient norm (before clipping)."""
+    num_global_batches: int
+    all_mb_metrics: dict[str, list[float]]
+    """Each loss metric's value per micro-batch (already globally normalised: they sum)."""
+
+
+class WorkerTrainResult(GlobalBatchesResult):
+    """What one worker rank's `train` / `finish_parts` answers (over Ray); `Policy` merges every rank's into a
+    `TrainResult`."""
+
+    lr: float
+    """The optimizer's learning rate after the step."""
+    params_finite: bool
+    """Every weight (this rank's shards) is finite after the step."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One training call (`train`, or `finish_parts` after the parts) over every rank."""
+
+    loss: float
+    """Rank 0's loss: the mean over the global batches."""
+    grad_norm: float
+    """Rank 0's gradient norm, mean over the global batches."""
+    lr: float
+    """Rank 0's learning rate after the step."""
+    params_finite: bool
+    """Every rank's weights are finite after the step."""
+    all_mb_metrics: dict[str, list[float]]
+    """Each loss metric's value per micro-batch, every rank's."""
+    metrics: dict[str, float]
+    """Each loss metric over the batch: summed over micro-batches per global batch, or averaged (MEAN_METRICS)."""
+
+
+@dataclass(frozen=True)
+class StagedExport:
+    """Rank 0's answer to `stage_export`: the export's buckets and fingerprint."""
+
+    plan: list[list[int]]
+    """Weight indices of each bucket."""
+    fingerprint: str
+    """weight_fingerprint of the whole export."""
+    first: object | None = None
+    """When the export fits one bucket: that bucket, already out (as `put_export_bucket` returns it); the export
+    is then cleared."""
 
 
 class PolicyInterface(ABC):
@@ -25,9 +81,9 @@ class PolicyInterface(ABC):
 
     @abstractmethod
     def train(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None = None,
-              eval_mode: bool = False) -> dict[str, Any]:
-        """Optimizer steps over `data` in global batches of `gbs` (default policy.train_global_batch_size); returns
-        loss, grad_norm and per-micro-batch metrics. eval_mode: the same losses and metrics, no update."""
+              eval_mode: bool = False) -> TrainResult:
+        """Optimizer steps over `data` in global batches of `gbs` (default policy.train_global_batch_size); their
+        loss, grad norm and metrics. eval_mode: the same losses and metrics, no update."""
 
     @abstractmethod
     def train_part(self, data: BatchedDataDict, loss_fn: LossFunction) -> None:
@@ -35,7 +91,7 @@ class PolicyInterface(ABC):
         backward, gradients accumulated (synchronous GRPO overlapped with generation, rlpost.algorithms.overlap)."""
 
     @abstractmethod
-    def finish_parts(self, loss_fn: LossFunction) -> dict[str, Any]:
+    def finish_parts(self, loss_fn: LossFunction) -> TrainResult:
         """After the last `train_part`: the optimizer step over all parts; `train`'s result for the whole batch."""
 
     @abstractmethod
@@ -92,12 +148,12 @@ class ColocatablePolicyInterface(PolicyInterface):
         outlives later updates: async GRPO broadcasts it (`broadcast_staged_async`) while training goes on."""
 
     @abstractmethod
-    def broadcast_staged_async(self) -> list[Any]:
+    def broadcast_staged_async(self) -> list[ray.ObjectRef[str]]:
         """Start broadcasting the staged copy over the refit group (the engine must receive concurrently); it
         may run while `train` runs. Finish with `wait_broadcast(futures)`, which returns the fingerprint."""
 
     @abstractmethod
-    def wait_broadcast(self, futures: list[Any]) -> str:
+    def wait_broadcast(self, futures: list[ray.ObjectRef[str]]) -> str:
         """Wait for a broadcast started by `broadcast_staged_async`; the fingerprint of what was sent."""
 
     @abstractmethod
@@ -114,7 +170,7 @@ class WeightBuckets(ABC):
     [object ref]); `fingerprint` and `count` once exhausted."""
 
     @abstractmethod
-    def __iter__(self) -> Any: ...
+    def __iter__(self) -> Iterator[object]: ...
 
     @property
     @abstractmethod
@@ -143,14 +199,14 @@ class PolicyWorker(Protocol):
         """{'reference_logprobs': [b, S]} under the frozen initial weights."""
 
     def train(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None = None,
-              eval_mode: bool = False) -> dict[str, Any]:
+              eval_mode: bool = False) -> WorkerTrainResult:
         """Optimizer steps over this rank's shard in global batches of `gbs` (all ranks); eval_mode: no update."""
 
     def train_part(self, data: BatchedDataDict, loss_fn: LossFunction, index: int = 0) -> int:
         """Forward and backward over this rank's shard of part `index` with both loss normalisers 1, after part
         index - 1; gradients accumulate until `finish_parts` (rlpost.models.policy.train_parts). The rows trained."""
 
-    def finish_parts(self, loss_fn: LossFunction, num_parts: int) -> dict[str, Any]:
+    def finish_parts(self, loss_fn: LossFunction, num_parts: int) -> WorkerTrainResult:
         """All ranks, once `num_parts` parts are trained: the parts' global counts scale gradients, loss and
         metrics; clip, optimizer and scheduler steps; `train`'s result."""
 
@@ -168,21 +224,20 @@ class PolicyWorker(Protocol):
 
     def clear_export(self) -> None: ...
 
-    def stage_export(self, dtype: str, max_bytes: int, ipc: bool = False) -> dict[str, Any]:
-        """All ranks: prepare the export; rank 0 returns {'plan': buckets of at most `max_bytes` (weight indices),
-        'fingerprint': of the export} and, when it fits one bucket, 'first': that bucket already out (as
-        put_export_bucket returns it; the export is then cleared)."""
+    def stage_export(self, dtype: str, max_bytes: int, ipc: bool = False) -> StagedExport | None:
+        """All ranks: prepare the export; rank 0 returns its buckets of at most `max_bytes` and fingerprint (and
+        the first bucket already out when it is the only one), the other ranks None."""
 
-    def put_export_bucket(self, indices: list[int], ipc: bool = False, slot: int = 0) -> Any:
+    def put_export_bucket(self, indices: list[int], ipc: bool = False, slot: int = 0) -> object:
         """Rank 0: one bucket into its IPC buffer number `slot` (a descriptor) or the object store ([its ref])."""
 
     def init_refit_collective(self, host: str, port: int, world_size: int) -> bool: ...
 
     def broadcast_weights_collective(self, dtype: str) -> str: ...
 
-    def stage_weights(self, dtype: str) -> dict[str, Any]:
-        """All ranks: gather the full weights; rank 0 keeps a private copy for `broadcast_staged` and answers
-        {'fingerprint'}; {} elsewhere."""
+    def stage_weights(self, dtype: str) -> str:
+        """All ranks: gather the full weights; rank 0 keeps a private copy for `broadcast_staged` and answers its
+        fingerprint; '' elsewhere."""
 
     def broadcast_staged(self) -> str:
         """Rank 0: broadcast the staged copy over the refit group (concurrency group 'refit', so it may run

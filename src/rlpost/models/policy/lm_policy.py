@@ -9,7 +9,7 @@ already globally normalised, as in NeMo RL) and the rest averaged.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,8 +18,18 @@ from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.microbatching import DynamicBatchingArgs, SequencePackingArgs
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
-from rlpost.models.policy.interfaces import ColocatablePolicyInterface, WeightBuckets
+from rlpost.models.policy.interfaces import (
+    ColocatablePolicyInterface,
+    StagedExport,
+    TrainResult,
+    WeightBuckets,
+    WorkerTrainResult,
+)
+from rlpost.ops.loss_interface import LossFunction
 from rlpost.runtime.build import resolve
+
+if TYPE_CHECKING:
+    import ray
 
 REFIT_GROUP = "refit"
 """The workers' Ray concurrency group for `broadcast_staged`: a thread of its own beside training."""
@@ -45,7 +55,7 @@ class Policy(ColocatablePolicyInterface):
         self.cfg = cfg
         self.device = device
         self.single_node = cluster.num_nodes == 1
-        self._parts: list[Any] = []
+        self._parts: list[ray.ObjectRef[int]] = []
         """Pending `train_part` calls (every rank's), until `finish_parts`."""
         sizes = cfg.parallel_sizes()
         mp = sizes["tp"] * sizes["pp"] * sizes["cp"]
@@ -74,7 +84,8 @@ class Policy(ColocatablePolicyInterface):
         self.worker_group.timeout_s = timeout_s
 
     # ---- sharding --------------------------------------------------------------------------
-    def _shard(self, data: BatchedDataDict, batch_size: int | None, for_training: bool) -> tuple[list[Any], list[int] | None]:
+    def _shard(self, data: BatchedDataDict, batch_size: int | None, for_training: bool
+               ) -> tuple[list[BatchedDataDict], list[int] | None]:
         dp = self.dims.dp
         c = self.cfg
         if c.sequence_packing.enabled:
@@ -112,13 +123,13 @@ class Policy(ColocatablePolicyInterface):
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         return self._logprob_call("get_reference_policy_logprobs", "reference_logprobs", data)
 
-    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: int | None = None,
-              eval_mode: bool = False) -> dict[str, Any]:
+    def train(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None = None,
+              eval_mode: bool = False) -> TrainResult:
         gbs = gbs or self.cfg.train_global_batch_size
         shards, _ = self._shard(data, gbs, for_training=True)
         return _aggregate(self.worker_group.run_sharded("train", shards, loss_fn, gbs, eval_mode))
 
-    def train_part(self, data: BatchedDataDict, loss_fn: Any) -> None:
+    def train_part(self, data: BatchedDataDict, loss_fn: LossFunction) -> None:
         """Send one part of the step's single global batch (whole groups) to be trained, without waiting: each
         rank runs forward and backward over its shard and accumulates gradients (rlpost.algorithms.overlap).
         `finish_parts` steps the optimizer once every part is sent."""
@@ -126,7 +137,7 @@ class Policy(ColocatablePolicyInterface):
         index = len(self._parts) // self.worker_group.world_size
         self._parts.extend(self.worker_group.submit_sharded("train_part", shards, loss_fn, index))
 
-    def finish_parts(self, loss_fn: Any) -> dict[str, Any]:
+    def finish_parts(self, loss_fn: LossFunction) -> TrainResult:
         """After the last `train_part`: one optimizer step over every part, as `train` on the whole batch would
         take it; the same result."""
         pending, self._parts = self._parts, []
@@ -166,11 +177,11 @@ class Policy(ColocatablePolicyInterface):
         # memory, or CUDA IPC on the policy's only GPU) instead of a fresh object-store allocation each.
         return _RankZeroBuckets(self.worker_group, dtype, max_bucket_bytes, ipc=self.single_node)
 
-    def init_refit_collective_async(self, host: str, port: int, world_size: int) -> list[Any]:
+    def init_refit_collective_async(self, host: str, port: int, world_size: int) -> list[ray.ObjectRef[bool]]:
         """Start rank 0 joining the refit group (it blocks until the engines join too)."""
         return [w.init_refit_collective.remote(host, port, world_size) for w in self.worker_group.workers]
 
-    def broadcast_weights_collective_async(self, dtype: str) -> list[Any]:
+    def broadcast_weights_collective_async(self, dtype: str) -> list[ray.ObjectRef[str]]:
         """Start the broadcast of full weights from rank 0 (engines must receive concurrently)."""
         return [w.broadcast_weights_collective.remote(dtype) for w in self.worker_group.workers]
 
@@ -181,13 +192,14 @@ class Policy(ColocatablePolicyInterface):
         return str(self.worker_group.get(self.broadcast_weights_collective_async(dtype))[0])
 
     def stage_weights(self, dtype: str) -> str:
-        return str(self.worker_group.run_all("stage_weights", dtype)[0]["fingerprint"])
+        fingerprint: str = self.worker_group.run_all("stage_weights", dtype)[0]  # rank 0's
+        return fingerprint
 
-    def broadcast_staged_async(self) -> list[Any]:
+    def broadcast_staged_async(self) -> list[ray.ObjectRef[str]]:
         # rank 0 sends; its own concurrency group, so it runs beside a train() call on the same actor
         return [self.worker_group.workers[0].broadcast_staged.options(concurrency_group=REFIT_GROUP).remote()]
 
-    def wait_broadcast(self, futures: list[Any]) -> str:
+    def wait_broadcast(self, futures: list[ray.ObjectRef[str]]) -> str:
         return str(self.worker_group.get(futures)[0])
 
     def offload_before_refit(self) -> None:
@@ -206,7 +218,7 @@ class Policy(ColocatablePolicyInterface):
         return self.worker_group.run_all("state_fingerprint")
 
 
-def _aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
+def _aggregate(results: list[WorkerTrainResult]) -> TrainResult:
     """One training call's answer from every rank's: per-micro-batch metrics summed per rank (each is globally
     normalised already) or averaged (MEAN_METRICS); loss, grad norm and lr are rank 0's."""
     first = results[0]
@@ -215,14 +227,14 @@ def _aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [v for r in results for v in r["all_mb_metrics"][k]]
         per_rank_sum = sum(vals) / max(first["num_global_batches"], 1)
         metrics[k] = (sum(vals) / len(vals)) if k in MEAN_METRICS else per_rank_sum
-    return {
-        "loss": first["loss"],
-        "grad_norm": first["grad_norm"],
-        "lr": first["lr"],
-        "params_finite": all(r.get("params_finite", True) for r in results),
-        "all_mb_metrics": {k: [v for r in results for v in r["all_mb_metrics"][k]] for k in first["all_mb_metrics"]},
-        "metrics": metrics,
-    }
+    return TrainResult(
+        loss=first["loss"],
+        grad_norm=first["grad_norm"],
+        lr=first["lr"],
+        params_finite=all(r.get("params_finite", True) for r in results),
+        all_mb_metrics={k: [v for r in results for v in r["all_mb_metrics"][k]] for k in first["all_mb_metrics"]},
+        metrics=metrics,
+    )
 
 
 class _RankZeroBuckets(WeightBuckets):
@@ -240,13 +252,13 @@ class _RankZeroBuckets(WeightBuckets):
         self.planned: int | None = None
         """Buckets the export was split into (known once the iteration started)."""
 
-    def __iter__(self) -> Iterator[Any]:
-        staged = self.group.run_all("stage_export", self.dtype, self.max_bytes, self.ipc)[0]
-        plan = staged["plan"]
+    def __iter__(self) -> Iterator[object]:
+        staged: StagedExport = self.group.run_all("stage_export", self.dtype, self.max_bytes, self.ipc)[0]
+        plan = staged.plan
         self.planned = len(plan)
         try:
-            if "first" in staged:  # already written, and rank 0 cleared its export
-                yield staged["first"]
+            if staged.first is not None:  # already written, and rank 0 cleared its export
+                yield staged.first
                 self._count = 1
             else:
                 # One bucket ahead: rank 0 writes bucket k + 1 (into the other IPC buffer) while the engines load
@@ -259,9 +271,9 @@ class _RankZeroBuckets(WeightBuckets):
                         ahead = rank0.put_export_bucket.remote(plan[k + 1], self.ipc, (k + 1) % 2)
                     yield box
                     self._count += 1
-            self._fp = staged["fingerprint"]
+            self._fp = staged.fingerprint
         finally:
-            if "first" not in staged:
+            if staged.first is None:
                 self.group.run_all("clear_export")
 
     @property

@@ -32,7 +32,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,12 @@ from rlpost.models.policy.dtensor_checkpoint import (
 )
 from rlpost.runtime.checkpointing import CheckpointError, checkpoint_errors, read_json
 
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from transformers import PretrainedConfig
+
+    from rlpost.models.megatron.train_step import MegatronTrainState
+
 
 class MegatronState(Protocol):
     """What save/load touch on a Megatron worker: its config, rank and data-parallel size, the model (DDP-wrapped
@@ -58,9 +64,9 @@ class MegatronState(Protocol):
     cfg: MegatronPolicyConfig
     rank: int
     dp_size: int
-    model: Any
-    hf_config: Any
-    train_state: Any
+    model: torch.nn.Module
+    hf_config: PretrainedConfig
+    train_state: MegatronTrainState | None
 
     @property
     def gpt(self) -> torch.nn.Module: ...
@@ -75,7 +81,7 @@ LAYOUT_FILE = "megatron_layout.json"
 SCHEDULER_FILE = "scheduler.json"
 
 
-def _layout(worker: MegatronState) -> dict[str, Any]:
+def _layout(worker: MegatronState) -> dict[str, object]:
     m = worker.cfg.megatron_cfg
     assert m is not None
     return {
@@ -96,13 +102,13 @@ def _tag(worker: MegatronState, with_dp: bool = False) -> str:
     return f"{tag}-dp{ps.get_data_parallel_rank()}" if with_dp else tag
 
 
-def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+def torch_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside megatron's (chained) optimizer, in chain order."""
     chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return [o.optimizer for o in chained]
 
 
-def optimizer_state_tensors(optimizer: Any) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]]:
+def optimizer_state_tensors(optimizer: MegatronOptimizer) -> Iterator[tuple[dict[str, object], str, torch.Tensor]]:
     """(state dict, name, tensor) of every non-scalar optimizer state tensor (exp_avg, momentum_buffer, ...)."""
     for topt in torch_optimizers(optimizer):
         for state in topt.state.values():
@@ -111,7 +117,7 @@ def optimizer_state_tensors(optimizer: Any) -> Iterator[tuple[dict[str, Any], st
                     yield state, name, value
 
 
-def move_optimizer_state(optimizer: Any, device: torch.device | str) -> None:
+def move_optimizer_state(optimizer: MegatronOptimizer, device: torch.device | str) -> None:
     """Move the optimizer state tensors (not the 0-d steps) to device: GPU memory phases."""
     for state, name, value in list(optimizer_state_tensors(optimizer)):
         state[name] = value.to(device, non_blocking=True)
@@ -149,7 +155,7 @@ def _restore_optimizer(worker: MegatronState, tag: str, loaded: dict[str, torch.
         params = [p for g in topt.param_groups for p in g["params"]]
         for i, p in enumerate(params):
             prefix = f"{tag}/c{c}/p{i}/"
-            state: dict[str, Any] = {}
+            state: dict[str, torch.Tensor] = {}
             for key, t in loaded.items():
                 if not key.startswith(prefix):
                     continue
@@ -214,7 +220,7 @@ def save(worker: MegatronState, weights_path: str, optimizer_path: str | None, h
     dist.barrier()
 
 
-def export_hf(hf_config: Any, full: dict[str, torch.Tensor], source_dir: str, out_dir: Path) -> None:
+def export_hf(hf_config: PretrainedConfig, full: dict[str, torch.Tensor], source_dir: str, out_dir: Path) -> None:
     """Write config.json, model.safetensors (a tied lm_head dropped) and the tokenizer files of `source_dir`."""
     from safetensors.torch import save_file
 

@@ -46,7 +46,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,16 +55,24 @@ from rlpost.config.errors import ConfigError
 from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
-from rlpost.models.policy.train_parts import Parts, TrainPartsMixin
+from rlpost.models.policy.interfaces import WorkerTrainResult
+from rlpost.models.policy.train_parts import Parts, PartsLoss, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
+from rlpost.ops.loss_interface import LossFunction, VocabParallelArgs
 from rlpost.runtime.gc_heap import import_frozen
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+if TYPE_CHECKING:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from rlpost.models.megatron.train_step import MegatronTrainState
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 class MegatronConfigError(ConfigError):
     """A ConfigError that survives Ray's pickling (ConfigError's four-argument constructor does not)."""
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[MegatronConfigError], tuple[str, object, str, str | None]]:
         return (type(self), (self.key, self.value, self.rule, self.hint))
 
 
@@ -78,11 +86,12 @@ def check_megatron_support(cfg: MegatronPolicyConfig, device_type: str, init_opt
         raise MegatronConfigError(err.key, err.value, err.rule, err.hint) from None
 
 
-def _megatron_call(fn: _F) -> _F:
+def _megatron_call(fn: Callable[Concatenate[MegatronPolicyWorker, _P], _R]
+                   ) -> Callable[Concatenate[MegatronPolicyWorker, _P], _R]:
     """Re-raise a deferred init error; on CPU run the call with the CPU compatibility layer on in this thread."""
 
     @functools.wraps(fn)
-    def wrapper(self: MegatronPolicyWorker, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: MegatronPolicyWorker, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if self._init_error is not None:
             raise self._init_error
         if self.device.type != "cpu":
@@ -92,12 +101,12 @@ def _megatron_call(fn: _F) -> _F:
         with cpu_compat():
             return fn(self, *args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 def _normalised_loss(
-    loss_fn: Any, gs: torch.Tensor, gt: torch.Tensor, vp: dict[str, Any], recorded: list[dict[str, Any]],
-    logits: torch.Tensor, mb: Any,
+    loss_fn: LossFunction, gs: torch.Tensor, gt: torch.Tensor, vp: VocabParallelArgs, recorded: list[dict[str, float]],
+    logits: torch.Tensor, mb: BatchedDataDict,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """train_step's per-micro-batch loss: loss_fn with the global counts; its metrics are kept per micro-batch."""
     loss, metrics = loss_fn(logits, mb, gs, gt, **vp)
@@ -181,7 +190,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         self.reference: dict[str, torch.Tensor] | None = None
         if init_ref:
             self.reference = {k: v.detach().to("cpu", copy=True) for k, v in self.local_state().items()}
-        self.train_state: Any = None
+        self.train_state: MegatronTrainState | None = None
         if init_optimizer:
             max_norm = self.cfg.max_grad_norm
             clip = m.optimizer.clip_grad if m.optimizer.clip_grad > 0 else float(max_norm or 0.0)
@@ -198,7 +207,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         return self.rank
 
     @property
-    def gpt(self) -> Any:
+    def gpt(self) -> GPTModel:
         """The GPTModel inside the DDP / Float16Module wrappers."""
         from rlpost.models.megatron.export import unwrap_model
 
@@ -211,7 +220,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
         }
 
-    def _vp_kwargs(self) -> dict[str, Any]:
+    def _vp_kwargs(self) -> VocabParallelArgs:
         from megatron.core import parallel_state as ps
 
         from rlpost.models.megatron.model import resolve_tp_group
@@ -310,12 +319,12 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         begin_accumulation(self.train_state)
 
     @_megatron_call
-    def _accumulate_part(self, parts: Parts, data: BatchedDataDict, loss_fn: Any) -> None:
+    def _accumulate_part(self, parts: Parts, data: BatchedDataDict, loss_fn: LossFunction) -> None:
         from rlpost.models.megatron.train_step import accumulate_part
 
         assert self.train_state is not None  # _begin_parts checked it
         one = torch.ones((), device=self.device)
-        recorded: list[dict[str, Any]] = []
+        recorded: list[dict[str, float]] = []
         mb_loss = functools.partial(_normalised_loss, loss_fn, one, one, self._vp_kwargs(), recorded)
         micro = [mb.to(self.device) for mb in
                  self._pad_seq(data, self._seq_multiple()).make_microbatch_iterator(self.cfg.train_micro_batch_size)]
@@ -325,7 +334,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         self._empty_cache(1)
 
     @_megatron_call
-    def _step_parts(self, parts: Parts, loss_fn: Any) -> dict[str, Any]:
+    def _step_parts(self, parts: Parts, loss_fn: PartsLoss) -> WorkerTrainResult:
         from megatron.core import parallel_state as ps
 
         from rlpost.models.megatron.train_step import reduce_sums, step_accumulated
@@ -339,7 +348,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
                              self.train_state.optimizer.param_groups[0]["lr"], self.model.parameters())
 
     @staticmethod
-    def _from_last_stage(recorded: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _from_last_stage(recorded: list[dict[str, float]]) -> list[dict[str, float]]:
         """The micro-batches' metrics, which only the last pipeline stage recorded, on every stage."""
         from megatron.core import parallel_state as ps
 
@@ -352,8 +361,8 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         return box[0]
 
     @_megatron_call
-    def train(self, data: BatchedDataDict, loss_fn: Any, gbs: int | None = None,
-              eval_mode: bool = False) -> dict[str, Any]:
+    def train(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None = None,
+              eval_mode: bool = False) -> WorkerTrainResult:
         """One optimizer step per global batch of `data` (eval_mode: the loss and metrics only, no update)."""
         from megatron.core import parallel_state as ps
 
@@ -372,10 +381,11 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         step_state = dataclasses.replace(self.train_state, scheduler=_NoSchedulerStep())
         vp = self._vp_kwargs()
 
-        def step(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor) -> tuple[float, float, list[dict[str, Any]]]:
+        def step(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor
+                 ) -> tuple[float, float, list[dict[str, float]]]:
             gb = self._pad_seq(gb, self._seq_multiple())
             micro = [mb.to(self.device) for mb in gb.make_microbatch_iterator(mbs)]
-            recorded: list[dict[str, Any]] = []
+            recorded: list[dict[str, float]] = []
             mb_loss = functools.partial(_normalised_loss, loss_fn, gs, gt, vp, recorded)
             res = train_step(step_state, micro, mb_loss, temperature=self.temperature, loss_input="logits",
                              forward_only=eval_mode)
@@ -399,7 +409,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
     def _restore_optimizer_state(self) -> None:
         from rlpost.models.policy.megatron_checkpoint import move_optimizer_state
 
-        if self._offloaded:
+        if self._offloaded and self.train_state is not None:  # offloaded only with an optimizer
             move_optimizer_state(self.train_state.optimizer, self.device)
             self._offloaded = False
 

@@ -12,7 +12,6 @@ parameters on the CPU itself, so only the buffers move.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -87,7 +86,7 @@ def cuda_memory_stats(device: torch.device) -> dict[str, float]:
         return {}
     gib = float(2**30)
     free, total = torch.cuda.mem_get_info(device)
-    out: dict[str, Any] = {
+    out: dict[str, float] = {
         "memory_allocated_gb": torch.cuda.memory_allocated(device) / gib,
         "memory_reserved_gb": torch.cuda.memory_reserved(device) / gib,
         "max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / gib,

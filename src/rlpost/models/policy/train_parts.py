@@ -18,13 +18,22 @@ raises, and `finish_parts` refuses the batch.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.models.policy.global_batches import add_mb_metrics, local_valid_counts
+from rlpost.models.policy.interfaces import GlobalBatchesResult, WorkerTrainResult
+from rlpost.ops.loss_interface import LossFunction
+
+
+class PartsLoss(LossFunction, Protocol):
+    """A loss a batch can be trained with in parts: it turns the parts' sums into its global means."""
+
+    def accumulated_scales(self, global_valid_seqs: float, global_valid_toks: float) -> tuple[float, dict[str, float]]:
+        """(the loss's and its gradients' factor, each metric's factor; a metric absent: unchanged)."""
 
 
 class Parts:
@@ -35,16 +44,16 @@ class Parts:
         self.loss = torch.zeros((), device=device)
         self.counts = torch.zeros(2, device=device)
         """This rank's valid sequences and valid tokens so far (`local_valid_counts`)."""
-        self.metrics: list[dict[str, Any]] = []
+        self.metrics: list[dict[str, float]] = []
         self.done = 0
         """Parts trained (they are trained in index order: the next one is part `done`)."""
         self.failed = False
-        self.waiting: dict[int, tuple[BatchedDataDict, Any]] = {}
+        self.waiting: dict[int, tuple[BatchedDataDict, LossFunction]] = {}
         """Parts handed in ahead of their turn: index -> (data, loss_fn)."""
         self.training = False
         """A call is training parts now."""
 
-    def global_scales(self, loss_fn: Any, dp_group: dist.ProcessGroup | None) -> tuple[float, dict[str, float]]:
+    def global_scales(self, loss_fn: PartsLoss, dp_group: dist.ProcessGroup | None) -> tuple[float, dict[str, float]]:
         """Once every part is trained: the counts summed over the data-parallel group (in place), and what turns the
         parts' sums into the loss's global means (`loss_fn.accumulated_scales`: the loss's and gradients' factor,
         each metric's)."""
@@ -52,7 +61,7 @@ class Parts:
         scale, metric_scales = loss_fn.accumulated_scales(float(self.counts[0]), float(self.counts[1]))
         return float(scale), metric_scales
 
-    def result(self, loss: float, grad_norm: float, metric_scales: dict[str, float]) -> dict[str, Any]:
+    def result(self, loss: float, grad_norm: float, metric_scales: dict[str, float]) -> GlobalBatchesResult:
         """`train`'s result for the batch (one global batch; the metrics scaled), before `finish_result`."""
         mb_metrics: dict[str, list[float]] = {}
         add_mb_metrics(mb_metrics, self.metrics, metric_scales)
@@ -74,17 +83,17 @@ class TrainPartsMixin:
         """Before the first part: no optimizer raises; the gradients are zeroed."""
         raise NotImplementedError
 
-    def _accumulate_part(self, parts: Parts, data: BatchedDataDict, loss_fn: Any) -> None:
+    def _accumulate_part(self, parts: Parts, data: BatchedDataDict, loss_fn: LossFunction) -> None:
         """Forward and backward over `data`'s micro-batches with both normalisers 1, gradients accumulating; adds
         the loss into parts.loss and each micro-batch's metrics to parts.metrics."""
         raise NotImplementedError
 
-    def _step_parts(self, parts: Parts, loss_fn: Any) -> dict[str, Any]:
+    def _step_parts(self, parts: Parts, loss_fn: PartsLoss) -> WorkerTrainResult:
         """Every part is trained: scale (`parts.global_scales`), clip, step; `train`'s result (`parts.result`)."""
         raise NotImplementedError
 
     # ---- the calls ---------------------------------------------------------------------------------------
-    def train_part(self, data: BatchedDataDict, loss_fn: Any, index: int = 0) -> int:
+    def train_part(self, data: BatchedDataDict, loss_fn: LossFunction, index: int = 0) -> int:
         """Hand in part `index` of the step's single global batch; it is trained (forward and backward) in index
         order, by this call or by the one training the parts before it (module docstring). The rows handed in."""
         with self._parts_done:
@@ -119,7 +128,7 @@ class TrainPartsMixin:
                 self._parts_done.notify_all()
             raise
 
-    def finish_parts(self, loss_fn: Any, num_parts: int) -> dict[str, Any]:
+    def finish_parts(self, loss_fn: PartsLoss, num_parts: int) -> WorkerTrainResult:
         """Once `num_parts` parts are trained: one optimizer step over all of them (`_step_parts`)."""
         with self._parts_done:
             self._parts_done.wait_for(lambda: self._parts is not None and (self._parts.failed

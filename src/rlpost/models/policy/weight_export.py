@@ -10,9 +10,17 @@ own workers.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+from rlpost.models.policy.interfaces import StagedExport
+
+if TYPE_CHECKING:
+    from rlpost.distributed.bucket_layout import RefitBucket
+    from rlpost.distributed.collective import StatelessGroup
+    from rlpost.distributed.cuda_ipc_buckets import CudaIpcBucketWriter
+    from rlpost.distributed.shm_buckets import ShmBucketWriter
 
 
 def params_finite(params: Iterable[torch.Tensor]) -> bool:
@@ -37,8 +45,8 @@ class WeightExportMixin:
     world_size: int
     device: torch.device
     _export: list[tuple[str, torch.Tensor]]
-    _refit_group: Any = None
-    _shm: dict[int, Any] | None = None
+    _refit_group: StatelessGroup | None = None
+    _shm: dict[int, ShmBucketWriter | CudaIpcBucketWriter] | None = None
     """Rank 0's reusable IPC buffers (ShmBucketWriter or CudaIpcBucketWriter) for colocated refit buckets, per slot
     (0, 1), once written."""
     _staged: tuple[list[tuple[str, torch.Tensor]], str] | None = None
@@ -50,7 +58,7 @@ class WeightExportMixin:
 
         return plan_buckets(self._export, max_bytes) if self.rank == 0 else []
 
-    def put_export_bucket(self, indices: list[int], ipc: bool = False, slot: int = 0) -> Any:
+    def put_export_bucket(self, indices: list[int], ipc: bool = False, slot: int = 0) -> RefitBucket:
         """Rank 0: one bucket for the engines, forwarded unread by the caller: into this rank's reusable IPC buffer
         number `slot` (`ipc`: the engines are on this node; a descriptor comes back; the caller writes bucket k + 1
         into the other slot while the engines load bucket k), or into the object store ([ref])."""
@@ -63,27 +71,28 @@ class WeightExportMixin:
 
         return [ray.put(encode(named))]
 
-    def stage_export(self, dtype: str, max_bytes: int, ipc: bool = False) -> dict[str, Any]:
+    def stage_export(self, dtype: str, max_bytes: int, ipc: bool = False) -> StagedExport | None:
         """All ranks: gather the full weights (a collective). Rank 0 answers with the bucket plan and the export's
-        fingerprint; when the whole export fits one bucket it is already out (`first`, see put_export_bucket)
-        and the export is cleared, so a small model's refit takes one call here.
+        fingerprint (None elsewhere); when the whole export fits one bucket it is already out (`first`, see
+        put_export_bucket) and the export is cleared, so a small model's refit takes one call here.
 
         Through IPC buffers a model larger than `max_bytes` goes in buckets of half of it, one per slot, so rank 0
         writes the next while the engines load the current and the two slots together stay within `max_bytes`
         (`policy.refit_buffer_size_gb`)."""
         self.prepare_weights_for_export(dtype)  # type: ignore[attr-defined]
         if self.rank != 0:
-            return {}
+            return None
         plan = self.plan_export_buckets(max_bytes)
         if ipc and len(plan) > 1:
             plan = self.plan_export_buckets(max(1, max_bytes // 2))
-        out: dict[str, Any] = {"plan": plan, "fingerprint": self.export_fingerprint()}
-        if len(plan) == 1:
-            out["first"] = self.put_export_bucket(plan[0], ipc)
-            self.clear_export()
-        return out
+        fingerprint = self.export_fingerprint()
+        if len(plan) != 1:
+            return StagedExport(plan, fingerprint)
+        first = self.put_export_bucket(plan[0], ipc)
+        self.clear_export()
+        return StagedExport(plan, fingerprint, first)
 
-    def _shm_writer(self, slot: int) -> Any:
+    def _shm_writer(self, slot: int) -> ShmBucketWriter | CudaIpcBucketWriter:
         """Rank 0's reusable buffer `slot` shared with the engines on this node, created on first use: a
         shared-memory segment (ShmBucketWriter), or on the policy's only GPU a device buffer the colocated engine
         opens over CUDA IPC (CudaIpcBucketWriter: the export never leaves the GPU)."""
@@ -126,20 +135,19 @@ class WeightExportMixin:
     def clear_export(self) -> None:
         self._export = []
 
-    def stage_weights(self, dtype: str) -> dict[str, Any]:
+    def stage_weights(self, dtype: str) -> str:
         """All ranks: gather the full weights (a collective); rank 0 keeps a private copy, cast to `dtype`, and
-        answers {'fingerprint': its fingerprint} ({} elsewhere). Async GRPO stages after every update, so the
+        answers its fingerprint ('' elsewhere). Async GRPO stages after every update, so the
         engine's refit (`broadcast_staged`) can run while the next update trains: the copy is never written by
         training. On a GPU it is one more copy of the model in rank 0's device memory, in the engine's dtype."""
         self.prepare_weights_for_export(dtype)  # type: ignore[attr-defined]
-        out: dict[str, Any] = {}
+        fp = ""
         if self.rank == 0:
             fp = self.export_fingerprint()
             staged = [(n, t.detach().clone()) for n, t in self._export]  # never a view of a live parameter
             self._staged = (staged, fp)  # one assignment: a broadcast in flight keeps the copy it started with
-            out = {"fingerprint": fp}
         self.clear_export()
-        return out
+        return fp
 
     def broadcast_staged(self) -> str:
         """Rank 0: broadcast the staged copy over the refit group (the engines receive concurrently); its
@@ -149,7 +157,7 @@ class WeightExportMixin:
         staged = self._staged
         if staged is None:
             raise RuntimeError("broadcast_staged before stage_weights")
-        self._refit_group.broadcast_tensors(staged[0], src=0)
+        self._joined_group().broadcast_tensors(staged[0], src=0)
         return staged[1]
 
     def _join_refit_group(self, host: str, port: int, world_size: int) -> None:
@@ -160,11 +168,17 @@ class WeightExportMixin:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             self._refit_group = StatelessGroup(host, port, 0, world_size, backend=backend)
 
+    def _joined_group(self) -> StatelessGroup:
+        """Rank 0's refit group (joined by `_join_refit_group`)."""
+        if self._refit_group is None:
+            raise RuntimeError("no refit group: init_refit_collective first")
+        return self._refit_group
+
     def _broadcast_export(self) -> str:
         """Rank 0 broadcasts the prepared export; returns its fingerprint ('' on other ranks) and clears it."""
         fp = ""
         if self.rank == 0:
-            self._refit_group.broadcast_tensors(self._export, src=0)
+            self._joined_group().broadcast_tensors(self._export, src=0)
             fp = self.export_fingerprint()
         self.clear_export()
         return fp
