@@ -268,7 +268,7 @@ def check_output_dir(overrides: list[str], multirun: bool) -> None:
 
 def _plan(argv: list[str]) -> int:
     from rlpost.config.errors import ConfigError
-    from rlpost.config.load import load_master_config
+    from rlpost.config.load import load_master_config, validation_off_note
     from rlpost.plan import print_plan
     from rlpost.preflight import check_precision
     from rlpost.runtime.build import check_targets, verify_targets
@@ -278,7 +278,7 @@ def _plan(argv: list[str]) -> int:
         return 0
     try:
         check_hydra_overrides(argv)
-        _, master = load_master_config(argv)
+        cfg, master = load_master_config(argv)
         check_hydra_node(compose_hydra_node(argv))
         check_targets(master)
         verify_targets(master)
@@ -286,6 +286,8 @@ def _plan(argv: list[str]) -> int:
     except ConfigError as err:
         report_config_error(err)
         return 2
+    if note := validation_off_note(cfg, argv):
+        print(f"rlpost: warning: {note}", file=sys.stderr)  # console.warn would log it too: no log file here
     print_plan(master)
     return 0
 

@@ -55,8 +55,9 @@ def supervised_plan_rows(cfg: SupervisedMasterConfig) -> list[tuple[str, str]]:
         ("reference policy", reference),
         ("batching", "sequence packing" if p.sequence_packing.enabled else
          "dynamic batching" if p.dynamic_batching.enabled else "fixed micro-batches"),
-        ("steps", f"max {loop.max_num_steps} steps / {loop.max_num_epochs} epoch(s); validate every "
-                  f"{loop.val_period} ({loop.val_global_batch_size} sequences a batch)"),
+        ("steps", f"max {loop.max_num_steps} steps / {loop.max_num_epochs} epoch(s); " + (
+            f"validate every {loop.val_period} ({loop.val_global_batch_size} sequences a batch)" if loop.val_period
+            else "no validation during training")),
     ]
 
 

@@ -49,7 +49,7 @@ def run_job(cfg: DictConfig) -> dict[str, object]:
     """
     from rlpost import failures
     from rlpost.config.errors import ConfigError, report_config_error
-    from rlpost.config.load import to_master_config
+    from rlpost.config.load import task_overrides, to_master_config, validation_off_note
     from rlpost.plan import print_plan
     from rlpost.preflight import check_output_dirs, preflight_checks
     from rlpost.runtime import console as say
@@ -75,6 +75,8 @@ def run_job(cfg: DictConfig) -> dict[str, object]:
     from rlpost.runtime.run_log import capture_driver_output
 
     capture_driver_output(_log_file() or run_dir / "train.log")
+    if note := validation_off_note(cfg, task_overrides()):
+        say.warn(note)
     (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(master), resolve=True))
     print_plan(master)
     from rlpost.runner import run

@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, DictKeyType, ListConfig, OmegaConf
@@ -177,15 +177,22 @@ def translate_exception(exc: BaseException, cfg: DictConfig | None = None) -> Co
     return ConfigError("<overrides>", None, " ".join(line.strip() for line in first if line.strip())[:500])
 
 
-def to_master_config(cfg: DictConfig) -> MasterConfig | SupervisedMasterConfig:
+def to_master_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> MasterConfig | SupervisedMasterConfig:
     """DictConfig (with or without a `hydra` node) -> the algorithm's validated master config (GRPO's
-    MasterConfig, or SFT / DPO / RM's), or ConfigError."""
+    MasterConfig, or SFT / DPO / RM's), or ConfigError. `overrides`: the command line's (default: the `hydra`
+    node's, else the running Hydra job's), which tell a default of conf/ from what the command asked for
+    (`validation_off_note`)."""
     node = cfg.copy()
+    if overrides is None:
+        given = OmegaConf.select(node, "hydra.overrides.task", default=None)
+        overrides = list(given) if given is not None else task_overrides()
     if "hydra" in node:
         with_struct = OmegaConf.is_struct(node)
         OmegaConf.set_struct(node, False)
         node.pop("hydra")
         OmegaConf.set_struct(node, with_struct)
+    if validation_off_note(node, overrides):
+        _turn_validation_off(node)
     # to_object would keep a key the schema lacks as a stray attribute, and use it or not: refuse it first.
     check_unknown_keys(node)
     try:
@@ -197,6 +204,58 @@ def to_master_config(cfg: DictConfig) -> MasterConfig | SupervisedMasterConfig:
     if isinstance(obj, MasterConfig):
         layout_of(obj)  # the layout's rules are the last config check; computed once, reused by setup
     return obj
+
+
+def task_overrides() -> list[str]:
+    """The overrides of the running Hydra job ([] outside one)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # no Hydra job is running
+        return []
+
+
+def _supervised_algo(cfg: DictConfig) -> str | None:
+    return next((a for a in ("sft", "dpo", "rm") if cfg.get(a) is not None), None)
+
+
+def validation_off_note(cfg: DictConfig, overrides: Sequence[str]) -> str | None:
+    """The warning of an SFT / DPO / RM job on local files without validation files, whose validation (every
+    `val_period` steps, `val_at_start`, a 'val:' checkpoint metric) comes from conf/'s defaults only: there is
+    nothing to validate on, so validation goes off and checkpoints are ranked by train:loss (`to_master_config`).
+    None for any other job. Validation the command line asks for (`sft.val_period=5`, `sft.val_at_start=true`,
+    `checkpointing.metric_name=val:loss`) stays on, and the config check refuses it, naming data.val_data_paths."""
+    try:
+        algo = _supervised_algo(cfg)
+        if algo is None or cfg.data.get("dataset_name") == "synthetic" or cfg.data.get("val_data_paths"):
+            return None
+        loop, metric = cfg[algo], str(OmegaConf.select(cfg, "checkpointing.metric_name", default=None))
+        asks = {f"{algo}.val_period": bool(loop.get("val_period")), f"{algo}.val_at_start": bool(loop.get("val_at_start")),
+                "checkpointing.metric_name": metric.startswith("val:")}
+    except Exception:  # noqa: BLE001 - a malformed block: the config check names it
+        return None
+    given = {o.lstrip("+~").partition("=")[0] for o in overrides}
+    if not any(asks.values()) or any(asks[k] for k in given & asks.keys()):
+        return None
+    ranked = " and checkpoints are ranked by train:loss" if asks["checkpointing.metric_name"] else ""
+    every = f" every {loop.get('val_period')} steps" if asks[f"{algo}.val_period"] else ""
+    return (f"no validation rows (data.val_data_paths is empty): {algo} validation is off{ranked}; "
+            f"give data.val_data_paths=[...] to validate{every}")
+
+
+def _turn_validation_off(cfg: DictConfig) -> None:
+    """What validation_off_note announces: val_period=0, val_at_start=false, a 'val:' metric -> train:loss."""
+    from omegaconf import flag_override
+
+    algo = _supervised_algo(cfg)
+    assert algo is not None
+    with flag_override(cfg, "readonly", False):
+        cfg[algo].val_period = 0
+        cfg[algo].val_at_start = False
+        if str(OmegaConf.select(cfg, "checkpointing.metric_name", default=None)).startswith("val:"):
+            cfg.checkpointing.metric_name = "train:loss"
+            cfg.checkpointing.higher_is_better = False
 
 
 def compose_config(overrides: list[str] | None = None, config_name: str = CONFIG_NAME) -> DictConfig:
@@ -241,7 +300,7 @@ def _algorithm_mismatch(overrides: list[str]) -> ConfigError | None:
 def load_master_config(overrides: list[str] | None = None) -> tuple[DictConfig, MasterConfig | SupervisedMasterConfig]:
     """Compose and validate: the resolved DictConfig and the typed MasterConfig."""
     cfg = compose_config(overrides)
-    return cfg, to_master_config(cfg)
+    return cfg, to_master_config(cfg, list(overrides or []))
 
 
 def to_yaml(obj: object) -> str:

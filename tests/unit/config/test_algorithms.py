@@ -100,8 +100,12 @@ def test_checkpoint_metric_must_be_one_the_algorithm_logs() -> None:
 
 
 def test_validation_needs_validation_rows() -> None:
-    err = refused("algo=sft", "data=sft_jsonl", "data.train_data_path=/tmp/t.jsonl")
-    assert err.key == "data.val_data_paths" and "sft.val_period=0" in (err.hint or "")
-    _, m = load_master_config(["algo=sft", "data=sft_jsonl", "data.train_data_path=/tmp/t.jsonl", "sft.val_period=0",
-                               "sft.val_at_start=false", "checkpointing.metric_name=train:loss"])
+    # conf/'s default validation goes off without validation rows (checkpoints ranked by train:loss) ...
+    files = ["algo=sft", "data=sft_jsonl", "data.train_data_path=/tmp/t.jsonl"]
+    _, m = load_master_config(files)
+    assert (m.loop.val_period, m.loop.val_at_start, m.checkpointing.metric_name) == (0, False, "train:loss")
+    # ... validation asked for on the command line is refused
+    err = refused(*files, "sft.val_period=5")
+    assert err.key == "data.val_data_paths" and "sft.val_period=5" in err.rule
+    _, m = load_master_config([*files, "sft.val_period=0", "sft.val_at_start=false", "checkpointing.metric_name=train:loss"])
     assert m.loop.val_period == 0

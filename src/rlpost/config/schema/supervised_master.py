@@ -88,8 +88,9 @@ class SupervisedMasterConfig:
         d = self.rows
         if d.dataset_name != "synthetic" and not d.val_data_paths and (self.loop.val_period or self.loop.val_at_start):
             raise ConfigError("data.val_data_paths", [], f"{a}.val_period={self.loop.val_period} validates, but there "
-                              "are no validation rows", f"set data.val_data_paths=[...] or {a}.val_period=0 "
-                              f"{a}.val_at_start=false checkpointing.metric_name=train:loss")
+                              "are no validation rows", "set data.val_data_paths=[...], or leave validation to the "
+                              f"defaults (off without validation rows): drop {a}.val_period / {a}.val_at_start / a "
+                              "'val:' checkpointing.metric_name from the command")
         self.logger.check("logger")
         require(self.logger.num_val_samples_to_print == 0, "logger.num_val_samples_to_print",
                 self.logger.num_val_samples_to_print, f"algo={a} generates no samples to print (GRPO only)")
