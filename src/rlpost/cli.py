@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from rlpost import __version__
 from rlpost.config.errors import report_config_error
+
+if TYPE_CHECKING:
+    from rlpost.runtime.run_lock import RunLock
 
 USAGE = """\
 usage: rlpost <command> [hydra overrides]
@@ -73,20 +76,23 @@ def _expand_sweeps(overrides: list[str]) -> list[list[str]]:
     return [job for batch in batches for job in batch]
 
 
-def preflight(overrides: list[str], multirun: bool, flags: Sequence[str] = ()) -> int:
-    """Compose and validate every job before Hydra starts anything; print the first error, return 2 on error."""
+def preflight(overrides: list[str], multirun: bool, flags: Sequence[str] = (),
+              hydra_nodes: list[dict[str, Any]] | None = None) -> int:
+    """Compose and validate every job before Hydra starts anything; print the first error, return 2 on error.
+    Each job's `hydra` node (unresolved) is appended to `hydra_nodes` when given."""
     from rlpost.runtime.gc_heap import collect_and_freeze, paused_gc
 
     # No collections while the checks import torch and compose each job (1.0 s of them on the 2-core host); once
     # they pass, one that frees what composing the jobs dropped (10-13 MB a job), and the imports are frozen.
     with paused_gc(freeze=False):
-        rc = _preflight(overrides, multirun, flags)
+        rc = _preflight(overrides, multirun, flags, hydra_nodes)
     if rc == 0:
         collect_and_freeze()
     return rc
 
 
-def _preflight(overrides: list[str], multirun: bool, flags: Sequence[str]) -> int:
+def _preflight(overrides: list[str], multirun: bool, flags: Sequence[str],
+               hydra_nodes: list[dict[str, Any]] | None) -> int:
     from rlpost.config.errors import ConfigError
     from rlpost.config.load import load_master_config, translate_exception
     from rlpost.runtime.build import check_targets, verify_targets
@@ -107,7 +113,10 @@ def _preflight(overrides: list[str], multirun: bool, flags: Sequence[str]) -> in
     for job in jobs:
         try:
             _, master = load_master_config(job)
-            check_hydra_node(compose_hydra_node(job))
+            node = compose_hydra_node(job)
+            check_hydra_node(node)
+            if hydra_nodes is not None:
+                hydra_nodes.append(node)
             check_targets(master)
             verify_targets(master)
             preflight_checks(master)
@@ -333,21 +342,47 @@ def _eval(argv: list[str]) -> int:
 
 def _train(argv: list[str]) -> int:
     flags, overrides, multirun = split_hydra_argv(argv)
+    nodes: list[dict[str, Any]] = []
+    runs_jobs = not any(f in _NO_JOB_FLAGS or f.split("=", 1)[0] in ("--cfg", "-c") for f in flags)
     if not any(f in _NO_JOB_FLAGS for f in flags):
-        rc = preflight(overrides, multirun, flags)
+        rc = preflight(overrides, multirun, flags, nodes)
         if rc:
             return rc
     import os
 
     from rlpost import train
+    from rlpost.config.errors import ConfigError
 
+    try:
+        lock = lock_output_dir(nodes[0], multirun) if runs_jobs and nodes else None
+    except ConfigError as err:
+        report_config_error(err)
+        return 2
     sys.argv = ["rlpost train", *argv]
     os.environ[train.PREFLIGHT_DONE] = "1"  # every job was checked above; run_job need not read the data again
     try:
         train.main()
     finally:
         os.environ.pop(train.PREFLIGHT_DONE, None)
+        if lock is not None:
+            lock.release()
     return 0
+
+
+def lock_output_dir(hydra: dict[str, Any], multirun: bool) -> RunLock | None:
+    """Lock the run directory (the sweep directory under -m) before Hydra writes into it, when the config names it
+    literally (rlpost.runtime.run_lock); each job locks its own directory again when it starts. A directory made
+    of interpolations (the default `outputs/${now:...}`) is only known once Hydra resolves it: the job locks it.
+    ConfigError when another run holds it."""
+    from pathlib import Path
+
+    from rlpost.runtime.run_lock import acquire
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    value = (hydra.get("sweep" if multirun else "run") or {}).get("dir")
+    if not isinstance(value, str) or "${" in value:
+        return None
+    return acquire(Path(value), key)
 
 
 def main(argv: list[str] | None = None) -> int:

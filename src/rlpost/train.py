@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -16,6 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlpost.config.load import conf_dir
 from rlpost.config.store import register_configs
+
+if TYPE_CHECKING:
+    from rlpost.preflight import AnyMaster
+    from rlpost.runtime.run_lock import RunLock
 
 register_configs()
 
@@ -49,8 +54,7 @@ def run_job(cfg: DictConfig) -> dict[str, object]:
     """
     from rlpost import failures
     from rlpost.config.errors import ConfigError, report_config_error
-    from rlpost.config.load import task_overrides, to_master_config, validation_off_note
-    from rlpost.plan import print_plan
+    from rlpost.config.load import to_master_config
     from rlpost.preflight import check_output_dirs, preflight_checks
     from rlpost.runtime import console as say
     from rlpost.runtime.build import check_targets, verify_targets
@@ -64,7 +68,7 @@ def run_job(cfg: DictConfig) -> dict[str, object]:
             check_output_dirs(master, run_dir)
         else:
             preflight_checks(master, run_dir)
-        _make_run_dir(run_dir)
+        locks = _lock_dirs(master, run_dir)
     except ConfigError as err:
         report_config_error(err)
         sys.exit(failures.EXIT_INPUT)
@@ -72,6 +76,44 @@ def run_job(cfg: DictConfig) -> dict[str, object]:
         failures.log_traceback(exc)
         say.error(failures.describe(exc, _log_file()))
         sys.exit(failures.exit_status(exc))
+    try:
+        return _run_locked(cfg, master, run_dir)
+    finally:  # after the runner released Ray and the workers, whatever ended the run
+        for lock in reversed(locks):
+            lock.release()
+
+
+def _lock_dirs(master: AnyMaster, run_dir: Path) -> list[RunLock]:
+    """Lock the run directory, and the checkpoint directory when it lies elsewhere (rlpost.runtime.run_lock), then
+    check the run directory is writable; ConfigError (exit 2) when another run holds one of them."""
+    from hydra.types import RunMode
+
+    from rlpost.runtime.checkpointing import CheckpointManager
+    from rlpost.runtime.run_lock import acquire
+
+    try:
+        multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:
+        multirun = False
+    locks = [acquire(run_dir, "hydra.sweep.dir" if multirun else "hydra.run.dir")]
+    try:
+        ck = master.checkpointing
+        ck_dir = CheckpointManager.directory(ck, run_dir)
+        if ck.enabled and not Path(os.path.realpath(ck_dir)).is_relative_to(os.path.realpath(run_dir)):
+            locks.append(acquire(ck_dir, "checkpointing.checkpoint_dir"))
+        _make_run_dir(run_dir)
+    except BaseException:
+        for lock in reversed(locks):
+            lock.release()
+        raise
+    return locks
+
+
+def _run_locked(cfg: DictConfig, master: AnyMaster, run_dir: Path) -> dict[str, object]:
+    from rlpost import failures
+    from rlpost.config.load import task_overrides, validation_off_note
+    from rlpost.plan import print_plan
+    from rlpost.runtime import console as say
     from rlpost.runtime.run_log import capture_driver_output
 
     capture_driver_output(_log_file() or run_dir / "train.log")

@@ -210,11 +210,16 @@ class CheckpointManager:
     def __init__(self, cfg: CheckpointingConfig, run_dir: Path) -> None:
         self.cfg = cfg
         self._hashes: dict[_StatKey, str] = {}
-        self.dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
+        self.dir = self.directory(cfg, run_dir)
         if cfg.enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
             for leftover in self.dir.glob("tmp_step_*"):
                 shutil.rmtree(leftover, ignore_errors=True)
+
+    @staticmethod
+    def directory(cfg: CheckpointingConfig, run_dir: Path) -> Path:
+        """Where the run's step_N checkpoints go: checkpointing.checkpoint_dir, else <run dir>/checkpoints."""
+        return Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
 
     def steps(self) -> list[int]:
         if not self.dir.is_dir():
