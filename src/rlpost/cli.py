@@ -343,11 +343,13 @@ def _train(argv: list[str]) -> int:
 
     sys.argv = ["rlpost train", *argv]
     os.environ[train.PREFLIGHT_DONE] = "1"  # every job was checked above; run_job need not read the data again
+    train.SWEEP_FAILURES.clear()
     try:
         train.main()
     finally:
         os.environ.pop(train.PREFLIGHT_DONE, None)
-    return 0
+    # A sweep runs every job even when one fails; it then ends with the first failed job's status.
+    return train.sweep_exit_status()
 
 
 def main(argv: list[str] | None = None) -> int:
