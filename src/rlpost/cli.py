@@ -360,13 +360,15 @@ def _train(argv: list[str]) -> int:
         return 2
     sys.argv = ["rlpost train", *argv]
     os.environ[train.PREFLIGHT_DONE] = "1"  # every job was checked above; run_job need not read the data again
+    train.SWEEP_FAILURES.clear()
     try:
         train.main()
     finally:
         os.environ.pop(train.PREFLIGHT_DONE, None)
         if lock is not None:
             lock.release()
-    return 0
+    # A sweep runs every job even when one fails; it then ends with the first failed job's status.
+    return train.sweep_exit_status()
 
 
 def lock_output_dir(hydra: dict[str, Any], multirun: bool) -> RunLock | None:

@@ -1,7 +1,9 @@
 """The @hydra.main task: compose -> typed MasterConfig -> build -> run -> close (always).
 
 A bad config exits with status 2 and one message, never a traceback. Under `-m` the basic
-launcher runs jobs one after another in this process; each job releases what it started.
+launcher runs jobs one after another in this process; each job releases what it started, and a job
+that fails is recorded (its one line and exit status, in <job dir>/failure.json and SWEEP_FAILURES)
+instead of ending the sweep: the next job runs. Ctrl-C / SIGTERM still stop the whole sweep.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ register_configs()
 PREFLIGHT_DONE = "RLPOST_PREFLIGHT_DONE"
 """Set by the `rlpost` CLI around Hydra's run once its pre-flight checked every job of the command."""
 
+SWEEP_FAILURES: list[tuple[int, int]] = []
+"""(job number, exit status) of each sweep job that failed in this process, in the order they ran."""
+
+
+def sweep_exit_status() -> int:
+    """The sweep's exit status: the first failed job's documented status, 0 when every job succeeded."""
+    return SWEEP_FAILURES[0][1] if SWEEP_FAILURES else 0
+
 
 def _run_dir() -> Path:
     try:
@@ -46,17 +56,50 @@ def _log_file() -> Path | None:
     return None
 
 
+def _in_sweep() -> int | None:
+    """This job's number when Hydra runs it as part of a multirun, else None."""
+    from hydra.types import RunMode
+
+    try:
+        hc = HydraConfig.get()
+    except ValueError:
+        return None
+    return int(hc.job.num) if hc.mode == RunMode.MULTIRUN else None
+
+
+def _failed(code: int, line: str, run_dir: Path) -> dict[str, object]:
+    """End a failed job with `code`: a single run exits; a sweep job is recorded and the sweep goes on.
+
+    `line` is what was printed on the console (its first line lands in the sweep summary). Interrupts
+    always exit, so Ctrl-C / SIGTERM stop the whole sweep.
+    """
+    import json
+
+    from rlpost import failures
+    from rlpost.sweep_summary import FAILURE_FILE
+
+    job = _in_sweep()
+    if job is None or code in (failures.EXIT_INTERRUPT, failures.EXIT_TERMINATED):
+        sys.exit(code)
+    SWEEP_FAILURES.append((job, code))
+    record = {"exit_status": code, "error": line.splitlines()[0]}
+    try:
+        (run_dir / FAILURE_FILE).write_text(json.dumps(record))
+    except OSError:
+        pass  # an unwritable job dir: its row then lacks the line, the sweep's exit status still counts it
+    return {"run_dir": str(run_dir), **record}
+
+
 def run_job(cfg: DictConfig) -> dict[str, object]:
-    """Validate, write the resolved config into the run directory, then run the job.
+    """Validate, lock and create the run directory, write the resolved config into it, then run the job.
 
     Every known failure ends with one line and its documented exit status (rlpost.failures);
-    the traceback goes to train.log.
+    the traceback goes to train.log. In a sweep a failed job returns its record instead (see _failed).
     """
     from rlpost import failures
-    from rlpost.config.errors import ConfigError, report_config_error
+    from rlpost.config.errors import ConfigError, format_config_error
     from rlpost.config.load import to_master_config
     from rlpost.preflight import check_output_dirs, preflight_checks
-    from rlpost.runtime import console as say
     from rlpost.runtime.build import check_targets, verify_targets
 
     run_dir = _run_dir()
@@ -70,12 +113,11 @@ def run_job(cfg: DictConfig) -> dict[str, object]:
             preflight_checks(master, run_dir)
         locks = _lock_dirs(master, run_dir)
     except ConfigError as err:
-        report_config_error(err)
-        sys.exit(failures.EXIT_INPUT)
+        msg = format_config_error(err)
+        print(msg, file=sys.stderr)
+        return _failed(failures.EXIT_INPUT, msg, run_dir)
     except Exception as exc:  # noqa: BLE001 - e.g. DataError: bad input found before anything starts
-        failures.log_traceback(exc)
-        say.error(failures.describe(exc, _log_file()))
-        sys.exit(failures.exit_status(exc))
+        return _job_error(exc, run_dir)
     try:
         return _run_locked(cfg, master, run_dir)
     finally:  # after the runner released Ray and the workers, whatever ended the run
@@ -126,9 +168,18 @@ def _run_locked(cfg: DictConfig, master: AnyMaster, run_dir: Path) -> dict[str, 
     try:
         return run(master, run_dir)
     except (Exception, KeyboardInterrupt, failures.Interrupted) as exc:
-        failures.log_traceback(exc)
-        say.error(failures.describe(exc, _log_file()))
-        sys.exit(failures.exit_status(exc))
+        return _job_error(exc, run_dir)
+
+
+def _job_error(exc: BaseException, run_dir: Path) -> dict[str, object]:
+    """Traceback to train.log, the one `rlpost: error: ...` line to the console, then _failed."""
+    from rlpost import failures
+    from rlpost.runtime import console as say
+
+    failures.log_traceback(exc)
+    line = failures.describe(exc, _log_file())
+    say.error(line)
+    return _failed(failures.exit_status(exc), f"rlpost: error: {line}", run_dir)
 
 
 def _make_run_dir(run_dir: Path) -> None:

@@ -249,23 +249,33 @@ def test_resume_after_kill_9_matches_a_straight_run_and_a_changed_config_is_refu
     assert "Traceback" not in out.stderr
 
 
-def test_multirun_trains_two_jobs_and_prints_the_table(cache: Path, tmp_path: Path) -> None:
+def test_multirun_goes_on_after_a_job_diverges_and_ends_with_its_status(cache: Path, tmp_path: Path) -> None:
+    """Both jobs run with their own lr; lr=1e9 trips the health gate in job 1: job 0's results stay, job 1 is listed
+    with exit 3 and its line, the table prints, and the sweep exits 3, with no traceback on the console."""
+    sweep = tmp_path / "sweep"
     out = subprocess.run(
-        [RLPOST, "train", "-m", "policy.optimizer.kwargs.lr=3e-4,3e-3", "generation=hf", *SMALL,
-         "grpo.max_num_steps=1", "grpo.val_period=0", "checkpointing=disabled", f"hydra.sweep.dir={tmp_path}/sweep"],
+        [RLPOST, "train", "-m", "policy.optimizer.kwargs.lr=3e-3,1e9",  # the default job: step 2 of 1e9 diverges
+         "grpo.max_num_steps=2", "grpo.val_period=0", "checkpointing=disabled", f"hydra.sweep.dir={sweep}"],
         env=env(cache), capture_output=True, text=True, timeout=900,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads((tmp_path / "sweep" / "sweep_summary.json").read_text())
-    assert [r["overrides"]["policy.optimizer.kwargs.lr"] for r in rows] == ["0.0003", "0.003"]
-    assert all(r["final_reward"] is not None for r in rows)
+    assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
+    first = [m for m in metrics(sweep / "0") if "train/reward" in m]
+    assert [m["step"] for m in first] == [1, 2]
+    rows = json.loads((sweep / "sweep_summary.json").read_text())
+    assert [(r["job"], r["exit_status"]) for r in rows] == [(0, 0), (1, 3)]
+    assert rows[0]["error"] is None and rows[0]["final_reward"] == first[-1]["train/reward"]
+    line = rows[1]["error"]
+    assert line.startswith("rlpost: error: ") and line in out.stderr.splitlines()  # the line the job printed
+    assert "final train/reward" in out.stdout and "failed (exit 3)" in out.stdout
+    assert f"job 1 (exit 3): {line}" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
+    assert "Traceback" in (sweep / "1" / "train.log").read_text()
     import yaml
 
-    for i, lr in enumerate([3e-4, 3e-3]):
-        assert (tmp_path / "sweep" / str(i) / "metrics.jsonl").is_file()
-        resolved = yaml.safe_load((tmp_path / "sweep" / str(i) / "resolved_config.yaml").read_text())
+    for i, lr in enumerate([3e-3, 1e9]):
+        resolved = yaml.safe_load((sweep / str(i) / "resolved_config.yaml").read_text())
         assert resolved["policy"]["optimizer"]["kwargs"]["lr"] == pytest.approx(lr)
-    assert "final train/reward" in out.stdout and "policy.optimizer.kwargs.lr" in out.stdout
+    assert [r["overrides"]["policy.optimizer.kwargs.lr"] for r in rows] == ["0.003", "1000000000.0"]
 
 
 def test_default_job_learns_with_a_reduced_budget(cache: Path, tmp_path: Path) -> None:

@@ -47,13 +47,18 @@ def non_negative(key: str, value: float | int | None) -> None:
     require(value is not None and value >= 0, key, value, "must be >= 0")
 
 
-def report_config_error(err: ConfigError, job: list[str] | None = None) -> None:
-    """One clear message on stderr: key, value, rule (and hint)."""
+def format_config_error(err: ConfigError, job: list[str] | None = None) -> str:
+    """The message for `err`: key, value, rule (and the hint on a second line)."""
     where = f" (job: {' '.join(job)})" if job else ""
     msg = f"rlpost: config error{where}: {err.key}={err.value!r}: {err.rule}"
     if err.hint:
         msg += f"\n  hint: {err.hint}"
-    print(msg, file=sys.stderr)
+    return msg
+
+
+def report_config_error(err: ConfigError, job: list[str] | None = None) -> None:
+    """One clear message on stderr: key, value, rule (and hint)."""
+    print(format_config_error(err, job), file=sys.stderr)
 
 
 LOADER_ENV_VARS = frozenset({
