@@ -246,24 +246,23 @@ def _hydra_leaves(node: Any, path: str) -> Iterator[tuple[str, Any]]:
 
 
 def check_output_dir(overrides: list[str], multirun: bool) -> None:
-    """Hydra creates the run directory before rlpost runs: refuse one that is a file or unwritable."""
-    import os
+    """Hydra creates the run directory before rlpost runs: refuse an empty one (the working directory), a file,
+    and one that cannot be created or written."""
     from pathlib import Path
 
     from rlpost.config.errors import ConfigError
+    from rlpost.preflight import check_writable_dir
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
-    target = Path(given[-1]) if given else Path("multirun" if multirun else "outputs")
-    probe = target
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if probe == target and target.exists() and not target.is_dir():
+    if given and given[-1].strip().strip("'\"") in ("", "null"):
+        raise ConfigError(key, given[-1], "is empty; Hydra would write the run into the working directory",
+                          "leave it unset (outputs/<date>/<time>) or name a directory")
+    # An interpolation (${now:...}) is resolved by Hydra: the part before it is what exists or is created.
+    target = Path(given[-1].split("${", 1)[0] or ".") if given else Path("multirun" if multirun else "outputs")
+    if target.exists() and not target.is_dir():
         raise ConfigError(key, str(target), "is a file; the run directory must be a directory")
-    if probe.exists() and not probe.is_dir():
-        raise ConfigError(key, str(target), f"cannot be created: {probe} is a file")
-    if not os.access(probe if probe.exists() else Path.cwd(), os.W_OK | os.X_OK):
-        raise ConfigError(key, str(target), f"cannot be created: {probe} is not writable")
+    check_writable_dir(key, target)
 
 
 def _plan(argv: list[str]) -> int:

@@ -49,16 +49,29 @@ def check_answers(master: MasterConfig, rows: list[dict[str, Any]]) -> None:
             raise DataError(f"{row['source']}: {master.data.output_key}={row['expected_answer']!r}: {why}")
 
 
+def check_chat_template_value(master: MasterConfig | SupervisedMasterConfig) -> None:
+    """policy.tokenizer.chat_template names an existing *.jinja file, or is 'default', null or a Jinja template."""
+    key, ct = "policy.tokenizer.chat_template", master.policy.tokenizer.chat_template
+    if ct is None or ct == "default":
+        return
+    if ct.endswith(".jinja"):
+        if not Path(ct).is_file():
+            raise ConfigError(key, ct, "no such template file" if not Path(ct).exists() else "is not a file")
+    elif "{{" not in ct and "{%" not in ct:
+        raise ConfigError(key, ct, "is neither a *.jinja file nor a Jinja template (no {{ }} or {% %}): every "
+                          "prompt would be this text", "'default' (the tokenizer's own), null (raw prompts), a "
+                          "*.jinja path, or a template")
+
+
 def check_chat_template(master: MasterConfig) -> None:
     """The chat template renders a prompt, as the run will: a missing *.jinja file, a tokenizer without a
     template of its own under 'default', and a template that fails to render are named before anything starts.
-    Skipped for the tiny model (built on first use; its prompts are raw)."""
+    The rendering is skipped for the tiny model's own tokenizer (built on first use)."""
     tok_cfg = master.policy.tokenizer
     key, ct = "policy.tokenizer.chat_template", tok_cfg.chat_template
-    if master.model.tiny is not None or ct is None:
+    check_chat_template_value(master)
+    if ct is None or (master.model.tiny is not None and tok_cfg.name == master.model.path):
         return
-    if ct.endswith(".jinja") and not Path(ct).is_file():
-        raise ConfigError(key, ct, "no such template file")
     from rlpost.data.prompts import PromptProcessor, load_tokenizer
 
     tokenizer = load_tokenizer(tok_cfg, master.policy.trust_remote_code)

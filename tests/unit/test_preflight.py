@@ -248,6 +248,29 @@ def test_default_dirs_under_the_run_dir(tmp_path: Path) -> None:
     assert err.key == "logger.log_dir" and err.rule == f"cannot be created: {blocker} is a file"
 
 
+def test_a_directory_that_cannot_be_made_is_refused_even_where_os_access_says_yes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # root passes every os.access check; a read-only file system (or /proc) refuses the directory itself
+    import errno
+    import tempfile
+
+    def read_only(*args: Any, **kwargs: Any) -> str:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    err = refused(master(f"checkpointing.checkpoint_dir={tmp_path / 'a' / 'b'}"))
+    assert err.key == "checkpointing.checkpoint_dir"
+    assert err.rule == f"cannot be created: {tmp_path} is not writable (Read-only file system)"
+    err = refused(master(f"checkpointing.checkpoint_dir={tmp_path}"))
+    assert err.rule == "is not writable (Read-only file system)"
+
+
+def test_the_writable_probe_leaves_nothing_behind(tmp_path: Path) -> None:
+    preflight_checks(master(f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"), tmp_path / "run")
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- model directory ----------------------------------------------------------------------------
 
 
@@ -273,6 +296,28 @@ def test_incomplete_model_dir(tmp_path: Path, remove: str | None, rule: str) -> 
         f.unlink()
     err = refused(m)
     assert err.key == "model.path" and err.value == str(d) and err.rule.startswith(rule), str(err)
+
+
+def test_under_the_tiny_model_what_the_policy_loads_is_still_checked(tmp_path: Path) -> None:
+    # model=tiny builds model.path on first use; a policy.model_name or a tokenizer elsewhere is what is loaded
+    err = refused(master(f"policy.model_name={tmp_path}"))
+    assert (err.key, err.value) == ("policy.model_name", str(tmp_path)) and err.rule.startswith("is an empty directory")
+    err = refused(master(f"policy.tokenizer.name={tmp_path / 'absent'}"))
+    assert err.key == "policy.tokenizer.name" and err.rule.startswith("no such directory")
+    err = refused(master(f"policy.tokenizer.name={model_dir(tmp_path / 'm') / 'tokenizer.json'}"))
+    assert err.key == "policy.tokenizer.name" and err.rule.startswith("is not a directory")
+
+
+@pytest.mark.parametrize(("template", "rule"), [
+    ("/nonexistent.jinja", "no such template file"),
+    ("templates/chat.j2", "is neither a *.jinja file nor a Jinja template"),
+])
+@pytest.mark.parametrize("algo", ["grpo", "sft"])
+def test_a_chat_template_that_is_no_file_and_no_template_is_refused_under_any_model(
+    template: str, rule: str, algo: str
+) -> None:
+    err = refused(master(f"algo={algo}", f"policy.tokenizer.chat_template={template}"))
+    assert err.key == "policy.tokenizer.chat_template" and err.rule.startswith(rule), str(err)
 
 
 def test_missing_model_dir(tmp_path: Path) -> None:

@@ -1,0 +1,62 @@
+"""Bad input on the command line: `rlpost train` exits with status 2 and one `rlpost:` line naming the key (or
+file:line), before anything starts, and never prints a traceback.
+
+Each probe runs the `rlpost` CLI in a child process. Hydra's run is replaced by an exit with status 99, so a probe
+that got past the pre-flight stops there instead of starting Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+STOP_BEFORE_START = (
+    "import sys, rlpost.train as t; t.main = lambda: sys.exit(99); "
+    "from rlpost.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+"""`rlpost <argv>` with Hydra's run (and so Ray) replaced by exit status 99."""
+
+
+def rlpost(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `rlpost *argv` in a child process in `cwd`, stopping where Hydra would start the run."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-c", STOP_BEFORE_START, *argv], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env=full_env)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The `rlpost: ... error ...` lines of stderr."""
+    return [line for line in stderr.splitlines() if line.startswith("rlpost:") and "error" in line]
+
+
+def assert_refused(out: subprocess.CompletedProcess[str], named: str, words: str = "", status: int = 2) -> str:
+    """Exit `status`, exactly one `rlpost:` error line naming `named` (and holding `words`), no traceback."""
+    lines = error_lines(out.stderr)
+    assert out.returncode == status, (out.returncode, out.stderr[-3000:])
+    assert len(lines) == 1, out.stderr
+    assert named in lines[0], lines[0]
+    assert words in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    return lines[0]
+
+
+# (overrides, what the error line names, words of the rule)
+PROBES: list[tuple[list[str], str, str]] = [
+    (["hydra.run.dir=/proc/x"], "hydra.run.dir='/proc/x'", "cannot be created"),
+    (["hydra.run.dir="], "hydra.run.dir=''", "working directory"),
+    (["checkpointing.checkpoint_dir=/proc/nope"], "checkpointing.checkpoint_dir='/proc/nope'", "cannot be created"),
+    (["policy.model_name=/etc"], "policy.model_name='/etc'", "has no config.json"),
+    (["policy.tokenizer.name=/nonexistent"], "policy.tokenizer.name='/nonexistent'", "no such directory"),
+    (["policy.tokenizer.chat_template=/nonexistent.jinja"], "policy.tokenizer.chat_template='/nonexistent.jinja'",
+     "no such template file"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "named", "words"), PROBES, ids=[" ".join(p[0])[:60] for p in PROBES])
+def test_bad_input_exits_2_before_start(overrides: list[str], named: str, words: str, tmp_path: Path) -> None:
+    assert_refused(rlpost("train", *overrides, cwd=tmp_path), named, words)
+    assert not (tmp_path / "outputs").exists()  # Hydra made no run directory
