@@ -23,6 +23,7 @@ from typing import Any
 
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import model_dir_key, read_hf_config
+from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.policy import PytorchOptimizerConfig, SinglePytorchSchedulerConfig, parse_scheduler
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
@@ -111,6 +112,7 @@ def preflight_checks(master: AnyMaster, run_dir: Path | None = None) -> None:
     check_optimizer(master)
     check_precision(master)
     check_gpu_only_keys(master)
+    check_local_cpus(master)
     check_metric_name(master)
     if isinstance(master, SupervisedMasterConfig):
         check_output_dirs(master, run_dir)
@@ -376,6 +378,51 @@ def check_gpu_only_keys(master: AnyMaster) -> None:
             raise ConfigError("policy.generation.vllm_cfg.expert_parallel_size", ep,
                               f"expert parallelism needs a mixture-of-experts model; {p.model_name} has no experts "
                               f"(none of {', '.join(MOE_CONFIG_KEYS)} in its config.json)")
+
+
+# ---- CPUs of a local Ray cluster --------------------------------------------------------------
+
+
+def cpu_reservations(master: AnyMaster) -> list[tuple[str, int, float]]:
+    """(what, bundles, CPUs each) that the run reserves from Ray: the workers' placement groups (as the setup
+    builds them) and a reward model's scoring actor."""
+    from rlpost.config.layout import layout_of
+
+    cpus = master.cluster.worker_num_cpus
+    if isinstance(master, SupervisedMasterConfig):
+        return [("training workers", master.cluster.gpus_per_node * master.cluster.num_nodes, cpus)]
+    lay = layout_of(master)
+    train = lay.train_workers_per_node * lay.train_nodes
+    if master.generation.colocated.enabled:
+        out = [("colocated training + engine workers", train, cpus * 2)]
+    else:
+        out = [("training workers", train, cpus), ("engine workers", lay.gen_workers_per_node * lay.gen_nodes, cpus)]
+    env_cpus = getattr(master.env.get(master.data.env_name), "num_cpus", None)
+    if isinstance(env_cpus, (int, float)):
+        out.append((f"env.{master.data.env_name} actor", 1, float(env_cpus)))
+    return out
+
+
+def check_local_cpus(master: AnyMaster) -> None:
+    """A local Ray cluster (cluster.address=null) is this one machine: one node, with cluster.num_cpus CPUs (all
+    cores when unset). What the run reserves must fit, or the placement would wait out its timeout."""
+    cl = master.cluster
+    if cl.address is not None:
+        return
+    if cl.num_nodes > 1:
+        raise ConfigError("cluster.num_nodes", cl.num_nodes, "a local Ray cluster (cluster.address=null) is one node",
+                          "join a running multi-node cluster with cluster=ray")
+    have = float(cl.num_cpus) if cl.num_cpus is not None else float(os.cpu_count() or 1)
+    source = "cluster.num_cpus" if cl.num_cpus is not None else "os.cpu_count(), as cluster.num_cpus=null gives Ray"
+    parts = cpu_reservations(master)
+    need = sum(n * c for _, n, c in parts)
+    if need <= have + 1e-9:
+        return
+    shown = ", ".join(f"{what}: {n} x {c:g}" for what, n, c in parts)
+    key = "cluster.worker_num_cpus" if cl.worker_num_cpus != ClusterConfig.worker_num_cpus else "cluster.gpus_per_node"
+    raise ConfigError(key, getattr(cl, key.split(".")[1]),
+                      f"the run reserves {need:g} CPUs ({shown}) but the local Ray cluster has {have:g} ({source})",
+                      "lower cluster.worker_num_cpus or cluster.gpus_per_node, or set cluster.num_cpus")
 
 
 # ---- checkpoint metric ------------------------------------------------------------------------

@@ -53,6 +53,8 @@ PROBES: list[tuple[list[str], str, str]] = [
     (["policy.tokenizer.name=/nonexistent"], "policy.tokenizer.name='/nonexistent'", "no such directory"),
     (["policy.tokenizer.chat_template=/nonexistent.jinja"], "policy.tokenizer.chat_template='/nonexistent.jinja'",
      "no such template file"),
+    (["cluster.object_store_memory_mb=1"], "cluster.object_store_memory_mb=1", "must be >= 75"),
+    (["cluster.worker_num_cpus=100"], "cluster.worker_num_cpus=100.0", "the local Ray cluster has"),
 ]
 
 

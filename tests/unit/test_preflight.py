@@ -271,6 +271,36 @@ def test_the_writable_probe_leaves_nothing_behind(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+# ---- CPUs of a local Ray cluster ----------------------------------------------------------------
+
+
+def test_what_the_workers_reserve_must_fit_the_local_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    err = refused(master("cluster.worker_num_cpus=100"))
+    assert (err.key, err.value) == ("cluster.worker_num_cpus", 100.0)
+    assert "reserves 200 CPUs (colocated training + engine workers: 1 x 200)" in err.rule
+    assert "the local Ray cluster has 2 (os.cpu_count()" in err.rule
+    err = refused(master("algo=sft", "cluster.gpus_per_node=16", "policy.train_global_batch_size=32",
+                         "policy.train_micro_batch_size=2"))
+    assert err.key == "cluster.gpus_per_node" and "reserves 4 CPUs (training workers: 16 x 0.25)" in err.rule
+    preflight_checks(master("cluster.worker_num_cpus=100", "cluster.num_cpus=200"))  # Ray advertises what it is told
+    preflight_checks(master("cluster=ray", "cluster.address=127.0.0.1:1", "cluster.gpus_per_node=1",
+                            "cluster.worker_num_cpus=100"))  # another machine's cluster: Ray places it
+
+
+def test_a_local_cluster_is_one_node() -> None:
+    err = refused(master("cluster.num_nodes=2"))
+    assert err.key == "cluster.num_nodes" and "one node" in err.rule
+
+
+def test_the_object_store_minimum_is_rays() -> None:
+    from ray._private.ray_constants import OBJECT_STORE_MINIMUM_MEMORY_BYTES
+
+    from rlpost.config.schema.cluster import RAY_MIN_OBJECT_STORE_MB
+
+    assert RAY_MIN_OBJECT_STORE_MB * 2**20 == OBJECT_STORE_MINIMUM_MEMORY_BYTES
+
+
 # ---- model directory ----------------------------------------------------------------------------
 
 

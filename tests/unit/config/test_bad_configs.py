@@ -69,6 +69,7 @@ BAD = [
      "must be >= 2: the group baseline needs at least two samples per prompt"),
     (["policy.max_grad_norm=-1"], "policy.max_grad_norm", "must be > 0"),
     (["cluster.device=tpu"], "cluster.device", "must be one of"),
+    (["cluster.object_store_memory_mb=1"], "cluster.object_store_memory_mb", "must be >= 75"),
     (["policy=megatron", "policy.megatron_cfg.sequence_parallel=true"],
      "policy.megatron_cfg.sequence_parallel", "tensor_model_parallel_size > 1"),
 ]
