@@ -34,7 +34,7 @@ from rlpost.preflight_data import (
     check_prompt_files,
     check_supervised_data,
 )
-from rlpost.runtime.build import check_target
+from rlpost.runtime.build import check_target, check_target_kinds
 
 AnyMaster = MasterConfig | SupervisedMasterConfig
 """The master config of any algorithm."""
@@ -106,6 +106,7 @@ DEVICE_KWARGS = frozenset({"fused", "foreach", "capturable"})
 
 def preflight_checks(master: AnyMaster, run_dir: Path | None = None) -> None:
     """Raise ConfigError or DataError for anything that would fail after Ray starts. Loads no model."""
+    check_target_kinds(master)
     check_model_dir(master)
     check_hf_config_overrides(master)
     check_vocab_shards(master)
