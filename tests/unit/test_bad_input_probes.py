@@ -56,6 +56,7 @@ PROBES: list[tuple[list[str], str, str]] = [
     (["cluster.object_store_memory_mb=1"], "cluster.object_store_memory_mb=1", "must be >= 75"),
     (["cluster.worker_num_cpus=100"], "cluster.worker_num_cpus=100.0", "the local Ray cluster has"),
     (["policy._target_=rlpost.cli.main"], "policy._target_='rlpost.cli.main'", "names a policy worker class"),
+    (["policy.optimizer.kwargs.lr=inf"], "policy.optimizer.kwargs.lr=inf", "must be a finite number"),
 ]
 
 

@@ -70,6 +70,11 @@ BAD = [
     (["policy.max_grad_norm=-1"], "policy.max_grad_norm", "must be > 0"),
     (["cluster.device=tpu"], "cluster.device", "must be one of"),
     (["cluster.object_store_memory_mb=1"], "cluster.object_store_memory_mb", "must be >= 75"),
+    (["policy.optimizer.kwargs.lr=inf"], "policy.optimizer.kwargs.lr=inf", "must be a finite number"),
+    (["policy.optimizer.kwargs.lr=nan"], "policy.optimizer.kwargs.lr=nan", "must be a finite number"),
+    (["policy.optimizer.kwargs.lr=-1e-5"], "policy.optimizer.kwargs.lr=-1e-05", "must be a finite number > 0"),
+    (["policy.optimizer.kwargs.eps=inf"], "policy.optimizer.kwargs.eps=inf", "must be a finite number"),
+    (["policy=megatron", "policy.optimizer.kwargs.lr=inf"], "policy.optimizer.kwargs.lr=inf", "must be a finite"),
     (["policy=megatron", "policy.megatron_cfg.sequence_parallel=true"],
      "policy.megatron_cfg.sequence_parallel", "tensor_model_parallel_size > 1"),
 ]
