@@ -88,7 +88,7 @@ def preflight(overrides: list[str], multirun: bool, flags: Sequence[str] = ()) -
 
 def _preflight(overrides: list[str], multirun: bool, flags: Sequence[str]) -> int:
     from rlpost.config.errors import ConfigError
-    from rlpost.config.load import load_master_config, translate_exception
+    from rlpost.config.load import translate_exception
     from rlpost.runtime.build import check_targets, verify_targets
 
     try:
@@ -101,12 +101,18 @@ def _preflight(overrides: list[str], multirun: bool, flags: Sequence[str]) -> in
     except Exception as exc:  # noqa: BLE001 - a bad override string
         report_config_error(translate_exception(exc))
         return 2
+    from rlpost import failures
+    from rlpost.config.load import compose_config, to_master_config
     from rlpost.data.datasets import DataError
     from rlpost.preflight import preflight_checks
 
     for job in jobs:
         try:
-            _, master = load_master_config(job)
+            cfg = compose_config(job)
+            if (unreachable := ray_head_unreachable(cfg)) is not None:
+                print(f"rlpost: error: {failures.describe(unreachable, None)}", file=sys.stderr)
+                return failures.exit_status(unreachable)
+            master = to_master_config(cfg)
             check_hydra_node(compose_hydra_node(job))
             check_targets(master)
             verify_targets(master)
@@ -119,6 +125,26 @@ def _preflight(overrides: list[str], multirun: bool, flags: Sequence[str]) -> in
             print(f"rlpost: data error: {err}", file=sys.stderr)
             return 2
     return 0
+
+
+def ray_head_unreachable(cfg: Any) -> Exception | None:
+    """With cluster.address set, the Ray cluster to join must answer before anything else is judged: a config
+    whose numbers only fit that cluster (cluster=ray's gpus_per_node) is no use without it. The error, or None."""
+    from omegaconf import OmegaConf
+
+    try:
+        address = OmegaConf.select(cfg, "cluster.address", default=None)
+    except Exception:  # noqa: BLE001 - a broken value is the config checks' to name
+        return None
+    if not isinstance(address, str) or not address:
+        return None
+    from rlpost.distributed.virtual_cluster import ClusterUnavailable, probe_head
+
+    try:
+        probe_head(address)
+    except ClusterUnavailable as exc:
+        return exc
+    return None
 
 
 # Hydra imports and runs what its own config names (callbacks, launcher, sweeper, logging classes,
@@ -192,7 +218,7 @@ def compose_hydra_node(overrides: list[str]) -> dict[str, Any]:
         with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
             cfg = compose(config_name=CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)
     except Exception as exc:  # noqa: BLE001
-        raise translate_exception(exc) from None
+        raise translate_exception(exc, overrides=overrides) from None
     node = OmegaConf.to_container(cfg.hydra, resolve=False)
     assert isinstance(node, dict)
     return cast(dict[str, Any], node)

@@ -57,6 +57,9 @@ PROBES: list[tuple[list[str], str, str]] = [
     (["cluster.worker_num_cpus=100"], "cluster.worker_num_cpus=100.0", "the local Ray cluster has"),
     (["policy._target_=rlpost.cli.main"], "policy._target_='rlpost.cli.main'", "names a policy worker class"),
     (["policy.optimizer.kwargs.lr=inf"], "policy.optimizer.kwargs.lr=inf", "must be a finite number"),
+    (["grpo.max_num_stepz=5"], "grpo.max_num_stepz='5'", "unknown config key"),
+    (["policy.max_total_sequence_length=${nope}"], "policy.max_total_sequence_length='${nope}'",
+     "interpolation ${nope} does not resolve"),
 ]
 
 
@@ -64,3 +67,11 @@ PROBES: list[tuple[list[str], str, str]] = [
 def test_bad_input_exits_2_before_start(overrides: list[str], named: str, words: str, tmp_path: Path) -> None:
     assert_refused(rlpost("train", *overrides, cwd=tmp_path), named, words)
     assert not (tmp_path / "outputs").exists()  # Hydra made no run directory
+
+
+def test_cluster_ray_without_a_running_cluster_says_so_before_any_config_rule(tmp_path: Path) -> None:
+    # cluster=ray's gpus_per_node=8 breaks the default job's batch rule; the missing cluster is what to report
+    # (exit 3, a run-time failure, as README's table documents)
+    out = rlpost("train", "cluster=ray", cwd=tmp_path, env={"RAY_TMPDIR": str(tmp_path), "RAY_ADDRESS": ""})
+    line = assert_refused(out, "cluster.address=auto", "no Ray cluster is running", status=3)
+    assert line.startswith("rlpost: error: ") and "batch" not in out.stderr
