@@ -7,6 +7,7 @@ that got past the pre-flight stops there instead of starting Ray.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -75,3 +76,22 @@ def test_cluster_ray_without_a_running_cluster_says_so_before_any_config_rule(tm
     out = rlpost("train", "cluster=ray", cwd=tmp_path, env={"RAY_TMPDIR": str(tmp_path), "RAY_ADDRESS": ""})
     line = assert_refused(out, "cluster.address=auto", "no Ray cluster is running", status=3)
     assert line.startswith("rlpost: error: ") and "batch" not in out.stderr
+
+
+def math_rows(path: Path, n: int, bad: dict[int, str] | None = None) -> Path:
+    """A math JSONL file of `n` rows; `bad` replaces lines (1-based) with the text given."""
+    lines = [json.dumps({"problem": f"What is {i} + 1?", "expected_answer": str(i + 1)}) for i in range(n)]
+    for lineno, text in (bad or {}).items():
+        lines[lineno - 1] = text
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+MATH = ["data=math_jsonl", "env=math", "grpo.val_period=0", "checkpointing.metric_name=train:reward"]
+
+
+def test_a_duplicate_key_in_a_data_row_is_named_by_file_line_and_key(tmp_path: Path) -> None:
+    data = math_rows(tmp_path / "train.jsonl", 40, {3: '{"problem": "1 + 1", "expected_answer": "2", "problem": "3"}'})
+    out = rlpost("train", *MATH, f"data.train_data_path={data}", cwd=tmp_path)
+    line = assert_refused(out, f"{data}:3:", "key 'problem' appears twice")
+    assert line.startswith("rlpost: data error: ")

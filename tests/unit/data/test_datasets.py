@@ -33,6 +33,9 @@ def test_jsonl_rows(tmp_path: Path) -> None:
         ('{"problem": "a", "expected_answer": "b"}\n[1, 2]\n', ":2:", "expected a JSON object"),
         ('{"problem": "a"}\n', ":1:", "missing key 'expected_answer'"),
         ('{"problem": {"x": 1}, "expected_answer": "b"}\n', ":1:", "must be a string or number"),
+        ('{"problem": "a", "expected_answer": "b"}\n{"problem": "c", "expected_answer": "d", "problem": "e"}\n',
+         ":2:", "key 'problem' appears twice in one object"),
+        ('{"problem": "a", "expected_answer": "b", "meta": {"k": 1, "k": 2}}\n', ":1:", "key 'k' appears twice"),
     ],
 )
 def test_bad_rows_are_named_by_file_and_line(tmp_path: Path, text: str, where: str, what: str) -> None:
