@@ -95,3 +95,12 @@ def test_a_duplicate_key_in_a_data_row_is_named_by_file_line_and_key(tmp_path: P
     out = rlpost("train", *MATH, f"data.train_data_path={data}", cwd=tmp_path)
     line = assert_refused(out, f"{data}:3:", "key 'problem' appears twice")
     assert line.startswith("rlpost: data error: ")
+
+
+def test_an_over_length_prompt_under_data_too_long_error_is_named_by_file_and_line(tiny_model_dir: Path,
+                                                                                   tmp_path: Path) -> None:
+    long = json.dumps({"problem": "What is " + "1 + " * 40 + "1?", "expected_answer": "41"})
+    data = math_rows(tmp_path / "train.jsonl", 40, {5: long})
+    out = rlpost("train", *MATH, f"data.train_data_path={data}", "model=local", f"model.path={tiny_model_dir}",
+                 "data.max_input_seq_length=32", "data.too_long=error", cwd=tmp_path)
+    assert_refused(out, f"{data}:5:", "longer than data.max_input_seq_length=32 tokens")

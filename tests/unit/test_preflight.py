@@ -414,3 +414,46 @@ def test_an_answer_math_verify_cannot_parse_is_named_by_file_and_line(tmp_path: 
     train.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError, match=rf"{re.escape(str(train))}:7: expected_answer='\?\?\?': math-verify cannot parse"):
         preflight_checks(math_data(train), tmp_path / "run")
+
+
+# ---- over-length prompts (data.too_long) ------------------------------------------------------------
+
+
+def _long_rows(path: Path, n: int, long_lines: tuple[int, ...]) -> Path:
+    long = "What is " + "1 + " * 40 + "1?"
+    path.write_text("".join(json.dumps({"problem": long if i + 1 in long_lines else f"{i}+1", "expected_answer": "1"})
+                            + "\n" for i in range(n)))
+    return path
+
+
+def test_data_too_long_is_applied_by_the_preflight_when_the_tokenizer_is_on_disk(tiny_model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    train = _long_rows(tmp_path / "train.jsonl", 20, (3, 7, 8, 9, 10))
+    model = ("model=local", f"model.path={tiny_model_dir}", "data.max_input_seq_length=32")
+    preflight_checks(math_data(train, *model), tmp_path / "run")  # truncate (the default): counted at setup
+    with pytest.raises(DataError) as e:
+        preflight_checks(math_data(train, *model, "data.too_long=error"), tmp_path / "run")
+    assert str(e.value).startswith(f"{train}:3: the prompt is longer than data.max_input_seq_length=32 tokens (5 train")
+    err = refused(math_data(train, *model, "data.too_long=drop"), tmp_path / "run")
+    assert err.key == "grpo.num_prompts_per_step"
+    assert "only 15 rows left after data.too_long=drop leaves out 5 over-length prompts" in err.rule
+    preflight_checks(math_data(train, *model, "data.too_long=drop", "grpo.num_prompts_per_step=8",
+                               "policy.train_global_batch_size=128"), tmp_path / "run")
+
+
+def test_setup_loads_the_prompts_as_data_too_long_says_with_one_warning(tiny_model_dir: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from rlpost.algorithms.grpo_setup import load_prompts
+    from rlpost.data.prompts import PromptProcessor, load_tokenizer
+
+    train = _long_rows(tmp_path / "train.jsonl", 20, (3, 7))
+    for policy, kept in (("truncate", 20), ("drop", 18)):
+        m = math_data(train, "model=local", f"model.path={tiny_model_dir}", "data.max_input_seq_length=32",
+                      f"data.too_long={policy}")
+        proc = PromptProcessor(m.data, load_tokenizer(m.policy.tokenizer))
+        rows, val = load_prompts(m, proc, 16)
+        assert (len(rows), val) == (kept, [])
+        what = "each is cut to it and masked out of the loss" if policy == "truncate" else "they are left out"
+        warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+        assert warnings == [f"rlpost: warning: 2 training and 0 validation prompts are longer than "
+                            f"data.max_input_seq_length=32 tokens; {what} (data.too_long={policy})"]

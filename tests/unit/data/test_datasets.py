@@ -185,3 +185,31 @@ def test_bad_parquet_rows_are_named_by_row(tmp_path: Path, answer: object, what:
     with pytest.raises(DataError) as e:
         load_rows(DataConfig(dataset_name="parquet", train_data_path=str(p), env_name="math"), "train")
     assert f"{p}: row 0: " in str(e.value) and what in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("policy", ["truncate", "drop", "error"])
+def test_over_length_prompts_are_found_at_load_and_handled_as_data_too_long_says(
+    tiny_tokenizer: object, tmp_path: Path, policy: str
+) -> None:
+    from rlpost.data.prompts import PromptProcessor, load_prompt_rows
+
+    p = tmp_path / "t.jsonl"
+    long = "Copy the digit 7 " * 10
+    p.write_text("".join(f'{{"problem": "{text}", "expected_answer": "7"}}\n' for text in ["1", long, "2", long]))
+    d = cfg(p, max_input_seq_length=8, too_long=policy)
+    proc = PromptProcessor(d, tiny_tokenizer)
+    if policy == "error":
+        with pytest.raises(DataError) as e:
+            load_prompt_rows(d, proc, "train")
+        assert str(e.value).startswith(f"{p}:2: the prompt is longer than data.max_input_seq_length=8 tokens (2 train")
+        return
+    rows, over = load_prompt_rows(d, proc, "train")
+    assert over == 2
+    assert [r["problem"] for r in rows] == (["1", long, "2", long] if policy == "truncate" else ["1", "2"])
+
+
+def test_an_unknown_too_long_policy_is_refused() -> None:
+    from rlpost.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="must be one of"):
+        DataConfig(too_long="skip").check("data")
