@@ -152,7 +152,7 @@ def _unresolved(node: Any, path: str = "") -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     items: Iterable[tuple[Any, str]] = []
     if isinstance(node, DictConfig) and not (node._is_none() or node._is_missing() or node._is_interpolation()):
-        items = [(k, f"{path}.{k}" if path else str(k)) for k in node.keys()]
+        items = [(k, f"{path}.{str(k)}" if path else str(k)) for k in node.keys()]
     elif isinstance(node, ListConfig) and not (node._is_none() or node._is_missing() or node._is_interpolation()):
         items = [(i, f"{path}[{i}]") for i in range(len(node))]
     for k, full in items:
@@ -205,8 +205,8 @@ def translate_exception(exc: BaseException, cfg: DictConfig | None = None,
     for err in chain:
         line = getattr(err, "override", None)  # hydra.errors.OverrideParseException
         if isinstance(line, str) and type(err).__name__ == "OverrideParseException":
-            key, _, value = line.partition("=")
-            return ConfigError(key.lstrip("+~") or "<overrides>", value or line,
+            name, _, typed = line.partition("=")
+            return ConfigError(name.lstrip("+~") or "<overrides>", typed or line,
                                f"cannot be parsed as an override: {str(err).strip().splitlines()[0]}",
                                "quote a value holding special characters: key='...'")
 

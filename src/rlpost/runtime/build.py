@@ -187,7 +187,8 @@ def check_target_kind(key: str, target: str) -> None:
     elif not issubclass(obj, iface):
         raise ConfigError(key, target, f"is not a {what} class; {expected}")
     if inspect.isabstract(obj):
-        raise ConfigError(key, target, f"is abstract (it leaves {', '.join(sorted(obj.__abstractmethods__))} "
+        abstract = sorted(getattr(obj, "__abstractmethods__", ()))
+        raise ConfigError(key, target, f"is abstract (it leaves {', '.join(abstract)} "
                           f"undefined); {expected}")
 
 
