@@ -106,11 +106,11 @@ DEVICE_KWARGS = frozenset({"fused", "foreach", "capturable"})
 
 def preflight_checks(master: AnyMaster, run_dir: Path | None = None) -> None:
     """Raise ConfigError or DataError for anything that would fail after Ray starts. Loads no model."""
-    check_target_kinds(master)
     check_model_dir(master)
     check_hf_config_overrides(master)
     check_vocab_shards(master)
     check_optimizer(master)
+    check_target_kinds(master)  # after the optimizer's own allow-list check, which imports nothing it refuses
     check_precision(master)
     check_gpu_only_keys(master)
     check_local_cpus(master)
