@@ -105,7 +105,8 @@ def apply_too_long(rows: list[dict[str, Any]], processor: PromptProcessor, split
         return rows, len(over)
     if cfg.too_long == "error":
         raise DataError(f"{where(over[0])}: the prompt is longer than data.max_input_seq_length="
-                        f"{cfg.max_input_seq_length} tokens ({len(over)} {split} rows are; data.too_long=error)")
+                        f"{cfg.max_input_seq_length} tokens (over it: {len(over)} of {len(rows)} {split} prompts; "
+                        "data.too_long=error)")
     dropped = set(over)
     return [r for i, r in enumerate(rows) if i not in dropped], len(over)
 
