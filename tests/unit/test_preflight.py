@@ -433,7 +433,8 @@ def test_data_too_long_is_applied_by_the_preflight_when_the_tokenizer_is_on_disk
     preflight_checks(math_data(train, *model), tmp_path / "run")  # truncate (the default): counted at setup
     with pytest.raises(DataError) as e:
         preflight_checks(math_data(train, *model, "data.too_long=error"), tmp_path / "run")
-    assert str(e.value).startswith(f"{train}:3: the prompt is longer than data.max_input_seq_length=32 tokens (over it: 5 of 20 train")
+    assert str(e.value).startswith(f"{train}:3: the prompt is longer than data.max_input_seq_length=32 tokens")
+    assert "(over it: 5 of 20 train prompts; data.too_long=error)" in str(e.value)
     err = refused(math_data(train, *model, "data.too_long=drop"), tmp_path / "run")
     assert err.key == "grpo.num_prompts_per_step"
     assert "only 15 rows left after data.too_long=drop leaves out 5 over-length prompts" in err.rule

@@ -201,7 +201,8 @@ def test_over_length_prompts_are_found_at_load_and_handled_as_data_too_long_says
     if policy == "error":
         with pytest.raises(DataError) as e:
             load_prompt_rows(d, proc, "train")
-        assert str(e.value).startswith(f"{p}:2: the prompt is longer than data.max_input_seq_length=8 tokens (over it: 2 of 4 train")
+        assert str(e.value).startswith(f"{p}:2: the prompt is longer than data.max_input_seq_length=8 tokens")
+        assert "(over it: 2 of 4 train prompts; data.too_long=error)" in str(e.value)
         return
     rows, over = load_prompt_rows(d, proc, "train")
     assert over == 2
