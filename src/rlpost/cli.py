@@ -94,7 +94,7 @@ def preflight(overrides: list[str], multirun: bool, flags: Sequence[str] = (),
 def _preflight(overrides: list[str], multirun: bool, flags: Sequence[str],
                hydra_nodes: list[dict[str, Any]] | None) -> int:
     from rlpost.config.errors import ConfigError
-    from rlpost.config.load import load_master_config, translate_exception
+    from rlpost.config.load import translate_exception
     from rlpost.runtime.build import check_targets, verify_targets
 
     try:
@@ -107,12 +107,18 @@ def _preflight(overrides: list[str], multirun: bool, flags: Sequence[str],
     except Exception as exc:  # noqa: BLE001 - a bad override string
         report_config_error(translate_exception(exc))
         return 2
+    from rlpost import failures
+    from rlpost.config.load import compose_config, to_master_config
     from rlpost.data.datasets import DataError
     from rlpost.preflight import preflight_checks
 
     for job in jobs:
         try:
-            _, master = load_master_config(job)
+            cfg = compose_config(job)
+            if (unreachable := ray_head_unreachable(cfg)) is not None:
+                print(f"rlpost: error: {failures.describe(unreachable, None)}", file=sys.stderr)
+                return failures.exit_status(unreachable)
+            master = to_master_config(cfg, job)
             node = compose_hydra_node(job)
             check_hydra_node(node)
             if hydra_nodes is not None:
@@ -128,6 +134,26 @@ def _preflight(overrides: list[str], multirun: bool, flags: Sequence[str],
             print(f"rlpost: data error: {err}", file=sys.stderr)
             return 2
     return 0
+
+
+def ray_head_unreachable(cfg: Any) -> Exception | None:
+    """With cluster.address set, the Ray cluster to join must answer before anything else is judged: a config
+    whose numbers only fit that cluster (cluster=ray's gpus_per_node) is no use without it. The error, or None."""
+    from omegaconf import OmegaConf
+
+    try:
+        address = OmegaConf.select(cfg, "cluster.address", default=None)
+    except Exception:  # noqa: BLE001 - a broken value is the config checks' to name
+        return None
+    if not isinstance(address, str) or not address:
+        return None
+    from rlpost.distributed.virtual_cluster import ClusterUnavailable, probe_head
+
+    try:
+        probe_head(address)
+    except ClusterUnavailable as exc:
+        return exc
+    return None
 
 
 # Hydra imports and runs what its own config names (callbacks, launcher, sweeper, logging classes,
@@ -201,7 +227,7 @@ def compose_hydra_node(overrides: list[str]) -> dict[str, Any]:
         with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
             cfg = compose(config_name=CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)
     except Exception as exc:  # noqa: BLE001
-        raise translate_exception(exc) from None
+        raise translate_exception(exc, overrides=overrides) from None
     node = OmegaConf.to_container(cfg.hydra, resolve=False)
     assert isinstance(node, dict)
     return cast(dict[str, Any], node)
@@ -255,24 +281,23 @@ def _hydra_leaves(node: object, path: str) -> Iterator[tuple[str, object]]:
 
 
 def check_output_dir(overrides: list[str], multirun: bool) -> None:
-    """Hydra creates the run directory before rlpost runs: refuse one that is a file or unwritable."""
-    import os
+    """Hydra creates the run directory before rlpost runs: refuse an empty one (the working directory), a file,
+    and one that cannot be created or written."""
     from pathlib import Path
 
     from rlpost.config.errors import ConfigError
+    from rlpost.preflight import check_writable_dir
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
-    target = Path(given[-1]) if given else Path("multirun" if multirun else "outputs")
-    probe = target
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if probe == target and target.exists() and not target.is_dir():
+    if given and given[-1].strip().strip("'\"") in ("", "null"):
+        raise ConfigError(key, given[-1], "is empty; Hydra would write the run into the working directory",
+                          "leave it unset (outputs/<date>/<time>) or name a directory")
+    # An interpolation (${now:...}) is resolved by Hydra: the part before it is what exists or is created.
+    target = Path(given[-1].split("${", 1)[0] or ".") if given else Path("multirun" if multirun else "outputs")
+    if target.exists() and not target.is_dir():
         raise ConfigError(key, str(target), "is a file; the run directory must be a directory")
-    if probe.exists() and not probe.is_dir():
-        raise ConfigError(key, str(target), f"cannot be created: {probe} is a file")
-    if not os.access(probe if probe.exists() else Path.cwd(), os.W_OK | os.X_OK):
-        raise ConfigError(key, str(target), f"cannot be created: {probe} is not writable")
+    check_writable_dir(key, target)
 
 
 def _plan(argv: list[str]) -> int:

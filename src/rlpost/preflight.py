@@ -23,11 +23,18 @@ from typing import Any
 
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import model_dir_key, read_hf_config
+from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.policy import PytorchOptimizerConfig, SinglePytorchSchedulerConfig, parse_scheduler
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
-from rlpost.preflight_data import check_chat_template, check_data, check_prompt_files, check_supervised_data
-from rlpost.runtime.build import check_target
+from rlpost.preflight_data import (
+    check_chat_template,
+    check_chat_template_value,
+    check_data,
+    check_prompt_files,
+    check_supervised_data,
+)
+from rlpost.runtime.build import check_target, check_target_kinds
 
 AnyMaster = MasterConfig | SupervisedMasterConfig
 """The master config of any algorithm."""
@@ -103,11 +110,14 @@ def preflight_checks(master: AnyMaster, run_dir: Path | None = None) -> None:
     check_hf_config_overrides(master)
     check_vocab_shards(master)
     check_optimizer(master)
+    check_target_kinds(master)  # after the optimizer's own allow-list check, which imports nothing it refuses
     check_precision(master)
     check_gpu_only_keys(master)
+    check_local_cpus(master)
     check_metric_name(master)
     if isinstance(master, SupervisedMasterConfig):
         check_output_dirs(master, run_dir)
+        check_chat_template_value(master)
         check_supervised_data(master)
         return
     check_output_dirs(master, run_dir)
@@ -136,16 +146,32 @@ def run_device(master: AnyMaster) -> str:
 def check_model_dir(master: AnyMaster) -> None:
     """A local HF model directory: config.json with a model_type, weights and tokenizer files.
 
-    Skipped for `model.tiny` (that directory is built on first use).
+    Under `model.tiny`, model.path is built on first use: the checks skip it, not a policy.model_name or a
+    policy.tokenizer.name pointing elsewhere.
     """
-    if master.model.tiny is not None:
-        return
     key = model_dir_key(master)
     path = str(master.policy.model_name)
+    built_later = master.model.tiny is not None and path == master.model.path
+    if not built_later:
+        _check_model_files(key, path, master.model.prepare)
+    tok = str(master.policy.tokenizer.name)
+    if master.model.tiny is not None and tok == master.model.path:
+        return
+    tok_key = key if tok == path else "policy.tokenizer.name"
+    t = Path(tok).expanduser()
+    if not t.is_dir():
+        what = "is not a directory" if t.exists() else "no such directory"
+        raise ConfigError(tok_key, tok, f"{what}; the tokenizer is loaded from a local directory")
+    if not any((t / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(tok_key, tok, f"has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+
+
+def _check_model_files(key: str, path: str, prepare: str | None) -> None:
+    """config.json with a model_type and weights in the directory `path` (named by `key`)."""
     d = Path(path).expanduser()
     expected = "a local HF model directory (config.json, *.safetensors weights, tokenizer files)"
     if not d.exists():
-        hint = f"build it with `{master.model.prepare}`" if master.model.prepare else None
+        hint = f"build it with `{prepare}`" if prepare else None
         raise ConfigError(key, path, f"no such directory; expected {expected}", hint)
     if not d.is_dir():
         raise ConfigError(key, path, f"is a file; expected {expected}")
@@ -158,13 +184,6 @@ def check_model_dir(master: AnyMaster) -> None:
         raise ConfigError(key, path, f"{d / 'config.json'}: no 'model_type'; is this a transformers config.json?")
     if not any(any(d.glob(p)) for p in WEIGHT_PATTERNS):
         raise ConfigError(key, path, f"has no weights ({' / '.join(WEIGHT_PATTERNS)})")
-    tok = str(master.policy.tokenizer.name)
-    tok_key = key if tok == path else "policy.tokenizer.name"
-    t = Path(tok).expanduser()
-    if not t.is_dir():
-        raise ConfigError(tok_key, tok, "no such directory; the tokenizer is loaded from a local directory")
-    if not any((t / f).is_file() for f in TOKENIZER_FILES):
-        raise ConfigError(tok_key, tok, f"has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
 
 
 def check_hf_config_overrides(master: AnyMaster) -> None:
@@ -363,6 +382,51 @@ def check_gpu_only_keys(master: AnyMaster) -> None:
                               f"(none of {', '.join(MOE_CONFIG_KEYS)} in its config.json)")
 
 
+# ---- CPUs of a local Ray cluster --------------------------------------------------------------
+
+
+def cpu_reservations(master: AnyMaster) -> list[tuple[str, int, float]]:
+    """(what, bundles, CPUs each) that the run reserves from Ray: the workers' placement groups (as the setup
+    builds them) and a reward model's scoring actor."""
+    from rlpost.config.layout import layout_of
+
+    cpus = master.cluster.worker_num_cpus
+    if isinstance(master, SupervisedMasterConfig):
+        return [("training workers", master.cluster.gpus_per_node * master.cluster.num_nodes, cpus)]
+    lay = layout_of(master)
+    train = lay.train_workers_per_node * lay.train_nodes
+    if master.generation.colocated.enabled:
+        out = [("colocated training + engine workers", train, cpus * 2)]
+    else:
+        out = [("training workers", train, cpus), ("engine workers", lay.gen_workers_per_node * lay.gen_nodes, cpus)]
+    env_cpus = getattr(master.env.get(master.data.env_name), "num_cpus", None)
+    if isinstance(env_cpus, (int, float)):
+        out.append((f"env.{master.data.env_name} actor", 1, float(env_cpus)))
+    return out
+
+
+def check_local_cpus(master: AnyMaster) -> None:
+    """A local Ray cluster (cluster.address=null) is this one machine: one node, with cluster.num_cpus CPUs (all
+    cores when unset). What the run reserves must fit, or the placement would wait out its timeout."""
+    cl = master.cluster
+    if cl.address is not None:
+        return
+    if cl.num_nodes > 1:
+        raise ConfigError("cluster.num_nodes", cl.num_nodes, "a local Ray cluster (cluster.address=null) is one node",
+                          "join a running multi-node cluster with cluster=ray")
+    have = float(cl.num_cpus) if cl.num_cpus is not None else float(os.cpu_count() or 1)
+    source = "cluster.num_cpus" if cl.num_cpus is not None else "os.cpu_count(), as cluster.num_cpus=null gives Ray"
+    parts = cpu_reservations(master)
+    need = sum(n * c for _, n, c in parts)
+    if need <= have + 1e-9:
+        return
+    shown = ", ".join(f"{what}: {n} x {c:g}" for what, n, c in parts)
+    key = "cluster.worker_num_cpus" if cl.worker_num_cpus != ClusterConfig.worker_num_cpus else "cluster.gpus_per_node"
+    raise ConfigError(key, getattr(cl, key.split(".")[1]),
+                      f"the run reserves {need:g} CPUs ({shown}) but the local Ray cluster has {have:g} ({source})",
+                      "lower cluster.worker_num_cpus or cluster.gpus_per_node, or set cluster.num_cpus")
+
+
 # ---- checkpoint metric ------------------------------------------------------------------------
 
 
@@ -411,20 +475,35 @@ def check_metric_name(master: AnyMaster) -> None:
 # ---- output directories -----------------------------------------------------------------------
 
 
-def _check_writable_dir(key: str, path: Path) -> None:
+def _mkdir_fails(parent: Path) -> str | None:
+    """Why a directory cannot be made in the existing directory `parent` (None when it can). The probe makes and
+    removes an empty directory: os.access answers yes to root on /proc and on read-only file systems."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rlpost-probe-", dir=parent))
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def check_writable_dir(key: str, path: Path) -> None:
+    """`path` is a directory rlpost can write into, or one it can create; ConfigError naming `key` otherwise."""
     if path.exists():
         if not path.is_dir():
             raise ConfigError(key, str(path), "exists and is not a directory")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ConfigError(key, str(path), "is not writable")
+        why = _mkdir_fails(path) if os.access(path, os.W_OK | os.X_OK) else "permission denied"
+        if why:
+            raise ConfigError(key, str(path), f"is not writable ({why})")
         return
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
         raise ConfigError(key, str(path), f"cannot be created: {parent} is a file")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(key, str(path), f"cannot be created: {parent} is not writable")
+    why = _mkdir_fails(parent) if os.access(parent, os.W_OK | os.X_OK) else "permission denied"
+    if why:
+        raise ConfigError(key, str(path), f"cannot be created: {parent} is not writable ({why})")
 
 
 def output_dirs(master: AnyMaster, run_dir: Path | None) -> list[tuple[str, Path]]:
@@ -449,4 +528,4 @@ def output_dirs(master: AnyMaster, run_dir: Path | None) -> list[tuple[str, Path
 def check_output_dirs(master: AnyMaster, run_dir: Path | None = None) -> None:
     """Checkpoint and log directories are directories (or can be created) and writable."""
     for key, path in output_dirs(master, run_dir):
-        _check_writable_dir(key, path)
+        check_writable_dir(key, path)

@@ -250,6 +250,59 @@ def test_default_dirs_under_the_run_dir(tmp_path: Path) -> None:
     assert err.key == "logger.log_dir" and err.rule == f"cannot be created: {blocker} is a file"
 
 
+def test_a_directory_that_cannot_be_made_is_refused_even_where_os_access_says_yes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # root passes every os.access check; a read-only file system (or /proc) refuses the directory itself
+    import errno
+    import tempfile
+
+    def read_only(*args: Any, **kwargs: Any) -> str:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    err = refused(master(f"checkpointing.checkpoint_dir={tmp_path / 'a' / 'b'}"))
+    assert err.key == "checkpointing.checkpoint_dir"
+    assert err.rule == f"cannot be created: {tmp_path} is not writable (Read-only file system)"
+    err = refused(master(f"checkpointing.checkpoint_dir={tmp_path}"))
+    assert err.rule == "is not writable (Read-only file system)"
+
+
+def test_the_writable_probe_leaves_nothing_behind(tmp_path: Path) -> None:
+    preflight_checks(master(f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"), tmp_path / "run")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- CPUs of a local Ray cluster ----------------------------------------------------------------
+
+
+def test_what_the_workers_reserve_must_fit_the_local_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    err = refused(master("cluster.worker_num_cpus=100"))
+    assert (err.key, err.value) == ("cluster.worker_num_cpus", 100.0)
+    assert "reserves 200 CPUs (colocated training + engine workers: 1 x 200)" in err.rule
+    assert "the local Ray cluster has 2 (os.cpu_count()" in err.rule
+    err = refused(master("algo=sft", "cluster.gpus_per_node=16", "policy.train_global_batch_size=32",
+                         "policy.train_micro_batch_size=2"))
+    assert err.key == "cluster.gpus_per_node" and "reserves 4 CPUs (training workers: 16 x 0.25)" in err.rule
+    preflight_checks(master("cluster.worker_num_cpus=100", "cluster.num_cpus=200"))  # Ray advertises what it is told
+    preflight_checks(master("cluster=ray", "cluster.address=127.0.0.1:1", "cluster.gpus_per_node=1",
+                            "cluster.worker_num_cpus=100"))  # another machine's cluster: Ray places it
+
+
+def test_a_local_cluster_is_one_node() -> None:
+    err = refused(master("cluster.num_nodes=2"))
+    assert err.key == "cluster.num_nodes" and "one node" in err.rule
+
+
+def test_the_object_store_minimum_is_rays() -> None:
+    from ray._private.ray_constants import OBJECT_STORE_MINIMUM_MEMORY_BYTES
+
+    from rlpost.config.schema.cluster import RAY_MIN_OBJECT_STORE_MB
+
+    assert RAY_MIN_OBJECT_STORE_MB * 2**20 == OBJECT_STORE_MINIMUM_MEMORY_BYTES
+
+
 # ---- model directory ----------------------------------------------------------------------------
 
 
@@ -275,6 +328,28 @@ def test_incomplete_model_dir(tmp_path: Path, remove: str | None, rule: str) -> 
         f.unlink()
     err = refused(m)
     assert err.key == "model.path" and err.value == str(d) and err.rule.startswith(rule), str(err)
+
+
+def test_under_the_tiny_model_what_the_policy_loads_is_still_checked(tmp_path: Path) -> None:
+    # model=tiny builds model.path on first use; a policy.model_name or a tokenizer elsewhere is what is loaded
+    err = refused(master(f"policy.model_name={tmp_path}"))
+    assert (err.key, err.value) == ("policy.model_name", str(tmp_path)) and err.rule.startswith("is an empty directory")
+    err = refused(master(f"policy.tokenizer.name={tmp_path / 'absent'}"))
+    assert err.key == "policy.tokenizer.name" and err.rule.startswith("no such directory")
+    err = refused(master(f"policy.tokenizer.name={model_dir(tmp_path / 'm') / 'tokenizer.json'}"))
+    assert err.key == "policy.tokenizer.name" and err.rule.startswith("is not a directory")
+
+
+@pytest.mark.parametrize(("template", "rule"), [
+    ("/nonexistent.jinja", "no such template file"),
+    ("templates/chat.j2", "is neither a *.jinja file nor a Jinja template"),
+])
+@pytest.mark.parametrize("algo", ["grpo", "sft"])
+def test_a_chat_template_that_is_no_file_and_no_template_is_refused_under_any_model(
+    template: str, rule: str, algo: str
+) -> None:
+    err = refused(master(f"algo={algo}", f"policy.tokenizer.chat_template={template}"))
+    assert err.key == "policy.tokenizer.chat_template" and err.rule.startswith(rule), str(err)
 
 
 def test_missing_model_dir(tmp_path: Path) -> None:
@@ -341,3 +416,47 @@ def test_an_answer_math_verify_cannot_parse_is_named_by_file_and_line(tmp_path: 
     train.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError, match=rf"{re.escape(str(train))}:7: expected_answer='\?\?\?': math-verify cannot parse"):
         preflight_checks(math_data(train), tmp_path / "run")
+
+
+# ---- over-length prompts (data.too_long) ------------------------------------------------------------
+
+
+def _long_rows(path: Path, n: int, long_lines: tuple[int, ...]) -> Path:
+    long = "What is " + "1 + " * 40 + "1?"
+    path.write_text("".join(json.dumps({"problem": long if i + 1 in long_lines else f"{i}+1", "expected_answer": "1"})
+                            + "\n" for i in range(n)))
+    return path
+
+
+def test_data_too_long_is_applied_by_the_preflight_when_the_tokenizer_is_on_disk(tiny_model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    train = _long_rows(tmp_path / "train.jsonl", 20, (3, 7, 8, 9, 10))
+    model = ("model=local", f"model.path={tiny_model_dir}", "data.max_input_seq_length=32")
+    preflight_checks(math_data(train, *model), tmp_path / "run")  # truncate (the default): counted at setup
+    with pytest.raises(DataError) as e:
+        preflight_checks(math_data(train, *model, "data.too_long=error"), tmp_path / "run")
+    assert str(e.value).startswith(f"{train}:3: the prompt is longer than data.max_input_seq_length=32 tokens")
+    assert "(over it: 5 of 20 train prompts; data.too_long=error)" in str(e.value)
+    err = refused(math_data(train, *model, "data.too_long=drop"), tmp_path / "run")
+    assert err.key == "grpo.num_prompts_per_step"
+    assert "only 15 rows left after data.too_long=drop leaves out 5 over-length prompts" in err.rule
+    preflight_checks(math_data(train, *model, "data.too_long=drop", "grpo.num_prompts_per_step=8",
+                               "policy.train_global_batch_size=128"), tmp_path / "run")
+
+
+def test_setup_loads_the_prompts_as_data_too_long_says_with_one_warning(tiny_model_dir: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from rlpost.algorithms.grpo_setup import load_prompts
+    from rlpost.data.prompts import PromptProcessor, load_tokenizer
+
+    train = _long_rows(tmp_path / "train.jsonl", 20, (3, 7))
+    for policy, kept in (("truncate", 20), ("drop", 18)):
+        m = math_data(train, "model=local", f"model.path={tiny_model_dir}", "data.max_input_seq_length=32",
+                      f"data.too_long={policy}")
+        proc = PromptProcessor(m.data, load_tokenizer(m.policy.tokenizer))
+        rows, val = load_prompts(m, proc, 16)
+        assert (len(rows), val) == (kept, [])
+        what = "each is cut to it and masked out of the loss" if policy == "truncate" else "they are left out"
+        warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+        assert warnings == [f"rlpost: warning: 2 training and 0 validation prompts are longer than "
+                            f"data.max_input_seq_length=32 tokens; {what} (data.too_long={policy})"]

@@ -20,8 +20,8 @@ from rlpost.config.schema.grpo import GRPOSaveState
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.data.dataloader import PromptLoader
-from rlpost.data.datasets import load_rows
-from rlpost.data.prompts import PromptProcessor, load_tokenizer
+from rlpost.data.datasets import DataError
+from rlpost.data.prompts import PromptProcessor, load_prompt_rows, load_tokenizer
 from rlpost.data.rows import PromptRow
 from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
 from rlpost.distributed.worker_groups import WorkerGroupError
@@ -29,6 +29,7 @@ from rlpost.environments.interfaces import EnvironmentInterface
 from rlpost.models.generation.interfaces import GenerationInterface
 from rlpost.models.policy.interfaces import ColocatablePolicyInterface
 from rlpost.ops.loss_interface import LossFunction
+from rlpost.runtime import console as say
 from rlpost.runtime.build import build
 from rlpost.runtime.checkpointing import (
     CheckpointError,
@@ -98,6 +99,27 @@ def _prepare_model(cfg: MasterConfig) -> None:
         ensure_tiny_model(cfg.model.tiny, cfg.model.path)
 
 
+TOO_LONG_ACTION = {"truncate": "each is cut to it and masked out of the loss", "drop": "they are left out"}
+"""What the warning about over-length prompts says data.too_long does with them."""
+
+
+def load_prompts(cfg: MasterConfig, processor: PromptProcessor,
+                 batch: int) -> tuple[list[PromptRow], list[PromptRow]]:
+    """Training and validation rows, with the prompts over data.max_input_seq_length tokens handled as data.too_long
+    says (one warning counts them); DataError when fewer rows than one step's `batch` are left."""
+    d, g = cfg.data, cfg.grpo
+    train, over = load_prompt_rows(d, processor, "train")
+    val, val_over = load_prompt_rows(d, processor, "val") if (g.val_period > 0 or g.val_at_start) else ([], 0)
+    if over or val_over:
+        say.warn(f"{over} training and {val_over} validation prompts are longer than data.max_input_seq_length="
+                 f"{d.max_input_seq_length} tokens; {TOO_LONG_ACTION[d.too_long]} (data.too_long={d.too_long})")
+    if d.too_long == "drop" and len(train) < batch:
+        raise DataError(f"one GRPO step takes {batch} prompts but only {len(train)} training rows are left after "
+                        f"data.too_long=drop left out {over}; lower grpo.num_prompts_per_step, raise "
+                        "data.max_input_seq_length or use more rows")
+    return train, val
+
+
 def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     """Build every component of a GRPO run (resuming from the latest checkpoint if one exists)."""
     started_at = time.monotonic()
@@ -120,8 +142,8 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs)
     g = cfg.grpo
     batch = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
-    dataloader = PromptLoader(load_rows(cfg.data, "train"), batch, cfg.data.shuffle, cfg.data.seed)
-    val_rows = load_rows(cfg.data, "val") if (g.val_period > 0 or g.val_at_start) else []
+    train_rows, val_rows = load_prompts(cfg, processor, batch)
+    dataloader = PromptLoader(train_rows, batch, cfg.data.shuffle, cfg.data.seed)
     if last is not None:
         restore_loader_and_rng(last, dataloader)
 

@@ -12,9 +12,10 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, DictKeyType, ListConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import layout_of
@@ -121,8 +122,75 @@ def _key_candidates(cfg: DictConfig | None, full_key: str) -> list[str]:
     return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
 
 
-def translate_exception(exc: BaseException, cfg: DictConfig | None = None) -> ConfigError:
-    """Turn a Hydra / OmegaConf exception (or one it wraps) into a ConfigError naming key, value and rule."""
+def _typed(overrides: list[str] | None, key: str) -> str | None:
+    """The value the command line gave `key` (the last `key=value`, `+key=value` or `++key=value`), as typed;
+    None when it gave none."""
+    for o in reversed(overrides or []):
+        k, eq, v = o.partition("=")
+        if eq and k.lstrip("+~") == key:
+            return v
+    return None
+
+
+def _interpolations(raw: str) -> list[str]:
+    """The `${...}` parts of `raw` (nested braces kept whole)."""
+    found, i = [], raw.find("${")
+    while i >= 0:
+        depth, j = 0, i + 1
+        while j < len(raw):
+            depth += {"{": 1, "}": -1}.get(raw[j], 0)
+            if depth == 0:
+                break
+            j += 1
+        found.append(raw[i: j + 1])
+        i = raw.find("${", j + 1)
+    return found
+
+
+def _unresolved(node: Any, path: str = "") -> list[tuple[str, object]]:
+    """(dotted key, value as written) of every interpolation under `node` that does not resolve."""
+    out: list[tuple[str, object]] = []
+    items: Iterable[tuple[Any, str]] = []
+    if isinstance(node, DictConfig) and not (node._is_none() or node._is_missing() or node._is_interpolation()):
+        items = [(k, f"{path}.{str(k)}" if path else str(k)) for k in node.keys()]
+    elif isinstance(node, ListConfig) and not (node._is_none() or node._is_missing() or node._is_interpolation()):
+        items = [(i, f"{path}[{i}]") for i in range(len(node))]
+    for k, full in items:
+        child = node._get_node(k)
+        if child is None:
+            continue
+        if child._is_interpolation():
+            try:
+                child._dereference_node()
+            except Exception:  # noqa: BLE001 - any failure to resolve is what is looked for
+                out.append((full, _raw(node, k)))
+        else:
+            out.extend(_unresolved(child, full))
+    return out
+
+
+def _interpolation_error(err: BaseException, cfg: DictConfig | None) -> ConfigError:
+    """One line for an interpolation that does not resolve, naming the key whose own text holds it (not a key that
+    merely refers to that key, as vLLM's max_model_len refers to policy.max_total_sequence_length)."""
+    reason = (getattr(err, "msg", None) or str(err)).strip().split("\n")[0]
+    reason = reason.replace("KeyError raised while resolving interpolation: ", "")
+    broken = _unresolved(cfg) if cfg is not None else []
+    keys = [k for k, _ in broken]
+    own = [(k, v) for k, v in broken
+           if not any(other != k and f"${{{other}}}" in str(v) for other in keys)]
+    if own or broken:
+        key, raw = (own or broken)[0]
+    else:
+        key = getattr(err, "full_key", None) or "?"
+        raw = _raw(cfg, key) if cfg is not None and "." not in key else None
+    shown = ", ".join(_interpolations(raw)) if isinstance(raw, str) else ""
+    return ConfigError(key, raw, f"interpolation {shown or raw} does not resolve: {reason}")
+
+
+def translate_exception(exc: BaseException, cfg: DictConfig | None = None,
+                        overrides: list[str] | None = None) -> ConfigError:
+    """Turn a Hydra / OmegaConf exception (or one it wraps) into a ConfigError naming key, value and rule. With
+    the command line's `overrides`, a key it names is shown with the value typed there."""
     if isinstance(exc, ConfigError):
         return exc
     chain: list[BaseException] = []
@@ -134,6 +202,13 @@ def translate_exception(exc: BaseException, cfg: DictConfig | None = None) -> Co
         if isinstance(err, ConfigError):
             return err
     text = "\n".join(str(c) for c in chain)
+    for err in chain:
+        line = getattr(err, "override", None)  # hydra.errors.OverrideParseException
+        if isinstance(line, str) and type(err).__name__ == "OverrideParseException":
+            name, _, typed = line.partition("=")
+            return ConfigError(name.lstrip("+~") or "<overrides>", typed or line,
+                               f"cannot be parsed as an override: {str(err).strip().splitlines()[0]}",
+                               "quote a value holding special characters: key='...'")
 
     # Unknown option of a config group.
     m = re.search(r"Could not find '([^']+)/([^'/]+)'", text) or re.search(
@@ -148,6 +223,8 @@ def translate_exception(exc: BaseException, cfg: DictConfig | None = None) -> Co
         return ConfigError(mm.group(1), "???", "a value is required here")
     m = re.search(r"Could not override '([^']+)'", text)
     for err in chain:
+        if isinstance(err, InterpolationResolutionError):
+            return _interpolation_error(err, cfg)
         if isinstance(err, MissingMandatoryValue):
             key = getattr(err, "full_key", None) or "?"
             return ConfigError(key, "???", "a value is required here")
@@ -156,13 +233,13 @@ def translate_exception(exc: BaseException, cfg: DictConfig | None = None) -> Co
             msg = getattr(err, "msg", None) or str(err).split("\n")[0]
             km = re.search(r"Key '([^']+)' (?:not in|is not in)", msg)
             if km and (rule := removed_rule(key)) is not None:
-                return ConfigError(key, getattr(err, "value", None), rule)
+                return ConfigError(key, _typed(overrides, key), rule)
             if km:
                 word = key.rsplit(".", 1)[-1]
                 hint = _did_you_mean(word, _key_candidates(cfg, key)) or _did_you_mean(word, _err_candidates(err))
                 if key.endswith(".enabled") and ("dtensor_cfg" in key or "megatron_cfg" in key):
                     hint = "rlpost picks the backend with policy=dtensor|dtensor_v2|megatron"
-                return ConfigError(key, None, "unknown config key", hint)
+                return ConfigError(key, _typed(overrides, key), "unknown config key", hint)
             vm = re.search(r"Value '(.*?)' (?:of type '[^']+' )?could not be converted to (\w+)", msg, re.S)
             if vm:
                 return ConfigError(key, vm.group(1), f"must be of type {vm.group(2)}")
@@ -271,7 +348,7 @@ def compose_config(overrides: list[str] | None = None, config_name: str = CONFIG
         with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
             return compose(config_name=config_name, overrides=overrides)
     except Exception as exc:  # noqa: BLE001
-        raise (_algorithm_mismatch(overrides) or translate_exception(exc)) from None
+        raise (_algorithm_mismatch(overrides) or translate_exception(exc, overrides=overrides)) from None
 
 
 GRPO_ONLY = {"grpo": "block", "env": "group", "generation": "group", "eval": "block", "policy.generation": "block"}

@@ -2,8 +2,9 @@
 
 Files are read locally (JSONL line by line, parquet through `datasets`; no hub access). Every bad
 input is a DataError naming the file and line (row for parquet): a line that is not UTF-8 or not a
-JSON object, a missing, empty, boolean or non-finite text field, and a file of the other format
-(a parquet file given as JSONL or the other way round), with the `data.dataset_name` to use.
+JSON object, an object naming one key twice, a missing, empty, boolean or non-finite text field, and
+a file of the other format (a parquet file given as JSONL or the other way round), with the
+`data.dataset_name` to use.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlpost.config.schema.data import DataConfig
 from rlpost.data.rows import PromptRow
@@ -70,6 +71,20 @@ def sniff(path: str) -> str | None:
     return None
 
 
+class _DuplicateKey(ValueError):
+    """A JSON object names one key twice (json.loads would silently keep the last)."""
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: the object as a dict, or _DuplicateKey naming a key given twice."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def jsonl_objects(path: str) -> list[tuple[object, str]]:
     """(parsed JSON value, 'file:line') of every non-blank line of a local JSONL file; DataError on bad input."""
     p = Path(path)
@@ -97,9 +112,12 @@ def jsonl_objects(path: str) -> list[tuple[object, str]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, object_pairs_hook=_no_duplicate_keys)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+            except _DuplicateKey as exc:
+                raise DataError(f"{path}:{lineno}: key {exc.args[0]!r} appears twice in one object (JSON would keep "
+                                "only the last)") from None
             out.append((obj, f"{path}:{lineno}"))
     if not out:
         raise DataError(f"{path}: no rows")

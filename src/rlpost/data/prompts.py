@@ -1,11 +1,13 @@
 """Rows -> token ids: prompt template, system prompt, the tokenizer's (or a file's) chat template.
 
-Prompts longer than data.max_input_seq_length tokens are truncated to it and masked out of the
-loss (loss_multiplier 0); they are counted in the step metrics.
+Prompts longer than data.max_input_seq_length tokens are found when the rows are loaded
+(`apply_too_long`) and handled as data.too_long says: truncated to the limit and masked out of the
+loss (loss_multiplier 0, counted in the step metrics), dropped, or refused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,3 +82,51 @@ class PromptProcessor:
                 ids = ids[: self.cfg.max_input_seq_length]
             out.append({**row, "prompt_ids": ids, "loss_multiplier": 0.0 if too_long else 1.0, "too_long": too_long})
         return out
+
+
+TOO_LONG_CHUNK = 1024
+"""Rows tokenized per call when a whole data set's prompt lengths are measured."""
+
+
+def over_length(rows: list[PromptRow], processor: PromptProcessor) -> list[int]:
+    """Indices of the rows whose prompt is longer than data.max_input_seq_length tokens."""
+    out: list[int] = []
+    for start in range(0, len(rows), TOO_LONG_CHUNK):
+        done = processor.batch(rows[start: start + TOO_LONG_CHUNK])
+        out += [start + i for i, r in enumerate(done) if r["too_long"]]
+    return out
+
+
+def apply_too_long(rows: list[PromptRow], processor: PromptProcessor, split: str,
+                   where: Callable[[int], str]) -> tuple[list[PromptRow], int]:
+    """(the rows data.too_long keeps, how many were over the limit). 'truncate' keeps every row (each batch cuts
+    and masks its long prompts), 'drop' leaves them out, 'error' raises DataError naming the first by
+    `where(index)` (its file:line)."""
+    from rlpost.data.datasets import DataError
+
+    cfg = processor.cfg
+    over = over_length(rows, processor)
+    if not over or cfg.too_long == "truncate":
+        return rows, len(over)
+    if cfg.too_long == "error":
+        raise DataError(f"{where(over[0])}: the prompt is longer than data.max_input_seq_length="
+                        f"{cfg.max_input_seq_length} tokens (over it: {len(over)} of {len(rows)} {split} prompts; "
+                        "data.too_long=error)")
+    dropped = set(over)
+    return [r for i, r in enumerate(rows) if i not in dropped], len(over)
+
+
+def row_source(cfg: DataConfig, split: str, index: int) -> str:
+    """Where row `index` of `split` comes from, for a message: its file:line, or the synthetic row's number."""
+    from rlpost.data.datasets import load_rows
+
+    if cfg.dataset_name == "synthetic":
+        return f"data.synthetic.task={cfg.synthetic.task} ({split} row {index})"
+    return str(load_rows(cfg, split, with_source=True)[index]["source"])
+
+
+def load_prompt_rows(cfg: DataConfig, processor: PromptProcessor, split: str) -> tuple[list[PromptRow], int]:
+    """The rows of `split` ('train' or 'val') that data.too_long keeps, and how many prompts were over the limit."""
+    from rlpost.data.datasets import load_rows
+
+    return apply_too_long(load_rows(cfg, split), processor, split, lambda i: row_source(cfg, split, i))

@@ -54,7 +54,7 @@ def resolve_device(cfg: ClusterConfig) -> str:
         return "cpu"
 
 
-def _probe_head(address: str, timeout_s: float = 5.0) -> None:
+def probe_head(address: str, timeout_s: float = 5.0) -> None:
     """Fail in seconds, not after Ray's own 10-minute retry loop, when no head answers at `address`."""
 
     target = address
@@ -96,7 +96,7 @@ def init_ray(cfg: ClusterConfig) -> None:
         runtime_env["worker_process_setup_hook"] = SETUP_HOOK
     to_console = log_file is None
     if cfg.address:
-        _probe_head(cfg.address)
+        probe_head(cfg.address)
         try:
             ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=to_console,
                      configure_logging=to_console)

@@ -147,6 +147,69 @@ def verify_targets(cfg: object) -> None:
         verify_target(key, target)
 
 
+TARGET_KINDS: dict[str, tuple[str, str]] = {
+    "policy._target_": ("rlpost.models.policy.interfaces.PolicyWorker", "policy worker"),
+    "policy.generation._target_": ("rlpost.models.generation.interfaces.GenerationInterface", "rollout engine"),
+    "loss_fn._target_": ("rlpost.ops.loss_interface.LossFunction", "loss"),
+    "env.*._target_": ("rlpost.environments.interfaces.EnvironmentInterface", "reward environment"),
+}
+"""What the class a `_target_` key names must be: (the interface it subclasses or implements, a short name)."""
+
+
+def _kind(key: str) -> tuple[str, str] | None:
+    if key in TARGET_KINDS:
+        return TARGET_KINDS[key]
+    parts = key.split(".")
+    if len(parts) == 3 and parts[0] == "env" and parts[2] == "_target_":
+        return TARGET_KINDS["env.*._target_"]
+    return None
+
+
+def _missing_members(cls: type, protocol: type) -> list[str]:
+    """The methods of `protocol` (a typing.Protocol) that `cls` and its bases (not `object`) do not define."""
+    wanted = [n for n, v in vars(protocol).items() if callable(v) and (not n.startswith("_") or n == "__call__")]
+    have = {n for c in cls.__mro__ if c is not object for n in vars(c)}
+    return [n for n in wanted if n not in have]
+
+
+def check_target_kind(key: str, target: str) -> None:
+    """The class `target` names is what `key` builds (TARGET_KINDS): a subclass of the key's interface, or a class
+    with every method of its protocol. Imports the target's module (as the run would)."""
+    kind = _kind(key)
+    if kind is None:
+        return
+    iface_path, what = kind
+    module, _, name = iface_path.rpartition(".")
+    iface = getattr(importlib.import_module(module), name)
+    obj = resolve(target, key)
+    how = "implementing" if _is_protocol(iface) else "a subclass of"
+    expected = f"{key} names a {what} class ({how} {iface_path})"
+    if not inspect.isclass(obj):
+        raise ConfigError(key, target, f"is a {type(obj).__name__}, not a class; {expected}")
+    if _is_protocol(iface):
+        missing = _missing_members(obj, iface)
+        if missing:
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            raise ConfigError(key, target, f"is not a {what} class: it has no {shown}; {expected}")
+    elif not issubclass(obj, iface):
+        raise ConfigError(key, target, f"is not a {what} class; {expected}")
+    if inspect.isabstract(obj):
+        abstract = sorted(getattr(obj, "__abstractmethods__", ()))
+        raise ConfigError(key, target, f"is abstract (it leaves {', '.join(abstract)} "
+                          f"undefined); {expected}")
+
+
+def _is_protocol(cls: type) -> bool:
+    return bool(getattr(cls, "_is_protocol", False))
+
+
+def check_target_kinds(cfg: Any) -> None:
+    """`check_target_kind` on every `_target_` of `cfg` that TARGET_KINDS knows (after `verify_targets`)."""
+    for key, target in _walk_targets(cfg, ""):
+        if isinstance(target, str):
+            check_target_kind(key, target)
+
+
 def resolve(target: str, key: str = "_target_") -> Any:
     """Import the class or function named by an allowed `target` (ConfigError if it is not one)."""
     return _locate(target, key)

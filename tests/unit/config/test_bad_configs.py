@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from rlpost.cli import main
+from rlpost.config.errors import ConfigError
+from rlpost.config.load import load_master_config
 
 # (overrides, key that must be named, words of the rule that must appear)
 SPLIT = ["cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
@@ -69,6 +71,12 @@ BAD = [
      "must be >= 2: the group baseline needs at least two samples per prompt"),
     (["policy.max_grad_norm=-1"], "policy.max_grad_norm", "must be > 0"),
     (["cluster.device=tpu"], "cluster.device", "must be one of"),
+    (["cluster.object_store_memory_mb=1"], "cluster.object_store_memory_mb", "must be >= 75"),
+    (["policy.optimizer.kwargs.lr=inf"], "policy.optimizer.kwargs.lr=inf", "must be a finite number"),
+    (["policy.optimizer.kwargs.lr=nan"], "policy.optimizer.kwargs.lr=nan", "must be a finite number"),
+    (["policy.optimizer.kwargs.lr=-1e-5"], "policy.optimizer.kwargs.lr=-1e-05", "must be a finite number > 0"),
+    (["policy.optimizer.kwargs.eps=inf"], "policy.optimizer.kwargs.eps=inf", "must be a finite number"),
+    (["policy=megatron", "policy.optimizer.kwargs.lr=inf"], "policy.optimizer.kwargs.lr=inf", "must be a finite"),
     (["policy=megatron", "policy.megatron_cfg.sequence_parallel=true"],
      "policy.megatron_cfg.sequence_parallel", "tensor_model_parallel_size > 1"),
 ]
@@ -125,3 +133,45 @@ def test_bad_config_starts_nothing_heavy() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "2 []", out.stdout + out.stderr
     assert "Traceback" not in out.stderr
+
+
+def _refusal(*overrides: str) -> ConfigError:
+    with pytest.raises(ConfigError) as e:
+        load_master_config(list(overrides))
+    return e.value
+
+
+@pytest.mark.parametrize(("override", "shown"), [
+    ("grpo.max_num_stepz=5", "'5'"),
+    ("+grpo.max_num_stepz=5", "5"),
+    ("policy.dtensor_cfg.enabled=false", "'false'"),
+])
+def test_an_unknown_key_is_shown_with_the_value_typed(override: str, shown: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", override]) == 2
+    key = override.lstrip("+").split("=")[0]
+    assert f"rlpost: config error: {key}={shown}: unknown config key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("override", "key", "rule"), [
+    ("policy.max_total_sequence_length=${nope}", "policy.max_total_sequence_length",
+     "interpolation ${nope} does not resolve: Interpolation key 'nope' not found"),
+    ("model.path=${nope}/x", "model.path", "interpolation ${nope} does not resolve"),  # not the keys that refer to it
+    ("grpo.seed=${oc.env:RLPOST_TEST_UNSET_VARIABLE}", "grpo.seed",
+     "interpolation ${oc.env:RLPOST_TEST_UNSET_VARIABLE} does not resolve: \"Environment variable"),
+    ("grpo.seed=${foo:1}", "grpo.seed", "interpolation ${foo:1} does not resolve: Unsupported interpolation type foo"),
+])
+def test_an_interpolation_that_does_not_resolve_is_one_line_naming_the_users_key(
+    override: str, key: str, rule: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _refusal(override)
+    assert (err.key, err.value) == (key, override.split("=", 1)[1]) and err.rule.startswith(rule), str(err)
+    assert main(["plan", override]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"rlpost: config error: {key}="), lines
+
+
+def test_an_override_that_does_not_parse_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "policy.max_total_sequence_length=${nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlpost: config error: policy.max_total_sequence_length='${nope': cannot be parsed"), err

@@ -53,3 +53,32 @@ def test_loss_targets_build_for_real() -> None:
         if key.startswith("loss:"):
             loss = build(cfg)
             assert callable(loss) and loss.loss_type.value in ("token_level", "sequence_level")
+
+
+KIND_KEYS = {"policy": "policy._target_", "generation": "policy.generation._target_", "loss": "loss_fn._target_",
+             "env": "env.x._target_"}
+
+
+@pytest.mark.parametrize("key", sorted(ALL))
+def test_every_shipped_target_is_of_its_kind(key: str) -> None:
+    from rlpost.runtime.build import check_target_kind
+
+    check_target_kind(KIND_KEYS[key.split(":")[0]], ALL[key][0])
+
+
+@pytest.mark.parametrize(("key", "target", "rule"), [
+    ("policy._target_", "rlpost.cli.main", "is a function, not a class; policy._target_ names a policy worker class"),
+    ("policy._target_", "rlpost.config.errors.ConfigError", "is not a policy worker class: it has no get_logprobs"),
+    ("policy.generation._target_", "rlpost.models.policy.dtensor_policy_worker.DTensorPolicyWorker",
+     "is not a rollout engine class"),
+    ("policy.generation._target_", "rlpost.models.generation.interfaces.GenerationInterface", "is abstract"),
+    ("loss_fn._target_", "rlpost.data.dataloader.PromptLoader", "it has no __call__"),
+    ("env.math._target_", "rlpost.algorithms.loss_functions.NLLLoss", "is not a reward environment class"),
+])
+def test_a_target_of_the_wrong_kind_is_refused(key: str, target: str, rule: str) -> None:
+    from rlpost.config.errors import ConfigError
+    from rlpost.runtime.build import check_target_kind
+
+    with pytest.raises(ConfigError) as e:
+        check_target_kind(key, target)
+    assert e.value.key == key and rule in e.value.rule, e.value.rule

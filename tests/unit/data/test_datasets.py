@@ -33,6 +33,9 @@ def test_jsonl_rows(tmp_path: Path) -> None:
         ('{"problem": "a", "expected_answer": "b"}\n[1, 2]\n', ":2:", "expected a JSON object"),
         ('{"problem": "a"}\n', ":1:", "missing key 'expected_answer'"),
         ('{"problem": {"x": 1}, "expected_answer": "b"}\n', ":1:", "must be a string or number"),
+        ('{"problem": "a", "expected_answer": "b"}\n{"problem": "c", "expected_answer": "d", "problem": "e"}\n',
+         ":2:", "key 'problem' appears twice in one object"),
+        ('{"problem": "a", "expected_answer": "b", "meta": {"k": 1, "k": 2}}\n', ":1:", "key 'k' appears twice"),
     ],
 )
 def test_bad_rows_are_named_by_file_and_line(tmp_path: Path, text: str, where: str, what: str) -> None:
@@ -182,3 +185,32 @@ def test_bad_parquet_rows_are_named_by_row(tmp_path: Path, answer: object, what:
     with pytest.raises(DataError) as e:
         load_rows(DataConfig(dataset_name="parquet", train_data_path=str(p), env_name="math"), "train")
     assert f"{p}: row 0: " in str(e.value) and what in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("policy", ["truncate", "drop", "error"])
+def test_over_length_prompts_are_found_at_load_and_handled_as_data_too_long_says(
+    tiny_tokenizer: object, tmp_path: Path, policy: str
+) -> None:
+    from rlpost.data.prompts import PromptProcessor, load_prompt_rows
+
+    p = tmp_path / "t.jsonl"
+    long = "Copy the digit 7 " * 10
+    p.write_text("".join(f'{{"problem": "{text}", "expected_answer": "7"}}\n' for text in ["1", long, "2", long]))
+    d = cfg(p, max_input_seq_length=8, too_long=policy)
+    proc = PromptProcessor(d, tiny_tokenizer)
+    if policy == "error":
+        with pytest.raises(DataError) as e:
+            load_prompt_rows(d, proc, "train")
+        assert str(e.value).startswith(f"{p}:2: the prompt is longer than data.max_input_seq_length=8 tokens")
+        assert "(over it: 2 of 4 train prompts; data.too_long=error)" in str(e.value)
+        return
+    rows, over = load_prompt_rows(d, proc, "train")
+    assert over == 2
+    assert [r["problem"] for r in rows] == (["1", long, "2", long] if policy == "truncate" else ["1", "2"])
+
+
+def test_an_unknown_too_long_policy_is_refused() -> None:
+    from rlpost.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="must be one of"):
+        DataConfig(too_long="skip").check("data")

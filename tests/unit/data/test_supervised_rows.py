@@ -63,6 +63,7 @@ def test_without_a_template_eos_is_appended_and_trained(tiny_tokenizer: Any) -> 
     ({"question": "a"}, "needs 'messages'"),
     ({"prompt": "a", "response": ""}, "is empty"),
     ("[1, 2]", "expected a JSON object"),
+    ('{"prompt": "a", "response": "b", "response": "c"}', "key 'response' appears twice"),
 ])
 def test_a_bad_sft_row_is_named_by_file_and_line(tmp_path: Path, row: Any, needle: str) -> None:
     good = {"prompt": "Copy the digit 1", "response": "1"}

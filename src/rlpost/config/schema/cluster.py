@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlpost.config.errors import one_of, positive
+from rlpost.config.errors import one_of, positive, require
+
+RAY_MIN_OBJECT_STORE_MB = 75
+"""The smallest object store Ray starts with (ray._private.ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES)."""
 
 
 @dataclass
@@ -22,7 +25,7 @@ class ClusterConfig:
     num_cpus: float | None = None
     """CPUs a local Ray cluster advertises; None = all cores."""
     object_store_memory_mb: int = 512
-    """Object store size of a local Ray cluster."""
+    """Object store size of a local Ray cluster, in MiB (Ray starts none smaller than 75)."""
     worker_num_cpus: float = 0.25
     """Ray num_cpus of one worker actor on CPU (fractional so colocated groups fit)."""
     placement_timeout_s: float = 60.0
@@ -41,6 +44,11 @@ class ClusterConfig:
         one_of(f"{path}.device", self.device, ("auto", "cpu", "cuda"))
         positive(f"{path}.num_cpus", self.num_cpus, allow_none=True)
         positive(f"{path}.object_store_memory_mb", self.object_store_memory_mb)
+        if self.address is None:
+            require(self.object_store_memory_mb >= RAY_MIN_OBJECT_STORE_MB, f"{path}.object_store_memory_mb",
+                    self.object_store_memory_mb,
+                    f"must be >= {RAY_MIN_OBJECT_STORE_MB}: Ray starts no object store smaller than "
+                    f"{RAY_MIN_OBJECT_STORE_MB} MiB")
         positive(f"{path}.worker_num_cpus", self.worker_num_cpus)
         positive(f"{path}.placement_timeout_s", self.placement_timeout_s)
         positive(f"{path}.call_timeout_s", self.call_timeout_s)

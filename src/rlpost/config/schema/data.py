@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from rlpost.config.errors import one_of, positive, require
 
+TOO_LONG = ("truncate", "drop", "error")
+"""What data.too_long may choose for an over-length prompt."""
 SYNTHETIC_TASKS = ("next_letter", "copy_digit", "add_mod10", "arith_add1", "arith_add2", "arith_mixed", "lookup",
                    "guess_digit", "calc_mul")
 
@@ -64,7 +66,10 @@ class DataConfig(DatasetConfig):
     system_prompt_file: str | None = None
     """System prompt file; None = no system message."""
     max_input_seq_length: int = 256
-    """Prompts longer than this (in tokens) are masked out of the loss and counted."""
+    """Longest prompt in tokens; what happens to a longer one is data.too_long's choice."""
+    too_long: str = "truncate"
+    """A prompt over max_input_seq_length tokens, found when the rows are loaded: 'truncate' (cut to it and masked
+    out of the loss, as NeMo RL does), 'drop' (left out of the data set) or 'error' (exit 2 naming its file:line)."""
     add_generation_prompt: bool = True
     """Append the assistant turn opener of the chat template."""
     shuffle: bool = True
@@ -86,6 +91,7 @@ class DataConfig(DatasetConfig):
                 f"dataset_name={self.dataset_name} needs a local train_data_path",
             )
         positive(f"{path}.max_input_seq_length", self.max_input_seq_length)
+        one_of(f"{path}.too_long", self.too_long, TOO_LONG)
         require(
             self.num_workers == 0,
             f"{path}.num_workers",

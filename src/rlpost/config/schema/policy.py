@@ -7,6 +7,7 @@ environment and support checks. The worker class is the option's `_target_`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -294,8 +295,13 @@ class PolicyConfig:
             "sequence packing and dynamic batching are mutually exclusive",
         )
         parse_scheduler(f"{path}.scheduler", self.scheduler)
+        for name, value in self.optimizer.kwargs.items():
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                require(not isinstance(v, float) or math.isfinite(v), f"{path}.optimizer.kwargs.{name}", value,
+                        "must be a finite number")
         lr = self.optimizer.kwargs.get("lr", 1.0)
-        require(isinstance(lr, (int, float)) and lr > 0, f"{path}.optimizer.kwargs.lr", lr, "must be a number > 0")
+        require(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0, f"{path}.optimizer.kwargs.lr",
+                lr, "must be a finite number > 0")
 
     def _check_generation_batch_size(self, path: str) -> None:
         """The policy-level batch is the HF engine's; no other engine reads it."""
