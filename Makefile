@@ -8,7 +8,7 @@ STACK ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(STACK)
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-fast lint bench clean smollm2
+.PHONY: install train test test-fast faults lint bench clean smollm2
 
 install: $(STAMP)
 
@@ -25,6 +25,14 @@ test: install smollm2
 
 test-fast: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests benchmarks -m "not slow" $(PYTEST_ARGS)
+
+# The fault suite (bad input, signals, kill -9, a held run directory, failing sweep jobs, corrupt checkpoints) and
+# its table: probes, clean exits, tracebacks, data lost (tests/fault_table.py).
+faults: install
+	rm -f $(VENV)/fault_records.jsonl
+	OMP_NUM_THREADS=1 RLPOST_FAULT_RECORDS=$(CURDIR)/$(VENV)/fault_records.jsonl \
+		$(BIN)/python -m pytest tests -m faults $(PYTEST_ARGS); rc=$$?; \
+		$(BIN)/python -m tests.fault_table $(VENV)/fault_records.jsonl && exit $$rc
 
 lint: install
 	$(BIN)/ruff check src tests scripts benchmarks

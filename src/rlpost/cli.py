@@ -5,12 +5,16 @@ numbers, `--help` / `--version` answer at once.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
 from rlpost import __version__
 from rlpost.config.errors import report_config_error
+from rlpost.failures import EXIT_INTERRUPT, EXIT_TERMINATED, Interrupted, describe, exit_status
 
 if TYPE_CHECKING:
     from rlpost.runtime.run_lock import RunLock
@@ -435,8 +439,25 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    sig = signal.Signals(signum)
+    raise Interrupted(sig.name, EXIT_TERMINATED if sig == signal.SIGTERM else EXIT_INTERRUPT, "during start-up")
+
+
 def entrypoint() -> None:
-    sys.exit(main())
+    """The `rlpost` command. Before a run's steps begin (checks, Hydra, start-up), SIGINT and SIGTERM end it at
+    once: one line and the exit status (130, 143), no traceback; a run's steps have their own handlers
+    (rlpost.runner)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) != signal.SIG_IGN:  # a shell's `cmd &` ignores SIGINT: keep it so
+                signal.signal(sig, _interrupt)
+    try:
+        code = main()
+    except (KeyboardInterrupt, Interrupted) as exc:
+        print(f"rlpost: error: {describe(exc, None)}", file=sys.stderr)
+        code = exit_status(exc)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,20 @@ EXIT_INTERNAL = 1
 _log = logging.getLogger("rlpost")
 
 
-class Interrupted(Exception):
-    """The run was stopped by a signal (Ctrl-C or SIGTERM); carries the exit status."""
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by a signal (Ctrl-C or SIGTERM); carries the exit status and, when the stop was not at a
+    step boundary, `when` ("during start-up", "a second signal: ..."). A KeyboardInterrupt: no `except Exception` on
+    the way out (a retry, a best-effort close) swallows it, and a wait inside Ray (`ray.get`) ends on it at once, as
+    on Ctrl-C (Ray then raises a plain KeyboardInterrupt: the runner knows which signal it was)."""
 
-    def __init__(self, signame: str, code: int) -> None:
-        super().__init__(signame)
+    def __init__(self, signame: str, code: int, when: str = "") -> None:
+        super().__init__(signame, code, when)
         self.signame = signame
         self.code = code
+        self.when = when
+
+    def __str__(self) -> str:
+        return f"{self.signame} ({self.when})" if self.when else self.signame
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
@@ -86,7 +93,7 @@ def describe(exc: BaseException, log_file: Path | None) -> str:
     where = f" (traceback in {log_file})" if log_file is not None else ""
     code = exit_status(exc)
     if code in (EXIT_INTERRUPT, EXIT_TERMINATED):
-        name = exc.signame if isinstance(exc, Interrupted) else "SIGINT"
+        name = str(exc) if isinstance(exc, Interrupted) else "SIGINT"
         return f"interrupted by {name}; re-run the same command to resume from the last checkpoint"
     if code == EXIT_INTERNAL:
         return f"unexpected {type(exc).__name__}: {_first_line(exc)}{where}"

@@ -2,8 +2,8 @@
 (rlpost.algorithms.loop) -> summary, always releasing Ray, process groups and worker processes (also between the
 jobs of a multirun).
 
-The first Ctrl-C (or SIGTERM) lets the current step finish (and, with
-`checkpointing.save_on_interrupt`, saves it), then stops; a second one abandons the step at once.
+The first Ctrl-C (or SIGTERM) lets the current step finish (and, with `checkpointing.save_on_interrupt`, saves
+it), then stops; a second one abandons the step at once. One during start-up ends the run at once.
 """
 
 from __future__ import annotations
@@ -40,10 +40,15 @@ _CODES = {signal.SIGINT: EXIT_INTERRUPT, signal.SIGTERM: EXIT_TERMINATED}
 
 
 class StopOnSignal:
-    """Turns SIGINT/SIGTERM into a stop request at the next step boundary (twice: stop now)."""
+    """SIGINT/SIGTERM while the run starts (Ray, workers, engines): end at once (Interrupted "during start-up"); once
+    the steps run (`started()`): stop at the next step boundary; a second signal: abandon the step now."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.running = False
+        self.abort: Interrupted | None = None
+        """The stop raised from the handler (start-up, a second signal): a wait inside Ray turns it into a plain
+        KeyboardInterrupt, so `interrupted()` gives it back."""
         self._old: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
 
     def __enter__(self) -> StopOnSignal:
@@ -57,12 +62,21 @@ class StopOnSignal:
             signal.signal(sig, old)
         self._old = {}
 
+    def started(self) -> None:
+        """The steps begin: a signal from now on stops at the next step boundary."""
+        self.running = True
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
+        sig = signal.Signals(signum)
+        if not self.running:
+            self.signum = signum
+            self.abort = Interrupted(sig.name, _CODES[sig], "during start-up")
+            raise self.abort
         if self.signum is not None:
-            raise Interrupted(name, _CODES[signal.Signals(signum)])
+            self.abort = Interrupted(sig.name, _CODES[sig], "a second signal: the step in flight was abandoned")
+            raise self.abort
         self.signum = signum
-        say.info(f"{name}: stopping after the current step (press Ctrl-C again to abandon it now)")
+        say.info(f"{sig.name}: stopping after the current step (press Ctrl-C again to abandon it now)")
 
     @property
     def requested(self) -> bool:
@@ -82,29 +96,33 @@ class StopOnSignal:
         raise self.interrupted()
 
     def interrupted(self) -> Interrupted:
+        """The stop to end the run with: the one the handler raised, else the requested stop at a step boundary."""
+        if self.abort is not None:
+            return self.abort
         assert self.signum is not None
         sig = signal.Signals(self.signum)
-        return Interrupted(sig.name, _CODES[sig])
+        return Interrupted(sig.name, _CODES[sig], "" if self.running else "during start-up")
 
 
-def _quiet_close(comps: Components | None, spans: deque[Span] | None = None) -> None:
-    """Release everything with SIGINT ignored, so a late Ctrl-C cannot leave processes behind (Ray's task timeline
-    written first when logger.ray_timeline recorded the driver's phases as `spans`: the actors' events go with
-    them)."""
+def _quiet_close(comps: Components | None, spans: deque[Span] | None = None, graceful: bool = True) -> None:
+    """Release everything with SIGINT and SIGTERM ignored, so a late signal cannot leave processes behind (Ray's
+    task timeline written first when logger.ray_timeline recorded the driver's phases as `spans`: the actors' events
+    go with them). A failed or abandoned run passes `graceful=False`: its workers are killed without being asked
+    first (one may be stuck in the call that failed)."""
     import ray
 
     main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _CODES} if main else {}
     try:
         if comps is not None and spans is not None and ray.is_initialized():
             _timeline(comps.logger.dir, spans)
         if comps is not None:
-            comps.close()
+            comps.close(graceful)
         if ray.is_initialized():
             ray.shutdown()
     finally:
-        if main:
-            signal.signal(signal.SIGINT, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 @contextmanager
@@ -171,7 +189,7 @@ class Components(Protocol):
     @property
     def save_state(self) -> _SaveState: ...
 
-    def close(self) -> None: ...
+    def close(self, graceful: bool = True) -> None: ...
 
 
 _Cfg = TypeVar("_Cfg", MasterConfig, SupervisedMasterConfig)
@@ -268,6 +286,7 @@ def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path) -> dict[str, object]:
                  f"{CheckpointManager(cfg.checkpointing, run_dir).dir}); nothing to do. Raise {job.budget_key} "
                  "to train further.")
         return {"run_dir": str(run_dir), "steps": done, "complete": True}
+    graceful = False
     with StopOnSignal() as stop, _phase_spans(cfg) as spans:
         try:
             comps = job.setup(cfg, run_dir)
@@ -285,15 +304,19 @@ def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path) -> dict[str, object]:
                     progress.update(task, completed=step, info=job.progress(m))
                     stop.stop_after(step, job.max_num_steps, cfg.checkpointing, lambda: loop.save_now(step, m))
 
+                stop.started()
                 loop.run(on_step)
-        except Interrupted:
+            graceful = True
+        except Interrupted as exc:
+            graceful = not exc.when  # stopped at a step boundary: the workers are idle
             raise
         except BaseException as exc:
-            if stop.requested:  # workers that got the terminal's signal too end the step this way
+            graceful = False
+            if stop.requested:  # the handler's stop, as a wait inside Ray re-raised it (or what a worker made of it)
                 raise stop.interrupted() from exc
             raise
         finally:
-            _quiet_close(comps, spans)
+            _quiet_close(comps, spans, graceful)
     summary: dict[str, object] = {
         "run_dir": str(run_dir),
         "steps": comps.save_state.total_steps,

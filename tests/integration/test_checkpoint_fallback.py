@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from rlpost.runtime.checkpointing import write_manifest
+from tests.fault_table import Record
 from tests.pickles import plant
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
 REPO = Path(__file__).resolve().parents[2]
 RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
@@ -39,7 +40,7 @@ def metric_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_corrupt_checkpoint_falls_back_and_a_pickle_is_never_loaded(tmp_path: Path) -> None:
+def test_a_corrupt_checkpoint_falls_back_and_a_pickle_is_never_loaded(tmp_path: Path, fault: Record) -> None:
     """Step 2 truncated: the re-run moves it aside and resumes from step 1, whose directories hold planted pickles
     (listed in its manifest, so only the loaders stand in their way) that never run. Then step 3's model shard
     replaced by a pickle, the manifest rewritten to match (as an attacker with write access would): refused with
@@ -64,6 +65,8 @@ def test_a_corrupt_checkpoint_falls_back_and_a_pickle_is_never_loaded(tmp_path: 
         f.write('{"step": 3, "train/re')
 
     out = train(run, cache, *common, "grpo.max_num_steps=3")
+    fault("a truncated checkpoint shard", out.returncode, out.stdout + out.stderr,
+          data_lost=metric_steps(run) != [1, 2, 3])
     warning = [ln for ln in out.stderr.splitlines() if "is corrupt" in ln]
     assert len(warning) == 1, out.stderr[-3000:]
     assert "step_2" in warning[0] and rel in warning[0] and "resuming from step_1" in warning[0]
@@ -78,6 +81,8 @@ def test_a_corrupt_checkpoint_falls_back_and_a_pickle_is_never_loaded(tmp_path: 
     write_manifest(step3)
     out = subprocess.run([RLPOST, "train", f"hydra.run.dir={run}", *common, "grpo.max_num_steps=4"], env=env(cache),
                          capture_output=True, text=True, timeout=600)
+    fault("a checkpoint shard replaced by a pickle", out.returncode, out.stdout + out.stderr,
+          data_lost=not step3.is_dir())
     assert out.returncode == 2, out.stderr[-3000:]
     lines = [ln for ln in out.stderr.splitlines() if "cannot load checkpoint" in ln]
     assert lines and str(step3) in lines[0] and "Traceback" not in out.stderr, out.stderr[-3000:]

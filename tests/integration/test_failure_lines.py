@@ -1,6 +1,7 @@
 """Known failures of a real `rlpost train` end with one line, a documented exit status, the traceback
-in train.log, nothing left running, and no broken step saved: Ctrl-C (with save_on_interrupt),
-re-running a finished job, and an lr that breaks the model."""
+in train.log, nothing left running, and no broken step saved: Ctrl-C and SIGTERM (with save_on_interrupt), a
+second signal, a signal during start-up, re-running a finished job, a call past its bound, and an lr that breaks
+the model."""
 
 from __future__ import annotations
 
@@ -14,18 +15,22 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.fault_table import Record
+
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
 REPO = Path(__file__).resolve().parents[2]
 RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
 FAST = ["generation=hf", "grpo.val_period=0", "checkpointing.metric_name=train:reward"]
+VLLM = ["generation=vllm", *FAST[1:]]
+"""The default engine: its start-up is the longest."""
 
 
 def env(cache: Path) -> dict[str, str]:
     return {**os.environ, "RLPOST_CACHE_DIR": str(cache), "RAY_AUTH_MODE": "disabled"}
 
 
-def _rows(run: Path) -> list[dict]:
+def _rows(run: Path) -> list[dict[str, float]]:
     p = run / "metrics.jsonl"
     if not p.is_file():
         return []
@@ -37,40 +42,123 @@ def _session_alive(sid: int) -> list[str]:
     return [line for line in out.splitlines() if line.split()[1] == str(sid)]
 
 
-def test_ctrl_c_stops_after_the_step_saves_it_and_leaves_nothing(tmp_path: Path) -> None:
-    run, cache = tmp_path / "run", tmp_path / "cache"
-    cmd = [RLPOST, "train", f"hydra.run.dir={run}", *FAST, "grpo.max_num_steps=500",
-           "checkpointing.save_period=1000", "checkpointing.save_on_interrupt=true"]
-    proc = subprocess.Popen(cmd, env=env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+def _start(run: Path, cache: Path, *overrides: str, base: list[str] = FAST) -> subprocess.Popen[str]:
+    """`rlpost train` in a session of its own: a signal to its group is what a terminal, `timeout` or Slurm sends."""
+    return subprocess.Popen([RLPOST, "train", f"hydra.run.dir={run}", *base, *overrides], env=env(cache),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_rows(proc: subprocess.Popen[str], run: Path, n: int) -> None:
     deadline = time.monotonic() + 300
-    while len(_rows(run)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+    while len(_rows(run)) < n and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert len(_rows(run)) >= n, f"the run did not reach step {n}"
+
+
+def _nothing_left(sid: int) -> None:
+    for _ in range(60):
+        if not _session_alive(sid):
+            return
         time.sleep(0.5)
-    assert len(_rows(run)) >= 2, "the run did not reach step 2"
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    assert not _session_alive(sid), "processes left behind"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_after_the_step_saves_it_and_leaves_nothing(sig: signal.Signals, tmp_path: Path,
+                                                                   fault: Record) -> None:
+    """Ctrl-C (the terminal's whole foreground group) or SIGTERM (`timeout`, Slurm, Kubernetes: the group too):
+    the step in flight finishes and is saved (save_on_interrupt), exit 130 / 143 with one line."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    budget = ["grpo.max_num_steps=500", "checkpointing.save_period=1000", "checkpointing.save_on_interrupt=true"]
+    proc = _start(run, cache, *budget)
+    _wait_rows(proc, run, 2)
+    os.killpg(proc.pid, sig)
     out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 130, err[-3000:]
-    assert "Traceback" not in err and "Traceback" not in out
-    assert err.strip().splitlines()[-1].startswith("rlpost: error: interrupted by SIGINT")
     last = max(r["step"] for r in _rows(run))
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    steps = [r["step"] for r in _rows(run)]
+    fault(f"{sig.name} to the run's process group", proc.returncode, out + err,
+          data_lost=ckpts != [f"step_{last}"] or steps != list(range(1, last + 1)))
+    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], err[-3000:]
+    assert "Traceback" not in err and "Traceback" not in out and "SIGTERM received" not in err
+    assert err.strip().splitlines()[-1] == (f"rlpost: error: interrupted by {sig.name}; re-run the same command "
+                                            "to resume from the last checkpoint")
     assert ckpts == [f"step_{last}"]  # the step in flight finished and was saved (save_period is 1000)
+    assert steps == list(range(1, last + 1))
     assert "Traceback" in (run / "train.log").read_text()
-    for _ in range(60):
-        if not _session_alive(proc.pid):
-            break
-        time.sleep(0.5)
-    assert not _session_alive(proc.pid), "processes left behind"
+    _nothing_left(proc.pid)
+    if sig != signal.SIGINT:
+        return
 
     # Re-running the finished job (max_num_steps = the saved step) says so and starts nothing.
-    again = subprocess.run([*cmd[:-3], f"grpo.max_num_steps={last}"], env=env(cache), capture_output=True,
-                           text=True, timeout=300)
+    again = subprocess.run([RLPOST, "train", f"hydra.run.dir={run}", *FAST, f"grpo.max_num_steps={last}"],
+                           env=env(cache), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"run already complete: {last} steps" in again.stderr
     assert "nan" not in again.stderr.lower()
 
 
-def test_an_lr_that_breaks_the_model_ends_with_one_line(tmp_path: Path) -> None:
+def test_a_second_signal_abandons_the_step_with_one_line(tmp_path: Path, fault: Record) -> None:
+    """Two Ctrl-Cs in a row: the second abandons the step in flight (or, when the step ended between them, the
+    first already stopped the run); either way one line, exit 130, no step saved half-done, nothing left."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    proc = _start(run, cache, "grpo.max_num_steps=500", "checkpointing.save_period=1")
+    _wait_rows(proc, run, 2)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    steps = [r["step"] for r in _rows(run)]
+    saved = sorted(int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*"))
+    fault("two SIGINTs to the run's process group", proc.returncode, out + err,
+          data_lost=steps != list(range(1, len(steps) + 1)) or saved[-1] != steps[-1])
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err + out
+    line = err.strip().splitlines()[-1]
+    assert line in ("rlpost: error: interrupted by SIGINT (a second signal: the step in flight was abandoned); "
+                    "re-run the same command to resume from the last checkpoint",
+                    "rlpost: error: interrupted by SIGINT; re-run the same command to resume from the last "
+                    "checkpoint"), line
+    assert steps == list(range(1, len(steps) + 1)) and saved[-1] == steps[-1]  # save_period=1: every logged step
+    _nothing_left(proc.pid)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_start_up_ends_the_run_at_once(sig: signal.Signals, tmp_path: Path, fault: Record) -> None:
+    """A signal while Ray, the workers and the engines start: the run ends within seconds (start-up is not waited
+    out), one line saying when, exit 130 / 143, nothing saved, nothing left."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    proc = _start(run, cache, "grpo.max_num_steps=5", base=VLLM)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not (run / "train.log").is_file():
+        time.sleep(0.05)
+    time.sleep(3)  # inside start-up: the job began (its log exists), Ray and the actors are starting
+    os.killpg(proc.pid, sig)
+    out, err = proc.communicate(timeout=60)
+    fault(f"{sig.name} during start-up", proc.returncode, out + err,
+          data_lost=bool(_rows(run) or list(run.glob("checkpoints/step_*"))))
+    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], err[-3000:]
+    assert "Traceback" not in err + out and "SIGTERM received" not in err
+    assert err.strip().splitlines()[-1] == (f"rlpost: error: interrupted by {sig.name} (during start-up); re-run "
+                                            "the same command to resume from the last checkpoint")
+    assert not _rows(run) and not list(run.glob("checkpoints/step_*"))
+    _nothing_left(proc.pid)
+
+
+def test_a_call_past_its_bound_ends_the_run_with_one_line_and_leaves_nothing(tmp_path: Path, fault: Record) -> None:
+    """cluster.call_timeout_s=5: the engine's start-up call outlives it. The run ends with exit 3 naming the call and
+    the actor; the workers (one still busy in that call) are killed, not asked to stop, and nothing is left."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    proc = _start(run, cache, "cluster.call_timeout_s=5", "cluster.min_call_timeout_s=1", base=VLLM)
+    out, err = proc.communicate(timeout=300)
+    fault("a call past cluster.call_timeout_s", proc.returncode, out + err, data_lost=bool(_rows(run)))
+    assert proc.returncode == 3, err[-3000:]
+    assert "Traceback" not in err + out
+    assert err.strip().splitlines()[-1].startswith("rlpost: error: call did not finish within 5s on "), err[-2000:]
+    _nothing_left(proc.pid)
+
+
+def test_an_lr_that_breaks_the_model_ends_with_one_line(tmp_path: Path, fault: Record) -> None:
     """lr=1e30 leaves finite but huge weights after step 1; step 2 then breaks (the HF engine refuses
     non-finite probabilities, or the gate stops non-finite loss / grad norm / weights). Either way:
     exit 3, one line naming the part, the traceback in train.log, and no step after the break saved."""
@@ -78,6 +166,8 @@ def test_an_lr_that_breaks_the_model_ends_with_one_line(tmp_path: Path) -> None:
     out = subprocess.run([RLPOST, "train", f"hydra.run.dir={run}", *FAST, "grpo.max_num_steps=4",
                           "checkpointing.save_period=1", "policy.optimizer.kwargs.lr=1e30"],
                          env=env(cache), capture_output=True, text=True, timeout=300)
+    fault("an lr that breaks the model", out.returncode, out.stdout + out.stderr,
+          data_lost=sorted(p.name for p in (run / "checkpoints").glob("step_*")) != ["step_1"])
     assert out.returncode == 3, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("rlpost: error: ") and ("rank 0" in last or "not finite" in last), last

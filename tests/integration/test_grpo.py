@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fault_table import Record
 from tests.integration.cli_runs import RLPOST, TIMING, env, kill_9_after_checkpoint, metrics, train
 
 pytestmark = pytest.mark.slow
@@ -154,7 +155,8 @@ def test_async_grpo_with_in_flight_weight_updates(cache: Path, tmp_path: Path) -
     assert all(m["train/mean_gen_length"] == 24 for m in steps)
 
 
-def test_a_killed_engine_actor_stops_async_grpo_with_its_name(cache: Path, tmp_path: Path) -> None:
+@pytest.mark.faults
+def test_a_killed_engine_actor_stops_async_grpo_with_its_name(cache: Path, tmp_path: Path, fault: Record) -> None:
     import psutil
 
     run = tmp_path / "killed"
@@ -175,6 +177,7 @@ def test_a_killed_engine_actor_stops_async_grpo_with_its_name(cache: Path, tmp_p
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    fault("kill -9 of the engine actor", proc.returncode, err)
     assert proc.returncode == 3, err[-2000:]
     assert re.search(r"vLLM \S+ replica 0 died", err), err[-2000:]
     assert "Traceback" not in err
@@ -213,7 +216,9 @@ def _weights(run: Path, step: int) -> dict[str, object]:
     return load_file(str(run / "checkpoints" / f"step_{step}" / "policy" / "weights" / "hf" / "model.safetensors"))
 
 
-def test_resume_after_kill_9_matches_a_straight_run_and_a_changed_config_is_refused(cache: Path, tmp_path: Path) -> None:
+@pytest.mark.faults
+def test_resume_after_kill_9_matches_a_straight_run_and_a_changed_config_is_refused(cache: Path, tmp_path: Path,
+                                                                                     fault: Record) -> None:
     import torch
 
     common = [*SMALL, "generation=hf", "grpo.max_num_steps=8", "checkpointing.save_period=2",
@@ -232,6 +237,8 @@ def test_resume_after_kill_9_matches_a_straight_run_and_a_changed_config_is_refu
     b: dict[int, dict] = {}
     for m in metrics(resumed):
         b[m["step"]] = m  # steps the killed run logged after its last checkpoint are repeated; keep the last
+    fault("kill -9 of the run, then the same command", out.returncode, out.stdout + out.stderr,
+          data_lost=sorted(b) != list(range(1, 9)))
     assert sorted(b) == sorted(a) == list(range(1, 9))
     for step in range(start + 1, 9):
         for k, v in a[step].items():
@@ -244,12 +251,15 @@ def test_resume_after_kill_9_matches_a_straight_run_and_a_changed_config_is_refu
     out = subprocess.run([RLPOST, "train", f"hydra.run.dir={straight}", *common, "grpo.max_num_steps=9",
                           "policy.optimizer.kwargs.lr=1e-4"], env=env(cache), capture_output=True, text=True,
                          timeout=600)
+    fault("resume under a changed config", out.returncode, out.stdout + out.stderr)
     assert out.returncode == 2
     assert "refusing to resume" in out.stderr and "policy.optimizer.kwargs.lr" in out.stderr
     assert "Traceback" not in out.stderr
 
 
-def test_multirun_goes_on_after_a_job_diverges_and_ends_with_its_status(cache: Path, tmp_path: Path) -> None:
+@pytest.mark.faults
+def test_multirun_goes_on_after_a_job_diverges_and_ends_with_its_status(cache: Path, tmp_path: Path,
+                                                                        fault: Record) -> None:
     """Both jobs run with their own lr; lr=1e9 trips the health gate in job 1: job 0's results stay, job 1 is listed
     with exit 3 and its line, the table prints, and the sweep exits 3, with no traceback on the console."""
     sweep = tmp_path / "sweep"
@@ -258,8 +268,10 @@ def test_multirun_goes_on_after_a_job_diverges_and_ends_with_its_status(cache: P
          "grpo.max_num_steps=2", "grpo.val_period=0", "checkpointing=disabled", f"hydra.sweep.dir={sweep}"],
         env=env(cache), capture_output=True, text=True, timeout=900,
     )
-    assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
     first = [m for m in metrics(sweep / "0") if "train/reward" in m]
+    fault("a sweep whose second job diverges", out.returncode, out.stdout + out.stderr,
+          data_lost=not (sweep / "sweep_summary.json").is_file() or len(first) != 2)
+    assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
     assert [m["step"] for m in first] == [1, 2]
     rows = json.loads((sweep / "sweep_summary.json").read_text())
     assert [(r["job"], r["exit_status"]) for r in rows] == [(0, 0), (1, 3)]

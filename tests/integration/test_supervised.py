@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fault_table import Record
 from tests.integration.cli_runs import RLPOST, TIMING, env, kill_9_after_checkpoint, metrics, train
 
 pytestmark = pytest.mark.slow
@@ -153,7 +154,8 @@ def test_dtensor_and_megatron_give_the_same_sft_loss_curve(cache: Path, tmp_path
         assert curves["megatron"][key] == pytest.approx(value, abs=1e-4), key
 
 
-def test_sft_resume_after_kill_9_matches_a_straight_run(cache: Path, tmp_path: Path) -> None:
+@pytest.mark.faults
+def test_sft_resume_after_kill_9_matches_a_straight_run(cache: Path, tmp_path: Path, fault: Record) -> None:
     common = ["algo=sft", "sft.max_num_steps=8", "sft.val_period=4", "checkpointing.save_period=2"]
     straight = tmp_path / "straight"
     train(straight, cache, *common)
@@ -164,6 +166,8 @@ def test_sft_resume_after_kill_9_matches_a_straight_run(cache: Path, tmp_path: P
     assert found is not None and 2 <= int(found.group(1)) < 8, out.stderr[-2000:]
     a = {m["step"]: m for m in metrics(straight)}
     b = {m["step"]: m for m in metrics(resumed)}
+    fault("kill -9 of an SFT run, then the same command", out.returncode, out.stdout + out.stderr,
+          data_lost=sorted(b) != list(range(0, 9)))
     assert sorted(a) == sorted(b) == list(range(0, 9))
     for step in range(int(found.group(1)) + 1, 9):
         for k, v in a[step].items():

@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.fault_table import Record
+
+pytestmark = pytest.mark.faults
+
 STOP_BEFORE_START = (
     "import sys, rlpost.train as t; t.main = lambda: sys.exit(99); "
     "from rlpost.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -34,8 +38,12 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("rlpost:") and "error" in line]
 
 
-def assert_refused(out: subprocess.CompletedProcess[str], named: str, words: str = "", status: int = 2) -> str:
-    """Exit `status`, exactly one `rlpost:` error line naming `named` (and holding `words`), no traceback."""
+def assert_refused(out: subprocess.CompletedProcess[str], named: str, words: str = "", status: int = 2,
+                   fault: Record | None = None) -> str:
+    """Exit `status`, exactly one `rlpost:` error line naming `named` (and holding `words`), no traceback (recorded
+    as a probe of the fault table by `fault`)."""
+    if fault is not None:
+        fault(named, out.returncode, out.stdout + out.stderr)
     lines = error_lines(out.stderr)
     assert out.returncode == status, (out.returncode, out.stderr[-3000:])
     assert len(lines) == 1, out.stderr
@@ -65,16 +73,17 @@ PROBES: list[tuple[list[str], str, str]] = [
 
 
 @pytest.mark.parametrize(("overrides", "named", "words"), PROBES, ids=[" ".join(p[0])[:60] for p in PROBES])
-def test_bad_input_exits_2_before_start(overrides: list[str], named: str, words: str, tmp_path: Path) -> None:
-    assert_refused(rlpost("train", *overrides, cwd=tmp_path), named, words)
+def test_bad_input_exits_2_before_start(overrides: list[str], named: str, words: str, tmp_path: Path,
+                                        fault: Record) -> None:
+    assert_refused(rlpost("train", *overrides, cwd=tmp_path), named, words, fault=fault)
     assert not (tmp_path / "outputs").exists()  # Hydra made no run directory
 
 
-def test_cluster_ray_without_a_running_cluster_says_so_before_any_config_rule(tmp_path: Path) -> None:
+def test_cluster_ray_without_a_running_cluster_says_so_before_any_config_rule(tmp_path: Path, fault: Record) -> None:
     # cluster=ray's gpus_per_node=8 breaks the default job's batch rule; the missing cluster is what to report
     # (exit 3, a run-time failure, as README's table documents)
     out = rlpost("train", "cluster=ray", cwd=tmp_path, env={"RAY_TMPDIR": str(tmp_path), "RAY_ADDRESS": ""})
-    line = assert_refused(out, "cluster.address=auto", "no Ray cluster is running", status=3)
+    line = assert_refused(out, "cluster.address=auto", "no Ray cluster is running", status=3, fault=fault)
     assert line.startswith("rlpost: error: ") and "batch" not in out.stderr
 
 
@@ -90,17 +99,18 @@ def math_rows(path: Path, n: int, bad: dict[int, str] | None = None) -> Path:
 MATH = ["data=math_jsonl", "env=math", "grpo.val_period=0", "checkpointing.metric_name=train:reward"]
 
 
-def test_a_duplicate_key_in_a_data_row_is_named_by_file_line_and_key(tmp_path: Path) -> None:
+def test_a_duplicate_key_in_a_data_row_is_named_by_file_line_and_key(tmp_path: Path, fault: Record) -> None:
     data = math_rows(tmp_path / "train.jsonl", 40, {3: '{"problem": "1 + 1", "expected_answer": "2", "problem": "3"}'})
     out = rlpost("train", *MATH, f"data.train_data_path={data}", cwd=tmp_path)
-    line = assert_refused(out, f"{data}:3:", "key 'problem' appears twice")
+    line = assert_refused(out, f"{data}:3:", "key 'problem' appears twice", fault=fault)
     assert line.startswith("rlpost: data error: ")
 
 
 def test_an_over_length_prompt_under_data_too_long_error_is_named_by_file_and_line(tiny_model_dir: Path,
-                                                                                   tmp_path: Path) -> None:
+                                                                                   tmp_path: Path,
+                                                                                   fault: Record) -> None:
     long = json.dumps({"problem": "What is " + "1 + " * 40 + "1?", "expected_answer": "41"})
     data = math_rows(tmp_path / "train.jsonl", 40, {5: long})
     out = rlpost("train", *MATH, f"data.train_data_path={data}", "model=local", f"model.path={tiny_model_dir}",
                  "data.max_input_seq_length=32", "data.too_long=error", cwd=tmp_path)
-    assert_refused(out, f"{data}:5:", "longer than data.max_input_seq_length=32 tokens")
+    assert_refused(out, f"{data}:5:", "longer than data.max_input_seq_length=32 tokens", fault=fault)

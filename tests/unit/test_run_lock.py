@@ -19,6 +19,7 @@ import pytest
 
 from rlpost.config.errors import ConfigError
 from rlpost.runtime.run_lock import LOCK_FILE, acquire
+from tests.fault_table import Record
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 TRAIN = ["train", "grpo.max_num_steps=2", "grpo.val_period=0", "checkpointing.metric_name=null"]
@@ -97,7 +98,8 @@ def test_a_lock_left_by_a_killed_process_is_taken_over_with_one_warning(
     assert capsys.readouterr().err == ""
 
 
-def test_rlpost_train_on_a_held_directory_exits_2_before_writing(tmp_path: Path) -> None:
+@pytest.mark.faults
+def test_rlpost_train_on_a_held_directory_exits_2_before_writing(tmp_path: Path, fault: Record) -> None:
     d = tmp_path / "run"
     with acquire(d, "hydra.run.dir"):
         out = _python(f"""
@@ -105,6 +107,8 @@ def test_rlpost_train_on_a_held_directory_exits_2_before_writing(tmp_path: Path)
             from rlpost.cli import main
             sys.exit(main({[*TRAIN, f"hydra.run.dir={d}"]!r}))
             """)
+    fault("a second run in a held hydra.run.dir", out.returncode, out.stdout + out.stderr,
+          data_lost=sorted(p.name for p in d.iterdir()) != [LOCK_FILE])
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"rlpost: config error: hydra.run.dir='{d}': in use by pid {os.getpid()} on host " in out.stderr
     assert "Traceback" not in out.stderr
@@ -158,11 +162,13 @@ def test_each_multirun_job_locks_its_own_directory(tmp_path: Path) -> None:
     assert not any(locked(p) for p in (s, s / "0", s / "1"))
 
 
-def test_an_outside_checkpoint_dir_is_locked_too(tmp_path: Path) -> None:
+@pytest.mark.faults
+def test_an_outside_checkpoint_dir_is_locked_too(tmp_path: Path, fault: Record) -> None:
     ck = tmp_path / "ck"
     with acquire(ck, "checkpointing.checkpoint_dir"):
         out = _python(_FAKE_RUN.format(fail=False, argv=[*TRAIN, f"hydra.run.dir={tmp_path / 'run'}",
                                                          f"checkpointing.checkpoint_dir={ck}"]))
+    fault("a second run on a held checkpointing.checkpoint_dir", out.returncode, out.stdout + out.stderr)
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"checkpointing.checkpoint_dir='{ck}': in use by pid {os.getpid()}" in out.stderr
     assert "run run" not in out.stdout

@@ -70,12 +70,13 @@ class GRPOComponents:
     """time.monotonic() when setup began: checkpointing.checkpoint_must_save_by counts from here."""
     closed: bool = False
 
-    def close(self) -> None:
-        """Release engines, workers, clusters, verifier processes and the logger (idempotent)."""
+    def close(self, graceful: bool = True) -> None:
+        """Release engines, workers, clusters, verifier processes and the logger (idempotent); `graceful=False`
+        (a failed or abandoned run) kills the workers without asking them first."""
         if not self.closed:
             self.closed = True
-            close_all([self.generation.shutdown, self.policy.shutdown, *[c.shutdown for c in self.clusters],
-                        *[e.shutdown for e in self.envs.values()], self.logger.close])
+            close_all([lambda: self.generation.shutdown(graceful), lambda: self.policy.shutdown(graceful),
+                       *[c.shutdown for c in self.clusters], *[e.shutdown for e in self.envs.values()], self.logger.close])
 
 
 def close_all(closers: list[Callable[[], object]]) -> None:
@@ -189,9 +190,9 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
             # The engines first (the longest start: vLLM's imports and engine), then the policy's actors beside
             # them: neither constructor waits for its actors.
             generation = _engines(cfg, gen_cluster)
-            opened.insert(0, generation.shutdown)
+            opened.insert(0, lambda: generation.shutdown(graceful=False))
             policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device)
-            opened.insert(1, policy.shutdown)  # closed after the engines
+            opened.insert(1, lambda: policy.shutdown(graceful=False))  # closed after the engines
             generation.wait_started()
             generation.finish_generation()
             if not colocated:

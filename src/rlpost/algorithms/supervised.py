@@ -75,10 +75,12 @@ class SupervisedComponents:
     """time.monotonic() when setup began: checkpointing.checkpoint_must_save_by counts from here."""
     closed: bool = False
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
+        """Release the workers, the cluster and the logger (idempotent); `graceful=False` (a failed or abandoned
+        run) kills the workers without asking them first."""
         if not self.closed:
             self.closed = True
-            close_all([self.policy.shutdown, self.cluster.shutdown, self.logger.close])
+            close_all([lambda: self.policy.shutdown(graceful), self.cluster.shutdown, self.logger.close])
 
 
 def rows_per_step(cfg: SupervisedMasterConfig) -> int:

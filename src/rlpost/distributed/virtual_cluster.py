@@ -23,6 +23,12 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlpost.config.schema.cluster import ClusterConfig
+from rlpost.distributed.ray_signals import (
+    WORKER_SIGNAL_ENV,
+    head_in_own_process_group,
+    keep_driver_handlers,
+    skip_failure_handler,
+)
 
 # Environment every actor starts with: one compute thread per process (the cores are few), no hub.
 WORKER_ENV: dict[str, str] = {
@@ -31,6 +37,7 @@ WORKER_ENV: dict[str, str] = {
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
+    **WORKER_SIGNAL_ENV,
 }
 
 
@@ -95,18 +102,20 @@ def init_ray(cfg: ClusterConfig) -> None:
         env_vars[ENV_VAR] = log_file
         runtime_env["worker_process_setup_hook"] = SETUP_HOOK
     to_console = log_file is None
+    skip_failure_handler()  # SIGTERM and Ctrl-C stay the driver's (rlpost.distributed.ray_signals)
     if cfg.address:
         probe_head(cfg.address)
         try:
-            ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=to_console,
-                     configure_logging=to_console)
+            with keep_driver_handlers():
+                ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=to_console,
+                         configure_logging=to_console)
         except ConnectionError as exc:
             raise ClusterUnavailable(
                 f"cluster.address={cfg.address}: no Ray cluster answers there ({str(exc).splitlines()[0]}); "
                 "start one with `ray start --head`, or run on this machine with cluster=local"
             ) from None
         return
-    with _lean_local_head(log_monitor=to_console):
+    with _lean_local_head(log_monitor=to_console), head_in_own_process_group(), keep_driver_handlers():
         _init_local(cfg, runtime_env, to_console)
 
 

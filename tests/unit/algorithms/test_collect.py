@@ -45,7 +45,7 @@ class _TableEnv(EnvironmentInterface):
     def step(self, responses: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         return EnvironmentReturn([m["base"] + (0.0 if r == "1" else m["spread"]) for r, m in zip(responses, metadata, strict=True)])
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         pass
 
 

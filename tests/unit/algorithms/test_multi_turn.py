@@ -83,7 +83,7 @@ class _ScriptedEnv(EnvironmentInterface):
         return EnvironmentReturn([0.25] * len(responses), observations=["xy"] * len(responses), terminateds=done,
                                  next_stop_strings=[["</call>"]] * len(responses), next_metadata=nxt)
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         pass
 
 

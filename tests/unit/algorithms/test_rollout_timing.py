@@ -26,7 +26,7 @@ class _SleepyEnv(EnvironmentInterface):
         time.sleep(self.seconds)
         return EnvironmentReturn([1.0] * len(responses), self.timeouts, unfinished=self.unfinished)
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         pass
 
 

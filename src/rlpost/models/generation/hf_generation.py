@@ -415,7 +415,7 @@ class HFGeneration(GenerationInterface):
         """Receive the broadcast (sent concurrently by the trainer) and load it; workers must agree."""
         return self.wait_collective_update(self.update_weights_from_collective_async())
 
-    def shutdown(self) -> None:
-        """Kill the workers (idempotent)."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Kill the workers, asking them to release first when `graceful` (idempotent)."""
         if getattr(self, "group", None) is not None and self.group.workers:
-            self.group.shutdown(graceful_method="shutdown", timeout_s=10.0)
+            self.group.shutdown(graceful_method="shutdown" if graceful else None, timeout_s=10.0)

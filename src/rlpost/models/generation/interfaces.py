@@ -158,5 +158,6 @@ class GenerationInterface(ABC):
         """Bound every later remote call by `timeout_s` (the loop tightens it once step times are known)."""
 
     @abstractmethod
-    def shutdown(self) -> None:
-        """Stop the engine and release its workers (idempotent)."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the engine and release its workers (idempotent): `graceful` stops each engine first (bounded); a
+        failed or abandoned run passes False and the workers are killed at once."""

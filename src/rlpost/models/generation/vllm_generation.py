@@ -241,7 +241,7 @@ class VllmGeneration(GenerationInterface):
             try:
                 self._info = self.group.get(self._info_futures)[0]
             except BaseException:
-                self.shutdown()
+                self.shutdown(graceful=False)
                 raise
         return self._info
 
@@ -423,9 +423,9 @@ class VllmGeneration(GenerationInterface):
         """Receive the trainer's broadcast (it must be sent concurrently) and load it; the common fingerprint."""
         return self.wait_collective_update(self.update_weights_from_collective_async())
 
-    def shutdown(self) -> None:
-        """Stop the engines and kill the actors (bounded; idempotent)."""
-        self.group.shutdown("shutdown")
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the engines (when `graceful`; bounded) and kill the actors (idempotent)."""
+        self.group.shutdown("shutdown" if graceful else None)
 
     def __del__(self) -> None:  # pragma: no cover - safety net
         try:

@@ -116,8 +116,9 @@ class PolicyInterface(ABC):
         """Device memory of the workers (logger.monitor_gpus); {} on CPU."""
 
     @abstractmethod
-    def shutdown(self) -> None:
-        """Release workers and process groups."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Release workers and process groups: `graceful` asks each worker to release its own first (bounded); a
+        failed or abandoned run passes False and the workers are killed at once (one may be stuck in a call)."""
 
 
 class ColocatablePolicyInterface(PolicyInterface):

@@ -163,8 +163,8 @@ class Policy(ColocatablePolicyInterface):
         per_rank = self.worker_group.run_all("gpu_memory_stats")
         return {f"gpu/rank{r}/{k}": float(v) for r, stats in enumerate(per_rank) for k, v in stats.items()}
 
-    def shutdown(self) -> None:
-        self.worker_group.shutdown(graceful_method="shutdown")
+    def shutdown(self, graceful: bool = True) -> None:
+        self.worker_group.shutdown(graceful_method="shutdown" if graceful else None)
 
     # ---- refit -----------------------------------------------------------------------------
     def prepare_refit_info(self, dtype: str = "float32") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
