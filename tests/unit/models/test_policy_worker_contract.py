@@ -52,8 +52,8 @@ def test_the_facade_calls_only_contract_methods() -> None:
             if (node.func.attr == "remote" and isinstance(target, ast.Call) and isinstance(target.func, ast.Attribute)
                     and target.func.attr == "options" and isinstance(target.func.value, ast.Attribute)):
                 called.add(target.func.value.attr)  # w.<method>.options(...).remote(...)
-        if isinstance(node, ast.keyword) and node.arg == "graceful_method" and isinstance(node.value, ast.Constant):
-            called.add(node.value.value)
+        if isinstance(node, ast.keyword) and node.arg == "graceful_method":  # "shutdown" if graceful else None
+            called |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
     assert {"train", "get_logprobs", "put_export_bucket", "broadcast_weights_collective", "broadcast_staged",
             "shutdown"} <= called
     unknown = sorted(called - CONTRACT)
