@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from rlpost import __version__
 from rlpost.config.errors import report_config_error
-from rlpost.failures import EXIT_INTERRUPT, EXIT_TERMINATED, Interrupted, describe, exit_status
+from rlpost.failures import SIGNAL_CODES, Interrupted, describe, exit_status
 
 if TYPE_CHECKING:
     from rlpost.runtime.run_lock import RunLock
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     sig = signal.Signals(signum)
-    raise Interrupted(sig.name, EXIT_TERMINATED if sig == signal.SIGTERM else EXIT_INTERRUPT, "during start-up")
+    raise Interrupted(sig.name, SIGNAL_CODES[sig], "during start-up")
 
 
 def entrypoint() -> None:
@@ -449,7 +449,7 @@ def entrypoint() -> None:
     once: one line and the exit status (130, 143), no traceback; a run's steps have their own handlers
     (rlpost.runner)."""
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in SIGNAL_CODES:
             if signal.getsignal(sig) != signal.SIG_IGN:  # a shell's `cmd &` ignores SIGINT: keep it so
                 signal.signal(sig, _interrupt)
     try:

@@ -12,6 +12,7 @@ and the full traceback in the run's train.log.
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 
 EXIT_INPUT = 2
@@ -19,6 +20,9 @@ EXIT_RUNTIME = 3
 EXIT_INTERRUPT = 130
 EXIT_TERMINATED = 143
 EXIT_INTERNAL = 1
+
+SIGNAL_CODES = {signal.SIGINT: EXIT_INTERRUPT, signal.SIGTERM: EXIT_TERMINATED}
+"""The signals a run stops on, and the exit status each one ends it with."""
 
 _log = logging.getLogger("rlpost")
 

@@ -26,7 +26,7 @@ from rlpost.algorithms.loop import StepLoop
 from rlpost.config.schema.checkpoint import CheckpointingConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
-from rlpost.failures import EXIT_INTERRUPT, EXIT_TERMINATED, Interrupted
+from rlpost.failures import SIGNAL_CODES, Interrupted
 from rlpost.runtime import console as say
 from rlpost.runtime.checkpointing import CheckpointError, CheckpointManager, read_json
 from rlpost.runtime.timer import Span, recording_spans
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from rlpost.algorithms.grpo_setup import GRPOComponents
     from rlpost.algorithms.supervised import SupervisedComponents
     from rlpost.runtime.metrics_logger import MetricsLogger
-
-_CODES = {signal.SIGINT: EXIT_INTERRUPT, signal.SIGTERM: EXIT_TERMINATED}
 
 
 class StopOnSignal:
@@ -53,7 +51,7 @@ class StopOnSignal:
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
-            for sig in _CODES:
+            for sig in SIGNAL_CODES:
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -70,10 +68,10 @@ class StopOnSignal:
         sig = signal.Signals(signum)
         if not self.running:
             self.signum = signum
-            self.abort = Interrupted(sig.name, _CODES[sig], "during start-up")
+            self.abort = Interrupted(sig.name, SIGNAL_CODES[sig], "during start-up")
             raise self.abort
         if self.signum is not None:
-            self.abort = Interrupted(sig.name, _CODES[sig], "a second signal: the step in flight was abandoned")
+            self.abort = Interrupted(sig.name, SIGNAL_CODES[sig], "a second signal: the step in flight was abandoned")
             raise self.abort
         self.signum = signum
         say.info(f"{sig.name}: stopping after the current step (press Ctrl-C again to abandon it now)")
@@ -101,7 +99,7 @@ class StopOnSignal:
             return self.abort
         assert self.signum is not None
         sig = signal.Signals(self.signum)
-        return Interrupted(sig.name, _CODES[sig], "" if self.running else "during start-up")
+        return Interrupted(sig.name, SIGNAL_CODES[sig], "" if self.running else "during start-up")
 
 
 def _quiet_close(comps: Components | None, spans: deque[Span] | None = None, graceful: bool = True) -> None:
@@ -112,7 +110,7 @@ def _quiet_close(comps: Components | None, spans: deque[Span] | None = None, gra
     import ray
 
     main = threading.current_thread() is threading.main_thread()
-    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _CODES} if main else {}
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in SIGNAL_CODES} if main else {}
     try:
         if comps is not None and spans is not None and ray.is_initialized():
             _timeline(comps.logger.dir, spans)

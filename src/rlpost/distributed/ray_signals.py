@@ -22,7 +22,7 @@ import contextlib
 import os
 import signal
 from collections.abc import Iterator
-from types import FrameType
+from types import FrameType, ModuleType
 
 FAILURE_HANDLER_ENV = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
 """Ray reads it when a process connects: "1" leaves that process's signal handlers alone."""
@@ -49,6 +49,7 @@ def keep_driver_handlers() -> Iterator[None]:
     def note(signum: int, frame: FrameType | None) -> None:
         noted.append(signum)
 
+    ray_utils: ModuleType | None
     try:
         from ray._private import utils as ray_utils
     except ImportError:  # pragma: no cover - another Ray layout
@@ -93,4 +94,3 @@ def head_in_own_process_group() -> Iterator[None]:
         yield
     finally:
         setattr(services, "ConsolePopen", popen)  # noqa: B010
-
