@@ -20,13 +20,14 @@ from typing import Any
 import torch
 
 from rlpost.config.errors import ConfigError
+from rlpost.config.schema.lora import ADAPTER_CONFIG
 from rlpost.config.schema.master import MasterConfig
 from rlpost.models.generation.interfaces import GenerationInterface
 
 
-def weights_dir(cfg: MasterConfig, scratch: Path) -> str:
-    """The HF directory to evaluate: eval.checkpoint's policy/weights/hf, or its LoRA adapter (policy/weights/adapter)
-    merged into the base model under `scratch`; else policy.model_name."""
+def weights_dir(cfg: MasterConfig) -> str:
+    """The directory to evaluate: eval.checkpoint's HF export (policy/weights/hf) or LoRA adapter
+    (policy/weights/adapter, merged into its base by `evaluate`), else policy.model_name."""
     if cfg.eval.checkpoint is None:
         if cfg.model.tiny is not None:  # built on first use, inside model.cache_dir only
             from rlpost.models.tiny import ensure_tiny_model
@@ -37,10 +38,8 @@ def weights_dir(cfg: MasterConfig, scratch: Path) -> str:
     hf, adapter = weights / "hf", weights / "adapter"
     if (hf / "config.json").is_file():
         return str(hf)
-    if (adapter / "adapter_config.json").is_file():
-        from rlpost.models.dtensor.lora import merge_peft_dir
-
-        return str(merge_peft_dir(adapter, scratch / "merged_model"))
+    if (adapter / ADAPTER_CONFIG).is_file():
+        return str(adapter)
     raise ConfigError("eval.checkpoint", cfg.eval.checkpoint,
                       f"has no HF export at {hf} and no LoRA adapter at {adapter} (a checkpoint step_N saved with "
                       "checkpointing.save_consolidated=true)")
@@ -85,12 +84,16 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from rlpost.runtime.build import build
     from rlpost.runtime.run_log import capture_driver_output
 
+    model = weights_dir(cfg)
     out = Path(cfg.eval.output) if cfg.eval.output else default_output()
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".log")  # third-party output (engine, Ray, a LoRA merge) goes here, not to the console
     logging.getLogger().addHandler(logging.FileHandler(log))
     capture_driver_output(log)
-    model = weights_dir(cfg, out.parent)
+    if (Path(model) / ADAPTER_CONFIG).is_file():
+        from rlpost.models.dtensor.lora import merge_peft_dir
+
+        model = str(merge_peft_dir(Path(model), out.parent / "merged_model"))
     tok_cfg = dataclasses.replace(cfg.policy.tokenizer, name=model) if cfg.eval.checkpoint else cfg.policy.tokenizer
     tokenizer = load_tokenizer(tok_cfg, cfg.policy.trust_remote_code)
     processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from rlpost.config.errors import positive, require
 
-REFIT_MODES = ("merged",)
+ADAPTER_CONFIG = "adapter_config.json"
+"""The file that makes a directory a PEFT adapter directory."""
 
 
 @dataclass

@@ -27,7 +27,6 @@ from rlpost.config.schema.lora import LoRAConfig
 
 ADAPTER = "default"
 """peft's name for the one adapter."""
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
