@@ -307,6 +307,7 @@ def check_output_dir(overrides: list[str], multirun: bool) -> None:
 def _plan(argv: list[str]) -> int:
     from rlpost.config.errors import ConfigError
     from rlpost.config.load import load_master_config, validation_off_note
+    from rlpost.config.lora_params import check_lora_modules
     from rlpost.plan import print_plan
     from rlpost.preflight import check_precision
     from rlpost.runtime.build import check_targets, verify_targets
@@ -321,6 +322,7 @@ def _plan(argv: list[str]) -> int:
         check_targets(master)
         verify_targets(master)
         check_precision(master)  # the backend's device checks (GPU-only options on a CPU run)
+        check_lora_modules(master)
     except ConfigError as err:
         report_config_error(err)
         return 2

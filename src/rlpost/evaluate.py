@@ -20,23 +20,29 @@ from typing import Any
 import torch
 
 from rlpost.config.errors import ConfigError
+from rlpost.config.schema.lora import ADAPTER_CONFIG
 from rlpost.config.schema.master import MasterConfig
 from rlpost.models.generation.interfaces import GenerationInterface
 
 
 def weights_dir(cfg: MasterConfig) -> str:
-    """The HF directory to evaluate: eval.checkpoint's policy/weights/hf, else policy.model_name."""
+    """The directory to evaluate: eval.checkpoint's HF export (policy/weights/hf) or LoRA adapter
+    (policy/weights/adapter, merged into its base by `evaluate`), else policy.model_name."""
     if cfg.eval.checkpoint is None:
         if cfg.model.tiny is not None:  # built on first use, inside model.cache_dir only
             from rlpost.models.tiny import ensure_tiny_model
 
             ensure_tiny_model(cfg.model.tiny, cfg.model.path)
         return str(cfg.policy.model_name)
-    hf = Path(cfg.eval.checkpoint).expanduser() / "policy" / "weights" / "hf"
-    if not (hf / "config.json").is_file():
-        raise ConfigError("eval.checkpoint", cfg.eval.checkpoint,
-                          f"has no HF export at {hf} (a checkpoint step_N saved with checkpointing.save_consolidated=true)")
-    return str(hf)
+    weights = Path(cfg.eval.checkpoint).expanduser() / "policy" / "weights"
+    hf, adapter = weights / "hf", weights / "adapter"
+    if (hf / "config.json").is_file():
+        return str(hf)
+    if (adapter / ADAPTER_CONFIG).is_file():
+        return str(adapter)
+    raise ConfigError("eval.checkpoint", cfg.eval.checkpoint,
+                      f"has no HF export at {hf} and no LoRA adapter at {adapter} (a checkpoint step_N saved with "
+                      "checkpointing.save_consolidated=true)")
 
 
 def checkpoint_step(cfg: MasterConfig) -> int:
@@ -81,9 +87,13 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     model = weights_dir(cfg)
     out = Path(cfg.eval.output) if cfg.eval.output else default_output()
     out.parent.mkdir(parents=True, exist_ok=True)
-    log = out.with_suffix(".log")  # third-party output (engine, Ray) goes here, not to the console
+    log = out.with_suffix(".log")  # third-party output (engine, Ray, a LoRA merge) goes here, not to the console
     logging.getLogger().addHandler(logging.FileHandler(log))
     capture_driver_output(log)
+    if (Path(model) / ADAPTER_CONFIG).is_file():
+        from rlpost.models.dtensor.lora import merge_peft_dir
+
+        model = str(merge_peft_dir(Path(model), out.parent / "merged_model"))
     tok_cfg = dataclasses.replace(cfg.policy.tokenizer, name=model) if cfg.eval.checkpoint else cfg.policy.tokenizer
     tokenizer = load_tokenizer(tok_cfg, cfg.policy.trust_remote_code)
     processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs)

@@ -13,6 +13,8 @@ from rlpost.config.layout import (
     layout_of,
     prev_logprobs_pass,
 )
+from rlpost.config.lora_params import describe as describe_parameters
+from rlpost.config.lora_params import model_shape
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 
@@ -40,12 +42,16 @@ def supervised_plan_rows(cfg: SupervisedMasterConfig) -> list[tuple[str, str]]:
     unit = "pairs (chosen and rejected side by side)" if cfg.pairs else "rows"
     source = (f"generated ({d.synthetic.task}, {d.synthetic.num_train} train / {d.synthetic.num_val} val)"
               if d.dataset_name == "synthetic" else f"{d.dataset_name}: {d.train_data_path}")
-    reference = ("computed once per batch (and per validation batch) by the policy with its starting weights"
-                 if cfg.algo == "dpo" else "none")
+    lora = p.lora_settings("policy")[1]
+    reference = ("none" if cfg.algo != "dpo" else
+                 "computed once per batch (and per validation batch): the base model, adapters switched off"
+                 if lora.enabled else
+                 "computed once per batch (and per validation batch) by the policy with its starting weights")
     return [
         ("algorithm", _WHAT[cfg.algo]),
         ("model", str(p.model_name)),
         ("policy backend", p._target_.rsplit(".", 1)[-1]),
+        ("parameters", describe_parameters(model_shape(cfg), lora)),
         ("loss", cfg.loss_fn._target_.rsplit(".", 1)[-1]),
         ("device", cfg.cluster.device),
         ("data", source),
@@ -81,6 +87,7 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
     return [
         ("model", str(p.model_name)),
         ("policy backend", backend),
+        ("parameters", describe_parameters(model_shape(cfg), p.lora_settings("policy")[1])),
         ("rollout engine", engine),
         ("loss", cfg.loss_fn._target_.rsplit(".", 1)[-1]),
         ("device", cfg.cluster.device),

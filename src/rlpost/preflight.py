@@ -23,6 +23,7 @@ from typing import Any
 
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import model_dir_key, read_hf_config
+from rlpost.config.lora_params import check_lora_modules
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.policy import PytorchOptimizerConfig, SinglePytorchSchedulerConfig, parse_scheduler
@@ -109,6 +110,7 @@ def preflight_checks(master: AnyMaster, run_dir: Path | None = None) -> None:
     check_model_dir(master)
     check_hf_config_overrides(master)
     check_vocab_shards(master)
+    check_lora_modules(master)
     check_optimizer(master)
     check_target_kinds(master)  # after the optimizer's own allow-list check, which imports nothing it refuses
     check_precision(master)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An RLPOST_CACHE_DIR for the module's `rlpost train` subprocesses (tiny models are built there once)."""
+    """The RLPOST_CACHE_DIR of every `rlpost` subprocess of the session: each tiny model is built there once (builds
+    are atomic renames, so runs can share it)."""
     return tmp_path_factory.mktemp("rlpost-cache")
 
 

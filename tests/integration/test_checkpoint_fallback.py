@@ -40,12 +40,13 @@ def metric_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_corrupt_checkpoint_falls_back_and_a_pickle_is_never_loaded(tmp_path: Path, fault: Record) -> None:
+def test_a_corrupt_checkpoint_falls_back_and_a_pickle_is_never_loaded(tmp_path: Path, cache: Path,
+                                                                       fault: Record) -> None:
     """Step 2 truncated: the re-run moves it aside and resumes from step 1, whose directories hold planted pickles
     (listed in its manifest, so only the loaders stand in their way) that never run. Then step 3's model shard
     replaced by a pickle, the manifest rewritten to match (as an attacker with write access would): refused with
     exit status 2, not loaded and not taken for corruption."""
-    cache, run, canary = tmp_path / "cache", tmp_path / "run", tmp_path / "PWNED"
+    run, canary = tmp_path / "run", tmp_path / "PWNED"
     common = [*SMALL, "generation=hf", "grpo.val_period=0", "checkpointing.save_period=1",
               "checkpointing.metric_name=train:reward"]
     train(run, cache, *common, "grpo.max_num_steps=2")

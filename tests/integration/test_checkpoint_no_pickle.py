@@ -38,7 +38,6 @@ COMMON = ["grpo.num_prompts_per_step=2", "policy.train_global_batch_size=16", "p
           "policy.logprob_batch_size=4", "cluster.gpus_per_node=2"]
 BACKENDS = {
     "dtensor_tp2": ["policy.dtensor_cfg.tensor_parallel_size=2"],
-    "dtensor_v2_dp2": ["policy=dtensor_v2"],
     "megatron_pp2": ["policy=megatron", "policy.megatron_cfg.pipeline_model_parallel_size=2"],
 }
 # Names a loader might open: DCP's pickled metadata, torch files, pickles.

@@ -28,9 +28,10 @@ COVER = {
                                         "loss_fn.reference_policy_kl_penalty=0.01", "cluster.gpus_per_node=2",
                                         "policy.generation.colocated.enabled=false",
                                         "policy.generation.colocated.resources.gpus_per_node=1"],
-    "dtensor-vllm-token-split": ["policy=dtensor", "generation=vllm", "cluster.gpus_per_node=2",
-                                 "policy.generation.colocated.enabled=false",
-                                 "policy.generation.colocated.resources.gpus_per_node=1"],
+    "dtensor-vllm-token-split-lora": ["policy=dtensor", "generation=vllm", "cluster.gpus_per_node=2",
+                                      "policy.generation.colocated.enabled=false",
+                                      "policy.generation.colocated.resources.gpus_per_node=1",
+                                      "policy.dtensor_cfg.lora_cfg.enabled=true"],
 }
 
 
@@ -71,8 +72,9 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
     assert "timing/train/refit" in first_refit or "timing/validation/refit" in first_refit
     # Step 2 generates after step 1's update: its refit is on the step's clock (every layout, the same path).
     assert "timing/train/refit" in steps[1]
-    # The split vLLM run overlaps generation and training (4 chunks); the KL run needs a reference pass first.
-    assert [m.get("train/overlap_chunks") for m in steps] == [4.0 if name == "dtensor-vllm-token-split" else None] * 3
+    # The split vLLM run (LoRA: the engine gets the merged weights) overlaps generation and training (4 chunks); the
+    # KL run needs a reference pass first.
+    assert [m.get("train/overlap_chunks") for m in steps] == [4.0 if "split-lora" in name else None] * 3
     if val:
         accs = [m for m in lines if "validation/accuracy" in m]
         # every val_period steps, and the last step (3) too, so the final weights always have a score
@@ -260,17 +262,21 @@ def test_resume_after_kill_9_matches_a_straight_run_and_a_changed_config_is_refu
 @pytest.mark.faults
 def test_multirun_goes_on_after_a_job_diverges_and_ends_with_its_status(cache: Path, tmp_path: Path,
                                                                         fault: Record) -> None:
-    """Both jobs run with their own lr; lr=1e9 trips the health gate in job 1: job 0's results stay, job 1 is listed
-    with exit 3 and its line, the table prints, and the sweep exits 3, with no traceback on the console."""
+    """Both jobs run with their own lr; lr=1e9 breaks the model in job 1's step 2 (the health gate, or the engine
+    refusing non-finite probabilities): step 1 stays saved and nothing after it, job 0's results stay, job 1 is
+    listed with exit 3 and its line, the table prints, and the sweep exits 3, with no traceback on the console."""
     sweep = tmp_path / "sweep"
     out = subprocess.run(
         [RLPOST, "train", "-m", "policy.optimizer.kwargs.lr=3e-3,1e9",  # the default job: step 2 of 1e9 diverges
-         "grpo.max_num_steps=2", "grpo.val_period=0", "checkpointing=disabled", f"hydra.sweep.dir={sweep}"],
+         "grpo.max_num_steps=2", "grpo.val_period=0", "checkpointing.save_period=1",
+         "checkpointing.metric_name=train:reward", f"hydra.sweep.dir={sweep}"],
         env=env(cache), capture_output=True, text=True, timeout=900,
     )
     first = [m for m in metrics(sweep / "0") if "train/reward" in m]
+    broken = sorted(p.name for p in (sweep / "1" / "checkpoints").glob("step_*"))
     fault("a sweep whose second job diverges", out.returncode, out.stdout + out.stderr,
-          data_lost=not (sweep / "sweep_summary.json").is_file() or len(first) != 2)
+          data_lost=not (sweep / "sweep_summary.json").is_file() or len(first) != 2 or broken != ["step_1"])
+    assert broken == ["step_1"]  # the step before the break, and no broken step after it
     assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
     assert [m["step"] for m in first] == [1, 2]
     rows = json.loads((sweep / "sweep_summary.json").read_text())

@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
 
 
-def test_run_saves_and_stops_before_the_deadline_then_resumes(tmp_path: Path) -> None:
+def test_run_saves_and_stops_before_the_deadline_then_resumes(tmp_path: Path, cache: Path) -> None:
     run = tmp_path / "run"
-    env = {**os.environ, "RLPOST_CACHE_DIR": str(tmp_path / "cache"), "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RLPOST_CACHE_DIR": str(cache), "RAY_AUTH_MODE": "disabled"}
     cmd = [RLPOST, "train", f"hydra.run.dir={run}", "generation=hf", "grpo.max_num_steps=50", "grpo.val_period=1",
            "grpo.max_val_samples=8", "checkpointing.save_period=1000", "checkpointing.checkpoint_must_save_by=00:00:00:01",
            "logger.num_val_samples_to_print=2", "+policy.hf_config_overrides.rms_norm_eps=0.5"]
@@ -44,12 +44,12 @@ def test_run_saves_and_stops_before_the_deadline_then_resumes(tmp_path: Path) ->
     assert hf["rms_norm_eps"] == 0.5
 
 
-def test_supervised_runs_honour_the_deadline_too(tmp_path: Path) -> None:
+def test_supervised_runs_honour_the_deadline_too(tmp_path: Path, cache: Path) -> None:
     """algo=sft (the loop DPO and RM share) reads checkpointing.checkpoint_must_save_by like GRPO: save the step,
     stop with exit 0, and the re-run resumes from it."""
     algo = "sft"
     run = tmp_path / "run"
-    env = {**os.environ, "RLPOST_CACHE_DIR": str(tmp_path / "cache"), "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RLPOST_CACHE_DIR": str(cache), "RAY_AUTH_MODE": "disabled"}
     cmd = [RLPOST, "train", f"hydra.run.dir={run}", f"algo={algo}", f"{algo}.val_at_start=false",
            "checkpointing.save_period=1000", "checkpointing.checkpoint_must_save_by=00:00:00:01"]
     for step in (1, 2):

@@ -128,6 +128,12 @@ class ActorGroup:
         return self.get([ref], timeout, [index])[0]
 
     def _raise_for(self, exc: Exception, index: int) -> NoReturn:
+        if isinstance(exc, RayActorError) and getattr(exc, "_actor_init_failed", False):
+            # Ray's text: "... error raised in its creation task, <the remote traceback>"; its last line is the error
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            name, sep, msg = lines[-1].partition(": ") if lines else ("", "", "")
+            head = f"{name.rsplit('.', 1)[-1]}: {msg}" if sep else (lines[-1] if lines else "an unknown error")
+            self._fail(f"{self.describe(index)} failed to start: {head}\n{exc}")
         if isinstance(exc, RayActorError):
             self._fail(f"{self.describe(index)} died: {str(exc).splitlines()[0]}")
         cause = getattr(exc, "cause", None)

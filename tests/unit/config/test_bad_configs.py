@@ -79,6 +79,20 @@ BAD = [
     (["policy=megatron", "policy.optimizer.kwargs.lr=inf"], "policy.optimizer.kwargs.lr=inf", "must be a finite"),
     (["policy=megatron", "policy.megatron_cfg.sequence_parallel=true"],
      "policy.megatron_cfg.sequence_parallel", "tensor_model_parallel_size > 1"),
+    (["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.dim=0"],
+     "policy.dtensor_cfg.lora_cfg.dim", "must be > 0"),
+    (["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.match_all_linear=false",
+      "policy.dtensor_cfg.lora_cfg.target_modules=[q_prj]"],
+     "policy.dtensor_cfg.lora_cfg.target_modules", "did you mean 'q_proj'"),
+    (["policy.dtensor_cfg.lora_cfg.enabled=true",
+      "policy.dtensor_cfg.lora_cfg.exclude_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"],
+     "policy.dtensor_cfg.lora_cfg.exclude_modules", "leaves no linear layer to adapt"),
+    (["algo=rm", "policy.dtensor_cfg.lora_cfg.enabled=true"], "policy.dtensor_cfg.lora_cfg.enabled",
+     "not supported for a reward model"),
+    (["policy=dtensor_v2", "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2",
+      "policy.dtensor_cfg.lora_cfg.enabled=true"], "policy.dtensor_cfg.lora_cfg.enabled", "policy=dtensor for LoRA"),
+    (["policy=megatron", "policy.megatron_cfg.peft.enabled=true"], "policy.megatron_cfg.peft.enabled",
+     "not available yet"),
 ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def one_rank(tiny_model_dir: Path) -> Iterator[Any]:
-    """A factory of world-size-1 DTensor workers on the tied tiny model (keyword arguments go to the worker;
-    the gloo group is torn down after the module)."""
+    """A factory of world-size-1 DTensor workers on the tied tiny model (config overrides first, keyword arguments
+    go to the worker; the gloo group is torn down after the module)."""
     import torch.distributed as dist
 
     from rlpost.config.load import load_master_config
@@ -33,11 +33,18 @@ def one_rank(tiny_model_dir: Path) -> Iterator[Any]:
         mp.setenv(k, v)
     threads = torch.get_num_threads()
     model_dir = tiny_model_dir
-    _, cfg = load_master_config(["cluster.gpus_per_node=1"])  # AdamW + the default LambdaLR scheduler
-    cfg_p = dataclasses.replace(cfg.policy, model_name=str(model_dir))
-    cfg_p.tokenizer.name = str(model_dir)
+
+    def policy(overrides: Sequence[str]) -> Any:
+        _, cfg = load_master_config(["cluster.gpus_per_node=1", *overrides])  # AdamW + the default scheduler
+        cfg_p = dataclasses.replace(cfg.policy, model_name=str(model_dir))
+        cfg_p.tokenizer.name = str(model_dir)
+        return cfg_p
+
+    def make(overrides: Sequence[str] = (), **kw: Any) -> DTensorPolicyWorker:
+        return DTensorPolicyWorker(policy(overrides), **{"init_reference_model": False, **kw})
+
     try:
-        yield lambda **kw: DTensorPolicyWorker(cfg_p, **{"init_reference_model": False, **kw})
+        yield make
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

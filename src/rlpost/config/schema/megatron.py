@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from rlpost.config.errors import ConfigError, one_of, positive, require, safe_env_vars
+from rlpost.config.schema.lora import LoRAConfig
 from rlpost.config.schema.policy import PolicyConfig, PytorchOptimizerConfig
 
 
@@ -154,9 +155,14 @@ class MegatronConfig:
     """Total optimizer steps; injected by GRPO setup, leave unset."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Raw TransformerConfig overrides passed through to megatron-core."""
+    peft: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters on the column- and row-parallel linears (NeMo RL's MegatronPeftConfig keys)."""
 
     def check(self, path: str) -> None:
         safe_env_vars(f"{path}.env_vars", self.env_vars)
+        self.peft.check(f"{path}.peft")
+        require(not self.peft.enabled, f"{path}.peft.enabled", True,
+                "LoRA on the Megatron-Core worker is not available yet", "use policy=dtensor for LoRA")
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
@@ -253,6 +259,9 @@ class MegatronPolicyConfig(PolicyConfig):
     def parallel_sizes(self) -> dict[str, int]:
         m = self.megatron_cfg
         return {"tp": m.tensor_model_parallel_size, "pp": m.pipeline_model_parallel_size, "cp": m.context_parallel_size}
+
+    def lora_settings(self, path: str) -> tuple[str, LoRAConfig]:
+        return f"{path}.megatron_cfg.peft", self.megatron_cfg.peft
 
     def worker_env(self) -> dict[str, str]:
         return dict(self.megatron_cfg.env_vars)

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from rlpost.config.errors import one_of, positive, require, safe_env_vars
 from rlpost.config.schema.generation import GenerationConfig
+from rlpost.config.schema.lora import LoRAConfig
 
 PRECISIONS = ("float32", "bfloat16", "float16")
 PACKING_ALGORITHMS = (
@@ -121,9 +122,12 @@ class DTensorConfig:
     """Import path of a TP plan (dict or callable) replacing the built-in per-architecture plan."""
     clear_cache_every_n_steps: int | None = None
     """Empty the CUDA allocator cache every N training micro-batches (GPU only); None = never."""
+    lora_cfg: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters (peft): only they train; the reference is the base with them off."""
 
     def check(self, path: str) -> None:
         safe_env_vars(f"{path}.env_vars", self.env_vars)
+        self.lora_cfg.check(f"{path}.lora_cfg")
         positive(f"{path}.clear_cache_every_n_steps", self.clear_cache_every_n_steps, allow_none=True)
         positive(f"{path}.tensor_parallel_size", self.tensor_parallel_size)
         positive(f"{path}.context_parallel_size", self.context_parallel_size)
@@ -337,6 +341,10 @@ class PolicyConfig:
         """TP, PP and CP of the backend (DP is derived from the world size)."""
         return {"tp": 1, "pp": 1, "cp": 1}
 
+    def lora_settings(self, path: str) -> tuple[str, LoRAConfig]:
+        """The backend's LoRA block and its key."""
+        return f"{path}._target_", LoRAConfig()
+
     def worker_env(self) -> dict[str, str]:
         """Extra environment variables of every worker process."""
         return {}
@@ -367,6 +375,13 @@ class DTensorPolicyConfig(PolicyConfig):
     def check(self, path: str) -> None:
         super().check(path)
         self.dtensor_cfg.check(f"{path}.dtensor_cfg")
+        if self.dtensor_cfg.lora_cfg.enabled:
+            key = f"{path}.dtensor_cfg.lora_cfg.enabled"
+            require(not self.reward_model_cfg.enabled, key, True,
+                    "LoRA is not supported for a reward model: its new score head would have to train in full")
+            require(self.dtensor_cfg.tensor_parallel_size == 1 or not self._target_.endswith("V2"), key, True,
+                    "dtensor_v2 loads a tensor-parallel model already sharded by transformers, before adapters can "
+                    "be added", "use policy=dtensor for LoRA with tensor parallelism")
         if self.dtensor_cfg.context_parallel_size > 1:
             require(
                 not self.sequence_packing.enabled,
@@ -378,6 +393,9 @@ class DTensorPolicyConfig(PolicyConfig):
     def parallel_sizes(self) -> dict[str, int]:
         d = self.dtensor_cfg
         return {"tp": d.tensor_parallel_size, "pp": 1, "cp": d.context_parallel_size}
+
+    def lora_settings(self, path: str) -> tuple[str, LoRAConfig]:
+        return f"{path}.dtensor_cfg.lora_cfg", self.dtensor_cfg.lora_cfg
 
     def worker_env(self) -> dict[str, str]:
         return dict(self.dtensor_cfg.env_vars)

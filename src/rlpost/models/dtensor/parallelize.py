@@ -68,9 +68,14 @@ def get_tp_plan(model: nn.Module, custom_plan: str | None = None) -> dict[str, P
 
 
 def apply_tp(model: Any, tp_mesh: DeviceMesh, custom_plan: str | None = None) -> None:
-    """Shard the model over `tp_mesh` with its TP plan; re-tie embeddings that the plan split apart."""
+    """Shard the model over `tp_mesh` with its TP plan (LoRA adapters split to match their layers: see
+    rlpost.models.dtensor.lora); re-tie embeddings that the plan split apart."""
+    from rlpost.models.dtensor import lora
+
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    parallelize_module(model, tp_mesh, get_tp_plan(model, custom_plan))
+    plan = get_tp_plan(model, custom_plan)
+    adapted = lora.adapted_layers(model)
+    parallelize_module(model, tp_mesh, lora.lora_tp_plan(plan, adapted) if adapted else plan)
     if tied:
         # Both the embedding (Rowwise) and lm_head (Colwise) shard the weight on dim 0 (vocab): same DTensor layout.
         model.lm_head.weight = model.get_input_embeddings().weight

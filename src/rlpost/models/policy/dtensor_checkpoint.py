@@ -3,6 +3,8 @@ consolidated HF safetensors export that `AutoModelForCausalLM.from_pretrained` l
 
 Layout under `weights_path`:   checkpoint.json (format, tied-parameter aliases), model/ (sharded model tensors),
                                hf/ (config.json, model.safetensors, tokenizer files);
+                               with LoRA, model/ holds the adapters only, adapter/ is a PEFT adapter directory
+                               and hf/ (lora_cfg.export_merged) the merged model;
 under `optimizer_path`:        optimizer.json (param groups and the shape of the state, with tensor references),
                                optim/ (sharded optimizer tensors), scheduler.json (LR scheduler state).
 
@@ -41,6 +43,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from rlpost.config.schema.lora import LoRAConfig
+from rlpost.models.dtensor import lora
+from rlpost.models.policy.hf_loading import TOKENIZER_FILES
 from rlpost.runtime.checkpointing import CheckpointError, checkpoint_errors, read_json
 
 
@@ -52,8 +57,6 @@ class TrainState(Protocol):
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json", "vocab.json", "merges.txt")
 
 FORMAT = "rlpost-dtensor-safetensors/1"
 INFO_FILE = "checkpoint.json"
@@ -270,15 +273,23 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
+def _saved(model_sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str], adapters_only: bool
+           ) -> dict[str, torch.Tensor]:
+    """The model tensors a checkpoint holds: all but tied aliases, or the LoRA adapters alone."""
+    return {k: v for k, v in model_sd.items() if k not in aliases and (not adapters_only or lora.is_adapter(k))}
+
+
 def save(worker: TrainState, weights_path: str, optimizer_path: str | None, source_dir: str,
-         hf_export: bool = True) -> None:
-    """Collective: every rank writes its model (and optimizer) shards; rank 0 the JSON files and the HF export."""
+         hf_export: bool = True, lora_cfg: LoRAConfig | None = None, scale: Mapping[str, float] | None = None) -> None:
+    """Collective: every rank writes its model (and optimizer) shards; rank 0 the JSON files and the HF export.
+    With `lora_cfg`, the adapters alone, and the PEFT adapter directory as the export (`scale`: each adapted
+    layer's alpha / r, for the merged export)."""
     wp = Path(weights_path)
     aliases = tied_aliases(worker.model)
     model_sd = cast(dict[str, torch.Tensor], get_model_state_dict(worker.model))
-    save_tensors({k: v for k, v in model_sd.items() if k not in aliases}, wp / MODEL_DIR)
+    save_tensors(_saved(model_sd, aliases, lora_cfg is not None), wp / MODEL_DIR)
     if _is_rank0():
-        write_json(wp / INFO_FILE, {"format": FORMAT, "aliases": aliases})
+        write_json(wp / INFO_FILE, {"format": FORMAT, "aliases": aliases, "lora": lora_cfg is not None})
     if optimizer_path and worker.optimizer is not None:
         op = Path(optimizer_path)
         tensors: dict[str, torch.Tensor] = {}
@@ -296,7 +307,11 @@ def save(worker: TrainState, weights_path: str, optimizer_path: str | None, sour
                 write_json(op / SCHEDULER_FILE, {"format": FORMAT, "state": sched})
     if hf_export:
         full = full_state_dict(worker.model)
-        if _is_rank0():
+        if _is_rank0() and lora_cfg is not None:
+            lora.write_peft_dir(lora_cfg, full, source_dir, wp / "adapter")
+            if lora_cfg.export_merged:
+                export_hf(worker.model, lora.merged(full, scale or {}), source_dir, wp / "hf")
+        elif _is_rank0():
             export_hf(worker.model, full, source_dir, wp / "hf")
     dist.barrier()
 
@@ -316,8 +331,9 @@ def export_hf(model: Any, full: dict[str, torch.Tensor], source_dir: str, out_di
             shutil.copy2(src, out_dir / name)
 
 
-def load(worker: TrainState, weights_path: str, optimizer_path: str | None) -> None:
-    """Collective: restore the model (and the optimizer + scheduler when given and saved) written by `save`."""
+def load(worker: TrainState, weights_path: str, optimizer_path: str | None, adapters_only: bool = False) -> None:
+    """Collective: restore the model (and the optimizer + scheduler when given and saved) written by `save`
+    (`adapters_only`: a LoRA checkpoint into a model with the same adapters)."""
     wp = Path(weights_path)
     refuse_legacy(wp)
     info = read_format(wp / INFO_FILE, FORMAT, "aliases")
@@ -325,8 +341,12 @@ def load(worker: TrainState, weights_path: str, optimizer_path: str | None) -> N
     if info.get("aliases") != aliases:
         raise CheckpointError(f"cannot load checkpoint {wp}: tied parameters {info.get('aliases')} there, "
                               f"{aliases} in this model")
+    if bool(info.get("lora")) != adapters_only:
+        there, here = (("LoRA adapters", "a full model") if info.get("lora") else ("a full model", "LoRA adapters"))
+        raise CheckpointError(f"cannot load checkpoint {wp}: it holds {there}, and this run trains {here} "
+                              "(policy.dtensor_cfg.lora_cfg.enabled)")
     model_sd: dict[str, Any] = get_model_state_dict(worker.model)
-    load_tensors({k: v for k, v in model_sd.items() if k not in aliases}, wp / MODEL_DIR)
+    load_tensors(_saved(model_sd, aliases, adapters_only), wp / MODEL_DIR)
     set_model_state_dict(worker.model, model_sd)  # aliases share the loaded storage
     if not optimizer_path or worker.optimizer is None:
         return

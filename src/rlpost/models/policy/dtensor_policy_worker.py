@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rlpost.models.dtensor import lora
 from rlpost.models.dtensor.parallelize import parallelize
 from rlpost.models.policy.dtensor_worker_base import DTensorWorkerBase
 from rlpost.models.policy.hf_loading import load_hf_causal_lm
@@ -17,6 +18,8 @@ class DTensorPolicyWorker(DTensorWorkerBase):
         d = self.cfg.dtensor_cfg
         assert d is not None
         model = load_hf_causal_lm(self.cfg, torch.float32)
+        if self.lora is not None:
+            model = lora.inject(model, self.lora)
         model.to(self.device)
         return parallelize(
             model,

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from rlpost.config.layout import fsdp_needed
+from rlpost.models.dtensor import lora
 from rlpost.models.dtensor.parallelize import DTYPES, decoder_layers
 from rlpost.models.policy.dtensor_worker_base import DTensorWorkerBase
 from rlpost.models.policy.hf_loading import load_hf_causal_lm
@@ -77,7 +78,10 @@ class DTensorPolicyWorkerV2(DTensorWorkerBase):
                 **self.cfg.hf_config_overrides,
             )
         else:
-            model = load_hf_causal_lm(self.cfg, torch.float32).to(self.device)
+            model = load_hf_causal_lm(self.cfg, torch.float32)
+            if self.lora is not None:  # (with TP, the config check refuses LoRA here: transformers shards at load)
+                model = lora.inject(model, self.lora)
+            model = model.to(self.device)
         acc = self._accelerator(type(decoder_layers(model)[0]).__name__)
         d = self.cfg.dtensor_cfg
         if d.activation_checkpointing:

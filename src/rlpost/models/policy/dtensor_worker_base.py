@@ -2,7 +2,8 @@
 
 A subclass only decides how the HF model is loaded and parallelised (`_build_model`). Everything
 else — logprobs, the training step with global normalisation, the reference model, checkpoints
-and weight export for refit — is here.
+and weight export for refit — is here. With LoRA (`dtensor_cfg.lora_cfg`, rlpost.models.dtensor.lora) only the
+adapters train, the reference is the base with the adapters off, and refit and export carry merged weights.
 
 Training step (NeMo RL semantics): per global batch, the valid sequences and tokens are summed
 over data-parallel ranks (Gs, Gt); each micro-batch loss is already divided by them, so the sum of
@@ -22,9 +23,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from rlpost.config.schema.lora import LoRAConfig
 from rlpost.config.schema.policy import DTensorPolicyConfig
 from rlpost.data.packing import PackedSequences
 from rlpost.distributed.batched_data_dict import BatchedDataDict, PackedMicroBatch
+from rlpost.models.dtensor import lora
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
 from rlpost.models.policy.interfaces import WorkerTrainResult
@@ -83,19 +86,23 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         self.tp_size = tp
         self._dp_group: dist.ProcessGroup | None = None
         self.temperature = float(cfg.generation.temperature) if cfg.generation is not None else 1.0
+        self.lora: LoRAConfig | None = cfg.dtensor_cfg.lora_cfg if cfg.dtensor_cfg.lora_cfg.enabled else None
         torch.manual_seed(1234)
         self.model = self._build_model()
+        self._lora_scale = lora.scalings(self.model) if self.lora else {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         if init_optimizer and cfg.optimizer is not None:
-            self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+            self.optimizer = build_optimizer(cfg.optimizer, [p for p in self.model.parameters() if p.requires_grad])
             self.scheduler = build_scheduler(cfg.scheduler, self.optimizer)
-        # The reference policy is the model as loaded from policy.model_name, also when resuming.
+        # The reference policy is the model as loaded from policy.model_name, also when resuming; with LoRA, the
+        # same model with its adapters off (no copy).
         self.reference: dict[str, torch.Tensor] | None = None
-        if init_reference_model:
+        self._has_reference = init_reference_model
+        if init_reference_model and not self.lora:
             self.reference = {k: _local(v).detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         if weights_path:
-            dtensor_checkpoint.load(self, weights_path, optimizer_path)
+            dtensor_checkpoint.load(self, weights_path, optimizer_path, adapters_only=self.lora is not None)
         self._export: list[tuple[str, torch.Tensor]] = []
         self._mem = OffloadState(self.device, params_on_cpu_by_fsdp=cfg.dtensor_cfg.cpu_offload)
         self._train_micro_batches = 0
@@ -187,9 +194,12 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
 
     @torch.no_grad()
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        if self.reference is None:
+        if not self._has_reference:
             raise RuntimeError("the policy was built without a reference model (init_reference_model=False)")
         self._onload()
+        if self.reference is None:  # LoRA: the base model is the reference
+            with lora.adapters_off(self.model):
+                return BatchedDataDict(reference_logprobs=self.get_logprobs(data)["logprobs"])
         current = self._swap_weights(self.reference)
         try:
             out = self.get_logprobs(data)
@@ -377,8 +387,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
     # ---- refit export ----------------------------------------------------------------------
     def prepare_weights_for_export(self, dtype: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """All ranks: gather full weights (collective); rank 0 keeps them cast to `dtype` under HF names."""
-        self._onload()
-        full = dtensor_checkpoint.full_state_dict(self.model)
+        full = self.full_weights()
         embedding = full.get("model.embed_tokens.weight")
         if "lm_head.weight" not in full and embedding is not None and getattr(self.model.config, "tie_word_embeddings", False):
             full["lm_head.weight"] = embedding
@@ -399,7 +408,8 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None, hf_export: bool = True) -> None:
         self._onload(with_optimizer=True)
-        dtensor_checkpoint.save(self, weights_path, optimizer_path, self.cfg.model_name, hf_export=hf_export)
+        dtensor_checkpoint.save(self, weights_path, optimizer_path, self.cfg.model_name, hf_export=hf_export,
+                                lora_cfg=self.lora, scale=self._lora_scale)
 
     def state_fingerprint(self) -> dict[str, float]:
         """Debug/test helper: sum of |w| and of optimizer state per rank (local shards)."""
@@ -414,9 +424,11 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         return {"weights": w, "optimizer": o}
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """All ranks call; rank 0 gets the full fp32 state dict (tests, exports)."""
+        """All ranks call; rank 0 gets the full fp32 state dict under the model's own names (tests, exports), with
+        LoRA the adapters merged in."""
         self._onload()
-        return dtensor_checkpoint.full_state_dict(self.model)
+        full = dtensor_checkpoint.full_state_dict(self.model)
+        return lora.merged(full, self._lora_scale) if self.lora else full
 
     def shutdown(self) -> bool:
         self.close_export_buffers()

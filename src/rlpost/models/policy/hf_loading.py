@@ -10,6 +10,10 @@ from torch import nn
 
 from rlpost.config.schema.policy import PolicyConfig
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "vocab.json", "merges.txt")
+"""The tokenizer files an HF export copies from the model directory."""
+
 
 def load_hf_causal_lm(cfg: PolicyConfig, dtype: torch.dtype) -> nn.Module:
     """`from_pretrained` on a local directory, fp32 master weights, SDPA attention: a causal LM, or with

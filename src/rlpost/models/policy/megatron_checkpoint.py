@@ -41,12 +41,12 @@ from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.models.policy.dtensor_checkpoint import (
     MODEL_DIR,
     OPTIM_DIR,
-    TOKENIZER_FILES,
     load_tensors,
     read_tensor_metadata,
     refuse_legacy,
     save_tensors,
 )
+from rlpost.models.policy.hf_loading import TOKENIZER_FILES
 from rlpost.runtime.checkpointing import CheckpointError, checkpoint_errors, read_json
 
 if TYPE_CHECKING:

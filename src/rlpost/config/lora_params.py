@@ -1,0 +1,127 @@
+"""The linear layers LoRA adapts, and the trainable and total parameter counts, from a model's config.json alone
+(no torch): what `rlpost plan` shows and what the pre-flight checks module names against.
+
+Known layouts: the Llama family (`llama`, `qwen2`, `qwen3`, `mistral`): q/k/v/o attention projections and a gated
+MLP (gate/up/down). Another model type is counted by the workers, and its module names are checked there.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from rlpost.config.errors import ConfigError
+from rlpost.config.layout import model_dir_key, read_hf_config
+from rlpost.config.schema.lora import LoRAConfig
+
+if TYPE_CHECKING:
+    from rlpost.config.schema.master import MasterConfig
+    from rlpost.config.schema.supervised_master import SupervisedMasterConfig
+
+LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")
+DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def linear_shapes(hf: Mapping[str, Any]) -> dict[str, tuple[int, int]] | None:
+    """(in_features, out_features) of each decoder linear layer, by name; None for an unknown layout."""
+    if hf.get("model_type") not in LLAMA_LIKE:
+        return None
+    h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    kv = int(hf.get("num_key_value_heads") or heads)
+    hd = int(hf.get("head_dim") or h // heads)
+    inter = int(hf["intermediate_size"])
+    return {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd), "o_proj": (heads * hd, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def adapted_modules(lora: LoRAConfig, names: tuple[str, ...] = DECODER_LINEARS) -> list[str]:
+    """The decoder linear layers `lora` adapts, out of `names`."""
+    chosen = names if lora.match_all_linear else tuple(n for n in names if n in lora.target_modules)
+    return [n for n in chosen if n not in lora.exclude_modules]
+
+
+def unknown_modules(lora: LoRAConfig, names: tuple[str, ...] = DECODER_LINEARS) -> list[str]:
+    """Names in target_modules or exclude_modules that are no linear layer of the model."""
+    return sorted({*lora.target_modules, *lora.exclude_modules} - set(names))
+
+
+def _biases(hf: Mapping[str, Any], shapes: dict[str, tuple[int, int]]) -> int:
+    if hf.get("model_type") == "qwen2":
+        with_bias = ["q_proj", "k_proj", "v_proj"]
+    else:
+        with_bias = ["q_proj", "k_proj", "v_proj", "o_proj"] if hf.get("attention_bias") else []
+        with_bias += ["gate_proj", "up_proj", "down_proj"] if hf.get("mlp_bias") else []
+    return sum(shapes[n][1] for n in with_bias)
+
+
+def parameter_counts(hf: Mapping[str, Any], lora: LoRAConfig) -> tuple[int, int] | None:
+    """(trainable, total) parameters of the model with `lora` applied (all of them trainable without LoRA); None
+    for an unknown layout. Total counts the adapters too; a tied output head is counted once."""
+    shapes = linear_shapes(hf)
+    if shapes is None:
+        return None
+    h, layers, vocab = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["vocab_size"])
+    per_layer = sum(i * o for i, o in shapes.values()) + _biases(hf, shapes) + 2 * h
+    if hf.get("model_type") == "qwen3":
+        per_layer += 2 * (shapes["q_proj"][1] // int(hf["num_attention_heads"]))  # q_norm and k_norm
+    base = vocab * h * (1 if hf.get("tie_word_embeddings") else 2) + layers * per_layer + h
+    if not lora.enabled:
+        return base, base
+    adapters = layers * sum(lora.dim * (shapes[n][0] + shapes[n][1]) for n in adapted_modules(lora))
+    return adapters, base + adapters
+
+
+def tiny_hf_config(architecture: str, hidden_size: int, num_layers: int, num_attention_heads: int,
+                   num_key_value_heads: int, intermediate_size: int, vocab_size: int, tie_word_embeddings: bool
+                   ) -> dict[str, Any]:
+    """The config.json fields that count a tiny model not built yet (its vocabulary padded to a multiple of 64)."""
+    return {"model_type": architecture, "hidden_size": hidden_size, "num_hidden_layers": num_layers,
+            "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
+            "intermediate_size": intermediate_size, "vocab_size": -(-vocab_size // 64) * 64,
+            "tie_word_embeddings": tie_word_embeddings}
+
+
+def describe(hf: Mapping[str, Any] | None, lora: LoRAConfig) -> str:
+    """`rlpost plan`'s parameters row."""
+    counts = parameter_counts(hf, lora) if hf is not None else None
+    if counts is None:
+        what = f"a {hf.get('model_type')} model" if hf is not None else "a model not built yet"
+        return f"counted by the workers ({what})" + (f"; LoRA r={lora.dim} alpha={lora.alpha}" if lora.enabled else "")
+    trainable, total = counts
+    if not lora.enabled:
+        return f"{total:,}, all trained"
+    return (f"{trainable:,} trained of {total:,} ({100 * trainable / total:.2f}%): LoRA r={lora.dim} "
+            f"alpha={lora.alpha} on {', '.join(adapted_modules(lora))}; the base weights are frozen")
+
+
+def model_shape(master: MasterConfig | SupervisedMasterConfig) -> dict[str, Any] | None:
+    """The model's config.json, or for a tiny model not built yet the fields it will have; None if unknown."""
+    hf = read_hf_config(str(master.policy.model_name), model_dir_key(master))
+    t = master.model.tiny
+    if hf is None and t is not None and master.policy.model_name == master.model.path:
+        hf = tiny_hf_config(t.architecture, t.hidden_size, t.num_layers, t.num_attention_heads, t.num_key_value_heads,
+                            t.intermediate_size, t.vocab_size, t.tie_word_embeddings)
+    return hf
+
+
+def check_lora_modules(master: MasterConfig | SupervisedMasterConfig) -> None:
+    """LoRA's target_modules and exclude_modules must name linear layers of the model, and leave one adapted (a
+    layout lora_params does not know is checked by the workers, when peft adds the adapters)."""
+    key, lora = master.policy.lora_settings("policy")
+    if not lora.enabled:
+        return
+    hf = model_shape(master)
+    shapes = linear_shapes(hf) if hf is not None else None
+    if hf is None or shapes is None:
+        return
+    names = tuple(shapes)
+    unknown = unknown_modules(lora, names)
+    if unknown:
+        which = "target_modules" if set(unknown) & set(lora.target_modules) else "exclude_modules"
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        raise ConfigError(f"{key}.{which}", getattr(lora, which),
+                          f"names no linear layer of this {hf.get('model_type')} model: {', '.join(unknown)}; "
+                          f"its linear layers are {', '.join(names)}", f"did you mean {close[0]!r}?" if close else None)
+    if not adapted_modules(lora, names):
+        raise ConfigError(f"{key}.exclude_modules", lora.exclude_modules, "leaves no linear layer to adapt")

@@ -1,0 +1,51 @@
+"""LoRA adapters (`policy.dtensor_cfg.lora_cfg`, `policy.megatron_cfg.peft`): NeMo RL's key names.
+
+Only the adapters train: the base weights are frozen, outside the optimizer and the gradient reduction, the KL or
+DPO reference is the base with the adapters switched off, and checkpoints hold the adapters and their optimizer
+state alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlpost.config.errors import positive, require
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""The file that makes a directory a PEFT adapter directory."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the model's linear layers (W + alpha/dim * B @ A)."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of the full model."""
+    target_modules: list[str] = field(default_factory=list)
+    """Linear layers to adapt, by the last part of their name (`q_proj`, `down_proj`, ...); with match_all_linear
+    false this must name at least one."""
+    exclude_modules: list[str] = field(default_factory=list)
+    """Linear layers never adapted, by the last part of their name (applies to match_all_linear too)."""
+    match_all_linear: bool = True
+    """Adapt every linear layer of the decoder (not the output head); target_modules adds nothing then."""
+    dim: int = 8
+    """The adapters' rank r."""
+    alpha: int = 32
+    """Scale numerator: the update is alpha / dim * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input during training (0: none)."""
+    export_merged: bool = False
+    """Checkpoints also write the merged model (W + alpha/dim * B @ A) as an HF directory, `weights/hf`, beside the
+    PEFT adapter directory `weights/adapter` (with checkpointing.save_consolidated)."""
+
+    def check(self, path: str) -> None:
+        if not self.enabled:
+            return
+        positive(f"{path}.dim", self.dim)
+        positive(f"{path}.alpha", self.alpha)
+        require(0.0 <= self.dropout < 1.0, f"{path}.dropout", self.dropout, "must be in [0, 1)")
+        require(self.match_all_linear or bool(self.target_modules), f"{path}.target_modules", self.target_modules,
+                "must name at least one linear layer when match_all_linear is false")
+        overlap = sorted(set(self.target_modules) & set(self.exclude_modules))
+        require(not overlap, f"{path}.exclude_modules", self.exclude_modules,
+                f"excludes {overlap}, which target_modules names")

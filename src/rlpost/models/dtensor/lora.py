@@ -1,0 +1,174 @@
+"""LoRA on the DTensor workers with the `peft` library: adapters injected into the HF model before it is
+parallelised, so they compose with TP and FSDP2.
+
+- Injection: `peft.inject_adapter_in_model` keeps the model's class (the TP plans are per class) and freezes every
+  base weight; the optimizer gets the adapters only, and FSDP2 reduces only gradients that exist.
+- TP: an adapted layer `X` becomes `X.base_layer` (sharded as `X` was) plus `X.lora_A` / `X.lora_B`. B is split
+  where the base weight's output is split (column-parallel), A where its input is (row-parallel: A's output is
+  all-reduced before B), and the other factor is replicated; the adapter's output then has the base output's layout.
+- The reference policy is the base: the adapters switched off (`adapters_off`), no second copy of the weights.
+- Refit and HF export move merged weights, W + alpha / r * B @ A, under the base model's names (`merged`); the
+  PEFT export holds the adapters under PEFT's names (`peft_adapter_tensors`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from rlpost.config.schema.lora import LoRAConfig
+
+ADAPTER = "default"
+"""peft's name for the one adapter."""
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_config(cfg: LoRAConfig) -> Any:  # -> peft.LoraConfig
+    """The peft LoraConfig of `cfg` (dim -> r, alpha -> lora_alpha; match_all_linear -> "all-linear")."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=cfg.dim,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules="all-linear" if cfg.match_all_linear else list(cfg.target_modules),
+        exclude_modules=list(cfg.exclude_modules) or None,
+        bias="none",
+    )
+
+
+def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
+    """Add adapters to `model` in place (base weights frozen); ValueError naming the key when none matched."""
+    from peft import inject_adapter_in_model
+
+    try:
+        return inject_adapter_in_model(peft_config(cfg), model)
+    except ValueError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ValueError(f"policy.dtensor_cfg.lora_cfg: {first}") from None
+
+
+def adapted_layers(model: nn.Module) -> list[str]:
+    """Names of the layers that carry an adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    return [name for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+def lora_tp_plan(plan: Mapping[str, ParallelStyle], layers: list[str]) -> dict[str, ParallelStyle]:
+    """`plan` for the model with adapters: an adapted layer's style moves to its base_layer, and its adapter gets
+    the matching split (B for a column-parallel base, A for a row-parallel one)."""
+    out: dict[str, ParallelStyle] = {}
+    for key, style in plan.items():
+        if not any(fnmatch.fnmatchcase(name, key) for name in layers):
+            out[key] = style
+            continue
+        out[f"{key}.base_layer"] = style
+        if isinstance(style, ColwiseParallel):
+            out[f"{key}.lora_B.{ADAPTER}"] = ColwiseParallel()
+        elif isinstance(style, RowwiseParallel):
+            out[f"{key}.lora_A.{ADAPTER}"] = RowwiseParallel()
+        else:
+            raise ValueError(f"{key}: LoRA does not know how to split an adapter for {type(style).__name__}")
+    return out
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The base model: every adapter disabled inside the block."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a state-dict key is an adapter's."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def scalings(model: nn.Module) -> dict[str, float]:
+    """alpha / r of each adapted layer, by name."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: float(m.scaling[ADAPTER]) for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merged(full: Mapping[str, torch.Tensor], scale: Mapping[str, float]) -> dict[str, torch.Tensor]:
+    """The base model's state dict (its own names) from a full state dict with adapters: W + scale * B @ A for each
+    adapted layer, computed in fp32."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in full.items():
+        if is_adapter(key):
+            continue
+        layer, sep, leaf = key.rpartition(".base_layer.")
+        if not sep:
+            out[key] = value
+            continue
+        name = f"{layer}.{leaf}"
+        if leaf == "weight":
+            a = full[f"{layer}.lora_A.{ADAPTER}.weight"].float()
+            b = full[f"{layer}.lora_B.{ADAPTER}.weight"].float()
+            value = (value.float() + scale[layer] * (b @ a)).to(value.dtype)
+        out[name] = value
+    return out
+
+
+def peft_adapter_tensors(full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's saved names (`base_model.model.<layer>.lora_A.weight`), as
+    `PeftModel.from_pretrained` loads them."""
+    return {f"base_model.model.{k.replace(f'.{ADAPTER}.', '.')}": v.detach().contiguous()
+            for k, v in full.items() if is_adapter(k)}
+
+
+def write_peft_dir(cfg: LoRAConfig, full: Mapping[str, torch.Tensor], base_model: str, out_dir: Path) -> None:
+    """A PEFT adapter directory: adapter_config.json (base_model_name_or_path = `base_model`) and
+    adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    conf = peft_config(cfg)
+    conf.base_model_name_or_path = str(base_model)
+    conf.task_type = "CAUSAL_LM"
+    save_file(peft_adapter_tensors(full), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    conf.save_pretrained(str(out_dir))
+
+
+def merge_peft_dir(adapter_dir: Path, out_dir: Path) -> Path:
+    """The base model named by a PEFT adapter directory with the adapter merged in, written to `out_dir` as an HF
+    directory with the base's tokenizer files (what `rlpost eval` serves for a LoRA checkpoint)."""
+    import shutil
+
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from rlpost.models.policy.hf_loading import TOKENIZER_FILES
+
+    base_dir = Path(PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the console is rlpost's
+    try:
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, use_safetensors=True)
+        model = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+        model.save_pretrained(out_dir, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    for name in TOKENIZER_FILES:
+        if (base_dir / name).is_file():
+            shutil.copy2(base_dir / name, out_dir / name)
+    return out_dir

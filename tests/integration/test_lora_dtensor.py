@@ -1,0 +1,60 @@
+"""LoRA on the DTensor workers (peft adapters under TP) on real Ray actors and gloo process groups: TP=2 trains the
+same adapters as TP=1, only adapted layers move, and the reference is the base. Checkpoints: tests/unit/models/
+test_lora_checkpoint.py; through the CLI: the split run of test_grpo.py and test_eval.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.integration.test_dtensor_policy import SGD, Built, make_batch, max_diff, policy_cfg, train_steps
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def made() -> Iterator[list[Built]]:
+    out: list[Built] = []
+    yield out
+    for b in out:
+        b.close()
+
+
+LORA = ["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.dim=4",
+        "policy.dtensor_cfg.lora_cfg.alpha=8"]
+
+
+def test_adapters_alone_train_tp2_equals_tp1_and_the_reference_is_the_base(
+        ray_local: None, tiny_model_dir: Path, made: list[Built]) -> None:
+    data = make_batch(seed=3)
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+
+    one = Built(policy_cfg(tiny_model_dir, "cluster.gpus_per_node=1", *LORA, optimizer=SGD), 1)
+    made.append(one)
+    lp0 = one.policy.get_logprobs(data)["logprobs"]
+    losses1 = train_steps(one.policy, 3)
+    w1 = one.policy.full_weights()
+    ref1 = one.policy.get_reference_policy_logprobs(data)["reference_logprobs"]
+    lp1 = one.policy.get_logprobs(data)["logprobs"]
+    one.close()
+    made.remove(one)
+
+    # the reference is the base model: the adapters off gives the starting logprobs (B starts at zero)
+    assert torch.equal(ref1, lp0)
+    assert (lp1 - lp0).abs().max() > 1e-3  # and the adapters did change the policy
+    # only adapted layers moved; embeddings and norms are the base's, bit for bit
+    moved = sorted(k for k in base if not torch.equal(w1[k], base[k]))
+    assert moved and all(k.endswith("_proj.weight") for k in moved), moved
+    assert {k.split(".")[-2] for k in moved} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"}
+
+    tp = Built(policy_cfg(tiny_model_dir, "policy.dtensor_cfg.tensor_parallel_size=2", *LORA, optimizer=SGD), 2)
+    made.append(tp)
+    losses2 = train_steps(tp.policy, 3)
+    assert losses2 == pytest.approx(losses1, abs=1e-5)
+    assert max_diff(w1, tp.policy.full_weights()) <= 1e-5
+    assert torch.allclose(tp.policy.get_reference_policy_logprobs(data)["reference_logprobs"], ref1, atol=1e-5)
