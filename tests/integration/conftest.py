@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
@@ -34,3 +35,16 @@ def ray_local() -> Iterator[None]:
     )
     yield
     ray.shutdown()
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+@pytest.fixture
+def built() -> Iterator[list[Closable]]:
+    """What a test builds (policies and their clusters) is appended here and closed after it, however it ends."""
+    made: list[Closable] = []
+    yield made
+    for b in made:
+        b.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,14 +70,6 @@ class Built:
     def close(self) -> None:
         self.policy.shutdown()
         self.cluster.shutdown()
-
-
-@pytest.fixture
-def built() -> Iterator[list[Built]]:
-    made: list[Built] = []
-    yield made
-    for b in made:
-        b.close()
 
 
 def _build(made: list[Built], cfg: PolicyConfig, **kw: Any) -> Built:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,14 +75,6 @@ class Built:
     def close(self) -> None:
         self.policy.shutdown()
         self.cluster.shutdown()
-
-
-@pytest.fixture
-def built() -> Iterator[list[Built]]:
-    made: list[Built] = []
-    yield made
-    for b in made:
-        b.close()
 
 
 def train_steps(policy: Policy, n: int) -> list[float]:

@@ -4,7 +4,6 @@ test_lora_checkpoint.py; through the CLI: the split run of test_grpo.py and test
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,32 +15,24 @@ from tests.integration.test_dtensor_policy import SGD, Built, make_batch, max_di
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def made() -> Iterator[list[Built]]:
-    out: list[Built] = []
-    yield out
-    for b in out:
-        b.close()
-
-
 LORA = ["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.dim=4",
         "policy.dtensor_cfg.lora_cfg.alpha=8"]
 
 
 def test_adapters_alone_train_tp2_equals_tp1_and_the_reference_is_the_base(
-        ray_local: None, tiny_model_dir: Path, made: list[Built]) -> None:
+        ray_local: None, tiny_model_dir: Path, built: list[Built]) -> None:
     data = make_batch(seed=3)
     base = load_file(str(tiny_model_dir / "model.safetensors"))
 
     one = Built(policy_cfg(tiny_model_dir, "cluster.gpus_per_node=1", *LORA, optimizer=SGD), 1)
-    made.append(one)
+    built.append(one)
     lp0 = one.policy.get_logprobs(data)["logprobs"]
     losses1 = train_steps(one.policy, 3)
     w1 = one.policy.full_weights()
     ref1 = one.policy.get_reference_policy_logprobs(data)["reference_logprobs"]
     lp1 = one.policy.get_logprobs(data)["logprobs"]
     one.close()
-    made.remove(one)
+    built.remove(one)
 
     # the reference is the base model: the adapters off gives the starting logprobs (B starts at zero)
     assert torch.equal(ref1, lp0)
@@ -53,7 +44,7 @@ def test_adapters_alone_train_tp2_equals_tp1_and_the_reference_is_the_base(
                                                  "down_proj"}
 
     tp = Built(policy_cfg(tiny_model_dir, "policy.dtensor_cfg.tensor_parallel_size=2", *LORA, optimizer=SGD), 2)
-    made.append(tp)
+    built.append(tp)
     losses2 = train_steps(tp.policy, 3)
     assert losses2 == pytest.approx(losses1, abs=1e-5)
     assert max_diff(w1, tp.policy.full_weights()) <= 1e-5

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import pickle
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,14 +102,6 @@ class Built:
     def close(self) -> None:
         self.policy.shutdown()
         self.cluster.shutdown()
-
-
-@pytest.fixture
-def built() -> Iterator[list[Built]]:
-    made: list[Built] = []
-    yield made
-    for b in made:
-        b.close()
 
 
 def build(made: list[Built], cfg: PolicyConfig, workers: int, **kw: Any) -> Built:
