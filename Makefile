@@ -20,9 +20,8 @@ train: install
 	$(BIN)/rlpost train $(ARGS)
 
 # The real-model smoke test (tests/integration/test_smollm2_smoke.py) needs SmolLM2 prepared: cached after the first run.
-# Two pytest-xdist workers: the integration tests one after another in one, the unit and benchmark tests in the other.
 test: install smollm2
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadgroup tests benchmarks --durations=15 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests benchmarks --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests benchmarks -m "not slow" $(PYTEST_ARGS)

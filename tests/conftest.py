@@ -27,11 +27,6 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Under `make test` (pytest-xdist, --dist loadgroup) the integration tests run one after another in one worker,
-    # each with the machine's cores to itself but for the unit tests running beside them in the other.
-    for item in items:
-        if item.nodeid.startswith("tests/integration/"):
-            item.add_marker(pytest.mark.xdist_group("integration"))
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
