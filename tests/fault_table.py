@@ -44,6 +44,8 @@ def probe(test: str, name: str, exit_status: int, console: str, data_lost: bool 
     """Judge one probe from its exit status and what it printed (stdout and stderr together)."""
     lines = [line for line in console.strip().splitlines() if line.strip()]
     traceback = "Traceback (most recent call last)" in console or "*** SIGTERM received" in console
+    if lines and lines[-1].startswith("  hint: "):  # rlpost's error line may end with its hint line
+        lines = lines[:-1]
     last_is_ours = bool(lines) and lines[-1].startswith("rlpost")
     clean = exit_status in DOCUMENTED and not traceback and (exit_status == 0 or last_is_ours)
     return Probe(test, name, exit_status, clean, traceback, data_lost)

@@ -126,3 +126,13 @@ def test_driver_handlers_survive_what_ray_installs_meanwhile_and_get_the_noted_s
         assert got == [signal.SIGTERM, signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_the_fault_table_takes_an_error_line_with_its_hint_as_clean() -> None:
+    from tests.fault_table import probe
+
+    assert probe("t", "p", 2, "rlpost: config error: k='v': rule\n  hint: did you mean 'key'?\n").clean
+    assert probe("t", "p", 2, "rlpost: config error: k='v': rule\n").clean
+    assert not probe("t", "p", 2, "  hint: a hint alone\n").clean
+    assert not probe("t", "p", 1, "rlpost: error: unexpected\n").clean
+    assert not probe("t", "p", 2, "Traceback (most recent call last):\nrlpost: error\n").clean
