@@ -81,8 +81,10 @@ def test_merged_weights_equal_peft_merge_and_the_adapters_off_are_the_base() -> 
         for name, p in model.named_parameters():
             if lora.is_adapter(name):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    scale = lora.scalings(model)
-    assert set(scale.values()) == {3.0}
+    from peft.tuners.lora import LoraLayer
+
+    scale = lora.scaling(cfg)
+    assert {m.scaling[lora.ADAPTER] for m in model.modules() if isinstance(m, LoraLayer)} == {scale} == {3.0}
     ours = lora.merged(model.state_dict(), scale)
 
     reference = get_peft_model(build(hf), LoraConfig(r=4, lora_alpha=12, target_modules="all-linear",

@@ -100,14 +100,12 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def scalings(model: nn.Module) -> dict[str, float]:
-    """alpha / r of each adapted layer, by name."""
-    from peft.tuners.lora import LoraLayer
-
-    return {name: float(m.scaling[ADAPTER]) for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+def scaling(cfg: LoRAConfig) -> float:
+    """alpha / r: the scale of every adapter's update (peft's, with one rank and alpha for all layers)."""
+    return cfg.alpha / cfg.dim
 
 
-def merged(full: Mapping[str, torch.Tensor], scale: Mapping[str, float]) -> dict[str, torch.Tensor]:
+def merged(full: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """The base model's state dict (its own names) from a full state dict with adapters: W + scale * B @ A for each
     adapted layer, computed in fp32."""
     out: dict[str, torch.Tensor] = {}
@@ -122,7 +120,7 @@ def merged(full: Mapping[str, torch.Tensor], scale: Mapping[str, float]) -> dict
         if leaf == "weight":
             a = full[f"{layer}.lora_A.{ADAPTER}.weight"].float()
             b = full[f"{layer}.lora_B.{ADAPTER}.weight"].float()
-            value = (value.float() + scale[layer] * (b @ a)).to(value.dtype)
+            value = (value.float() + scale * (b @ a)).to(value.dtype)
         out[name] = value
     return out
 

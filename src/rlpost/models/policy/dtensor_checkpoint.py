@@ -57,7 +57,6 @@ class TrainState(Protocol):
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
 
 
-
 FORMAT = "rlpost-dtensor-safetensors/1"
 INFO_FILE = "checkpoint.json"
 MODEL_DIR = "model"
@@ -280,10 +279,9 @@ def _saved(model_sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str], ada
 
 
 def save(worker: TrainState, weights_path: str, optimizer_path: str | None, source_dir: str,
-         hf_export: bool = True, lora_cfg: LoRAConfig | None = None, scale: Mapping[str, float] | None = None) -> None:
+         hf_export: bool = True, lora_cfg: LoRAConfig | None = None) -> None:
     """Collective: every rank writes its model (and optimizer) shards; rank 0 the JSON files and the HF export.
-    With `lora_cfg`, the adapters alone, and the PEFT adapter directory as the export (`scale`: each adapted
-    layer's alpha / r, for the merged export)."""
+    With `lora_cfg`, the adapters alone, and the PEFT adapter directory as the export."""
     wp = Path(weights_path)
     aliases = tied_aliases(worker.model)
     model_sd = cast(dict[str, torch.Tensor], get_model_state_dict(worker.model))
@@ -310,7 +308,7 @@ def save(worker: TrainState, weights_path: str, optimizer_path: str | None, sour
         if _is_rank0() and lora_cfg is not None:
             lora.write_peft_dir(lora_cfg, full, source_dir, wp / "adapter")
             if lora_cfg.export_merged:
-                export_hf(worker.model, lora.merged(full, scale or {}), source_dir, wp / "hf")
+                export_hf(worker.model, lora.merged(full, lora.scaling(lora_cfg)), source_dir, wp / "hf")
         elif _is_rank0():
             export_hf(worker.model, full, source_dir, wp / "hf")
     dist.barrier()

@@ -89,7 +89,6 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         self.lora: LoRAConfig | None = cfg.dtensor_cfg.lora_cfg if cfg.dtensor_cfg.lora_cfg.enabled else None
         torch.manual_seed(1234)
         self.model = self._build_model()
-        self._lora_scale = lora.scalings(self.model) if self.lora else {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         if init_optimizer and cfg.optimizer is not None:
@@ -409,7 +408,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None, hf_export: bool = True) -> None:
         self._onload(with_optimizer=True)
         dtensor_checkpoint.save(self, weights_path, optimizer_path, self.cfg.model_name, hf_export=hf_export,
-                                lora_cfg=self.lora, scale=self._lora_scale)
+                                lora_cfg=self.lora)
 
     def state_fingerprint(self) -> dict[str, float]:
         """Debug/test helper: sum of |w| and of optimizer state per rank (local shards)."""
@@ -428,7 +427,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         LoRA the adapters merged in."""
         self._onload()
         full = dtensor_checkpoint.full_state_dict(self.model)
-        return lora.merged(full, self._lora_scale) if self.lora else full
+        return lora.merged(full, lora.scaling(self.lora)) if self.lora else full
 
     def shutdown(self) -> bool:
         self.close_export_buffers()
