@@ -8,7 +8,6 @@ Logprob checks compare against a plain HF model holding the same weights, comput
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from rlpost.distributed.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -170,12 +171,6 @@ def _greedy_ref(ref_model: Any, weights: dict[str, torch.Tensor], prompt: list[i
     return seq[len(prompt) :]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # ---------------------------------------------------------------------------------------- tests
 def test_generate_contract_and_data_parallel_order(
     vllm_engine: Any, ref_model: Any, weights_a: dict, tokenizer: Any
@@ -310,7 +305,7 @@ def test_refit_through_collective(vllm_engine: Any, ref_model: Any, weights_b: d
     from rlpost.models.fingerprint import weight_fingerprint
 
     vllm_engine.prepare_refit_info({n: (tuple(t.shape), t.dtype) for n, t in weights_b.items()})
-    port = _free_port()
+    port = free_port("127.0.0.1")
     joins = vllm_engine.init_collective_async("127.0.0.1", port, 1, 3, timeout_s=120)
     sender = StatelessGroup("127.0.0.1", port, 0, 3, backend="gloo", timeout_s=120, chunk_bytes=16 * 1024)
     try:

@@ -23,6 +23,7 @@ from rlpost.config.load import load_master_config
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.policy import PolicyConfig, PytorchOptimizerConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.ports import free_port
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import WorkerGroupError
 from rlpost.models.policy.interfaces import TrainResult
@@ -205,7 +206,6 @@ def assert_same_step(label: str, out: TrainResult, w: dict[str, torch.Tensor], r
 
 def check_refit(policy: Policy, weights: dict[str, torch.Tensor]) -> None:
     """Refit exports: HF names with the tied lm_head, bounded buckets, fingerprints; object store and collective."""
-    import socket
 
     import ray
 
@@ -222,9 +222,7 @@ def check_refit(policy: Policy, weights: dict[str, torch.Tensor]) -> None:
     assert max_diff(got, weights) == 0.0
     assert buckets.fingerprint == weight_fingerprint(got)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port("127.0.0.1")
     joins = policy.init_refit_collective_async("127.0.0.1", port, 2)
     with StatelessGroup("127.0.0.1", port, 1, 2, backend="gloo", timeout_s=60) as engine:
         assert ray.get(joins, timeout=60) == [True, True]

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from rlpost.distributed.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +45,6 @@ pol.shutdown(); cl.shutdown(); ray.shutdown()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(args: list[str], env: dict[str, str], log: object = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
     ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
     return subprocess.Popen(
@@ -75,7 +70,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def test_worker_group_spans_two_localhost_nodes(tiny_model_dir: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port("127.0.0.1")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     head = _start(["--head", f"--port={port}", "--include-dashboard=false", "--object-store-memory=200000000"], env)
     worker = None

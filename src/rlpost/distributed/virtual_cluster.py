@@ -23,6 +23,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlpost.config.schema.cluster import ClusterConfig
+from rlpost.distributed.ports import free_port
 from rlpost.distributed.ray_signals import (
     WORKER_SIGNAL_ENV,
     head_in_own_process_group,
@@ -312,10 +313,7 @@ class RayVirtualCluster:
 
 
 def _free_port_here() -> tuple[str, int]:
-    addr = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return addr, int(s.getsockname()[1])
+    return ray.util.get_node_ip_address(), free_port()
 
 
 _free_port = ray.remote(num_cpus=0)(_free_port_here)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,11 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from rlpost.distributed.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +23,7 @@ def one_rank(tiny_model_dir: Path) -> Iterator[Any]:
     from rlpost.models.policy.dtensor_policy_worker import DTensorPolicyWorker
 
     mp = pytest.MonkeyPatch()
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")),
                  "RLPOST_DEVICE": "cpu"}.items():
         mp.setenv(k, v)
     threads = torch.get_num_threads()

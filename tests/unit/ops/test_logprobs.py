@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 from rlpost.algorithms.loss_functions import ClippedPGLossFn
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.ports import free_port
 from rlpost.ops.logprobs import logprobs_from_logits, vocab_parallel_logprobs
 
 B, S, V = 3, 7, 10
@@ -59,12 +59,6 @@ def test_bf16_logits_computed_in_fp32() -> None:
     lp = logprobs_from_logits(logits.bfloat16(), ids)
     assert lp.dtype == torch.float32
     torch.testing.assert_close(lp, reference_logprobs(logits.bfloat16().float(), ids), atol=1e-5, rtol=0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -117,7 +111,7 @@ def _loss_data(ids: torch.Tensor) -> BatchedDataDict:
 @pytest.mark.slow
 def test_vocab_parallel_matches_unsharded_on_two_gloo_ranks(tmp_path: Path) -> None:
     world = 2
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port("127.0.0.1"), str(tmp_path)), nprocs=world, join=True)
     res = [np.load(tmp_path / f"rank{r}.npz") for r in range(world)]
     logits, ids, upstream = inputs()
     full = logits.clone().requires_grad_(True)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from typing import Any
 
 import pytest
 import torch
+
+from rlpost.distributed.ports import free_port
 
 WORLD = 3
 CHUNK = 1000  # bytes; far below the total, and not a multiple of any tensor size
@@ -46,17 +47,11 @@ def _run(rank: int, port: int, q: Any) -> None:
         q.put((rank, False, {}, False, repr(exc)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_broadcast_three_processes_exact_and_chunked() -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port("127.0.0.1")
     procs = [ctx.Process(target=_run, args=(r, port, q), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -83,7 +78,7 @@ def test_chunk_walk_single_process() -> None:
     """World of one: the chunked pack/unpack path runs and the sender's stats show bounded chunks."""
     from rlpost.distributed.collective import StatelessGroup
 
-    with StatelessGroup("127.0.0.1", _free_port(), 0, 1, chunk_bytes=CHUNK, timeout_s=30) as g:
+    with StatelessGroup("127.0.0.1", free_port("127.0.0.1"), 0, 1, chunk_bytes=CHUNK, timeout_s=30) as g:
         out = g.broadcast_tensors(_tensors())
         total = sum(t.numel() * t.element_size() for _, t in _tensors())
         assert g.last_stats.total_bytes == total

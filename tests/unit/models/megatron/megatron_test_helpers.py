@@ -8,7 +8,6 @@ results with torch.save to <out_dir>/rank<r>.pt; the test process does all the a
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -143,12 +142,6 @@ def train_microbatches(vocab: int) -> list[dict[str, torch.Tensor]]:
 
 
 # ------------------------------------------------------------------------------------------ spawned worker
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def spawn(fn: Callable[..., None], world_size: int, args: tuple[Any, ...], timeout_s: float = 120.0) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from rlpost.distributed.ports import free_port
 from tests.unit.models.megatron import megatron_test_helpers as h
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def results(shared: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = str(tmp_path_factory.mktemp("megatron_results"))
-    h.spawn(h.worker, 2, (2, h.free_port(), {"shared": shared, **PHASES}, out_dir), timeout_s=180)
+    h.spawn(h.worker, 2, (2, free_port("127.0.0.1"), {"shared": shared, **PHASES}, out_dir), timeout_s=180)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
 
 
