@@ -157,6 +157,14 @@ def test_async_grpo_with_in_flight_weight_updates(cache: Path, tmp_path: Path) -
     assert all(m["train/mean_gen_length"] == 24 for m in steps)
 
 
+def _in_session(pid: int, sid: int) -> bool:
+    """Whether `pid` belongs to the run started as session `sid` (another test's run may be going on beside it)."""
+    try:
+        return os.getsid(pid) == sid
+    except OSError:
+        return False
+
+
 @pytest.mark.faults
 def test_a_killed_engine_actor_stops_async_grpo_with_its_name(cache: Path, tmp_path: Path, fault: Record) -> None:
     import psutil
@@ -171,7 +179,7 @@ def test_a_killed_engine_actor_stops_async_grpo_with_its_name(cache: Path, tmp_p
                 (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 3):
             time.sleep(0.2)
         engines = [p for p in psutil.process_iter(["cmdline"])
-                   if "VllmEngineWorker" in " ".join(p.info["cmdline"] or [])]
+                   if "VllmEngineWorker" in " ".join(p.info["cmdline"] or []) and _in_session(p.pid, proc.pid)]
         assert engines, "no engine actor process found"
         for p in engines:
             p.kill()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 RENDEZVOUS_LOW = 20000
 _TRIES = 64
+_draw = random.SystemRandom()  # not the global generator: runs seeded alike would draw the same ports
 
 
 def ephemeral_low() -> int:
@@ -35,7 +36,7 @@ def free_port(host: str = "") -> int:
     """A port that `host` ("" = all addresses) can bind now, outside the ephemeral range when one is free there."""
     high = ephemeral_low()
     if high - RENDEZVOUS_LOW >= _TRIES:
-        for port in random.sample(range(RENDEZVOUS_LOW, high), _TRIES):
+        for port in _draw.sample(range(RENDEZVOUS_LOW, high), _TRIES):
             if _bindable(host, port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
