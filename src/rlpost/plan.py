@@ -14,7 +14,7 @@ from rlpost.config.layout import (
     prev_logprobs_pass,
 )
 from rlpost.config.lora_params import describe as describe_parameters
-from rlpost.config.lora_params import model_shape
+from rlpost.config.lora_params import model_shape, parameter_counts
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 
@@ -133,7 +133,7 @@ def _rollouts(cfg: MasterConfig) -> str:
 
 def _refit(cfg: MasterConfig, lay: Layout) -> str:
     """The refit transport by name (rlpost.algorithms.refit), and for "ipc" on a known device the buffer's kind."""
-    row = f"{lay.refit}: {REFIT_TRANSPORTS[lay.refit]}"
+    row = f"{lay.refit}: {REFIT_TRANSPORTS[lay.refit]}{_lora_refit(cfg)}"
     if lay.refit != "ipc" or cfg.cluster.device == "auto":  # "auto" is not resolved: that would import torch
         return row
     if cfg.cluster.device == "cpu":
@@ -141,6 +141,21 @@ def _refit(cfg: MasterConfig, lay: Layout) -> str:
     if cuda_ipc_refit("cuda", lay.train_world):
         return f"{row} (CUDA IPC: no host copy)"
     return f"{row} (shared memory through the host: CUDA IPC needs the policy on one GPU)"
+
+
+def _lora_refit(cfg: MasterConfig) -> str:
+    """With LoRA: what a refit moves (`lora_cfg.refit`)."""
+    key, lora = cfg.policy.lora_settings("policy")
+    if not lora.enabled:
+        return ""
+    if lora.refit == "merged":
+        return f"; LoRA merged (W + {lora.alpha}/{lora.dim} * B @ A): every weight moves ({key}.refit=adapter moves the adapters alone)"
+    hf = model_shape(cfg)
+    counts = parameter_counts(hf, lora) if hf is not None else None
+    size = ""
+    if counts is not None:
+        size = f" ({counts[0] * (4 if cfg.generation.weight_dtype() == 'float32' else 2) / 2**20:.1f} MiB)"
+    return f"; LoRA adapter only{size}: vLLM serves it (enable_lora), replaced in place each version"
 
 
 def _overlap(cfg: MasterConfig) -> str:

@@ -22,8 +22,10 @@ SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "po
          "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16"]
 
 COVER = {
-    "dtensor-vllm-token-colocated": ["policy=dtensor", "generation=vllm", "loss=token_level",
-                                     "grpo.val_at_start=true", "grpo.val_period=2", "logger.ray_timeline=true"],
+    "dtensor-vllm-token-colocated-lora-adapter": ["policy=dtensor", "generation=vllm", "loss=token_level",
+                                                  "grpo.val_at_start=true", "grpo.val_period=2",
+                                                  "logger.ray_timeline=true", "policy.dtensor_cfg.lora_cfg.enabled=true",
+                                                  "policy.dtensor_cfg.lora_cfg.refit=adapter"],
     "dtensor_v2-hf-sequence-split-kl": ["policy=dtensor_v2", "generation=hf", "loss=sequence_level",
                                         "loss_fn.reference_policy_kl_penalty=0.01", "cluster.gpus_per_node=2",
                                         "policy.generation.colocated.enabled=false",

@@ -57,9 +57,10 @@ def train_once(policy: Policy, gen_out: BatchedDataDict) -> None:
     policy.train(data, ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)))
 
 
-def assert_corrupted_refit_is_caught(policy: Policy, engine: VllmGeneration, monkeypatch: pytest.MonkeyPatch) -> None:
+def assert_corrupted_refit_is_caught(policy: Policy, engine: VllmGeneration, monkeypatch: pytest.MonkeyPatch,
+                                     name: str = "model.layers.0.mlp.up_proj.weight") -> None:
     """A colocated refit whose engine loads a corrupted tensor fails the fingerprint check."""
-    monkeypatch.setenv("RLPOST_FAULT_CORRUPT_REFIT", "model.layers.0.mlp.up_proj.weight")
+    monkeypatch.setenv("RLPOST_FAULT_CORRUPT_REFIT", name)
     with pytest.raises(FingerprintMismatch):
         refit_policy_generation(policy, engine, True, "float32")
 
@@ -71,19 +72,28 @@ def mult_prob_error(policy: Policy, gen_out: BatchedDataDict) -> float:
     return float(torch.exp((lp_train - gen_out["logprobs"]).abs())[mask].mean())
 
 
-@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "split"])
-def test_refit_keeps_engine_on_policy_with_tp2(ray_local: None, tiny_model_dir: Path, colocated: bool,
+LORA_ADAPTER = ["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.refit=adapter"]
+
+
+@pytest.mark.parametrize(("colocated", "lora"), [(True, False), (False, False), (True, True)],
+                         ids=["colocated", "split", "colocated-lora-adapter"])
+def test_refit_keeps_engine_on_policy_with_tp2(ray_local: None, tiny_model_dir: Path, colocated: bool, lora: bool,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    pcfg, gcfg = configs(tiny_model_dir, "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2")
+    """With LoRA served as an adapter (lora_cfg.refit=adapter), only the adapters move and vLLM serves them."""
+    pcfg, gcfg = configs(tiny_model_dir, "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2",
+                         *(LORA_ADAPTER if lora else []))
     train_cluster = RayVirtualCluster("refit-train", 2, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
     gen_cluster = train_cluster if colocated else RayVirtualCluster("refit-gen", 1, cpus_per_bundle=0.2)
     policy = Policy(train_cluster, pcfg)
-    engine = VllmGeneration(gcfg, gen_cluster)
+    adapter = pcfg.dtensor_cfg.lora_cfg.adapter_config(str(tiny_model_dir)) if lora else None
+    engine = VllmGeneration(gcfg, gen_cluster, lora_adapter=adapter)
     try:
         if not colocated:
             host, port = train_cluster.get_master_address_and_port()
             init_refit_collective(policy, engine, host, port)
-        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
+        info = policy.prepare_refit_info("float32")
+        assert all(".lora_" in n for n in info) == lora  # an adapter refit moves the adapters alone
+        engine.prepare_refit_info(info)
         out0 = engine.generate(prompts())
         train_once(policy, out0)
         stale = mult_prob_error(policy, out0)
@@ -94,7 +104,8 @@ def test_refit_keeps_engine_on_policy_with_tp2(ray_local: None, tiny_model_dir: 
         err = mult_prob_error(policy, out1)
         assert err <= 1.0001, err
         if colocated:
-            assert_corrupted_refit_is_caught(policy, engine, monkeypatch)
+            assert_corrupted_refit_is_caught(policy, engine, monkeypatch, "base_model.model.model.layers.0.mlp."
+                                             "up_proj.lora_B.weight" if lora else "model.layers.0.mlp.up_proj.weight")
     finally:
         engine.shutdown()
         policy.shutdown()

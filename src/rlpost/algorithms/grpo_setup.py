@@ -219,10 +219,14 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
 
 
 def _engines(cfg: MasterConfig, cluster: RayVirtualCluster) -> GenerationInterface:
-    """The rollout engine built from `policy.generation._target_` (not waited for)."""
+    """The rollout engine built from `policy.generation._target_` (not waited for); with LoRA served as an adapter
+    (`lora_cfg.refit=adapter`) it is told the adapter's config."""
+    _, lora = cfg.policy.lora_settings("policy")
+    served = {"lora_adapter": lora.adapter_config(cfg.policy.model_name)} if lora.enabled and lora.refit == "adapter" \
+        else {}
     return cast(GenerationInterface, build(
         cfg.generation, cluster, model_path=cfg.policy.model_name, timeout_s=cfg.cluster.call_timeout_s,
-        key="policy.generation._target_", hf_overrides=dict(cfg.policy.hf_config_overrides)))
+        key="policy.generation._target_", hf_overrides=dict(cfg.policy.hf_config_overrides), **served))
 
 
 def _policy(cfg: MasterConfig, cluster: RayVirtualCluster, weights: str | None, optim: str | None,

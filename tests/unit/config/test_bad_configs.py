@@ -93,6 +93,12 @@ BAD = [
       "policy.dtensor_cfg.lora_cfg.enabled=true"], "policy.dtensor_cfg.lora_cfg.enabled", "policy=dtensor for LoRA"),
     (["policy=megatron", "policy.megatron_cfg.peft.enabled=true"], "policy.megatron_cfg.peft.enabled",
      "not available yet"),
+    (["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.refit=fused"],
+     "policy.dtensor_cfg.lora_cfg.refit", "must be one of merged, adapter"),
+    (["generation=hf", "policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.refit=adapter"],
+     "policy.dtensor_cfg.lora_cfg.refit", "needs the vLLM engine"),
+    (["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.refit=adapter",
+      "policy.dtensor_cfg.lora_cfg.dim=1024"], "policy.dtensor_cfg.lora_cfg.dim", "rank <= 512"),
 ]
 
 

@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 
 from rlpost.config.errors import positive, require
 
+REFIT_MODES = ("merged", "adapter")
+"""`refit`: the adapters merged into the engine's weights, or served as a vLLM LoRA adapter."""
+
+MAX_SERVED_RANK = 512
+"""The largest adapter rank vLLM serves (its max_lora_rank choices end there)."""
+
 ADAPTER_CONFIG = "adapter_config.json"
 """The file that makes a directory a PEFT adapter directory."""
 
@@ -34,9 +40,23 @@ class LoRAConfig:
     """Scale numerator: the update is alpha / dim * B @ A."""
     dropout: float = 0.0
     """Dropout on the adapter's input during training (0: none)."""
+    refit: str = "merged"
+    """How the rollout engine gets each new policy version. merged: W + alpha/dim * B @ A written into the engine's
+    weights by the weight refit (every weight moves; generation runs the plain model). adapter: only the adapters
+    move, served by vLLM's LoRA support (enable_lora, max_lora_rank = the next rank vLLM offers >= dim; the adapter
+    is replaced in place each version); the vLLM engine only."""
     export_merged: bool = False
     """Checkpoints also write the merged model (W + alpha/dim * B @ A) as an HF directory, `weights/hf`, beside the
     PEFT adapter directory `weights/adapter` (with checkpointing.save_consolidated)."""
+
+    def adapter_config(self, base_model: str) -> dict[str, object]:
+        """The adapter_config.json of these adapters on `base_model`, in PEFT's keys (what vLLM reads to serve
+        them)."""
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
+                "r": self.dim, "lora_alpha": self.alpha, "lora_dropout": self.dropout, "bias": "none",
+                "target_modules": "all-linear" if self.match_all_linear else list(self.target_modules),
+                "exclude_modules": list(self.exclude_modules) or None, "fan_in_fan_out": False,
+                "use_rslora": False, "use_dora": False, "modules_to_save": None}
 
     def check(self, path: str) -> None:
         if not self.enabled:
@@ -46,6 +66,9 @@ class LoRAConfig:
         require(0.0 <= self.dropout < 1.0, f"{path}.dropout", self.dropout, "must be in [0, 1)")
         require(self.match_all_linear or bool(self.target_modules), f"{path}.target_modules", self.target_modules,
                 "must name at least one linear layer when match_all_linear is false")
+        require(self.refit in REFIT_MODES, f"{path}.refit", self.refit, f"must be one of {', '.join(REFIT_MODES)}")
+        require(self.refit != "adapter" or self.dim <= MAX_SERVED_RANK, f"{path}.dim", self.dim,
+                f"vLLM serves adapters of rank <= {MAX_SERVED_RANK} (lora_cfg.refit=adapter)")
         overlap = sorted(set(self.target_modules) & set(self.exclude_modules))
         require(not overlap, f"{path}.exclude_modules", self.exclude_modules,
                 f"excludes {overlap}, which target_modules names")

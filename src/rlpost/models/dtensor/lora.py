@@ -132,6 +132,21 @@ def peft_adapter_tensors(full: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
             for k, v in full.items() if is_adapter(k)}
 
 
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective over all ranks: the adapters' full tensors under PEFT's names (`peft_adapter_tensors`), fp32 on the
+    CPU, on every rank; the base weights are not gathered."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        key = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        out[key] = full.detach().float().cpu()
+    return peft_adapter_tensors(out)
+
+
 def write_peft_dir(cfg: LoRAConfig, full: Mapping[str, torch.Tensor], base_model: str, out_dir: Path) -> None:
     """A PEFT adapter directory: adapter_config.json (base_model_name_or_path = `base_model`) and
     adapter_model.safetensors."""

@@ -93,12 +93,18 @@ class RlpostWorkerExtension:
     _rlpost_group: StatelessGroup | None = None
     _rlpost_writer: CpuWeightWriter | Literal[False] | None = None
     rlpost_last_path: str = ""
-    """How the last load was written: "writer" (CpuWeightWriter) or "reload" (vLLM's reload_weights)."""
+    """How the last load was written: "writer" (CpuWeightWriter), "reload" (vLLM's reload_weights) or "adapter"."""
+    _rlpost_adapter: dict[str, torch.Tensor] | None = None
+    """A LoRA adapter refit (rlpost.models.generation.vllm_lora): the tensors received so far, kept until
+    `rlpost_stage_adapter` writes them for vLLM; None when refits carry the model's weights."""
 
     # ------------------------------------------------------------------ loading
     def rlpost_set_refit_info(self, info: RefitInfo | None) -> None:
         """Remember the (name -> shape, dtype) every later refit must match."""
+        from rlpost.models.generation.vllm_lora import is_adapter_refit
+
         self._rlpost_refit_info = dict(info) if info else None
+        self._rlpost_adapter = {} if info and is_adapter_refit(info) else None
 
     def _rlpost_tied(self) -> bool:
         hf_cfg = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
@@ -129,6 +135,14 @@ class RlpostWorkerExtension:
         named = list(named)
         check_against_info(named, self._rlpost_refit_info, partial=partial)
         corrupt = corrupt or os.environ.get(FAULT_ENV) or None
+        if self._rlpost_adapter is not None:  # kept (copied out of the sender's buffer) for rlpost_stage_adapter
+            fp = FingerprintBuilder()
+            for name, t in named:
+                t = t.detach().clone().add_(1.0) if name == corrupt else t.detach().clone()
+                fp.add(name, t)
+                self._rlpost_adapter[name] = t
+            self.rlpost_last_path = "adapter"
+            return fp
         names = {n for n, _ in named}
         # A tied model needs lm_head.weight in the stream, or vLLM keeps a stale head.
         if self._rlpost_tied() and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
@@ -155,6 +169,23 @@ class RlpostWorkerExtension:
         if consumed != {n for n, _ in named}:
             raise RuntimeError(f"vLLM did not consume {sorted({n for n, _ in named} - consumed)[:5]}")
         return fp
+
+    def rlpost_stage_adapter(self, out_dir: str, adapter_config: dict[str, object]) -> bool:
+        """After an adapter refit's last tensor: write the adapter where vLLM loads it from (the replica's first
+        worker writes; the others hold the same tensors) and drop the copies. False when nothing new arrived."""
+        from pathlib import Path
+
+        from rlpost.models.generation.vllm_lora import write_adapter
+
+        if not self._rlpost_adapter:
+            return False
+        missing = sorted(set(self._rlpost_refit_info or {}) - set(self._rlpost_adapter))
+        if missing:
+            raise ValueError(f"adapter refit incomplete: missing {missing[:5]}")
+        if int(getattr(self, "rank", 0)) == 0:
+            write_adapter(self._rlpost_adapter, adapter_config, Path(out_dir))
+        self._rlpost_adapter = {}
+        return True
 
     def _rlpost_cpu_writer(self) -> CpuWeightWriter | None:
         """The CpuWeightWriter of this worker's model, or None where it does not apply (see its `supported`)."""

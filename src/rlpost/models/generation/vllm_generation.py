@@ -185,7 +185,10 @@ class VllmGeneration(GenerationInterface):
         timeout_s: float = 900.0,
         name_prefix: str = "vllm",
         hf_overrides: Mapping[str, object] | None = None,
+        lora_adapter: Mapping[str, Any] | None = None,
     ) -> None:
+        """`lora_adapter`: the policy's PEFT adapter config when refits carry the LoRA adapter alone
+        (`lora_cfg.refit=adapter`, rlpost.models.generation.vllm_lora); None: refits carry the model's weights."""
         self.cfg = cfg
         self.cluster = cluster
         self.model_path = model_path or cfg.model_name
@@ -226,6 +229,7 @@ class VllmGeneration(GenerationInterface):
                     v.async_engine,
                     r,
                     "cuda" if self.use_gpus else "cpu",
+                    dict(lora_adapter) if lora_adapter else None,
                 )
             )
         # Not waited for here: the policy's workers (built next) start beside the engines; the first use waits.

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, TypeVar
 import torch
 
 from rlpost.models.generation.outputs import EngineInfo, GeneratedBatch, GeneratedSample
+from rlpost.models.generation.vllm_lora import ADAPTER_ID, ADAPTER_NAME, engine_lora_kwargs, remove_stage, stage_dir
 from rlpost.runtime.gc_heap import import_frozen, paused_gc, raise_young_threshold
 
 if TYPE_CHECKING:
@@ -110,7 +111,11 @@ class VllmEngineWorker:
         async_engine: bool = False,
         replica: int = 0,
         device: str = "cpu",
+        lora_adapter: dict[str, Any] | None = None,
     ) -> None:
+        """`lora_adapter`: the PEFT adapter config of the policy's LoRA when refits carry the adapter alone
+        (rlpost.models.generation.vllm_lora); the engine then serves it on every request once the first refit
+        delivered it."""
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.replica = replica
         self.async_engine = async_engine
@@ -125,6 +130,10 @@ class VllmEngineWorker:
         self._req = 0
         self._req_lock = threading.Lock()
         kwargs = {"model": model_path, "worker_extension_cls": EXTENSION_CLS, **engine_kwargs}
+        self._lora_adapter = dict(lora_adapter) if lora_adapter else None
+        self._lora_request: Any = None  # vllm LoRARequest of the adapter served, after the first adapter refit
+        if self._lora_adapter is not None:
+            kwargs.update(engine_lora_kwargs(self._lora_adapter))
         if "kv_cache_memory_bytes" in kwargs:  # the legacy env var would override the configured size
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if async_engine:
@@ -218,7 +227,7 @@ class VllmEngineWorker:
             per_run.append(self._sampling_params(spec))
         token_prompts = [{"prompt_token_ids": list(prompts[a])} for a, _ in runs]
         if not self.async_engine:
-            outs = self.engine.generate(token_prompts, per_run, use_tqdm=False)
+            outs = self.engine.generate(token_prompts, per_run, use_tqdm=False, lora_request=self._lora_request)
             return GeneratedBatch.of(_to_sample(c) for o in outs for c in _in_order(o.outputs))
         with self._req_lock:  # request ids stay unique across the actor's threads
             base = self._req
@@ -226,7 +235,8 @@ class VllmEngineWorker:
 
         async def one(i: int, prompt: dict[str, list[int]]) -> list[GeneratedSample]:
             final = None
-            async for out in self.engine.generate(prompt, per_run[i], request_id=f"r{self.replica}-{base + i}"):
+            async for out in self.engine.generate(prompt, per_run[i], request_id=f"r{self.replica}-{base + i}",
+                                                  lora_request=self._lora_request):
                 final = out
             if final is None:
                 raise RuntimeError(f"no output for prompt {runs[i][0]}")
@@ -292,7 +302,23 @@ class VllmEngineWorker:
         if self._sleeping:
             self.wake_up(["weights"])
 
+    def _serve_adapter(self) -> None:
+        """After an adapter refit: the engine loads the adapter just received in place of the last one."""
+        from vllm.lora.request import LoRARequest
+
+        if self._lora_adapter is None:
+            return
+        out_dir = stage_dir(self.replica)
+        if not any(self._rpc("rlpost_stage_adapter", str(out_dir), self._lora_adapter)):
+            return
+        load = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(out_dir), load_inplace=True)
+        added = self._run(self.engine.add_lora(load)) if self.async_engine else self.engine.llm_engine.add_lora(load)
+        if not added:
+            raise RuntimeError(f"replica {self.replica}: vLLM did not load the LoRA adapter from {out_dir}")
+        self._lora_request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(out_dir))  # requests name it, never reload it
+
     def _after_refit(self, fingerprints: list[str]) -> str:
+        self._serve_adapter()
         self.reset_prefix_cache()
         if len(set(fingerprints)) != 1:
             raise RuntimeError(f"replica {self.replica}: its TP/PP workers loaded different weights {fingerprints}")
@@ -335,7 +361,9 @@ class VllmEngineWorker:
         return ",".join(sorted(set(paths)))
 
     def end_refit(self) -> bool:
-        """After the last bucket: cached prefixes hold activations of the old weights."""
+        """After the last bucket: the adapter served (an adapter refit); cached prefixes hold activations of the
+        old weights."""
+        self._serve_adapter()
         self.reset_prefix_cache()
         return True
 
@@ -350,7 +378,9 @@ class VllmEngineWorker:
         return self._after_refit(self._rpc("rlpost_update_from_collective", corrupt))
 
     def shutdown(self) -> bool:
-        """Leave the refit group and stop the engine."""
+        """Leave the refit group, stop the engine and remove the adapter it served."""
+        if self._lora_adapter is not None:
+            remove_stage(stage_dir(self.replica))
         try:
             self._rpc("rlpost_close_collective")
         except Exception:  # noqa: BLE001 - best effort

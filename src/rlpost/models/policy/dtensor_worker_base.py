@@ -385,7 +385,14 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
 
     # ---- refit export ----------------------------------------------------------------------
     def prepare_weights_for_export(self, dtype: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """All ranks: gather full weights (collective); rank 0 keeps them cast to `dtype` under HF names."""
+        """All ranks: gather full weights (collective); rank 0 keeps them cast to `dtype` under HF names. With
+        `lora_cfg.refit=adapter`, the adapters alone, under PEFT's names (rlpost.models.generation.vllm_lora)."""
+        if self.lora is not None and self.lora.refit == "adapter":
+            self._onload()
+            adapters = lora.adapter_state(self.model)
+            torch_dtype = getattr(torch, dtype)
+            self._export = [(k, v.to(torch_dtype)) for k, v in adapters.items()] if self.rank == 0 else []
+            return {k: (tuple(v.shape), v.dtype) for k, v in self._export}
         full = self.full_weights()
         embedding = full.get("model.embed_tokens.weight")
         if "lm_head.weight" not in full and embedding is not None and getattr(self.model.config, "tie_word_embeddings", False):

@@ -1,0 +1,73 @@
+"""The policy's LoRA adapter served by vLLM (`lora_cfg.refit=adapter`): only the adapters move at a refit.
+
+The engine starts with `enable_lora` and one adapter slot. A refit streams the adapter tensors (PEFT names,
+`base_model.model.<layer>.lora_A.weight`) through the same transports as full weights; the engine worker keeps
+them, and once the last one arrived writes them as a PEFT directory on its node (in /dev/shm: memory, not disk)
+and vLLM loads it in place of the previous version (`load_inplace`, one adapter id for the run). Every request
+then names that adapter. The refit fingerprint is computed on the tensors as the engine received them, as for
+full weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM accepts."""
+
+ADAPTER_NAME = "rlpost-policy"
+ADAPTER_ID = 1
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def engine_rank(dim: int) -> int:
+    """vLLM's `max_lora_rank` for adapters of rank `dim`: the smallest it accepts that is >= dim."""
+    for r in VLLM_LORA_RANKS:
+        if r >= dim:
+            return r
+    raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, not {dim}")
+
+
+def engine_lora_kwargs(adapter_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The vLLM engine arguments that serve one adapter of this PEFT config."""
+    return {"enable_lora": True, "max_lora_rank": engine_rank(int(adapter_config["r"])), "max_loras": 1,
+            "max_cpu_loras": 1}
+
+
+def is_adapter_refit(names: Iterable[str]) -> bool:
+    """Whether a refit's tensor names are a PEFT adapter's (else they are the model's weights)."""
+    names = list(names)
+    return bool(names) and all(n.startswith(PEFT_PREFIX) and (".lora_A." in n or ".lora_B." in n) for n in names)
+
+
+def stage_dir(replica: int) -> Path:
+    """Where this process writes the adapter it serves: node-local memory where the node has /dev/shm."""
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else Path(
+        tempfile.gettempdir())
+    return root / f"rlpost-lora-{os.getpid()}-{replica}"
+
+
+def write_adapter(named: Mapping[str, torch.Tensor], adapter_config: Mapping[str, Any], out_dir: Path) -> Path:
+    """`named` and `adapter_config` as a PEFT adapter directory (replacing what was there)."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".{ADAPTER_WEIGHTS}.tmp"
+    save_file({k: v.detach().cpu().contiguous() for k, v in named.items()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out_dir / ADAPTER_WEIGHTS)
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(dict(adapter_config)))
+    return out_dir
+
+
+def remove_stage(out_dir: Path) -> None:
+    shutil.rmtree(out_dir, ignore_errors=True)
