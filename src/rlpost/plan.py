@@ -14,7 +14,7 @@ from rlpost.config.layout import (
     prev_logprobs_pass,
 )
 from rlpost.config.lora_params import describe as describe_parameters
-from rlpost.config.lora_params import model_shape, parameter_counts
+from rlpost.config.lora_params import is_megatron, model_shape, parameter_counts
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 
@@ -42,7 +42,7 @@ def supervised_plan_rows(cfg: SupervisedMasterConfig) -> list[tuple[str, str]]:
     unit = "pairs (chosen and rejected side by side)" if cfg.pairs else "rows"
     source = (f"generated ({d.synthetic.task}, {d.synthetic.num_train} train / {d.synthetic.num_val} val)"
               if d.dataset_name == "synthetic" else f"{d.dataset_name}: {d.train_data_path}")
-    lora = p.lora_settings("policy")[1]
+    lora_key, lora = p.lora_settings("policy")
     reference = ("none" if cfg.algo != "dpo" else
                  "computed once per batch (and per validation batch): the base model, adapters switched off"
                  if lora.enabled else
@@ -51,7 +51,7 @@ def supervised_plan_rows(cfg: SupervisedMasterConfig) -> list[tuple[str, str]]:
         ("algorithm", _WHAT[cfg.algo]),
         ("model", str(p.model_name)),
         ("policy backend", p._target_.rsplit(".", 1)[-1]),
-        ("parameters", describe_parameters(model_shape(cfg), lora)),
+        ("parameters", describe_parameters(model_shape(cfg), lora, is_megatron(lora_key))),
         ("loss", cfg.loss_fn._target_.rsplit(".", 1)[-1]),
         ("device", cfg.cluster.device),
         ("data", source),
@@ -87,7 +87,8 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
     return [
         ("model", str(p.model_name)),
         ("policy backend", backend),
-        ("parameters", describe_parameters(model_shape(cfg), p.lora_settings("policy")[1])),
+        ("parameters", describe_parameters(model_shape(cfg), p.lora_settings("policy")[1],
+                                           is_megatron(p.lora_settings("policy")[0]))),
         ("rollout engine", engine),
         ("loss", cfg.loss_fn._target_.rsplit(".", 1)[-1]),
         ("device", cfg.cluster.device),
@@ -149,7 +150,8 @@ def _lora_refit(cfg: MasterConfig) -> str:
     if not lora.enabled:
         return ""
     if lora.refit == "merged":
-        return f"; LoRA merged (W + {lora.alpha}/{lora.dim} * B @ A): every weight moves ({key}.refit=adapter moves the adapters alone)"
+        hint = "" if is_megatron(key) else f" ({key}.refit=adapter moves the adapters alone)"
+        return f"; LoRA merged (W + {lora.alpha}/{lora.dim} * B @ A): every weight moves{hint}"
     hf = model_shape(cfg)
     counts = parameter_counts(hf, lora) if hf is not None else None
     size = ""

@@ -135,9 +135,11 @@ def test_async_grpo_learns_within_the_age_limit_and_resumes(cache: Path, tmp_pat
 
 def test_async_grpo_on_megatron_refits_the_engine_from_the_staged_copy(cache: Path, tmp_path: Path) -> None:
     """Megatron workers stage their weights after each update and the collector refits the engine from that copy
-    (broadcast_staged in the workers' own concurrency group); every batch is within the age limit."""
+    (broadcast_staged in the workers' own concurrency group); every batch is within the age limit. The workers
+    train LoRA adapters (megatron_cfg.peft), merged into the weights the engine receives."""
     run = tmp_path / "megatron_async"
-    train(run, cache, *ASYNC, "policy=megatron", "grpo.max_num_steps=4", "grpo.val_period=0", "checkpointing=disabled")
+    train(run, cache, *ASYNC, "policy=megatron", "grpo.max_num_steps=4", "grpo.val_period=0", "checkpointing=disabled",
+          "policy.megatron_cfg.peft.enabled=true")
     steps = [m for m in metrics(run) if "async/trajectory_age" in m]
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
     assert all(0 <= m["async/trajectory_age"] <= 1 for m in steps) and max(m["async/trajectory_age"] for m in steps) == 1
@@ -147,11 +149,13 @@ def test_async_grpo_on_megatron_refits_the_engine_from_the_staged_copy(cache: Pa
 
 def test_async_grpo_with_in_flight_weight_updates(cache: Path, tmp_path: Path) -> None:
     """Refits land while the engine is mid-batch (24 tokens a sample make generation the longer phase): its
-    requests freeze, take the new weights and go on; no batch is ever past the age limit."""
+    requests freeze, take the new weights and go on; no batch is ever past the age limit. The policy trains LoRA
+    adapters, which the engine serves as a vLLM adapter replaced in place at each refit."""
     run = tmp_path / "in_flight"
     train(run, cache, *ASYNC, "policy.generation.vllm_cfg.async_engine=true", "grpo.async_grpo.in_flight_weight_updates=true",
           "policy.generation.max_new_tokens=24", "policy.generation.stop_token_ids=[]", "grpo.max_num_steps=6",
-          "grpo.val_period=0", "checkpointing=disabled")
+          "grpo.val_period=0", "checkpointing=disabled", "policy.dtensor_cfg.lora_cfg.enabled=true",
+          "policy.dtensor_cfg.lora_cfg.refit=adapter")
     steps = [m for m in metrics(run) if "async/trajectory_age" in m]
     assert [m["step"] for m in steps] == list(range(1, 7))
     assert all(0 <= m["async/trajectory_age"] <= 1 for m in steps)

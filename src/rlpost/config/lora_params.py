@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MEGATRON_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""The Megatron-Core names of the same layers: q/k/v and gate/up are fused, each fused layer one adapter."""
 
 
 def linear_shapes(hf: Mapping[str, Any]) -> dict[str, tuple[int, int]] | None:
@@ -33,6 +35,21 @@ def linear_shapes(hf: Mapping[str, Any]) -> dict[str, tuple[int, int]] | None:
     inter = int(hf["intermediate_size"])
     return {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd), "o_proj": (heads * hd, h),
             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def megatron_shapes(hf: Mapping[str, Any]) -> dict[str, tuple[int, int]] | None:
+    """`linear_shapes` under Megatron-Core's fused layers (MEGATRON_LINEARS); None for an unknown layout."""
+    s = linear_shapes(hf)
+    if s is None:
+        return None
+    return {"linear_qkv": (s["q_proj"][0], s["q_proj"][1] + s["k_proj"][1] + s["v_proj"][1]),
+            "linear_proj": s["o_proj"], "linear_fc1": (s["gate_proj"][0], 2 * s["gate_proj"][1]),
+            "linear_fc2": s["down_proj"]}
+
+
+def layer_shapes(hf: Mapping[str, Any], megatron: bool) -> dict[str, tuple[int, int]] | None:
+    """The adaptable layers of the backend's model by name (HF's, or Megatron-Core's fused ones)."""
+    return megatron_shapes(hf) if megatron else linear_shapes(hf)
 
 
 def adapted_modules(lora: LoRAConfig, names: tuple[str, ...] = DECODER_LINEARS) -> list[str]:
@@ -55,11 +72,13 @@ def _biases(hf: Mapping[str, Any], shapes: dict[str, tuple[int, int]]) -> int:
     return sum(shapes[n][1] for n in with_bias)
 
 
-def parameter_counts(hf: Mapping[str, Any], lora: LoRAConfig) -> tuple[int, int] | None:
+def parameter_counts(hf: Mapping[str, Any], lora: LoRAConfig, megatron: bool = False) -> tuple[int, int] | None:
     """(trainable, total) parameters of the model with `lora` applied (all of them trainable without LoRA); None
-    for an unknown layout. Total counts the adapters too; a tied output head is counted once."""
+    for an unknown layout. Total counts the adapters too; a tied output head is counted once. `megatron`: the
+    adapters sit on Megatron-Core's fused layers (one A for q/k/v, one for gate/up)."""
     shapes = linear_shapes(hf)
-    if shapes is None:
+    adapted = layer_shapes(hf, megatron)
+    if shapes is None or adapted is None:
         return None
     h, layers, vocab = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["vocab_size"])
     per_layer = sum(i * o for i, o in shapes.values()) + _biases(hf, shapes) + 2 * h
@@ -68,7 +87,7 @@ def parameter_counts(hf: Mapping[str, Any], lora: LoRAConfig) -> tuple[int, int]
     base = vocab * h * (1 if hf.get("tie_word_embeddings") else 2) + layers * per_layer + h
     if not lora.enabled:
         return base, base
-    adapters = layers * sum(lora.dim * (shapes[n][0] + shapes[n][1]) for n in adapted_modules(lora))
+    adapters = layers * sum(lora.dim * (adapted[n][0] + adapted[n][1]) for n in adapted_modules(lora, tuple(adapted)))
     return adapters, base + adapters
 
 
@@ -82,9 +101,9 @@ def tiny_hf_config(architecture: str, hidden_size: int, num_layers: int, num_att
             "tie_word_embeddings": tie_word_embeddings}
 
 
-def describe(hf: Mapping[str, Any] | None, lora: LoRAConfig) -> str:
+def describe(hf: Mapping[str, Any] | None, lora: LoRAConfig, megatron: bool = False) -> str:
     """`rlpost plan`'s parameters row."""
-    counts = parameter_counts(hf, lora) if hf is not None else None
+    counts = parameter_counts(hf, lora, megatron) if hf is not None else None
     if counts is None:
         what = f"a {hf.get('model_type')} model" if hf is not None else "a model not built yet"
         return f"counted by the workers ({what})" + (f"; LoRA r={lora.dim} alpha={lora.alpha}" if lora.enabled else "")
@@ -92,7 +111,8 @@ def describe(hf: Mapping[str, Any] | None, lora: LoRAConfig) -> str:
     if not lora.enabled:
         return f"{total:,}, all trained"
     return (f"{trainable:,} trained of {total:,} ({100 * trainable / total:.2f}%): LoRA r={lora.dim} "
-            f"alpha={lora.alpha} on {', '.join(adapted_modules(lora))}; the base weights are frozen")
+            f"alpha={lora.alpha} on {', '.join(adapted_modules(lora, MEGATRON_LINEARS if megatron else DECODER_LINEARS))}"
+            "; the base weights are frozen")
 
 
 def model_shape(master: MasterConfig | SupervisedMasterConfig) -> dict[str, Any] | None:
@@ -105,6 +125,11 @@ def model_shape(master: MasterConfig | SupervisedMasterConfig) -> dict[str, Any]
     return hf
 
 
+def is_megatron(key: str) -> bool:
+    """Whether a LoRA block's key (`PolicyConfig.lora_settings`) is the Megatron worker's."""
+    return ".megatron_cfg." in key
+
+
 def check_lora_modules(master: MasterConfig | SupervisedMasterConfig) -> None:
     """LoRA's target_modules and exclude_modules must name linear layers of the model, and leave one adapted (a
     layout lora_params does not know is checked by the workers, when peft adds the adapters)."""
@@ -112,7 +137,7 @@ def check_lora_modules(master: MasterConfig | SupervisedMasterConfig) -> None:
     if not lora.enabled:
         return
     hf = model_shape(master)
-    shapes = linear_shapes(hf) if hf is not None else None
+    shapes = layer_shapes(hf, is_megatron(key)) if hf is not None else None
     if hf is None or shapes is None:
         return
     names = tuple(shapes)

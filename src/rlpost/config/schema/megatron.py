@@ -156,13 +156,22 @@ class MegatronConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     """Raw TransformerConfig overrides passed through to megatron-core."""
     peft: LoRAConfig = field(default_factory=LoRAConfig)
-    """LoRA adapters on the column- and row-parallel linears (NeMo RL's MegatronPeftConfig keys)."""
+    """LoRA adapters on the decoder's tensor-parallel linears (NeMo RL's MegatronPeftConfig keys; target_modules
+    names linear_qkv, linear_proj, linear_fc1, linear_fc2; rlpost.models.megatron.lora)."""
 
     def check(self, path: str) -> None:
         safe_env_vars(f"{path}.env_vars", self.env_vars)
         self.peft.check(f"{path}.peft")
-        require(not self.peft.enabled, f"{path}.peft.enabled", True,
-                "LoRA on the Megatron-Core worker is not available yet", "use policy=dtensor for LoRA")
+        if self.peft.enabled:
+            key = f"{path}.peft.enabled"
+            require(not self.sequence_parallel, key, True,
+                    "LoRA adapters on Megatron need the whole sequence at the column-parallel layers (sequence_parallel)",
+                    f"set {path}.sequence_parallel=false")
+            require(self.expert_model_parallel_size == 1, key, True,
+                    "LoRA on Megatron adapts the dense decoder linears, not experts (expert_model_parallel_size > 1)")
+            require(self.peft.refit == "merged", f"{path}.peft.refit", self.peft.refit,
+                    "the Megatron worker refits merged weights (its fused q/k/v and gate/up adapters have no PEFT "
+                    "layout yet)")
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",

@@ -21,6 +21,7 @@ from rlpost.models.megatron.convert import (
     merge_tp_shard,
     tp_split_dim,
 )
+from rlpost.models.megatron.lora import merged_local, scale_of
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -130,6 +131,9 @@ def export_hf_weights(
         dist.all_gather_object(layouts, layout, group=pp_group)
     my_stage = 0 if pp_size == 1 else dist.get_rank(pp_group)
     local = from_model_keys(gpt.state_dict())
+    lora_scale = scale_of(gpt)
+    if lora_scale is not None:  # LoRA: each shard merged with its adapters before the gather
+        local = merged_local(local, lora_scale)
     first = next(gpt.parameters())
     for unit, owner, local_index in _units(layouts):
         shapes = _hf_unit_shapes(unit, d, include_tied_lm_head)

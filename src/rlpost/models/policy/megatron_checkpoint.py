@@ -92,7 +92,18 @@ def _layout(worker: MegatronState) -> dict[str, object]:
         "num_layers_in_last_pipeline_stage": m.num_layers_in_last_pipeline_stage,
         "data_parallel_size": worker.dp_size,
         "use_distributed_optimizer": bool(m.optimizer.use_distributed_optimizer),
+        "lora": bool(m.peft.enabled),
     }
+
+
+def _saved_state(worker: MegatronState) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of the model: this rank's shard, or with LoRA its adapters alone (the base is the HF
+    checkpoint at policy.model_name)."""
+    from rlpost.models.megatron.lora import is_adapter
+
+    local = worker.local_state()
+    m = worker.cfg.megatron_cfg
+    return {k: v for k, v in local.items() if is_adapter(k)} if m is not None and m.peft.enabled else local
 
 
 def _tag(worker: MegatronState, with_dp: bool = False) -> str:
@@ -202,7 +213,7 @@ def save(worker: MegatronState, weights_path: str, optimizer_path: str | None, h
     """Collective over all ranks: DCP model (and optimizer) shards, the scheduler, and the HF export on rank 0."""
     wp = Path(weights_path)
     tag = _tag(worker)
-    model_sd = {f"{tag}/{k}": v.detach() for k, v in worker.local_state().items()}
+    model_sd = {f"{tag}/{k}": v.detach() for k, v in _saved_state(worker).items()}
     save_tensors(model_sd, wp / MODEL_DIR)
     if worker.rank == 0:
         (wp / LAYOUT_FILE).write_text(json.dumps(_layout(worker), indent=2))
@@ -248,6 +259,10 @@ def _check_layout(worker: MegatronState, weights_path: Path) -> None:
     if saved.get("use_distributed_optimizer") or mine["use_distributed_optimizer"]:
         keys += ["data_parallel_size", "use_distributed_optimizer"]
     diff = {k: (saved.get(k), mine[k]) for k in keys if saved.get(k) != mine[k]}
+    if bool(saved.get("lora", False)) != mine["lora"]:
+        raise ValueError(f"{weights_path} holds {'LoRA adapters' if saved.get('lora') else 'a full model'}, and "
+                         f"this run trains {'LoRA adapters' if mine['lora'] else 'the full model'} "
+                         "(policy.megatron_cfg.peft.enabled)")
     if diff:
         found = ", ".join(f"{k}: saved {a}, now {b}" for k, (a, b) in diff.items())
         raise ValueError(
@@ -263,7 +278,7 @@ def load(worker: MegatronState, weights_path: str, optimizer_path: str | None) -
     _check_layout(worker, wp)
     tag = _tag(worker)
     loaded = _load_own_keys(wp / MODEL_DIR, f"{tag}/")
-    local = worker.local_state()
+    local = _saved_state(worker)
     missing = sorted(k for k in local if f"{tag}/{k}" not in loaded)
     if missing:
         raise ValueError(f"{wp}: checkpoint has no {missing[:4]} for {tag}")

@@ -8,7 +8,8 @@ memory into a megatron GPTModel (`rlpost.models.megatron`).
 - get_logprobs: megatron's forward-only schedule over micro-batches of `logprob_batch_size` (rows padded to a
   multiple when PP > 1), logits / `generation.temperature`, vocab-parallel log-softmax; [B, S] fp32, position 0 = 0.
 - get_reference_policy_logprobs: a CPU copy of this rank's shard of the INITIAL weights (the HF checkpoint, taken
-  before any checkpoint is loaded: NeMo RL's reference is the pretrained model) is swapped in for the pass.
+  before any checkpoint is loaded: NeMo RL's reference is the pretrained model) is swapped in for the pass; with
+  LoRA (`megatron_cfg.peft`, rlpost.models.megatron.lora) the adapters are switched off instead.
 - train: per global batch, Gs / Gt (valid sequences, valid tokens[1:]) are summed over the DP group; the loss
   function gets TP-sharded logits / temperature and returns a loss normalised by Gs / Gt; `train_step` runs
   megatron's forward-backward schedule with per-token loss and no averaging (gradients are plain sums over
@@ -182,13 +183,21 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         for key, value in self.cfg.hf_config_overrides.items():
             setattr(hf_config, key, value)
         self.hf_config = hf_config
-        model = build_gpt_model(hf_config, m, self.cfg.precision, hf_state_dict=hf_state)
+        # LoRA's hooks need megatron's own linears (the local spec): TE's fused layer-norm linear hides their input
+        model = build_gpt_model(hf_config, m, self.cfg.precision, hf_state_dict=hf_state,
+                                use_te=False if m.peft.enabled else None)
         del hf_state
         if m.freeze_moe_router:
             freeze_moe_routers(model)
         self.model: Any = model
+        self.lora = m.peft.enabled
+        if self.lora:  # adapters on the linears, everything else frozen (rlpost.models.megatron.lora)
+            from rlpost.models.megatron.lora import inject
+
+            inject(self.gpt, m.peft, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
         self.reference: dict[str, torch.Tensor] | None = None
-        if init_ref:
+        self._has_reference = init_ref
+        if init_ref and not self.lora:  # with LoRA the reference is the base: the adapters switched off
             self.reference = {k: v.detach().to("cpu", copy=True) for k, v in self.local_state().items()}
         self.train_state: MegatronTrainState | None = None
         if init_optimizer:
@@ -283,8 +292,13 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
     @_megatron_call
     @torch.no_grad()
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        if self.reference is None:
+        if not self._has_reference:
             raise RuntimeError("the policy was built without a reference model (init_reference_model=False)")
+        if self.reference is None:  # LoRA: the base model is the reference
+            from rlpost.models.megatron.lora import adapters_off
+
+            with adapters_off(self.gpt):
+                return BatchedDataDict(reference_logprobs=self._logprobs(data))
         current = self._swap_weights(self.reference)
         try:
             lp = self._logprobs(data)

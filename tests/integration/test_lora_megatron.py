@@ -1,0 +1,80 @@
+"""LoRA on the Megatron workers (adapters on the tensor-parallel linears) on real Ray actors and gloo groups: TP=2
+trains the same adapters as TP=1, only the adapted linears move, the reference is the base with the adapters off,
+and a checkpoint holds the adapters alone and resumes exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from tests.integration.test_megatron_policy import (
+    LOSS,
+    MEGATRON_SGD,
+    Built,
+    build,
+    close,
+    make_batch,
+    max_diff,
+    policy_cfg,
+)
+
+pytestmark = pytest.mark.slow
+
+PEFT = ["policy.megatron_cfg.peft.enabled=true", "policy.megatron_cfg.peft.dim=4", "policy.megatron_cfg.peft.alpha=8"]
+
+
+def train_steps(b: Built, steps: int, first: int = 0) -> list[float]:
+    """Losses of SGD steps `first` .. `first + steps - 1` (each on its own batch)."""
+    losses = []
+    for s in range(first, first + steps):
+        data = make_batch(seed=20 + s)
+        data["prev_logprobs"] = b.policy.get_logprobs(data)["logprobs"]
+        losses.append(b.policy.train(data, LOSS).loss)
+    return losses
+
+
+def test_adapters_alone_train_tp2_equals_tp1_the_reference_is_the_base_and_a_checkpoint_holds_them(
+        ray_local: None, tiny_model_dir: Path, built: list[Built], tmp_path: Path) -> None:
+    data = make_batch(seed=3)
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+
+    one = build(built, policy_cfg(tiny_model_dir, 1, *PEFT, *MEGATRON_SGD), 1)
+    lp0 = one.policy.get_logprobs(data)["logprobs"]
+    losses1 = train_steps(one, 3)
+    w1 = one.policy.full_weights()  # merged: W + alpha/r * B @ A under HF names
+    assert torch.equal(one.policy.get_reference_policy_logprobs(data)["reference_logprobs"], lp0)  # adapters off
+    assert (one.policy.get_logprobs(data)["logprobs"] - lp0).abs().max() > 1e-3  # the adapters changed the policy
+    moved = sorted(k for k in base if not torch.equal(w1[k], base[k]))
+    assert {k.split(".")[-2] for k in moved} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"}, moved
+    close(built, one)
+
+    tp = build(built, policy_cfg(tiny_model_dir, 2, "policy.megatron_cfg.tensor_model_parallel_size=2", *PEFT,
+                                 *MEGATRON_SGD), 2)
+    losses2 = train_steps(tp, 2)
+    assert losses2 == pytest.approx(losses1[:2], abs=1e-5)
+    tp.policy.save_checkpoint(str(tmp_path / "weights"), str(tmp_path / "optim"))
+    losses2 += train_steps(tp, 1, first=2)
+    assert losses2 == pytest.approx(losses1, abs=1e-5)
+    assert max_diff(w1, tp.policy.full_weights()) <= 1e-5
+    close(built, tp)
+
+    # the checkpoint: the adapters of each TP rank and nothing of the base; the HF export is the merged model
+    layout = json.loads((tmp_path / "weights" / "megatron_layout.json").read_text())
+    assert layout["lora"] is True
+    names = set()
+    for shard in (tmp_path / "weights" / "model").glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            names |= set(f.keys())
+    assert names and all(n.endswith((".lora_A", ".lora_B")) for n in names), sorted(names)[:4]
+    assert {n.split("/")[0] for n in names} == {"tp0-pp0", "tp1-pp0"}
+    resumed = build(built, policy_cfg(tiny_model_dir, 2, "policy.megatron_cfg.tensor_model_parallel_size=2", *PEFT,
+                                      *MEGATRON_SGD), 2, weights_path=str(tmp_path / "weights"),
+                    optimizer_path=str(tmp_path / "optim"))
+    assert train_steps(resumed, 1, first=2) == pytest.approx(losses1[2:], abs=1e-6)
+    assert max_diff(w1, resumed.policy.full_weights()) <= 1e-5
