@@ -20,10 +20,10 @@ train: install
 	$(BIN)/rlpost train $(ARGS)
 
 # The real-model smoke test (tests/integration/test_smollm2_smoke.py) needs SmolLM2 prepared: cached after the first run.
-# Two pytest-xdist workers, one test file at a time each (a file's fixtures are built once): a run keeps about one
-# of the two cores busy, so two files go side by side.
+# Two pytest-xdist workers, one test file at a time each (a file's fixtures are built once), the longest files first
+# (tests/conftest.py): a run keeps about one of the two cores busy, so two files go side by side.
 test: install smollm2
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile tests benchmarks --durations=15 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests benchmarks --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests benchmarks -m "not slow" $(PYTEST_ARGS)

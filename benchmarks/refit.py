@@ -49,8 +49,11 @@ def refit_times(cfg: MasterConfig, refits: int) -> tuple[list[float], int]:
     init_ray(cfg.cluster)  # the Ray a run starts
     cluster = RayVirtualCluster("bench-refit", 1, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
     policy = Policy(cluster, cfg.policy)
-    _, lora = cfg.policy.lora_settings("policy")
-    adapter = lora.adapter_config(str(cfg.policy.model_name)) if lora.enabled and lora.refit == "adapter" else None
+    from rlpost.config.lora_params import adapter_config
+
+    key, lora = cfg.policy.lora_settings("policy")
+    adapter = adapter_config(key, lora, str(cfg.policy.model_name)) if lora.enabled and lora.refit == "adapter" \
+        else None
     engine = VllmGeneration(gen, cluster, str(cfg.policy.model_name), lora_adapter=adapter)
     try:
         info = policy.prepare_refit_info(gen.vllm_cfg.precision)

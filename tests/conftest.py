@@ -26,7 +26,18 @@ def _has_cuda() -> bool:
         return False
 
 
+LONGEST_FIRST = ("tests/integration/test_grpo.py", "tests/integration/test_supervised.py",
+                 "tests/integration/test_dtensor_policy.py")
+"""The longest test files (each about 5-12 minutes), started first so that `make test`'s two pytest-xdist workers
+(one file at a time each) do not end with one of them running alone."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file keeps its own order
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")

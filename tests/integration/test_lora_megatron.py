@@ -59,6 +59,7 @@ def test_adapters_alone_train_tp2_equals_tp1_the_reference_is_the_base_and_a_che
     losses2 = train_steps(tp, 2)
     assert losses2 == pytest.approx(losses1[:2], abs=1e-5)
     tp.policy.save_checkpoint(str(tmp_path / "weights"), str(tmp_path / "optim"))
+    w_saved = tp.policy.full_weights()
     losses2 += train_steps(tp, 1, first=2)
     assert losses2 == pytest.approx(losses1, abs=1e-5)
     assert max_diff(w1, tp.policy.full_weights()) <= 1e-5
@@ -73,6 +74,17 @@ def test_adapters_alone_train_tp2_equals_tp1_the_reference_is_the_base_and_a_che
             names |= set(f.keys())
     assert names and all(n.endswith((".lora_A", ".lora_B")) for n in names), sorted(names)[:4]
     assert {n.split("/")[0] for n in names} == {"tp0-pp0", "tp1-pp0"}
+    # weights/adapter: a PEFT directory (q/k/v and gate/up adapters split out of the fused ones, sharing A) that peft
+    # merges into the base to exactly the merged model
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                       str(tmp_path / "weights" / "adapter")).merge_and_unload().state_dict()
+    adapters = load_file(str(tmp_path / "weights" / "adapter" / "adapter_model.safetensors"))
+    assert len(adapters) == 2 * 7 * 2  # 2 layers x 7 HF linears x (A, B)
+    assert not (tmp_path / "weights" / "hf").exists()  # the merged model only with peft.export_merged
+    assert max_diff({k: merged[k] for k in w_saved}, w_saved) <= 1e-5
     resumed = build(built, policy_cfg(tiny_model_dir, 2, "policy.megatron_cfg.tensor_model_parallel_size=2", *PEFT,
                                       *MEGATRON_SGD), 2, weights_path=str(tmp_path / "weights"),
                     optimizer_path=str(tmp_path / "optim"))

@@ -33,7 +33,8 @@ def configs(model_dir: Path, *overrides: str) -> Any:
                                  *overrides])
     p = dataclasses.replace(cfg.policy, model_name=str(model_dir))
     p.tokenizer.name = str(model_dir)
-    p.optimizer = PytorchOptimizerConfig(name="torch.optim.SGD", kwargs={"lr": 2.0})
+    if "policy=megatron" not in overrides:  # megatron's SGD comes from its layout's keys
+        p.optimizer = PytorchOptimizerConfig(name="torch.optim.SGD", kwargs={"lr": 2.0})
     gen = dataclasses.replace(p.generation, model_name=str(model_dir))
     gen.stop_token_ids = []  # sample the full length: more tokens to compare
     return p, gen
@@ -72,20 +73,36 @@ def mult_prob_error(policy: Policy, gen_out: BatchedDataDict) -> float:
     return float(torch.exp((lp_train - gen_out["logprobs"]).abs())[mask].mean())
 
 
-LORA_ADAPTER = ["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.refit=adapter"]
+LAYOUTS = {
+    "colocated": (True, ["policy.dtensor_cfg.tensor_parallel_size=2"]),
+    "split": (False, ["policy.dtensor_cfg.tensor_parallel_size=2"]),
+    # LoRA served as an adapter (refit=adapter): only the adapters move, and vLLM serves them
+    "colocated-lora-adapter": (True, ["policy.dtensor_cfg.tensor_parallel_size=2",
+                                      "policy.dtensor_cfg.lora_cfg.enabled=true",
+                                      "policy.dtensor_cfg.lora_cfg.refit=adapter"]),
+    # Megatron's fused q/k/v and gate/up adapters, split into PEFT's per-layer ones
+    "split-megatron-lora-adapter": (False, ["policy=megatron", "policy.megatron_cfg.tensor_model_parallel_size=2",
+                                            "policy.megatron_cfg.peft.enabled=true",
+                                            "policy.megatron_cfg.peft.refit=adapter",
+                                            "policy.megatron_cfg.optimizer.optimizer=sgd",
+                                            "policy.megatron_cfg.optimizer.sgd_momentum=0.0",
+                                            "policy.optimizer.kwargs.lr=2.0", "policy.max_grad_norm=null"]),
+}
 
 
-@pytest.mark.parametrize(("colocated", "lora"), [(True, False), (False, False), (True, True)],
-                         ids=["colocated", "split", "colocated-lora-adapter"])
-def test_refit_keeps_engine_on_policy_with_tp2(ray_local: None, tiny_model_dir: Path, colocated: bool, lora: bool,
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_refit_keeps_engine_on_policy_with_tp2(ray_local: None, tiny_model_dir: Path, layout: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """With LoRA served as an adapter (lora_cfg.refit=adapter), only the adapters move and vLLM serves them."""
-    pcfg, gcfg = configs(tiny_model_dir, "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2",
-                         *(LORA_ADAPTER if lora else []))
+    from rlpost.config.lora_params import adapter_config
+
+    colocated, overrides = LAYOUTS[layout]
+    pcfg, gcfg = configs(tiny_model_dir, "cluster.gpus_per_node=2", *overrides)
+    key, lora_cfg = pcfg.lora_settings("policy")
+    lora = lora_cfg.enabled
     train_cluster = RayVirtualCluster("refit-train", 2, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
     gen_cluster = train_cluster if colocated else RayVirtualCluster("refit-gen", 1, cpus_per_bundle=0.2)
     policy = Policy(train_cluster, pcfg)
-    adapter = pcfg.dtensor_cfg.lora_cfg.adapter_config(str(tiny_model_dir)) if lora else None
+    adapter = adapter_config(key, lora_cfg, str(tiny_model_dir)) if lora else None
     engine = VllmGeneration(gcfg, gen_cluster, lora_adapter=adapter)
     try:
         if not colocated:

@@ -16,6 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlpost.algorithms.checkpoint_io import restore_loader_and_rng, resume_info, saved_metrics_row
+from rlpost.config.lora_params import adapter_config
 from rlpost.config.schema.grpo import GRPOSaveState
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
 from rlpost.config.schema.master import MasterConfig
@@ -221,9 +222,9 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
 def _engines(cfg: MasterConfig, cluster: RayVirtualCluster) -> GenerationInterface:
     """The rollout engine built from `policy.generation._target_` (not waited for); with LoRA served as an adapter
     (`lora_cfg.refit=adapter`) it is told the adapter's config."""
-    _, lora = cfg.policy.lora_settings("policy")
-    served = {"lora_adapter": lora.adapter_config(cfg.policy.model_name)} if lora.enabled and lora.refit == "adapter" \
-        else {}
+    key, lora = cfg.policy.lora_settings("policy")
+    served = {"lora_adapter": adapter_config(key, lora, cfg.policy.model_name)} \
+        if lora.enabled and lora.refit == "adapter" else {}
     return cast(GenerationInterface, build(
         cfg.generation, cluster, model_path=cfg.policy.model_name, timeout_s=cfg.cluster.call_timeout_s,
         key="policy.generation._target_", hf_overrides=dict(cfg.policy.hf_config_overrides), **served))

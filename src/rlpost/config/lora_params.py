@@ -23,6 +23,14 @@ LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MEGATRON_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """The Megatron-Core names of the same layers: q/k/v and gate/up are fused, each fused layer one adapter."""
+MEGATRON_HF_NAMES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                     "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+"""The HF layers each Megatron-Core linear fuses."""
+
+
+def adapter_config(key: str, lora: LoRAConfig, base_model: str) -> dict[str, object]:
+    """The PEFT adapter_config.json of the LoRA block at `key` (HF layer names whatever the backend)."""
+    return lora.adapter_config(base_model, MEGATRON_HF_NAMES if is_megatron(key) else None)
 
 
 def linear_shapes(hf: Mapping[str, Any]) -> dict[str, tuple[int, int]] | None:

@@ -7,6 +7,7 @@ state alone.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rlpost.config.errors import positive, require
@@ -49,13 +50,17 @@ class LoRAConfig:
     """Checkpoints also write the merged model (W + alpha/dim * B @ A) as an HF directory, `weights/hf`, beside the
     PEFT adapter directory `weights/adapter` (with checkpointing.save_consolidated)."""
 
-    def adapter_config(self, base_model: str) -> dict[str, object]:
+    def adapter_config(self, base_model: str, hf_names: Mapping[str, Sequence[str]] | None = None
+                       ) -> dict[str, object]:
         """The adapter_config.json of these adapters on `base_model`, in PEFT's keys (what vLLM reads to serve
-        them)."""
+        them). `hf_names`: the HF layers each configured module name stands for (Megatron's fused layers)."""
+        def hf(names: Sequence[str]) -> list[str]:
+            return [h for n in names for h in (hf_names.get(n, (n,)) if hf_names else (n,))]
+
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
                 "r": self.dim, "lora_alpha": self.alpha, "lora_dropout": self.dropout, "bias": "none",
-                "target_modules": "all-linear" if self.match_all_linear else list(self.target_modules),
-                "exclude_modules": list(self.exclude_modules) or None, "fan_in_fan_out": False,
+                "target_modules": "all-linear" if self.match_all_linear else hf(self.target_modules),
+                "exclude_modules": hf(self.exclude_modules) or None, "fan_in_fan_out": False,
                 "use_rslora": False, "use_dora": False, "modules_to_save": None}
 
     def check(self, path: str) -> None:

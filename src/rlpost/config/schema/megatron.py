@@ -169,9 +169,6 @@ class MegatronConfig:
                     f"set {path}.sequence_parallel=false")
             require(self.expert_model_parallel_size == 1, key, True,
                     "LoRA on Megatron adapts the dense decoder linears, not experts (expert_model_parallel_size > 1)")
-            require(self.peft.refit == "merged", f"{path}.peft.refit", self.peft.refit,
-                    "the Megatron worker refits merged weights (its fused q/k/v and gate/up adapters have no PEFT "
-                    "layout yet)")
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",

@@ -288,6 +288,11 @@ class PolicyConfig:
         )
         if self.generation is not None:
             self.generation.check(f"{path}.generation")
+            key, lora = self.lora_settings(path)
+            if lora.enabled and lora.refit == "adapter":
+                require(self.generation.backend == "vllm", f"{key}.refit", lora.refit,
+                        f"serving the adapter needs the vLLM engine (policy.generation is {self.generation.backend!r})",
+                        "use refit=merged with this engine")
         self.reward_model_cfg.check(f"{path}.reward_model_cfg")
         self._check_generation_batch_size(path)
         self.dynamic_batching.check(f"{path}.dynamic_batching")
@@ -382,11 +387,6 @@ class DTensorPolicyConfig(PolicyConfig):
             require(self.dtensor_cfg.tensor_parallel_size == 1 or not self._target_.endswith("V2"), key, True,
                     "dtensor_v2 loads a tensor-parallel model already sharded by transformers, before adapters can "
                     "be added", "use policy=dtensor for LoRA with tensor parallelism")
-            lora = self.dtensor_cfg.lora_cfg
-            if lora.refit == "adapter" and self.generation is not None:
-                require(self.generation.backend == "vllm", f"{path}.dtensor_cfg.lora_cfg.refit", lora.refit,
-                        f"serving the adapter needs the vLLM engine (policy.generation is {self.generation.backend!r})",
-                        "use lora_cfg.refit=merged with this engine")
         if self.dtensor_cfg.context_parallel_size > 1:
             require(
                 not self.sequence_packing.enabled,

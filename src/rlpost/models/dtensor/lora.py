@@ -24,10 +24,10 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from rlpost.config.schema.lora import LoRAConfig
+from rlpost.models.peft_adapter import ADAPTER_WEIGHTS
 
 ADAPTER = "default"
 """peft's name for the one adapter."""
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def peft_config(cfg: LoRAConfig) -> Any:  # -> peft.LoraConfig

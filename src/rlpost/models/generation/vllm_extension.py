@@ -175,7 +175,7 @@ class RlpostWorkerExtension:
         worker writes; the others hold the same tensors) and drop the copies. False when nothing new arrived."""
         from pathlib import Path
 
-        from rlpost.models.generation.vllm_lora import write_adapter
+        from rlpost.models.peft_adapter import write_adapter
 
         if not self._rlpost_adapter:
             return False

@@ -10,7 +10,6 @@ full weights.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -18,16 +17,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
+from rlpost.models.peft_adapter import PEFT_PREFIX
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The `max_lora_rank` values vLLM accepts."""
 
 ADAPTER_NAME = "rlpost-policy"
 ADAPTER_ID = 1
-PEFT_PREFIX = "base_model.model."
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 def engine_rank(dim: int) -> int:
@@ -55,18 +51,6 @@ def stage_dir(replica: int) -> Path:
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else Path(
         tempfile.gettempdir())
     return root / f"rlpost-lora-{os.getpid()}-{replica}"
-
-
-def write_adapter(named: Mapping[str, torch.Tensor], adapter_config: Mapping[str, Any], out_dir: Path) -> Path:
-    """`named` and `adapter_config` as a PEFT adapter directory (replacing what was there)."""
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / f".{ADAPTER_WEIGHTS}.tmp"
-    save_file({k: v.detach().cpu().contiguous() for k, v in named.items()}, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out_dir / ADAPTER_WEIGHTS)
-    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(dict(adapter_config)))
-    return out_dir
 
 
 def remove_stage(out_dir: Path) -> None:

@@ -265,7 +265,7 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: HFModelDims)
     return fused.reshape(-1, *rest)
 
 
-def _split_qkv(fused: torch.Tensor, d: HFModelDims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(fused: torch.Tensor, d: HFModelDims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of _fuse_qkv."""
     ng, hd, rest = d.num_kv_heads, d.head_dim, fused.shape[1:]
     grouped = fused.reshape(ng, -1, *rest)
@@ -407,7 +407,7 @@ def hf_to_megatron_state_dict(
 def _layer_megatron_to_hf(m: Mapping[str, torch.Tensor], g: int, d: HFModelDims) -> dict[str, torch.Tensor]:
     """HF tensors of global layer g from full megatron tensors named relative to decoder.layers.<i>."""
     h = f"model.layers.{g}."
-    q, k, v = _split_qkv(m["self_attention.linear_qkv.weight"], d)
+    q, k, v = split_qkv(m["self_attention.linear_qkv.weight"], d)
     gate, up = m["mlp.linear_fc1.weight"].chunk(2, dim=0)
     out = {
         h + "input_layernorm.weight": m["input_layernorm.weight"],
@@ -416,7 +416,7 @@ def _layer_megatron_to_hf(m: Mapping[str, torch.Tensor], g: int, d: HFModelDims)
         h + "self_attn.v_proj.weight": v,
     }
     if d.qkv_bias:
-        qb, kb, vb = _split_qkv(m["self_attention.linear_qkv.bias"], d)
+        qb, kb, vb = split_qkv(m["self_attention.linear_qkv.bias"], d)
         out.update({h + "self_attn.q_proj.bias": qb, h + "self_attn.k_proj.bias": kb, h + "self_attn.v_proj.bias": vb})
     out.update(
         {

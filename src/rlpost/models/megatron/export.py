@@ -37,7 +37,7 @@ def unwrap_model(model: torch.nn.Module) -> GPTModel:
     return cast("GPTModel", model)
 
 
-def _stage_layout(gpt: GPTModel) -> tuple[int, int, bool, bool]:
+def stage_layout(gpt: GPTModel) -> tuple[int, int, bool, bool]:
     """(first global layer, number of layers, has the embedding, is the last stage) of this rank's stage."""
     layers = list(gpt.decoder.layers)
     offset = int(layers[0].layer_number) - 1 if layers else 0
@@ -80,7 +80,7 @@ def _unit_prefixes(unit: Unit, local_index: int, tied: bool) -> tuple[str, ...]:
     return (f"decoder.layers.{local_index}.",)
 
 
-def _gather_tp(name: str, t: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+def gather_tp(name: str, t: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Full megatron tensor from this rank's shard: all_gather over tp_group (replicated tensors as they are)."""
     size = 1 if tp_group is None else dist.get_world_size(tp_group)
     if size == 1 or tp_split_dim(name) is None:
@@ -123,7 +123,7 @@ def export_hf_weights(
     """
     gpt = unwrap_model(model)
     d = hf_model_dims(hf_config, converter_type)
-    layout = _stage_layout(gpt)
+    layout = stage_layout(gpt)
     pp_size = 1 if pp_group is None else dist.get_world_size(pp_group)
     layouts: list[Any] = [layout]
     if pp_size > 1:
@@ -139,7 +139,7 @@ def export_hf_weights(
         shapes = _hf_unit_shapes(unit, d, include_tied_lm_head)
         if owner == my_stage:
             prefixes = _unit_prefixes(unit, local_index, d.tied_embeddings)
-            full = {n: _gather_tp(n, t, tp_group) for n, t in local.items() if n.startswith(prefixes)}
+            full = {n: gather_tp(n, t, tp_group) for n, t in local.items() if n.startswith(prefixes)}
             hf = full_megatron_to_hf(full, d, layout[0], include_tied_lm_head)
             tensors = [hf[name].contiguous() for name, _ in shapes]
         else:

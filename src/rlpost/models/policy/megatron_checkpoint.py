@@ -2,7 +2,9 @@
 HF export.
 
 Layout under `weights_path`:   model/ (model shards), megatron_layout.json, hf/ (config.json, model.safetensors and
-                               the tokenizer files of policy.model_name; `from_pretrained` loads it);
+                               the tokenizer files of policy.model_name; `from_pretrained` loads it). With LoRA
+                               (`megatron_cfg.peft`) model/ holds the adapters alone, adapter/ is a PEFT adapter
+                               directory, and hf/ (the merged model) is written only with `peft.export_merged`;
 under `optimizer_path`:        optim/ (optimizer state shards), scheduler.json (megatron OptimizerParamScheduler state).
 
 Keys. Every rank saves its own shard under a layout tag, `tp{t}-pp{p}/<megatron parameter name>` for the model and
@@ -209,6 +211,23 @@ def gather_hf_weights(worker: MegatronState, dtype: torch.dtype) -> dict[str, to
     return out
 
 
+def gather_peft_adapters(worker: MegatronState, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """With LoRA: collective over TP x PP of DP replica 0; global rank 0 gets the adapters under PEFT's HF names,
+    cast to dtype (rlpost.models.megatron.lora.peft_state), the other ranks {}."""
+    from megatron.core import parallel_state as ps
+
+    from rlpost.models.megatron.convert import hf_model_dims
+    from rlpost.models.megatron.lora import peft_state
+
+    m = worker.cfg.megatron_cfg
+    assert m is not None
+    if ps.get_data_parallel_rank() != 0:
+        return {}
+    dims = hf_model_dims(worker.hf_config, m.converter_type)
+    named = peft_state(worker.model, dims, ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group())
+    return {k: v.to(dtype) for k, v in named.items()} if worker.rank == 0 else {}
+
+
 def save(worker: MegatronState, weights_path: str, optimizer_path: str | None, hf_export: bool) -> None:
     """Collective over all ranks: DCP model (and optimizer) shards, the scheduler, and the HF export on rank 0."""
     wp = Path(weights_path)
@@ -224,7 +243,16 @@ def save(worker: MegatronState, weights_path: str, optimizer_path: str | None, h
         save_tensors(_optimizer_tensors(worker, _tag(worker, with_dp)), op / OPTIM_DIR)
         if worker.rank == 0:
             (op / SCHEDULER_FILE).write_text(json.dumps(state.scheduler.state_dict(), indent=2))
-    if hf_export:
+    m = worker.cfg.megatron_cfg
+    lora = m.peft if m is not None and m.peft.enabled else None
+    if hf_export and lora is not None:  # a PEFT adapter directory; the merged model only when asked for
+        from rlpost.config.lora_params import MEGATRON_HF_NAMES
+        from rlpost.models.peft_adapter import write_adapter
+
+        adapters = gather_peft_adapters(worker, torch.float32)
+        if worker.rank == 0:
+            write_adapter(adapters, lora.adapter_config(worker.cfg.model_name, MEGATRON_HF_NAMES), wp / "adapter")
+    if hf_export and (lora is None or lora.export_merged):
         full = worker.gather_full_weights(torch.float32)
         if worker.rank == 0:
             export_hf(worker.hf_config, full, worker.cfg.model_name, wp / "hf")

@@ -468,7 +468,13 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
 
         Returns rank 0's {name: (shape, dtype)} (the generation side's StateDictInfo), {} on other ranks.
         """
-        self._export = list(self.gather_full_weights(getattr(torch, dtype)).items())
+        m = self.cfg.megatron_cfg
+        if m is not None and m.peft.enabled and m.peft.refit == "adapter":  # the adapters alone, PEFT's names
+            from rlpost.models.policy.megatron_checkpoint import gather_peft_adapters
+
+            self._export = list(gather_peft_adapters(self, getattr(torch, dtype)).items())
+        else:
+            self._export = list(self.gather_full_weights(getattr(torch, dtype)).items())
         return {k: (tuple(v.shape), v.dtype) for k, v in self._export}
 
     def init_refit_collective(self, host: str, port: int, world_size: int) -> bool:
@@ -480,8 +486,9 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
 
     @_megatron_call
     def broadcast_weights_collective(self, dtype: str) -> str:
-        """All ranks gather the full weights; rank 0 broadcasts them to the engines. Rank 0's fingerprint."""
-        self._export = list(self.gather_full_weights(getattr(torch, dtype)).items())
+        """All ranks gather what a refit moves (prepare_weights_for_export); rank 0 broadcasts it to the engines.
+        Rank 0's fingerprint."""
+        self.prepare_weights_for_export(dtype)
         return self._broadcast_export()
 
     # ---- checkpoints -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 
 from rlpost.config.schema.lora import LoRAConfig
 from rlpost.models.generation import vllm_lora
+from rlpost.models.peft_adapter import ADAPTER_WEIGHTS, write_adapter
 
 
 def test_the_engine_rank_is_the_next_one_vllm_offers() -> None:
@@ -33,12 +34,12 @@ def test_the_written_adapter_loads_in_vllm_and_peft(tmp_path: Path) -> None:
     cfg = LoRAConfig(enabled=True, dim=4, alpha=16, match_all_linear=False, target_modules=["q_proj", "v_proj"])
     named = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 8),
              "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(8, 4)}
-    out = vllm_lora.write_adapter(named, cfg.adapter_config("/models/base"), tmp_path / "adapter")
+    out = write_adapter(named, cfg.adapter_config("/models/base"), tmp_path / "adapter")
     helper = PEFTHelper.from_local_dir(str(out), None)
     assert (helper.r, helper.lora_alpha, helper.vllm_lora_scaling_factor) == (4, 16, 4.0)
     peft_cfg = LoraConfig.from_pretrained(str(out))
     assert (peft_cfg.r, peft_cfg.lora_alpha, set(peft_cfg.target_modules)) == (4, 16, {"q_proj", "v_proj"})
-    loaded = load_file(str(out / vllm_lora.ADAPTER_WEIGHTS))
+    loaded = load_file(str(out / ADAPTER_WEIGHTS))
     assert all(torch.equal(loaded[k], v) for k, v in named.items()) and set(loaded) == set(named)
     assert vllm_lora.engine_lora_kwargs(cfg.adapter_config("/m")) == {
         "enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "max_cpu_loras": 1}
