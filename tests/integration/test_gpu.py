@@ -29,8 +29,10 @@ def _policy(model_dir: Path, *overrides: str):  # noqa: ANN202
     return p
 
 
-@pytest.mark.parametrize("backend", ["dtensor", "megatron"])
+@pytest.mark.parametrize("backend", ["dtensor", "megatron", "dtensor-lora", "megatron-lora"])
 def test_bf16_training_step_on_gpu(ray_local: None, tiny_model_dir: Path, backend: str) -> None:
+    """A bf16 step on each backend; with LoRA the adapters are bf16 beside the frozen base (megatron: in its
+    Float16Module and distributed optimizer, which then hold the adapters alone)."""
     from rlpost.algorithms.loss_functions import ClippedPGLossFn
     from rlpost.config.schema.loss import ClippedPGLossConfig
     from rlpost.distributed.batched_data_dict import BatchedDataDict
@@ -38,9 +40,12 @@ def test_bf16_training_step_on_gpu(ray_local: None, tiny_model_dir: Path, backen
     from rlpost.models.policy.lm_policy import Policy
 
     extra = ["policy.precision=bfloat16"]
-    if backend == "megatron":
+    if backend.startswith("megatron"):
         extra += ["policy=megatron", "policy.megatron_cfg.optimizer.bf16=true",
                   "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"]
+    if backend.endswith("lora"):
+        extra += ["policy.megatron_cfg.peft.enabled=true" if backend.startswith("megatron")
+                  else "policy.dtensor_cfg.lora_cfg.enabled=true"]
     cluster = RayVirtualCluster("gpu", 1, use_gpus=True, cpus_per_bundle=1.0)
     policy = Policy(cluster, _policy(tiny_model_dir, *extra), device="cuda")
     try:
@@ -57,12 +62,15 @@ def test_bf16_training_step_on_gpu(ray_local: None, tiny_model_dir: Path, backen
         cluster.shutdown()
 
 
-def test_grpo_on_gpu_with_cuda_vllm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lora", [[], ["policy.dtensor_cfg.lora_cfg.enabled=true",
+                                        "policy.dtensor_cfg.lora_cfg.refit=adapter"]], ids=["full", "lora-adapter"])
+def test_grpo_on_gpu_with_cuda_vllm(tmp_path: Path, lora: list[str]) -> None:
+    """The default job on CUDA vLLM; with LoRA the engine serves the adapter (CUDA IPC carries its bytes)."""
     pytest.importorskip("vllm")
     rlpost = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
     env = {**os.environ, "RLPOST_CACHE_DIR": str(tmp_path / "cache")}
     out = subprocess.run([rlpost, "train", f"hydra.run.dir={tmp_path}/run", "cluster.device=cuda",
-                          "grpo.max_num_steps=3", "grpo.val_period=0", "checkpointing=disabled"],
+                          "grpo.max_num_steps=3", "grpo.val_period=0", "checkpointing=disabled", *lora],
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     import json

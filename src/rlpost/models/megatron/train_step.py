@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from rlpost.config.schema.megatron import MegatronConfig
+    from rlpost.distributed.batched_data_dict import BatchedDataDict
+    from rlpost.ops.loss_interface import LossFunction, VocabParallelArgs
 
 LossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 """megatron schedule's loss_func: output -> (loss, token count, metrics to report)."""
@@ -357,3 +359,20 @@ def step_accumulated(state: MegatronTrainState, scale: float) -> tuple[bool, flo
     state.model.scale_gradients(scale)
     _finalize_without_token_scaling([state.model], None)
     return _optimizer_step(state)
+
+
+def normalised_loss(
+    loss_fn: LossFunction, gs: torch.Tensor, gt: torch.Tensor, vp: VocabParallelArgs, recorded: list[dict[str, float]],
+    logits: torch.Tensor, mb: BatchedDataDict,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """train_step's per-micro-batch loss: loss_fn with the global counts; its metrics are kept per micro-batch."""
+    loss, metrics = loss_fn(logits, mb, gs, gt, **vp)
+    recorded.append(metrics)
+    return loss, {}
+
+
+class NoSchedulerStep:
+    """Stands in for the scheduler inside train_step: the worker steps the real one once per train() call."""
+
+    def step(self, increment: int) -> None:
+        del increment

@@ -105,23 +105,6 @@ def _megatron_call(fn: Callable[Concatenate[MegatronPolicyWorker, _P], _R]
     return wrapper
 
 
-def _normalised_loss(
-    loss_fn: LossFunction, gs: torch.Tensor, gt: torch.Tensor, vp: VocabParallelArgs, recorded: list[dict[str, float]],
-    logits: torch.Tensor, mb: BatchedDataDict,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """train_step's per-micro-batch loss: loss_fn with the global counts; its metrics are kept per micro-batch."""
-    loss, metrics = loss_fn(logits, mb, gs, gt, **vp)
-    recorded.append(metrics)
-    return loss, {}
-
-
-class _NoSchedulerStep:
-    """Stands in for the scheduler inside train_step: the worker steps the real one once per train() call."""
-
-    def step(self, increment: int) -> None:
-        del increment
-
-
 class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
     """One rank of a Megatron-Core policy. Constructed inside a Ray actor with RANK/WORLD_SIZE/MASTER_* set."""
 
@@ -334,12 +317,12 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
 
     @_megatron_call
     def _accumulate_part(self, parts: Parts, data: BatchedDataDict, loss_fn: LossFunction) -> None:
-        from rlpost.models.megatron.train_step import accumulate_part
+        from rlpost.models.megatron.train_step import accumulate_part, normalised_loss
 
         assert self.train_state is not None  # _begin_parts checked it
         one = torch.ones((), device=self.device)
         recorded: list[dict[str, float]] = []
-        mb_loss = functools.partial(_normalised_loss, loss_fn, one, one, self._vp_kwargs(), recorded)
+        mb_loss = functools.partial(normalised_loss, loss_fn, one, one, self._vp_kwargs(), recorded)
         micro = [mb.to(self.device) for mb in
                  self._pad_seq(data, self._seq_multiple()).make_microbatch_iterator(self.cfg.train_micro_batch_size)]
         loss = accumulate_part(self.train_state, micro, mb_loss, temperature=self.temperature, loss_input="logits")
@@ -380,7 +363,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         """One optimizer step per global batch of `data` (eval_mode: the loss and metrics only, no update)."""
         from megatron.core import parallel_state as ps
 
-        from rlpost.models.megatron.train_step import train_step
+        from rlpost.models.megatron.train_step import NoSchedulerStep, normalised_loss, train_step
 
         if self.train_state is None:
             raise RuntimeError("the policy was built without an optimizer (init_optimizer=False)")
@@ -392,7 +375,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         if pp > 1 and local_gbs % mbs:
             raise ValueError(f"with pipeline parallelism the local batch {local_gbs} (gbs {gbs} / dp {self.dp_size}) "
                              f"must split into equal micro-batches of policy.train_micro_batch_size={mbs}")
-        step_state = dataclasses.replace(self.train_state, scheduler=_NoSchedulerStep())
+        step_state = dataclasses.replace(self.train_state, scheduler=NoSchedulerStep())
         vp = self._vp_kwargs()
 
         def step(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor
@@ -400,7 +383,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
             gb = self._pad_seq(gb, self._seq_multiple())
             micro = [mb.to(self.device) for mb in gb.make_microbatch_iterator(mbs)]
             recorded: list[dict[str, float]] = []
-            mb_loss = functools.partial(_normalised_loss, loss_fn, gs, gt, vp, recorded)
+            mb_loss = functools.partial(normalised_loss, loss_fn, gs, gt, vp, recorded)
             res = train_step(step_state, micro, mb_loss, temperature=self.temperature, loss_input="logits",
                              forward_only=eval_mode)
             self._empty_cache(1)
