@@ -4,6 +4,7 @@ and the exports load with transformers."""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 from pathlib import Path
@@ -196,13 +197,13 @@ def test_multirun_sweeps_the_learning_rate(cache: Path, tmp_path: Path) -> None:
 
 def test_sft_packing_and_dynamic_batching_train_the_same_steps(cache: Path, tmp_path: Path) -> None:
     """Sequence packing and dynamic batching cut the micro-batches differently; the globally normalised loss
-    and the update are the same as with fixed micro-batches."""
+    and the update are the same as with fixed micro-batches. The runs train LoRA adapters (SFT accepts them)."""
     losses = {}
     for name, extra in (("fixed", []), ("packing", ["policy.sequence_packing.enabled=true"]),
                         ("dynamic", ["policy.dynamic_batching.enabled=true"])):
         run = tmp_path / name
         train(run, cache, "algo=sft", "sft.max_num_steps=3", "sft.val_period=0", "sft.val_at_start=false",
-              "checkpointing=disabled", *extra)
+              "checkpointing=disabled", "policy.dtensor_cfg.lora_cfg.enabled=true", *extra)
         losses[name] = [m["train/loss"] for m in metrics(run)]
     assert len(losses["fixed"]) == 3
     for name in ("packing", "dynamic"):
@@ -211,11 +212,13 @@ def test_sft_packing_and_dynamic_batching_train_the_same_steps(cache: Path, tmp_
 
 @pytest.mark.parametrize("algo,layout", [
     ("sft", ["cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2"]),  # vocab-parallel accuracy
-    ("dpo", ["cluster.gpus_per_node=2"]),  # each data-parallel rank gets whole pairs (RM's batches are the same)
+    # each data-parallel rank gets whole pairs (RM's batches are the same); LoRA adapters, the reference the base
+    ("dpo", ["cluster.gpus_per_node=2"]),
 ])
 def test_two_workers_train_the_same_steps_as_one(algo: str, layout: list[str], cache: Path, tmp_path: Path) -> None:
+    lora = ["policy.dtensor_cfg.lora_cfg.enabled=true"] if algo == "dpo" else []
     common = [f"algo={algo}", f"{algo}.max_num_steps=3", f"{algo}.val_period=3", f"{algo}.val_at_start=false",
-              "checkpointing=disabled"]
+              "checkpointing=disabled", *lora]
     runs = {}
     for name, extra in (("one", []), ("two", layout)):
         runs[name] = tmp_path / name
@@ -223,6 +226,8 @@ def test_two_workers_train_the_same_steps_as_one(algo: str, layout: list[str], c
     keys = ("train/loss", "train/grad_norm", "validation/loss", "train/accuracy", "train/token_accuracy")
     one, two = metrics(runs["one"]), metrics(runs["two"])
     assert len(one) == len(two) == 3
+    if lora:  # B starts at zero: the first step's policy is its reference (the adapters-off base), so the loss is ln 2
+        assert one[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
     for a, b in zip(one, two, strict=True):
         for k in keys:
             if k in a:  # relative too: a grad norm of 8.4 summed over DP ranks in another order moves by ~1e-6 of it

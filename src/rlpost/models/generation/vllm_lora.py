@@ -46,11 +46,29 @@ def is_adapter_refit(names: Iterable[str]) -> bool:
     return bool(names) and all(n.startswith(PEFT_PREFIX) and (".lora_A." in n or ".lora_B." in n) for n in names)
 
 
+STAGE_PREFIX = "rlpost-lora-"
+
+
+def _stage_root() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else Path(
+        tempfile.gettempdir())
+
+
 def stage_dir(replica: int) -> Path:
     """Where this process writes the adapter it serves: node-local memory where the node has /dev/shm."""
-    root = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else Path(
-        tempfile.gettempdir())
-    return root / f"rlpost-lora-{os.getpid()}-{replica}"
+    return _stage_root() / f"{STAGE_PREFIX}{os.getpid()}-{replica}"
+
+
+def sweep_orphans(root: Path | None = None) -> list[str]:
+    """Remove adapter directories whose engine process is gone (killed before it could remove its own); their
+    names."""
+    removed = []
+    for path in (root or _stage_root()).glob(f"{STAGE_PREFIX}*"):
+        pid = path.name[len(STAGE_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
 
 
 def remove_stage(out_dir: Path) -> None:

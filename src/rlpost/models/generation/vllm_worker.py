@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, TypeVar
 import torch
 
 from rlpost.models.generation.outputs import EngineInfo, GeneratedBatch, GeneratedSample
-from rlpost.models.generation.vllm_lora import ADAPTER_ID, ADAPTER_NAME, engine_lora_kwargs, remove_stage, stage_dir
+from rlpost.models.generation.vllm_lora import (
+    ADAPTER_ID,
+    ADAPTER_NAME,
+    engine_lora_kwargs,
+    remove_stage,
+    stage_dir,
+    sweep_orphans,
+)
 from rlpost.runtime.gc_heap import import_frozen, paused_gc, raise_young_threshold
 
 if TYPE_CHECKING:
@@ -134,6 +141,7 @@ class VllmEngineWorker:
         self._lora_request: Any = None  # vllm LoRARequest of the adapter served, after the first adapter refit
         if self._lora_adapter is not None:
             kwargs.update(engine_lora_kwargs(self._lora_adapter))
+            sweep_orphans()  # what an engine killed on this node left in /dev/shm
         if "kv_cache_memory_bytes" in kwargs:  # the legacy env var would override the configured size
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if async_engine:

@@ -43,3 +43,15 @@ def test_the_written_adapter_loads_in_vllm_and_peft(tmp_path: Path) -> None:
     assert all(torch.equal(loaded[k], v) for k, v in named.items()) and set(loaded) == set(named)
     assert vllm_lora.engine_lora_kwargs(cfg.adapter_config("/m")) == {
         "enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "max_cpu_loras": 1}
+
+
+def test_adapter_directories_of_dead_engines_are_swept(tmp_path: Path) -> None:
+    import os
+
+    dead = tmp_path / f"{vllm_lora.STAGE_PREFIX}999999999-0"
+    alive = tmp_path / f"{vllm_lora.STAGE_PREFIX}{os.getpid()}-0"
+    for d in (dead, alive):
+        d.mkdir()
+        (d / ADAPTER_WEIGHTS).write_bytes(b"x")
+    assert vllm_lora.sweep_orphans(tmp_path) == [dead.name]
+    assert not dead.exists() and alive.exists()
