@@ -92,33 +92,27 @@ def inject(model: nn.Module, cfg: LoRAConfig, tp_rank: int, tp_size: int) -> lis
             set_defaults_if_not_set_tensor_model_parallel_attributes(module.lora_B)
         module.lora_scale = scale
         setattr(module, _ACTIVE, True)
-        module.register_forward_hook(_column_hook(scale, dropout) if kind == "column" else _row_hook(scale, dropout))
+        module.register_forward_hook(_hook(kind, scale, dropout))
         adapted.append(name)
     if not adapted:
         raise ValueError("policy.megatron_cfg.peft: no linear layer matched target_modules / exclude_modules")
     return adapted
 
 
-def _column_hook(scale: float, dropout: nn.Module) -> Any:
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+def _hook(kind: str, scale: float, dropout: nn.Module) -> Any:
+    """The forward hook adding the adapter's output: the rank-r activation goes through megatron's TP mapping for a
+    column-parallel layer (identity forward, all-reduce backward) or a row-parallel one (all-reduce forward)."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
+
+    to_rank_r = copy_to_tensor_model_parallel_region if kind == "column" else reduce_from_tensor_model_parallel_region
 
     def hook(module: Any, args: tuple[Any, ...], output: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
         if not getattr(module, _ACTIVE):
             return output
-        h = copy_to_tensor_model_parallel_region(nn.functional.linear(dropout(args[0]), module.lora_A))
-        out, bias = output
-        return out + scale * nn.functional.linear(h, module.lora_B), bias
-
-    return hook
-
-
-def _row_hook(scale: float, dropout: nn.Module) -> Any:
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    def hook(module: Any, args: tuple[Any, ...], output: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
-        if not getattr(module, _ACTIVE):
-            return output
-        h = reduce_from_tensor_model_parallel_region(nn.functional.linear(dropout(args[0]), module.lora_A))
+        h = to_rank_r(nn.functional.linear(dropout(args[0]), module.lora_A))
         out, bias = output
         return out + scale * nn.functional.linear(h, module.lora_B), bias
 
