@@ -32,12 +32,12 @@ from torch import nn
 
 from rlpost.config.lora_params import MEGATRON_LINEARS, adapted_modules
 from rlpost.config.schema.lora import LoRAConfig
-from rlpost.models.peft_adapter import PEFT_PREFIX
 
 LINEARS = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
 """How megatron splits the weight of each decoder linear an adapter can go on (MEGATRON_LINEARS)."""
 
-_ACTIVE = "_rlpost_lora_active"
+ADAPTED = "_rlpost_lora_active"
+"""The attribute that marks an adapted linear (its value: whether the adapter is on)."""
 
 
 
@@ -91,7 +91,7 @@ def inject(model: nn.Module, cfg: LoRAConfig, tp_rank: int, tp_size: int) -> lis
             set_tensor_model_parallel_attributes(module.lora_A, True, 1, 1)
             set_defaults_if_not_set_tensor_model_parallel_attributes(module.lora_B)
         module.lora_scale = scale
-        setattr(module, _ACTIVE, True)
+        setattr(module, ADAPTED, True)
         module.register_forward_hook(_hook(kind, scale, dropout))
         adapted.append(name)
     if not adapted:
@@ -110,7 +110,7 @@ def _hook(kind: str, scale: float, dropout: nn.Module) -> Any:
     to_rank_r = copy_to_tensor_model_parallel_region if kind == "column" else reduce_from_tensor_model_parallel_region
 
     def hook(module: Any, args: tuple[Any, ...], output: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
-        if not getattr(module, _ACTIVE):
+        if not getattr(module, ADAPTED):
             return output
         h = to_rank_r(nn.functional.linear(dropout(args[0]), module.lora_A))
         out, bias = output
@@ -122,14 +122,14 @@ def _hook(kind: str, scale: float, dropout: nn.Module) -> Any:
 @contextlib.contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
     """The base model: every adapter's contribution switched off inside the block."""
-    layers = [m for m in model.modules() if hasattr(m, _ACTIVE)]
+    layers = [m for m in model.modules() if hasattr(m, ADAPTED)]
     for m in layers:
-        setattr(m, _ACTIVE, False)
+        setattr(m, ADAPTED, False)
     try:
         yield
     finally:
         for m in layers:
-            setattr(m, _ACTIVE, True)
+            setattr(m, ADAPTED, True)
 
 
 def merged_local(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
@@ -149,61 +149,5 @@ def merged_local(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, t
 
 def scale_of(model: nn.Module) -> float | None:
     """alpha / r of the model's adapters; None when it has none."""
-    scales: list[Any] = [m.lora_scale for m in model.modules() if hasattr(m, _ACTIVE)]
+    scales: list[Any] = [m.lora_scale for m in model.modules() if hasattr(m, ADAPTED)]
     return float(scales[0]) if scales else None
-
-
-# ---- the adapters under PEFT's HF names ----------------------------------------------------------------------------
-HF_NAMES = {"linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "linear_proj": ("self_attn.o_proj",), "linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
-            "linear_fc2": ("mlp.down_proj",)}
-"""The HF layers each Megatron linear fuses (their order in its output rows)."""
-
-
-def _hf_adapters(leaf: str, g: int, a: torch.Tensor, b: torch.Tensor, dims: Any) -> dict[str, torch.Tensor]:
-    """PEFT's tensors of one full Megatron adapter of global layer g. A fused layer's adapter is one adapter per HF
-    layer with the same A each (W_q + s B_q A, ...): its B is split like the fused weight's rows."""
-    from rlpost.models.megatron.convert import split_qkv
-
-    if leaf == "linear_qkv":
-        bs: tuple[torch.Tensor, ...] = split_qkv(b, dims)
-    elif leaf == "linear_fc1":
-        bs = tuple(b.chunk(2, dim=0))
-    else:
-        bs = (b,)
-    out = {}
-    for hf, part in zip(HF_NAMES[leaf], bs, strict=True):
-        p = f"{PEFT_PREFIX}model.layers.{g}.{hf}"
-        out[f"{p}.lora_A.weight"] = a.clone()
-        out[f"{p}.lora_B.weight"] = part.contiguous()
-    return out
-
-
-def peft_state(model: nn.Module, dims: Any, tp_group: Any, pp_group: Any) -> dict[str, torch.Tensor]:
-    """Collective over the TP x PP group: every rank of it gets the whole model's adapters under PEFT's names
-    (`base_model.model.model.layers.<g>.self_attn.q_proj.lora_A.weight`, ...), fp32 on the CPU. Each stage's ranks
-    gather the TP shards of its layers (B under column-parallel layers, A under row-parallel ones), then the stages
-    exchange theirs."""
-    import torch.distributed as dist
-
-    from rlpost.models.megatron.export import gather_tp, stage_layout, unwrap_model
-
-    gpt = unwrap_model(model)
-    offset = stage_layout(gpt)[0]
-    mine: dict[str, torch.Tensor] = {}
-    for name, module in gpt.named_modules():
-        if not hasattr(module, _ACTIVE):
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        g = offset + int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])
-        a, b = module.lora_A.detach(), module.lora_B.detach()
-        if LINEARS[leaf] == "column":
-            b = gather_tp(f"{name}.weight", b, tp_group)
-        else:
-            a = gather_tp(f"{name}.weight", a, tp_group)
-        mine.update(_hf_adapters(leaf, g, a.float().cpu(), b.float().cpu(), dims))
-    if pp_group is None or dist.get_world_size(pp_group) == 1:
-        return mine
-    stages: list[Any] = [None] * dist.get_world_size(pp_group)
-    dist.all_gather_object(stages, mine, group=pp_group)
-    return {k: v for stage in stages for k, v in stage.items()}

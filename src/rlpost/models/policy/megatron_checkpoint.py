@@ -213,11 +213,11 @@ def gather_hf_weights(worker: MegatronState, dtype: torch.dtype) -> dict[str, to
 
 def gather_peft_adapters(worker: MegatronState, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """With LoRA: collective over TP x PP of DP replica 0; global rank 0 gets the adapters under PEFT's HF names,
-    cast to dtype (rlpost.models.megatron.lora.peft_state), the other ranks {}."""
+    cast to dtype (rlpost.models.megatron.lora_peft.peft_state), the other ranks {}."""
     from megatron.core import parallel_state as ps
 
     from rlpost.models.megatron.convert import hf_model_dims
-    from rlpost.models.megatron.lora import peft_state
+    from rlpost.models.megatron.lora_peft import peft_state
 
     m = worker.cfg.megatron_cfg
     assert m is not None
