@@ -103,12 +103,31 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
                             + (f"; {fsdp}" if (fsdp := fsdp_wrapping(cfg, lay.train_world)) else "")),
         ("engine layout", f"{lay.gen_replicas} replica(s) x TP*PP={lay.gen_tp} ({lay.gen_world} workers)"),
         ("placement", placement),
+        *([("nodes", _nodes(lay))] if max(lay.train_nodes, lay.gen_nodes) > 1 else []),
         ("refit", _refit(cfg, lay)),
         ("prev-logprobs pass", _PREV_PASS[prev_logprobs_pass(cfg)]),
         ("rollouts", _rollouts(cfg)),
         ("generation and training", _overlap(cfg)),
         ("steps", f"max {g.max_num_steps} steps / {g.max_num_epochs} epoch(s); validate every {g.val_period}"),
     ]
+
+
+def _span(name: str, first: int, count: int) -> str:
+    return f"{name} {first}" if count == 1 else f"{name}s {first}-{first + count - 1}"
+
+
+def _nodes(lay: Layout) -> str:
+    """Which node gets which worker: consecutive ranks share a node (rank r on node r // workers per node), and an
+    engine replica sits on the node of its first slot. A split layout reserves its training and generation nodes
+    apart (Ray picks the machines; the run's console names them once placed)."""
+    replicas = max(lay.gen_workers_per_node // lay.gen_tp, 1)
+    ranks = [_span("policy rank", n * lay.train_workers_per_node, lay.train_workers_per_node)
+             for n in range(lay.train_nodes)]
+    engines = [_span("engine replica", n * replicas, replicas) for n in range(lay.gen_nodes)]
+    if lay.colocated:
+        return "; ".join(f"node {n}: {r}, {e}" for n, (r, e) in enumerate(zip(ranks, engines, strict=True)))
+    return "; ".join([*(f"training node {n}: {r}" for n, r in enumerate(ranks)),
+                      *(f"generation node {n}: {e}" for n, e in enumerate(engines))])
 
 
 def print_plan(cfg: MasterConfig | SupervisedMasterConfig, console: Console | None = None) -> None:

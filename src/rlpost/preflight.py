@@ -105,16 +105,18 @@ WEIGHT_PATTERNS: tuple[str, ...] = ("*.safetensors", "*.bin")
 DEVICE_KWARGS = frozenset({"fused", "foreach", "capturable"})
 
 
-def preflight_checks(master: AnyMaster, run_dir: Path | None = None) -> None:
-    """Raise ConfigError or DataError for anything that would fail after Ray starts. Loads no model."""
+def preflight_checks(master: AnyMaster, run_dir: Path | None = None, device_checks: bool = True) -> None:
+    """Raise ConfigError or DataError for anything that would fail after Ray starts. Loads no model. Without
+    `device_checks` (a job submitted to other nodes) what depends on this host's devices is not judged."""
     check_model_dir(master)
     check_hf_config_overrides(master)
     check_vocab_shards(master)
     check_lora_modules(master)
     check_optimizer(master)
     check_target_kinds(master)  # after the optimizer's own allow-list check, which imports nothing it refuses
-    check_precision(master)
-    check_gpu_only_keys(master)
+    if device_checks:
+        check_precision(master)
+        check_gpu_only_keys(master)
     check_local_cpus(master)
     check_metric_name(master)
     if isinstance(master, SupervisedMasterConfig):

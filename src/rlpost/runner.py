@@ -285,6 +285,7 @@ def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path) -> dict[str, object]:
                  "to train further.")
         return {"run_dir": str(run_dir), "steps": done, "complete": True}
     graceful = False
+    out_of_time = False
     with StopOnSignal() as stop, _phase_spans(cfg) as spans:
         try:
             comps = job.setup(cfg, run_dir)
@@ -304,6 +305,7 @@ def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path) -> dict[str, object]:
 
                 stop.started()
                 loop.run(on_step)
+                out_of_time = loop.out_of_time
             graceful = True
         except Interrupted as exc:
             graceful = not exc.when  # stopped at a step boundary: the workers are idle
@@ -318,6 +320,7 @@ def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path) -> dict[str, object]:
     summary: dict[str, object] = {
         "run_dir": str(run_dir),
         "steps": comps.save_state.total_steps,
+        "complete": not out_of_time,
         **job.summary(last, comps),
         "wall_s": time.perf_counter() - t0,
         "metrics": str(comps.logger.dir / "metrics.jsonl"),

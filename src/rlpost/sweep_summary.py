@@ -70,8 +70,7 @@ def sweep_rows(sweep_dir: Path) -> list[SweepRow]:
 
 def sweep_table(rows: list[SweepRow], title: str) -> Table:
     """The table: job, the swept overrides, final train/reward, validation/accuracy and the job's status."""
-    keys = sorted({k for r in rows for k in r["overrides"]})
-    swept = [k for k in keys if len({r["overrides"].get(k) for r in rows}) > 1] or keys
+    swept = swept_keys(rows)
     table = Table(title=title)
     table.add_column("job")
     for k in swept:
@@ -87,22 +86,75 @@ def sweep_table(rows: list[SweepRow], title: str) -> Table:
     return table
 
 
+class Best(TypedDict):
+    """The best job of a sweep: by validation/accuracy, or by final train/reward when no job validated."""
+
+    job: int
+    metric: str
+    value: float
+    swept: dict[str, str]
+    """The swept overrides of that job (the best value of each swept parameter)."""
+
+
+def swept_keys(rows: list[SweepRow]) -> list[str]:
+    """The overrides that differ between jobs (all of them when none differ)."""
+    keys = sorted({k for r in rows for k in r["overrides"]})
+    return [k for k in keys if len({r["overrides"].get(k) for r in rows}) > 1] or keys
+
+
+def best_job(rows: list[SweepRow]) -> Best | None:
+    """The succeeded job with the highest validation/accuracy (final train/reward when none has one); None when no
+    job succeeded with either."""
+    ok = [r for r in rows if r["exit_status"] == 0]
+    for metric, field in (("validation/accuracy", "val_accuracy"), ("train/reward", "final_reward")):
+        scored = [(r[field], r) for r in ok if r[field] is not None]  # type: ignore[literal-required]
+        if scored:
+            value, row = max(scored, key=lambda vr: (vr[0], -vr[1]["job"]))
+            keys = swept_keys(rows)
+            return {"job": row["job"], "metric": metric, "value": float(value),
+                    "swept": {k: row["overrides"][k] for k in keys if k in row["overrides"]}}
+    return None
+
+
+def sweep_status(rows: list[SweepRow]) -> int:
+    """The sweep's exit status: the first failed job's (by job number), 0 when every job succeeded."""
+    return next((r["exit_status"] for r in rows if r["exit_status"] != 0), 0)
+
+
+def best_line(best: Best | None) -> str:
+    if best is None:
+        return "best: none (no job finished with a validation accuracy or a train reward)"
+    swept = " ".join(f"{k}={v}" for k, v in best["swept"].items())
+    return f"best: {swept} (job {best['job']}, {best['metric']} {best['value']:.3f})"
+
+
 def failure_lines(rows: list[SweepRow]) -> list[str]:
     """One line per failed job, under the table: `job N (exit S): rlpost: error: ...`."""
     return [f"job {r['job']} (exit {r['exit_status']}): {r['error'] or 'failed (no error line recorded)'}"
             for r in rows if r["exit_status"] != 0]
 
 
+LAST_STATUS: list[int] = []
+"""The exit status of the sweep summed up last in this process (sweep_status): jobs a launcher ran elsewhere (on
+Slurm) recorded their failures in their own directories, which only the summary reads."""
+
+
 class SweepSummary(Callback):
-    """Prints the sweep table at the end of `rlpost train -m ...` and writes sweep_summary.json."""
+    """Prints the sweep table and its best job at the end of `rlpost train -m ...`, and writes sweep_summary.json:
+    {"jobs": [one row per job], "best": the best job or null, "exit_status": the sweep's}."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: object) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return
         rows = sweep_rows(sweep_dir)
+        best = best_job(rows)
+        status = sweep_status(rows)
+        LAST_STATUS[:] = [status]
         console = Console(width=120)
         console.print(sweep_table(rows, f"rlpost sweep: {sweep_dir}"))
+        console.print(best_line(best), soft_wrap=True, markup=False, highlight=False)
         for line in failure_lines(rows):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
-        (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=1))
+        summary = {"jobs": rows, "best": best, "exit_status": status}
+        (sweep_dir / "sweep_summary.json").write_text(json.dumps(summary, indent=1))

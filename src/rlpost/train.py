@@ -34,8 +34,14 @@ SWEEP_FAILURES: list[tuple[int, int]] = []
 
 
 def sweep_exit_status() -> int:
-    """The sweep's exit status: the first failed job's documented status, 0 when every job succeeded."""
-    return SWEEP_FAILURES[0][1] if SWEEP_FAILURES else 0
+    """The sweep's exit status: the first failed job's documented status, 0 when every job succeeded. Jobs run in
+    this process are counted here; jobs a launcher ran elsewhere (Slurm) by the sweep summary, from their
+    directories."""
+    from rlpost.sweep_summary import LAST_STATUS
+
+    if SWEEP_FAILURES:
+        return SWEEP_FAILURES[0][1]
+    return LAST_STATUS[0] if LAST_STATUS else 0
 
 
 def _run_dir() -> Path:
@@ -67,19 +73,24 @@ def _in_sweep() -> int | None:
     return int(hc.job.num) if hc.mode == RunMode.MULTIRUN else None
 
 
-def _failed(code: int, line: str, run_dir: Path) -> dict[str, object]:
+def _failed(code: int, line: str, run_dir: Path, holds_dir: bool = True) -> dict[str, object]:
     """End a failed job with `code`: a single run exits; a sweep job is recorded and the sweep goes on.
 
     `line` is what was printed on the console (its first line lands in the sweep summary). Interrupts
-    always exit, so Ctrl-C / SIGTERM stop the whole sweep.
+    always exit, so Ctrl-C / SIGTERM stop the whole sweep. The run's status file is written only by a job that
+    holds its directory (`holds_dir`): a job refused before it took the lock leaves the holder's alone.
     """
     import json
 
     from rlpost import failures
+    from rlpost.runtime.run_status import write_status
     from rlpost.sweep_summary import FAILURE_FILE
 
+    interrupted = code in (failures.EXIT_INTERRUPT, failures.EXIT_TERMINATED)
+    if holds_dir:
+        write_status(run_dir, "stopped" if interrupted else "failed", code, error=line.splitlines()[0])
     job = _in_sweep()
-    if job is None or code in (failures.EXIT_INTERRUPT, failures.EXIT_TERMINATED):
+    if job is None or interrupted:
         sys.exit(code)
     SWEEP_FAILURES.append((job, code))
     record = {"exit_status": code, "error": line.splitlines()[0]}
@@ -115,9 +126,9 @@ def run_job(cfg: DictConfig) -> dict[str, object]:
     except ConfigError as err:
         msg = format_config_error(err)
         print(msg, file=sys.stderr)
-        return _failed(failures.EXIT_INPUT, msg, run_dir)
+        return _failed(failures.EXIT_INPUT, msg, run_dir, holds_dir=False)
     except Exception as exc:  # noqa: BLE001 - e.g. DataError: bad input found before anything starts
-        return _job_error(exc, run_dir)
+        return _job_error(exc, run_dir, holds_dir=False)
     try:
         return _run_locked(cfg, master, run_dir)
     finally:  # after the runner released Ray and the workers, whatever ended the run
@@ -164,14 +175,19 @@ def _run_locked(cfg: DictConfig, master: AnyMaster, run_dir: Path) -> dict[str, 
     (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(master), resolve=True))
     print_plan(master)
     from rlpost.runner import run
+    from rlpost.runtime.run_status import write_status
 
     try:
-        return run(master, run_dir)
+        summary = run(master, run_dir)
     except (Exception, KeyboardInterrupt, failures.Interrupted) as exc:
         return _job_error(exc, run_dir)
+    steps = summary.get("steps")
+    write_status(run_dir, "finished" if summary.get("complete", True) else "stopped", 0,
+                 steps if isinstance(steps, int) else None)
+    return summary
 
 
-def _job_error(exc: BaseException, run_dir: Path) -> dict[str, object]:
+def _job_error(exc: BaseException, run_dir: Path, holds_dir: bool = True) -> dict[str, object]:
     """Traceback to train.log, the one `rlpost: error: ...` line to the console, then _failed."""
     from rlpost import failures
     from rlpost.runtime import console as say
@@ -179,7 +195,7 @@ def _job_error(exc: BaseException, run_dir: Path) -> dict[str, object]:
     failures.log_traceback(exc)
     line = failures.describe(exc, _log_file())
     say.error(line)
-    return _failed(failures.exit_status(exc), f"rlpost: error: {line}", run_dir)
+    return _failed(failures.exit_status(exc), f"rlpost: error: {line}", run_dir, holds_dir)
 
 
 def _make_run_dir(run_dir: Path) -> None:

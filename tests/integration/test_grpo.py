@@ -293,8 +293,10 @@ def test_multirun_goes_on_after_a_job_diverges_and_ends_with_its_status(cache: P
     assert broken == ["step_1"]  # the step before the break, and no broken step after it
     assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
     assert [m["step"] for m in first] == [1, 2]
-    rows = json.loads((sweep / "sweep_summary.json").read_text())
-    assert [(r["job"], r["exit_status"]) for r in rows] == [(0, 0), (1, 3)]
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    rows = summary["jobs"]
+    assert [(r["job"], r["exit_status"]) for r in rows] == [(0, 0), (1, 3)] and summary["exit_status"] == 3
+    assert summary["best"]["job"] == 0 and summary["best"]["swept"] == {"policy.optimizer.kwargs.lr": "0.003"}
     assert rows[0]["error"] is None and rows[0]["final_reward"] == first[-1]["train/reward"]
     line = rows[1]["error"]
     assert line.startswith("rlpost: error: ") and line in out.stderr.splitlines()  # the line the job printed

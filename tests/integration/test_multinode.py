@@ -1,88 +1,96 @@
-"""A real 2-node Ray cluster on localhost (`ray start --head` + `ray start --address`, 1 CPU each)
-runs a 2-rank DTensor worker group spanning both nodes."""
+"""GRPO on a real two-node Ray cluster on this machine (a head at 127.0.0.1 and a second raylet at 127.0.0.2, one
+CPU each): the plan and the run name which node holds which worker, the policy's ranks and the engines land on both
+nodes, killing the second node's raylet ends the run with exit 3 naming the node and what it held, and once the node
+is back the run resumes from its last checkpoint, submitted as a Ray job (`rlpost launch ray`) to the same cluster."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from rlpost.distributed.ports import free_port
+from tests.integration import cli_runs
+from tests.integration.ray_nodes import RayNode, head, wait_for, wait_nodes, worker
 
 pytestmark = pytest.mark.slow
 
-DRIVER = r"""
-import sys, torch
-from rlpost.config.load import load_master_config
-from rlpost.distributed.virtual_cluster import init_ray, RayVirtualCluster
-from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.models.policy.lm_policy import Policy
-import dataclasses, ray
-addr, model = sys.argv[1], sys.argv[2]
-_, cfg = load_master_config(["cluster=ray", f"cluster.address={addr}", "cluster.gpus_per_node=1", "cluster.num_nodes=2",
-                             "policy.train_micro_batch_size=8"])
-pcfg = dataclasses.replace(cfg.policy, model_name=model)
-pcfg.tokenizer.name = model
-init_ray(cfg.cluster)
-import time
-deadline = time.time() + 90
-while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.time() < deadline:
-    time.sleep(1)
-print("ALIVE", len([n for n in ray.nodes() if n["Alive"]]))
-cl = RayVirtualCluster("two-nodes", workers_per_node=1, num_nodes=2, cpus_per_bundle=0.5, placement_timeout_s=60)
-pol = Policy(cl, pcfg)
-ids = torch.randint(3, 300, (4, 10))
-lp = pol.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=torch.full((4,), 10)))["logprobs"]
-nodes = {cl.bundle_for_rank(r).node_id for r in range(2)}
-print("NODES", len(nodes), "LPSHAPE", tuple(lp.shape), "FINITE", bool(torch.isfinite(lp).all()))
-pol.shutdown(); cl.shutdown(); ray.shutdown()
-"""
+STEPS = 200
+"""Long enough that the run is still going when Ray declares the killed node dead (the tiny steps take 0.3 s)."""
 
 
-def _start(args: list[str], env: dict[str, str], log: object = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
-    ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
-    return subprocess.Popen(
-        [ray_bin, "start", "--block", "--num-cpus=1", "--node-ip-address=127.0.0.1", *args],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+def _rows(run: Path) -> list[dict]:
+    f = run / "metrics.jsonl"
+    return cli_runs.metrics(run) if f.is_file() else []
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=15)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def test_worker_group_spans_two_localhost_nodes(tiny_model_dir: Path, tmp_path: Path) -> None:
-    port = free_port("127.0.0.1")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    head = _start(["--head", f"--port={port}", "--include-dashboard=false", "--object-store-memory=200000000"], env)
-    worker = None
+def test_grpo_spans_two_nodes_and_a_lost_node_ends_it_with_exit_3_then_it_resumes(cache: Path, tmp_path: Path
+                                                                                  ) -> None:
+    port, dashboard = free_port("127.0.0.1"), free_port("127.0.0.1")
+    address = f"127.0.0.1:{port}"
+    bindir = str(Path(cli_runs.RLPOST).parent)  # the head's PATH has rlpost, as where the venv is activated
+    env = {**cli_runs.env(cache), "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0",
+           "PATH": f"{bindir}:{os.environ.get('PATH', '')}"}
+    nodes: list[RayNode] = [head(port, env, tmp_path / "ray-head.log", "--include-dashboard=true",
+                                 "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}")]
+    run = tmp_path / "run"
+    job = ["cluster.gpus_per_node=1", "cluster.num_nodes=2", f"grpo.max_num_steps={STEPS}",
+           "checkpointing.save_period=5", "grpo.val_period=100"]
+    overrides = [f"hydra.run.dir={run}", "cluster=ray", f"cluster.address={address}", *job]
     try:
-        time.sleep(5)
-        worker = _start([f"--address=127.0.0.1:{port}", "--object-store-memory=200000000"], env)
-        out = subprocess.run(
-            [sys.executable, "-c", DRIVER, f"127.0.0.1:{port}", str(tiny_model_dir)],
-            env=env, capture_output=True, text=True, timeout=300,
-        )
-        assert "ALIVE 2" in out.stdout and "NODES 2 LPSHAPE (4, 10) FINITE True" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+        nodes.append(worker(address, "127.0.0.2", env, tmp_path / "ray-node2.log"))
+        wait_nodes(address, 2, env)
+        plan = subprocess.run([cli_runs.RLPOST, "plan", *overrides[1:]], env={**env, "COLUMNS": "300"},
+                              capture_output=True, text=True, timeout=120)
+        assert plan.returncode == 0, plan.stderr
+        flat = " ".join(plan.stdout.replace("│", " ").split())
+        assert "node 0: policy rank 0, engine replica 0; node 1: policy rank 1, engine replica 1" in flat, flat
+
+        console = tmp_path / "console.txt"
+        with console.open("w") as out:
+            proc = subprocess.Popen([cli_runs.RLPOST, "train", *overrides], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                saved = run / "checkpoints" / "step_5" / "training_info.json"
+                wait_for(lambda: saved.is_file() or proc.poll() is not None, 600, "the checkpoint of step 5")
+                assert proc.poll() is None, console.read_text()[-3000:]
+                text = console.read_text()
+                placed = next((ln for ln in text.splitlines() if "placement:" in ln), "")
+                # `ray start` gives the head this machine's address for 127.0.0.1; the second node keeps 127.0.0.2.
+                where = dict(part.strip().split(": ", 1) for part in placed.split("placement:", 1)[1].split(";"))
+                assert len(where) == 2 and any(k.startswith("127.0.0.2 ") for k in where), placed
+                assert all("policy rank" in v and "vLLM replica" in v for v in where.values()), placed
+                nodes[1].kill_raylet()
+                lost_at = time.monotonic()
+                proc.wait(timeout=120)
+                took = time.monotonic() - lost_at
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        text = console.read_text()
+        assert proc.returncode == 3, text[-3000:]
+        assert took < 60, f"the run took {took:.0f}s to end after the node was lost"
+        error = [ln for ln in text.splitlines() if ln.startswith("rlpost: error:")]
+        assert error and "node 127.0.0.2" in error[-1] and "was lost" in error[-1], text[-3000:]
+        held = next(v for k, v in where.items() if k.startswith("127.0.0.2 "))
+        assert error[-1].endswith(f"was lost; it held {held}"), (error[-1], held)  # what the plan line put there
+        assert "Traceback" not in text and "(raylet)" not in text, text[-3000:]  # Ray's own lines: in train.log
+        done = max(r["step"] for r in _rows(run))
+
+        nodes[1].stop()
+        nodes[1] = worker(address, "127.0.0.2", env, tmp_path / "ray-node2-again.log")
+        wait_nodes(address, 2, env)
+        again = subprocess.run([cli_runs.RLPOST, "launch", "ray", "--address", f"http://127.0.0.1:{dashboard}",
+                                "--run-dir", str(run), "--wait", "--", "train", *job],
+                               env=env, capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert "SUCCEEDED" in again.stdout, again.stdout
+        assert "resuming from step" in (run / "train.log").read_text()
+        steps = [r["step"] for r in _rows(run) if "train/reward" in r]
+        assert steps == list(range(1, STEPS + 1)), (done, steps)
     finally:
-        if worker is not None:
-            _stop(worker)
-        _stop(head)
+        for node in reversed(nodes):
+            node.stop()

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CONF = ROOT / "conf"
 
-NOT_COMMANDS = {"rlpost train [overrides]", "rlpost plan [overrides]", "rlpost eval [overrides]"}
-"""Quoted in prose as the syntax of a command, not as a command."""
+NOT_COMMANDS = {"rlpost train [overrides]", "rlpost plan [overrides]", "rlpost eval [overrides]", "rlpost launch"}
+"""Quoted in prose as the syntax of a command, not as a command (as is any line ending in `[overrides]`)."""
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,15 @@ class Command:
     """The command as written (continuations joined, trailing comment dropped)."""
 
 
+def _is_syntax(text: str) -> bool:
+    """The syntax of a command, or a command named in prose (`rlpost launch slurm`: no run after it)."""
+    return text in NOT_COMMANDS or text.endswith("[overrides]") or (text.startswith("rlpost launch")
+                                                                    and " -- " not in text)
+
+
 def _command(where: str, text: str) -> Command:
     text = re.sub(r"(^|\s)#.*$", "", text).strip()  # a trailing `# comment`
+    text = text.split(" | ", 1)[0]  # what the output is piped into
     return Command(where, " ".join(text.split()))
 
 
@@ -90,7 +97,7 @@ def markdown_commands(path: Path) -> list[Command]:
     for start, block in blocks:
         for offset, line in enumerate(block):
             m = re.match(r"(?:make \S+ && )?(rlpost\b.*)", line)
-            if m:
+            if m and not _is_syntax(_command("", m.group(1)).text):
                 out.append(_command(f"{rel}:{start + offset}", m.group(1)))
     in_block = False
     for i, line in enumerate(path.read_text().splitlines(), 1):
@@ -98,7 +105,7 @@ def markdown_commands(path: Path) -> list[Command]:
             in_block = not in_block
         if not in_block:
             out += [_command(f"{rel}:{i}", _expand(q, env)) for q in re.findall(r"`(rlpost [^`]*)`", line)
-                    if q not in NOT_COMMANDS]
+                    if not _is_syntax(q)]
     return out
 
 
@@ -137,7 +144,9 @@ def plan_overrides(argv: list[str]) -> list[str] | None:
     if len(argv) == 1 or argv[1].startswith("-"):
         return None  # rlpost --version / --help
     sub, rest = argv[1], argv[2:]
-    assert sub in ("train", "plan", "eval"), f"unknown subcommand {sub!r}"
+    assert sub in ("train", "plan", "eval", "launch"), f"unknown subcommand {sub!r}"
+    if sub == "launch":
+        return None  # checked by its own --dry-run (test_a_documented_command_plans)
     if sub != "train":
         return rest
     flags, overrides, multirun = cli.split_hydra_argv(rest)
@@ -174,8 +183,11 @@ def test_a_documented_command_plans(text: str, tmp_path: Path, monkeypatch: pyte
     monkeypatch.chdir(tmp_path)  # the run directory checks look at ./outputs
     argv = shlex.split(text)
     overrides = plan_overrides(argv)
+    if argv[1:2] == ["launch"] and argv[2] in ("slurm", "ray"):  # the job's pre-flight; nothing submitted
+        argv = [*argv[:3], "--dry-run", *argv[3:]]
     if overrides is None:
-        assert cli.main(argv[1:]) == 0
+        rc = cli.main(argv[1:])
+        assert rc == 0, f"{text}\n  (at {', '.join(UNIQUE[text])})\n{capsys.readouterr().err}"
         return
     rc = cli.main(["plan", *overrides])
     err = capsys.readouterr().err

@@ -2,11 +2,12 @@
 
 Order, left to right:
 
-    config → runtime → data → distributed → ops → environments → models → algorithms → app
+    config → runtime → data → distributed → ops → environments → models → algorithms → app → launch → cli
 
 `runtime/` holds the run-time services every layer may use (console lines, the run log, `_target_`
 resolution, timers, checkpoint files, metrics); `ops/` the tensor ops shared by workers and losses;
-"app" is every module directly under `rlpost/` (cli, train, runner, preflight, plan, ...). Every
+"app" is every module directly under `rlpost/` (train, runner, preflight, plan, ...) but `cli`, the console script
+that dispatches to all of them, `launch/` (`rlpost launch`) included. Every
 import counts: the lazy ones inside functions and those under `if TYPE_CHECKING:` too (an annotation
 that names a class is a dependency on it).
 """
@@ -20,7 +21,8 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "rlpost"
-ORDER = ["config", "runtime", "data", "distributed", "ops", "environments", "models", "algorithms", "app"]
+ORDER = ["config", "runtime", "data", "distributed", "ops", "environments", "models", "algorithms", "app", "launch",
+         "cli"]
 
 
 def _module(path: Path) -> str:
@@ -37,6 +39,8 @@ def _is_module(name: str) -> bool:
 
 def _layer(module: str) -> str:
     parts = module.split(".")
+    if module == "rlpost.cli":
+        return "cli"
     if len(parts) == 1 or (len(parts) == 2 and (SRC / f"{parts[1]}.py").exists()):
         return "app"
     return parts[1]

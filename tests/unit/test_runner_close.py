@@ -45,6 +45,7 @@ class _Comps:
 class _Loop:
     def __init__(self, body: Callable[[Callable[[int, dict[str, float]], None]], None]) -> None:
         self.body = body
+        self.out_of_time = False
 
     def run(self, on_step: Callable[[int, dict[str, float]], None]) -> None:
         self.body(on_step)

@@ -10,10 +10,17 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from rlpost import train
+from rlpost import sweep_summary, train
 from rlpost.algorithms.loop import HealthCheckError
 from rlpost.data.datasets import DataError
-from rlpost.sweep_summary import FAILURE_FILE, SweepSummary, failure_lines, sweep_rows
+from rlpost.sweep_summary import (
+    FAILURE_FILE,
+    SweepSummary,
+    best_job,
+    failure_lines,
+    sweep_rows,
+    sweep_status,
+)
 
 LINE = "rlpost: error: step 2: train/loss=nan is not finite; the run stopped before saving this step"
 
@@ -35,26 +42,39 @@ def test_a_failed_job_is_listed_with_its_status_and_line(tmp_path: Path, capsys:
     _job(sweep, 1, "1000000000.0", [0.125], {"exit_status": 3, "error": LINE})
     SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
 
-    rows = json.loads((sweep / "sweep_summary.json").read_text())
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    rows = summary["jobs"]
     assert [(r["job"], r["exit_status"], r["error"]) for r in rows] == [(0, 0, None), (1, 3, LINE)]
     assert rows[0]["final_reward"] == 0.25
+    assert summary["exit_status"] == 3 and sweep_summary.LAST_STATUS == [3]
+    assert summary["best"] == {"job": 0, "metric": "train/reward", "value": 0.25,
+                               "swept": {"policy.optimizer.kwargs.lr": "0.003"}}  # the failed job is not a candidate
     out = capsys.readouterr().out
+    assert "best: policy.optimizer.kwargs.lr=0.003 (job 0, train/reward 0.250)" in out
     assert "status" in out and "failed (exit 3)" in out and "ok" in out
     assert "policy.optimizer.kwargs.lr" in out and "grpo.max_num_steps" not in out  # only the swept key
     assert f"job 1 (exit 3): {LINE}" in out  # the whole line, unwrapped, under the table
 
 
-def test_every_job_succeeding_prints_no_failure_line(tmp_path: Path) -> None:
+def test_every_job_succeeding_prints_no_failure_line_and_the_best_is_the_highest(tmp_path: Path) -> None:
     _job(tmp_path, 0, "0.003", [0.5])
     _job(tmp_path, 1, "0.03", [0.75])
+    _job(tmp_path, 2, "0.3", [0.25])
     rows = sweep_rows(tmp_path)
-    assert [r["exit_status"] for r in rows] == [0, 0]
+    assert [r["exit_status"] for r in rows] == [0, 0, 0] and sweep_status(rows) == 0
     assert failure_lines(rows) == []
+    best = best_job(rows)
+    assert best is not None and best["job"] == 1 and best["swept"] == {"policy.optimizer.kwargs.lr": "0.03"}
 
 
 def test_a_failure_without_a_line_still_says_so(tmp_path: Path) -> None:
     _job(tmp_path, 0, "0.003", [], {"exit_status": 1})
     assert failure_lines(sweep_rows(tmp_path)) == ["job 0 (exit 1): failed (no error line recorded)"]
+
+
+@pytest.fixture(autouse=True)
+def no_sweep_summed_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sweep_summary, "LAST_STATUS", [])
 
 
 @pytest.fixture

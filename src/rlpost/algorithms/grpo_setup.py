@@ -24,6 +24,7 @@ from rlpost.data.dataloader import PromptLoader
 from rlpost.data.datasets import DataError
 from rlpost.data.prompts import PromptProcessor, load_prompt_rows, load_tokenizer
 from rlpost.data.rows import PromptRow
+from rlpost.distributed import placement
 from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
 from rlpost.distributed.worker_groups import WorkerGroupError
 from rlpost.environments.interfaces import EnvironmentInterface
@@ -195,6 +196,8 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
             policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device)
             opened.insert(1, lambda: policy.shutdown(graceful=False))  # closed after the engines
             generation.wait_started()
+            if (placed := placement.summary()) is not None:
+                say.info(f"placement: {placed}")
             generation.finish_generation()
             if not colocated:
                 from rlpost.algorithms.refit import init_refit_collective

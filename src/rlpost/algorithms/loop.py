@@ -183,6 +183,8 @@ class StepLoop:
         self.slowest = 0.0
         self.position: dict[str, int] | None = None
         """The loader position of the last step run: what `save_now` resumes from."""
+        self.out_of_time = False
+        """The wall-clock budget ended the run before its schedule did (re-running it resumes)."""
 
     def run(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> None:
         algo, parts, sched = self.algo, self.parts, self.algo.schedule
@@ -202,6 +204,7 @@ class StepLoop:
                 on_step(step, result.metrics)
             if out_of_time:
                 say.info(self.deadline.message(step))
+                self.out_of_time = True
                 break
 
     def _book(self, step: int, result: StepResult, step_t0: float) -> bool:

@@ -94,7 +94,7 @@ def init_ray(cfg: ClusterConfig) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    from rlpost.runtime.run_log import ENV_VAR, SETUP_HOOK, run_log
+    from rlpost.runtime.run_log import ENV_VAR, SETUP_HOOK, ray_errors_to_log, run_log
 
     env_vars = dict(WORKER_ENV)
     runtime_env: dict[str, object] = {"env_vars": env_vars}
@@ -103,6 +103,7 @@ def init_ray(cfg: ClusterConfig) -> None:
         env_vars[ENV_VAR] = log_file
         runtime_env["worker_process_setup_hook"] = SETUP_HOOK
     to_console = log_file is None
+    ray_errors_to_log()
     skip_failure_handler()  # SIGTERM and Ctrl-C stay the driver's (rlpost.distributed.ray_signals)
     if cfg.address:
         probe_head(cfg.address)

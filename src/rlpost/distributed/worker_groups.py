@@ -18,6 +18,7 @@ from typing import Any, NoReturn, TypeVar
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from rlpost.distributed import placement
 from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
 
 _T = TypeVar("_T")
@@ -67,8 +68,18 @@ class ActorGroup:
         self.timeout_s = timeout_s
         self.failure: str | None = None
         """What shut the group down (a dead or hung actor), once one did."""
+        self.nodes: dict[int, str] = {}
+        """The Ray node of each actor placed with `place` (by index)."""
 
     def describe(self, index: int) -> str:
+        return f"{self.name_prefix} {index}"
+
+    def place(self, index: int, node_id: str) -> None:
+        """Record that actor `index` runs on `node_id` (rlpost.distributed.placement): a lost node then names it."""
+        self.nodes[index] = node_id
+        placement.place(node_id, self._label(index))
+
+    def _label(self, index: int) -> str:
         return f"{self.name_prefix} {index}"
 
     def get(self, futures: Sequence[ray.ObjectRef[_T]], timeout_s: float | None = None, indices: list[int] | None = None
@@ -135,6 +146,9 @@ class ActorGroup:
             head = f"{name.rsplit('.', 1)[-1]}: {msg}" if sep else (lines[-1] if lines else "an unknown error")
             self._fail(f"{self.describe(index)} failed to start: {head}\n{exc}")
         if isinstance(exc, RayActorError):
+            lost = placement.lost_node(self.nodes.get(index, ""))
+            if lost is not None:  # the node died with the actor: name the node and everything it took down
+                self._fail(f"{lost}\n{exc}")
             self._fail(f"{self.describe(index)} died: {str(exc).splitlines()[0]}")
         cause = getattr(exc, "cause", None)
         head = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}" \
@@ -179,6 +193,8 @@ class ActorGroup:
             except Exception:  # noqa: BLE001
                 pass
         self.workers = []
+        placement.forget([self._label(i) for i in self.nodes])
+        self.nodes = {}
 
 
 class RayWorkerGroup(ActorGroup):
@@ -229,6 +245,7 @@ class RayWorkerGroup(ActorGroup):
             if max_concurrency > 1:
                 opts["max_concurrency"] = max_concurrency
             self.workers.append(remote_cls.options(**opts).remote(*args, **kwargs))
+            self.place(rank, cluster.bundle_for_rank(rank).node_id)
 
     @property
     def world_size(self) -> int:
@@ -236,6 +253,9 @@ class RayWorkerGroup(ActorGroup):
 
     def describe(self, rank: int) -> str:
         return f"{self.name_prefix} rank {rank} on node {self.cluster.node_of_rank(rank)}"
+
+    def _label(self, index: int) -> str:
+        return f"{self.name_prefix} rank {index}"
 
     # ---- dispatch -------------------------------------------------------------------------
     def run_all(self, method: str, *args: object, **kwargs: object) -> list[Any]:

@@ -29,6 +29,25 @@ def capture_driver_output(log_file: Path | None) -> None:
         os.environ[ENV_VAR] = str(log_file)
 
 
+def ray_errors_to_log() -> None:
+    """In a run, the errors Ray's control plane publishes to drivers (a raylet that died, a worker the OOM killer
+    took) go to train.log as warnings: Ray's driver prints them to the console from a thread of its own
+    (`ray._private.worker.listen_error_messages`, through the module's `print_to_stdstream`, replaced here before
+    `ray.init` starts that thread). What they mean reaches the console as rlpost's own one line."""
+    if not run_log():
+        return
+    import ray._private.worker as ray_worker
+
+    ray_log = logging.getLogger("rlpost.ray")  # not "ray": Ray gives that logger a console handler of its own
+
+    def to_log(data: dict[str, object], ignore_prefix: bool) -> None:
+        lines = data.get("lines")
+        for line in lines if isinstance(lines, list) else []:
+            ray_log.warning("(%s) %s", data.get("pid"), line)
+
+    ray_worker.print_to_stdstream = to_log
+
+
 def run_log() -> str | None:
     """The run's train.log, when a run set it."""
     return os.environ.get(ENV_VAR) or None

@@ -203,7 +203,8 @@ class VllmGeneration(GenerationInterface):
             )
         self.num_replicas = cluster.world_size // self.slots_per_replica
         self.use_gpus = cluster.use_gpus
-        self.group = ActorGroup([], f"vLLM {name_prefix} replica", timeout_s)
+        self.group = ActorGroup([], "vLLM replica" if name_prefix == "vllm" else f"vLLM {name_prefix} replica",
+                                timeout_s)
         self._next_replica = 0
         self._refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
         remote_cls = ray.remote(VllmEngineWorker)
@@ -232,6 +233,7 @@ class VllmGeneration(GenerationInterface):
                     dict(lora_adapter) if lora_adapter else None,
                 )
             )
+            self.group.place(r, cluster.bundle_for_rank(first_slot).node_id)
         # Not waited for here: the policy's workers (built next) start beside the engines; the first use waits.
         self._info_futures = [w.info.remote() for w in self.group.workers]
         self._info: EngineInfo | None = None

@@ -1,0 +1,187 @@
+"""`rlpost launch <slurm|ray|kuberay> [options] -- train [overrides]`: check the run's config here, then hand it to
+the cluster. Bad input exits 2 before anything is submitted; a submission the cluster refuses exits 3."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from rlpost.config.errors import ConfigError, report_config_error
+
+USAGE = """\
+usage: rlpost launch slurm [--run-dir DIR] [--max-requeues N] [--dry-run] [--wait] [sbatch options] -- train [overrides]
+       rlpost launch ray --address http://HEAD:8265 [--run-dir DIR] [--working-dir DIR] [--dry-run] [--wait]
+                         -- train [overrides]
+       rlpost launch kuberay --image IMAGE --pvc CLAIM [--workers N] [--cpus N] [--gpus N] [--memory 64Gi]
+                             [--name NAME] -- train [overrides]
+
+  slurm     submit a batch script: Ray on the job's nodes, then `rlpost train` against it (docs/clusters.md)
+  ray       submit `rlpost train` as a Ray job to a running Ray cluster
+  kuberay   print a KubeRay RayJob manifest (kubectl apply -f -)
+
+examples:
+  rlpost launch slurm --nodes=2 --gpus-per-node=8 --time=04:00:00 -- train cluster.gpus_per_node=8 \
+      policy.train_micro_batch_size=16
+  rlpost launch slurm --dry-run -- train grpo.max_num_steps=20 cluster.gpus_per_node=1
+  rlpost launch ray --address http://head:8265 --wait -- train cluster.num_nodes=2 cluster.gpus_per_node=1
+"""
+
+_SET_BY_LAUNCH = ("cluster.address", "hydra.run.dir", "cluster.num_nodes")
+"""Keys the launcher sets (cluster.num_nodes only where the scheduler's node count gives it: Slurm, KubeRay)."""
+
+
+def default_run_dir() -> Path:
+    """outputs/<date>/<time> under the working directory, as `rlpost train` names a run, made absolute: the nodes
+    write it."""
+    return (Path("outputs") / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")).absolute()
+
+
+def split_train(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(launcher arguments, train overrides) of `... -- train overrides`."""
+    if "--" not in argv:
+        raise ConfigError("rlpost launch", " ".join(argv) or None, "needs `-- train [overrides]` after its options",
+                          "e.g. rlpost launch slurm --nodes=2 -- train grpo.max_num_steps=20")
+    cut = argv.index("--")
+    ours, rest = argv[:cut], argv[cut + 1:]
+    if not rest or rest[0] != "train":
+        raise ConfigError("rlpost launch", " ".join(rest) or None, "runs `rlpost train`: write `-- train [overrides]`")
+    return ours, rest[1:]
+
+
+def train_overrides(overrides: list[str], num_nodes: int | None) -> list[str]:
+    """The overrides the job runs with: cluster=ray (joining the launched cluster) and the node count. Keys the
+    launcher sets itself and sweeps are refused."""
+    for o in overrides:
+        if o in ("-m", "--multirun"):
+            raise ConfigError("-m", o, "rlpost launch runs one job",
+                              "sweep on Slurm with `rlpost train -m hydra/launcher=submitit_slurm ...`")
+        key, _, value = o.partition("=")
+        key = key.lstrip("+~")
+        if key in _SET_BY_LAUNCH and (key != "cluster.num_nodes" or num_nodes is not None):
+            raise ConfigError(key, value, "is set by rlpost launch", "use --run-dir for the run directory and the "
+                              "scheduler's node count (sbatch --nodes, --workers) for the nodes")
+        if key == "cluster" and value != "ray":
+            raise ConfigError("cluster", value, "a launched run joins the Ray cluster its launcher starts",
+                              "leave `cluster` out (cluster=ray)")
+    nodes = [f"cluster.num_nodes={num_nodes}"] if num_nodes is not None else []
+    return ["cluster=ray", *[o for o in overrides if o.partition("=")[0] != "cluster"], *nodes]
+
+
+def check(overrides: list[str], run_dir: Path) -> int:
+    """The job's pre-flight on this host (the Ray head and the devices are judged on the nodes); 2 on bad input."""
+    from rlpost.command_checks import preflight
+
+    return preflight([*overrides, "cluster.address=auto", f"hydra.run.dir={run_dir}"], False, launched=True)
+
+
+def _slurm(argv: list[str], train: list[str]) -> int:
+    from rlpost.launch import slurm
+
+    p = argparse.ArgumentParser(prog="rlpost launch slurm", add_help=False, allow_abbrev=False)
+    p.add_argument("--run-dir", type=Path, default=None)
+    p.add_argument("--max-requeues", type=int, default=3)
+    p.add_argument("--nodes-timeout-s", type=float, default=300.0)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--wait", action="store_true")
+    ours, sbatch_args = p.parse_known_args(argv)
+    if ours.max_requeues < 0:
+        raise ConfigError("--max-requeues", ours.max_requeues, "must be >= 0")
+    run_dir = (ours.run_dir or default_run_dir()).absolute()
+    overrides = train_overrides(train, slurm.node_count(sbatch_args))
+    if rc := check(overrides, run_dir):
+        return rc
+    job = slurm.SlurmJob(overrides, sbatch_args, run_dir, ours.max_requeues, nodes_timeout_s=ours.nodes_timeout_s,
+                         workdir=Path.cwd())
+    script = slurm.render(job)
+    if ours.dry_run:
+        print(script, end="")
+        return 0
+    job_id = slurm.submit(job, script)
+    state = slurm.job_state(job_id)
+    print(f"rlpost launch: Slurm job {job_id} {state.state}; run directory {run_dir}\n"
+          f"  logs: {run_dir / 'logs'} (driver.log, ray-<node>.log, slurm-{job_id}.out)\n"
+          f"  follow: squeue -j {job_id}; stop: scancel {job_id} (the step finishes and saves)", flush=True)
+    if not ours.wait:
+        return 0
+    end = slurm.wait_for(job_id)
+    return end.exit_status if end.exit_status is not None else 3
+
+
+def _ray(argv: list[str], train: list[str]) -> int:
+    from rlpost.launch import ray_job
+
+    p = argparse.ArgumentParser(prog="rlpost launch ray", add_help=False, allow_abbrev=False)
+    p.add_argument("--address", required=True)
+    p.add_argument("--run-dir", type=Path, default=None)
+    p.add_argument("--working-dir", type=Path, default=None)
+    p.add_argument("--rlpost-bin", default="rlpost")
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--wait", action="store_true")
+    ours, unknown = p.parse_known_args(argv)
+    if unknown:
+        raise ConfigError("rlpost launch ray", " ".join(unknown), "unknown option(s)", USAGE.splitlines()[1])
+    if ours.working_dir is not None and not ours.working_dir.is_dir():
+        raise ConfigError("--working-dir", str(ours.working_dir), "is not a directory")
+    run_dir = (ours.run_dir or default_run_dir()).absolute()
+    overrides = train_overrides(train, None)
+    if rc := check(overrides, run_dir):
+        return rc
+    job = ray_job.RayJob(ours.address, overrides, run_dir, ours.working_dir, ours.rlpost_bin)
+    if ours.dry_run:
+        print(f"entrypoint: {job.entrypoint()}\nruntime_env: {job.runtime_env()}")
+        return 0
+    job_id = ray_job.submit(job)
+    print(f"rlpost launch: Ray job {job_id} submitted to {ours.address}; run directory {run_dir}\n"
+          f"  logs: ray job logs {job_id} --address {ours.address}; stop: ray job stop {job_id}", flush=True)
+    return ray_job.wait_for(ours.address, job_id) if ours.wait else 0
+
+
+def _kuberay(argv: list[str], train: list[str]) -> int:
+    from rlpost.launch.kuberay import KubeRayJob
+
+    p = argparse.ArgumentParser(prog="rlpost launch kuberay", add_help=False, allow_abbrev=False)
+    p.add_argument("--image", required=True)
+    p.add_argument("--pvc", required=True)
+    p.add_argument("--name", default="rlpost-" + time.strftime("%Y%m%d-%H%M%S"))
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--cpus", type=int, default=8)
+    p.add_argument("--gpus", type=int, default=0)
+    p.add_argument("--memory", default="64Gi")
+    ours, unknown = p.parse_known_args(argv)
+    if unknown:
+        raise ConfigError("rlpost launch kuberay", " ".join(unknown), "unknown option(s)", USAGE.splitlines()[3])
+    if ours.workers < 0:
+        raise ConfigError("--workers", ours.workers, "must be >= 0")
+    overrides = train_overrides(train, ours.workers + 1)
+    if ours.gpus and not any(o.startswith("cluster.gpus_per_node=") for o in overrides):
+        overrides.append(f"cluster.gpus_per_node={ours.gpus}")
+    if rc := check(overrides, Path("/tmp") / ours.name):
+        return rc
+    job = KubeRayJob(ours.name, ours.image, overrides, ours.workers, ours.cpus, ours.gpus, ours.memory, ours.pvc)
+    print(job.manifest(), end="")
+    return 0
+
+
+def launch(argv: list[str]) -> int:
+    """`rlpost launch ...`: the exit status."""
+    from rlpost import failures
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    kinds = {"slurm": _slurm, "ray": _ray, "kuberay": _kuberay}
+    kind = kinds.get(argv[0])
+    try:
+        if kind is None:
+            raise ConfigError("rlpost launch", argv[0], f"must be one of {sorted(kinds)}")
+        ours, train = split_train(argv[1:])
+        return kind(ours, train)
+    except ConfigError as err:
+        report_config_error(err)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - the scheduler refused or could not be reached: one line
+        print(f"rlpost launch: error: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}",
+              file=sys.stderr)
+        return failures.EXIT_RUNTIME
