@@ -195,7 +195,7 @@ def test_a_killed_engine_actor_stops_async_grpo_with_its_name(cache: Path, tmp_p
             os.killpg(proc.pid, signal.SIGKILL)
     fault("kill -9 of the engine actor", proc.returncode, err)
     assert proc.returncode == 3, err[-2000:]
-    assert re.search(r"vLLM \S+ replica 0 died", err), err[-2000:]
+    assert re.search(r"vLLM replica 0 died", err), err[-2000:]
     assert "Traceback" not in err
 
 
