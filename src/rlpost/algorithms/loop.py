@@ -7,7 +7,8 @@ One place holds what they have in common (docs/architecture.md, "The step loop")
 - the wall-clock budget (`checkpointing.checkpoint_must_save_by`: save this step and stop when another would not fit);
 - the health gate: a non-finite loss, grad norm or weights, and (GRPO) the engine/trainer drift thresholds, stop the
   run before the broken step is checkpointed;
-- the step's metrics row: the algorithm's metrics, its phase timings, throughput and (logger.monitor_gpus) GPU memory;
+- the step's metrics row: the algorithm's metrics, its phase timings, throughput, (logger.monitor_gpus) GPU memory
+  and (logger.resource_metrics) each process's CPU and memory;
 - call timeouts on the workers, tightened to `cluster.step_timeout_factor` x the slowest step;
 - the per-step hook (`on_step`) the runner uses for its progress bar and for stop requests, which save through
   `StepLoop.save_now`.
@@ -29,6 +30,7 @@ from rlpost.config.schema.checkpoint import CheckpointingConfig
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.runtime import console as say
 from rlpost.runtime.metrics_logger import MetricsLogger
+from rlpost.runtime.resources import tokens_per_s
 from rlpost.runtime.timer import Timer
 
 
@@ -237,6 +239,9 @@ class StepLoop:
         if result.generated_tokens is not None:
             metrics["performance/generation_tokens_per_sec"] = (result.generated_tokens
                                                                 / max(times.get("generation", 0.0), 1e-9))
+        if parts.logger.resources is not None:  # logger.resource_metrics (rlpost.runtime.resources)
+            metrics.update(parts.logger.resources.sample())
+            metrics.update(tokens_per_s(result.generated_tokens, result.trained_tokens, times))
         parts.logger.log(metrics, step)
         self.slowest = max(self.slowest, times["total_step_time"])
         timeout = call_timeout_for(parts.cluster, self.slowest)

@@ -1,4 +1,6 @@
-"""Metric fan-out: metrics.jsonl (one object per step), TensorBoard scalars, a rich console bar.
+"""Metric fan-out: metrics.jsonl (one object per step), TensorBoard scalars, the experiment trackers (W&B, MLflow:
+rlpost.runtime.trackers), a rich console bar; and the run's resource monitor (rlpost.runtime.resources), which the
+step loop samples into each row.
 
 On resume from step S, `truncate_after(S)` drops what the interrupted run logged after S (and any
 partial last line), so the re-run steps appear once; `restore_row(S, row)` puts back step S's row, from the
@@ -15,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rlpost.config.schema.logger import LoggerConfig
+from rlpost.runtime.resources import ResourceMonitor
+from rlpost.runtime.trackers import Tracker, call_each, start_trackers
 
 TB_FLUSH_S = 1.0
 """TensorBoard's events reach the disk at most this long after they were logged (a flush after every step would make
@@ -35,7 +39,7 @@ def scalar_metrics(metrics: Mapping[str, object]) -> dict[str, float]:
 
 
 class MetricsLogger:
-    """Writes each `log(metrics, step)` call as one JSONL line and as TensorBoard scalars."""
+    """Writes each `log(metrics, step)` call as one JSONL line, as TensorBoard scalars and to each tracker."""
 
     def __init__(self, cfg: LoggerConfig, run_dir: Path) -> None:
         self.dir = Path(cfg.log_dir) if cfg.log_dir else run_dir
@@ -49,6 +53,9 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(self.tb_dir))
+        self.trackers: list[Tracker] = start_trackers(cfg, run_dir)
+        self.resources = ResourceMonitor() if cfg.resource_metrics else None
+        """logger.resource_metrics: sampled by the step loop into each step's row (resources/*)."""
 
     def truncate_after(self, step: int) -> int:
         """Atomically rewrite metrics.jsonl keeping only well-formed rows with step <= `step`, and have
@@ -111,10 +118,18 @@ class MetricsLogger:
             if time.monotonic() - self._tb_flushed >= TB_FLUSH_S:
                 self.tb.flush()
                 self._tb_flushed = time.monotonic()
+        if self.trackers and clean:
+            self.trackers = call_each(self.trackers, "log", clean, step)
 
     def log_hyperparams(self, text: str) -> None:
+        """The run's resolved config (YAML): TensorBoard's text tab, each tracker's config."""
         if self.tb is not None:
             self.tb.add_text("config", f"```\n{text}\n```", 0)
+        if self.trackers:
+            import yaml
+
+            config = yaml.safe_load(text)
+            self.trackers = call_each(self.trackers, "log_config", config if isinstance(config, dict) else {})
 
     def close(self) -> None:
         if self.jsonl is not None:
@@ -123,3 +138,5 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        call_each(self.trackers, "close")
+        self.trackers = []

@@ -37,9 +37,7 @@ REFUSED: dict[tuple[str, str], tuple[list[str], str]] = {
     # torch_save would write pickles; rlpost writes safetensors only.
     ("CheckpointingConfig", "model_save_format"): (
         ["checkpointing.model_save_format=torch_save"], "checkpointing.model_save_format"),
-    # W&B, MLflow and SwanLab are not bundled: only false is accepted.
-    ("LoggerConfig", "wandb_enabled"): (["logger.wandb_enabled=true"], "logger.wandb_enabled"),
-    ("LoggerConfig", "mlflow_enabled"): (["logger.mlflow_enabled=true"], "logger.mlflow_enabled"),
+    # SwanLab is not bundled: only false is accepted (W&B and MLflow are: rlpost.runtime.trackers).
     ("LoggerConfig", "swanlab_enabled"): (["logger.swanlab_enabled=true"], "logger.swanlab_enabled"),
     # One verifier implementation: the math environment accepts only its defaults.
     ("MathEnvConfig", "verifier_type"): (["env=math", "data=math_jsonl", "data.train_data_path=x.jsonl",
@@ -62,9 +60,7 @@ REFUSED: dict[tuple[str, str], tuple[list[str], str]] = {
 }
 
 # (class, field) -> why nothing needs to read it. Keep this short.
-UNREAD_OK: dict[tuple[str, str], str] = {
-    ("WandbConfig", "project"): "kept so NeMo RL configs load; W&B itself is refused (logger.wandb_enabled)",
-}
+UNREAD_OK: dict[tuple[str, str], str] = {}
 
 
 def _schema_fields() -> Iterator[tuple[type, dataclasses.Field]]:

@@ -1,4 +1,4 @@
-"""Logger config (`logger=default`): console, JSONL and TensorBoard."""
+"""Logger config (`logger=default`): console, JSONL, TensorBoard, W&B, MLflow and per-step resource metrics."""
 
 from __future__ import annotations
 
@@ -17,12 +17,34 @@ class TensorboardConfig:
 
 @dataclass
 class WandbConfig:
-    """Weights & Biases (not bundled: must stay disabled)."""
+    """Weights & Biases (`logger.wandb_enabled=true`; NeMo RL's `logger.wandb` block)."""
 
     project: str = "rlpost"
-    """Project name."""
-    name: str = "rlpost"
-    """Run name."""
+    """W&B project."""
+    name: str | None = None
+    """Run name; None = the run directory's name (a sweep job: <sweep dir name>/<job number>)."""
+    dir: str | None = None
+    """Where wandb writes its run files (`wandb/offline-run-*` or `wandb/run-*`); None = the run directory."""
+    mode: str | None = None
+    """online, offline or disabled; None = online when an API key is configured (WANDB_API_KEY or `wandb login`),
+    else offline (sync later with `wandb sync <dir>/wandb/offline-run-*`)."""
+
+    def check(self, path: str) -> None:
+        require(self.mode in (None, "online", "offline", "disabled"), f"{path}.mode", self.mode,
+                "must be online, offline, disabled or null")
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (`logger.mlflow_enabled=true`; NeMo RL's `logger.mlflow` block)."""
+
+    experiment_name: str = "rlpost"
+    """MLflow experiment, created when missing."""
+    run_name: str | None = None
+    """Run name; None = the run directory's name (a sweep job: <sweep dir name>/<job number>)."""
+    tracking_uri: str | None = None
+    """Tracking server (http://host:port) or store URI; None = a local SQLite store, sqlite:///<run dir>/mlflow.db
+    (artifacts in <run dir>/mlartifacts)."""
 
 
 @dataclass
@@ -36,14 +58,20 @@ class LoggerConfig:
     tensorboard_enabled: bool = True
     """Write TensorBoard event files."""
     wandb_enabled: bool = False
-    """Weights & Biases (not available in rlpost)."""
+    """Log each step's metrics and the config to Weights & Biases (`logger.wandb`); a tracker that fails to start is
+    one warning line and the run goes on without it."""
     mlflow_enabled: bool = False
-    """MLflow (not available in rlpost)."""
+    """Log each step's metrics and the config to MLflow (`logger.mlflow`); a tracker that fails to start is one
+    warning line and the run goes on without it."""
     swanlab_enabled: bool = False
     """SwanLab (not available in rlpost)."""
     monitor_gpus: bool = False
     """Log each policy rank's CUDA memory (and utilisation when NVML is installed) every step as gpu/rank<r>/*
     (GPU only)."""
+    resource_metrics: bool = True
+    """Log every step, under resources/: each Ray actor's CPU % and RSS (actors on the driver's node; with a GPU, each
+    process's GPU memory and each device's utilisation), the driver's own, and the tokens/s of generation and
+    training (rlpost.runtime.resources)."""
     console_progress: bool = True
     """Show a rich progress bar with step, reward and step time."""
     ray_timeline: bool = False
@@ -54,17 +82,19 @@ class LoggerConfig:
     tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig)
     """TensorBoard options."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    """W&B options (kept for NeMo RL config compatibility)."""
+    """W&B options."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow options."""
 
     def check(self, path: str) -> None:
-        for name in ("wandb_enabled", "mlflow_enabled", "swanlab_enabled"):
-            require(
-                not getattr(self, name),
-                f"{path}.{name}",
-                True,
-                "this backend is not bundled with rlpost",
-                "use TensorBoard (logger.tensorboard_enabled) or metrics.jsonl",
-            )
+        require(
+            not self.swanlab_enabled,
+            f"{path}.swanlab_enabled",
+            True,
+            "this backend is not bundled with rlpost",
+            "use W&B (logger.wandb_enabled), MLflow (logger.mlflow_enabled), TensorBoard or metrics.jsonl",
+        )
+        self.wandb.check(f"{path}.wandb")
 
 
 @dataclass

@@ -1,0 +1,61 @@
+"""rlpost.runtime.resources: the driver's and actors' CPU % and RSS from psutil, tokens/s from a step's phases, and
+the metric names of Ray actors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from rlpost.runtime.resources import ResourceMonitor, _ProcessTree, actor_label, tokens_per_s
+
+
+def test_actor_labels_drop_the_groups_unique_suffix() -> None:
+    assert actor_label("policy-0-7f3a2b1c4d50", "DTensorPolicyWorker") == "policy-0"
+    assert actor_label("vllm-replica0-7f3a2b1c4d50", "VllmEngineWorker") == "vllm-replica0"
+    assert actor_label("", "ReplayBuffer") == "replaybuffer"
+    assert actor_label("a b:c", "X") == "a_b_c"
+
+
+def test_tokens_per_s_use_the_generation_and_training_phases() -> None:
+    times = {"generation": 0.5, "policy_training": 0.25, "total_step_time": 1.0}
+    assert tokens_per_s(100.0, 200.0, times) == {"resources/generation_tokens_per_s": 200.0,
+                                                 "resources/training_tokens_per_s": 800.0}
+    # SFT/DPO: nothing generated, no training phase: the whole step
+    assert tokens_per_s(None, 50.0, {"total_step_time": 0.5}) == {"resources/training_tokens_per_s": 100.0}
+
+
+def test_a_busy_process_tree_reads_about_one_core_and_its_memory() -> None:
+    # a parent that starts a spinning child: the tree sums them
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'while True: pass']); "
+            "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        tree = _ProcessTree(psutil.Process(proc.pid))
+        deadline = time.monotonic() + 10
+        while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree.sample()
+        time.sleep(1.0)
+        got = tree.sample()
+        assert got is not None
+        assert 40.0 < got["cpu_percent"] < 210.0, got  # one spinning core (shared with whatever else runs)
+        assert 0.005 < got["rss_gib"] < 1.0, got
+    finally:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        proc.wait()
+    assert tree.sample() is None  # gone
+
+
+def test_without_ray_the_monitor_samples_the_driver() -> None:
+    monitor = ResourceMonitor()
+    first = monitor.sample()
+    assert first["resources/driver/rss_gib"] == pytest.approx(psutil.Process().memory_info().rss / 2**30, rel=0.2)
+    assert first["resources/driver/cpu_percent"] >= 0.0
+    assert not [k for k in first if k.startswith("resources/") and not k.startswith(("resources/driver/",
+                                                                                     "resources/gpu"))]
