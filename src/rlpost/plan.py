@@ -91,6 +91,7 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
                                            is_megatron(p.lora_settings("policy")[0]))),
         ("rollout engine", engine),
         ("loss", cfg.loss_fn._target_.rsplit(".", 1)[-1]),
+        *_ppo_rows(cfg, lay),
         ("device", cfg.cluster.device),
         ("prompts per step", str(lay.prompts_per_step)),
         ("completions per step", f"{lay.completions_per_step} ({g.num_prompts_per_step} x {g.num_generations_per_prompt})"),
@@ -109,6 +110,23 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
         ("rollouts", _rollouts(cfg)),
         ("generation and training", _overlap(cfg)),
         ("steps", f"max {g.max_num_steps} steps / {g.max_num_epochs} epoch(s); validate every {g.val_period}"),
+    ]
+
+
+def _ppo_rows(cfg: MasterConfig, lay: Layout) -> list[tuple[str, str]]:
+    """algo=ppo: where the critic runs and how the advantages are made."""
+    ppo, c = cfg.ppo, cfg.critic
+    if ppo is None or c is None:
+        return []
+    where = (f"on the policy's {lay.train_world} worker slot(s), beside it" if c.colocated else
+             f"{c.num_workers or lay.train_world} worker(s) of its own")
+    body = c.model_name or "the policy's model"
+    kl = f", minus {ppo.kl_in_reward} x KL to the reference per token" if ppo.kl_in_reward else ""
+    warm = f"; the policy trains from step {ppo.critic_warmup_steps + 1}" if ppo.critic_warmup_steps else ""
+    return [
+        ("critic", f"{body} with a value head, lr {c.lr}, {where}; value clip {ppo.value_clip}{warm}"),
+        ("advantages", f"GAE (gamma {ppo.gamma}, lambda {ppo.lam}) on the reward at the last response token{kl}"
+                       + ("; whitened over the step's batch" if ppo.whiten_advantages else "")),
     ]
 
 

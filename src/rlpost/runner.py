@@ -222,6 +222,8 @@ def _grpo_job(cfg: MasterConfig) -> Job[MasterConfig, GRPOComponents]:
 
     if cfg.grpo.async_grpo.enabled:
         from rlpost.algorithms.async_grpo import async_grpo_loop as loop
+    elif cfg.ppo is not None:
+        from rlpost.algorithms.ppo import ppo_loop as loop
     else:
         loop = grpo_loop
 
@@ -235,7 +237,7 @@ def _grpo_job(cfg: MasterConfig) -> Job[MasterConfig, GRPOComponents]:
         reward = summary["final_reward"]
         return f"final train/reward {reward:.3f}" if reward is not None else "no step left to run (run complete)"
 
-    return Job("GRPO", "grpo.max_num_steps", cfg.grpo.max_num_steps, setup, loop, progress,
+    return Job("PPO" if cfg.ppo is not None else "GRPO", "grpo.max_num_steps", cfg.grpo.max_num_steps, setup, loop, progress,
                lambda last, comps: {"final_reward": last.get("train/reward"),
                                     "val_accuracy": last.get("validation/accuracy", comps.save_state.val_reward)},
                result_line)
@@ -326,7 +328,7 @@ def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path) -> dict[str, object]:
         "metrics": str(comps.logger.dir / "metrics.jsonl"),
         "tensorboard": str(comps.logger.tb_dir),
     }
-    steps = "steps" if job.label == "GRPO" else f"{job.label} steps"
+    steps = "steps" if job.label in ("GRPO", "PPO") else f"{job.label} steps"
     console.print(
         f"[bold green]done[/]: {summary['steps']} {steps} in {summary['wall_s']:.0f}s, {job.result_line(summary)}\n"
         f"  metrics:     {summary['metrics']}\n  tensorboard: {summary['tensorboard']}\n"

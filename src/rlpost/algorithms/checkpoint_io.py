@@ -54,13 +54,17 @@ its metrics.jsonl line resumes with that line restored (`saved_metrics_row`), no
 
 def write_checkpoint(checkpointer: CheckpointManager, policy: PolicyInterface, step: int, save_state: SaveState,
                      loader_state: dict[str, int], config_dict: Mapping[str, object], model_fp: str, hf_export: bool,
-                     metrics_row: dict[str, float] | None = None) -> None:
-    """Write step_N atomically: policy weights + optimizer, dataloader position, RNG, config, training_info, and
-    the step's metrics row so far."""
+                     metrics_row: dict[str, float] | None = None,
+                     others: Mapping[str, PolicyInterface] | None = None) -> None:
+    """Write step_N atomically: policy weights + optimizer (and those of the `others` worker groups, each in the
+    directory its key names: PPO's critic), dataloader position, RNG, config, training_info, and the step's metrics
+    row so far."""
     tmp = checkpointer.begin(step)
     if metrics_row is not None:
         (tmp / METRICS_ROW).write_text(json.dumps(scalar_metrics(metrics_row)))
     policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"), hf_export=hf_export)
+    for name, group in (others or {}).items():
+        group.save_checkpoint(str(tmp / name / "weights"), str(tmp / name / "optimizer"), hf_export=False)
     (tmp / "train_dataloader.json").write_text(json.dumps(loader_state))
     (tmp / "rng_state.json").write_text(json.dumps(save_rng_state()))
     (tmp / "config.yaml").write_text(json.dumps(config_dict, indent=1, default=str))

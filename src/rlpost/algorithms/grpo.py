@@ -20,6 +20,7 @@ import torch
 
 from rlpost.algorithms.checkpoint_io import record_checkpoint_metric, write_checkpoint
 from rlpost.algorithms.collect import TrainedBatch, collect_batch, validation_seeds
+from rlpost.algorithms.critic import CRITIC_DIR
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
 from rlpost.algorithms.engine_weights import EngineWeights
 from rlpost.algorithms.grpo_setup import GRPOComponents, setup
@@ -114,9 +115,10 @@ def save_checkpoint(components: GRPOComponents, step: int, metrics: dict[str, fl
     batch) replaces the dataloader's own position."""
     ck = components.cfg.checkpointing
     record_checkpoint_metric(components.save_state, ck.metric_name, metrics)
+    others = {CRITIC_DIR: components.critic} if components.critic is not None else {}
     write_checkpoint(components.checkpointer, components.policy, step, components.save_state,
                      loader_state or components.dataloader.state_dict(), components.config_dict, components.model_fp,
-                     ck.save_consolidated, metrics_row if metrics_row is not None else metrics)
+                     ck.save_consolidated, metrics_row if metrics_row is not None else metrics, others)
 
 
 def loop_parts(components: GRPOComponents) -> LoopParts:
@@ -127,7 +129,7 @@ def loop_parts(components: GRPOComponents) -> LoopParts:
         logger=components.logger, checkpointing=cfg.checkpointing, cluster=cfg.cluster,
         started_at=components.started_at, total_steps=lambda: components.save_state.total_steps,
         lr=cfg.policy.optimizer.kwargs.get("lr", "?") if cfg.policy.optimizer is not None else "?",
-        timeouts=[components.policy, components.generation],
+        timeouts=[components.policy, components.generation, *([components.critic] if components.critic else [])],
         gpu_memory=components.policy if cfg.logger.monitor_gpus else None,
         drift=DriftLimits(g.token_mult_prob_error_warn_threshold, g.token_mult_prob_error_abort_threshold),
     )

@@ -43,6 +43,8 @@ from rlpost.runtime.metrics_logger import MetricsLogger
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from rlpost.models.policy.lm_policy import Policy
+
 
 @dataclass
 class GRPOComponents:
@@ -64,6 +66,8 @@ class GRPOComponents:
     envs: dict[str, EnvironmentInterface]
     model_fp: str
     config_dict: dict[str, object]
+    critic: Policy | None = None
+    """PPO's value model (rlpost.algorithms.critic); None for GRPO."""
     colocated: bool = True
     overlap: bool = False
     """Synchronous steps overlap generation and training (rlpost.algorithms.overlap): where `Layout.overlap_chunk`
@@ -77,8 +81,9 @@ class GRPOComponents:
         (a failed or abandoned run) kills the workers without asking them first."""
         if not self.closed:
             self.closed = True
+            critic = self.critic
             close_all([lambda: self.generation.shutdown(graceful), lambda: self.policy.shutdown(graceful),
-                       *[c.shutdown for c in self.clusters], *[e.shutdown for e in self.envs.values()], self.logger.close])
+                       *([lambda: critic.shutdown(graceful)] if critic is not None else []), *[c.shutdown for c in self.clusters], *[e.shutdown for e in self.envs.values()], self.logger.close])
 
 
 def close_all(closers: list[Callable[[], object]]) -> None:
@@ -160,16 +165,18 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
 
     lay = layout_of(cfg)
     cpus = cfg.cluster.worker_num_cpus
+    # a colocated critic (algo=ppo) is one more worker group on the policy's bundles
+    shared = 1 + (cfg.critic is not None and cfg.critic.colocated)
     if colocated:
         train_cluster = RayVirtualCluster(
-            "grpo_policy_cluster", lay.train_workers_per_node, lay.train_nodes, use_gpus, cpus * 2, 2,
-            cfg.cluster.placement_timeout_s,
+            "grpo_policy_cluster", lay.train_workers_per_node, lay.train_nodes, use_gpus, cpus * (shared + 1),
+            shared + 1, cfg.cluster.placement_timeout_s,
         )
         gen_cluster = train_cluster
         clusters = [train_cluster]
     else:
         train_cluster = RayVirtualCluster(
-            "grpo_train_cluster", lay.train_workers_per_node, lay.train_nodes, use_gpus, cpus, 1,
+            "grpo_train_cluster", lay.train_workers_per_node, lay.train_nodes, use_gpus, cpus * shared, shared,
             cfg.cluster.placement_timeout_s,
         )
         gen_cluster = RayVirtualCluster(
@@ -177,6 +184,13 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
             cfg.cluster.placement_timeout_s,
         )
         clusters = [train_cluster, gen_cluster]
+    critic_cluster = None
+    if cfg.critic is not None:
+        from rlpost.algorithms.critic import critic_cluster as own_bundles
+
+        critic_cluster = own_bundles(cfg, train_cluster)
+        if critic_cluster is not None:
+            clusters.append(critic_cluster)
 
     gen_cfg = cfg.generation
     if gen_cfg.model_name is None:
@@ -195,6 +209,12 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
             opened.insert(0, lambda: generation.shutdown(graceful=False))
             policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device)
             opened.insert(1, lambda: policy.shutdown(graceful=False))  # closed after the engines
+            critic = None
+            if cfg.critic is not None:
+                from rlpost.algorithms.critic import build_critic
+
+                critic = build_critic(cfg, critic_cluster or train_cluster, last, device)
+                opened.insert(2, lambda: critic.shutdown(graceful=False))
             generation.wait_started()
             if (placed := placement.summary()) is not None:
                 say.info(f"placement: {placed}")
@@ -217,7 +237,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         cfg=cfg, run_dir=run_dir, policy=policy, generation=generation, clusters=clusters, dataloader=dataloader,
         val_rows=val_rows, loss_fn=loss_fn, logger=logger, checkpointer=checkpointer, save_state=save_state,
         tokenizer=tokenizer, processor=processor, envs=envs, model_fp=model_fp, config_dict=config_dict,
-        colocated=colocated, started_at=started_at,
+        colocated=colocated, started_at=started_at, critic=critic,
         overlap=bool(lay.overlap_chunk),
     )
 
@@ -239,8 +259,13 @@ def _policy(cfg: MasterConfig, cluster: RayVirtualCluster, weights: str | None, 
     from rlpost.models.policy.lm_policy import Policy
 
     return Policy(cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
-                  init_reference_model=loss_fn.needs_reference_logprobs, device=device,
+                  init_reference_model=loss_fn.needs_reference_logprobs or kl_in_reward(cfg) > 0, device=device,
                   timeout_s=cfg.cluster.call_timeout_s)
+
+
+def kl_in_reward(cfg: MasterConfig) -> float:
+    """PPO's coefficient of the KL penalty in the reward (ppo.kl_in_reward; 0 for GRPO)."""
+    return cfg.ppo.kl_in_reward if cfg.ppo is not None else 0.0
 
 
 def _checkpoint_load_failure(exc: BaseException) -> str | None:

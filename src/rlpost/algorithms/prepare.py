@@ -27,13 +27,18 @@ def _advantages(components: GRPOComponents, batch: RolloutBatch) -> torch.Tensor
 
 def prepare(components: GRPOComponents, batch: RolloutBatch, timer: Timer) -> tuple[BatchedDataDict, torch.Tensor]:
     """Advantages of the collected batch, then the [B, S] training tensors."""
-    grpo_cfg = components.cfg.grpo
     with timer.time("reward_calculation"):
         advantages = _advantages(components, batch)
     with timer.time("data_processing"):
-        mask = torch.tensor([r["loss_multiplier"] for r in batch.rows])
-        if grpo_cfg.overlong_filtering:
-            mask = mask * (~batch.gen["truncated"].bool()).float()
-        train_data = build_train_data(batch, advantages, mask, components.tokenizer.pad_token_id,
-                                      components.cfg.policy.make_sequence_length_divisible_by)
+        train_data = training_tensors(components, batch, advantages)
     return train_data, advantages
+
+
+def training_tensors(components: GRPOComponents, batch: RolloutBatch, advantages: torch.Tensor) -> BatchedDataDict:
+    """The [B, S] training tensors of `batch` with per-sample `advantages` [B] (PPO replaces them with per-token
+    ones)."""
+    mask = torch.tensor([r["loss_multiplier"] for r in batch.rows])
+    if components.cfg.grpo.overlong_filtering:
+        mask = mask * (~batch.gen["truncated"].bool()).float()
+    return build_train_data(batch, advantages, mask, components.tokenizer.pad_token_id,
+                            components.cfg.policy.make_sequence_length_divisible_by)

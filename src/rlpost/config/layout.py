@@ -247,6 +247,8 @@ def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:
         why = "grpo.overlap_generation_and_training=false"
     elif g.async_grpo.enabled:
         why = "async GRPO overlaps whole batches instead (grpo.async_grpo.enabled=true)"
+    elif cfg.ppo is not None:
+        why = "PPO's advantages need the critic's values of the whole batch (algo=ppo)"
     elif cfg.generation.colocated.enabled:
         why = ("the engine is colocated: it and the policy take turns on the shared workers "
                "(policy.generation.colocated.enabled=false gives the engine workers of its own)")

@@ -354,6 +354,9 @@ def compose_config(overrides: list[str] | None = None, config_name: str = CONFIG
 GRPO_ONLY = {"grpo": "block", "env": "group", "generation": "group", "eval": "block", "policy.generation": "block"}
 """What only algo=grpo has: config groups (`generation=hf`) and blocks (`grpo.x=...`)."""
 
+PPO_ONLY = ("ppo", "critic")
+"""The blocks only algo=ppo has (beside GRPO's)."""
+
 
 def _algorithm_mismatch(overrides: list[str]) -> ConfigError | None:
     """A failed composition caused by an override that the chosen algorithm has no place for: a key of another
@@ -361,14 +364,15 @@ def _algorithm_mismatch(overrides: list[str]) -> ConfigError | None:
     from rlpost.config.schema.root import ALGORITHMS
 
     algo = next((o.split("=", 1)[1] for o in overrides if o.startswith("algo=")), "grpo")
-    if algo not in ALGORITHMS:
+    if algo not in (*ALGORITHMS, "ppo"):
         return None
     for o in overrides:
         key, _, value = o.lstrip("+~").partition("=")
         first = key.split(".", 1)[0]
-        owner = first if first in ALGORITHMS else "grpo" if (
+        owner = "ppo" if first in PPO_ONLY else first if first in ALGORITHMS else "grpo" if (
             first in GRPO_ONLY or key.startswith("policy.generation")) else None
-        if owner is not None and owner != algo and first != "algo":
+        readers = {owner, "ppo"} if owner == "grpo" else {owner}  # PPO runs on GRPO's blocks
+        if owner is not None and algo not in readers and first != "algo":
             return ConfigError(key, value, f"algo={algo} has no such {'group' if '.' not in key else 'key'}: it "
                                f"belongs to algo={owner}")
     return None

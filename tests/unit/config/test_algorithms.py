@@ -109,3 +109,37 @@ def test_validation_needs_validation_rows() -> None:
     assert err.key == "data.val_data_paths" and "sft.val_period=5" in err.rule
     _, m = load_master_config([*files, "sft.val_period=0", "sft.val_at_start=false", "checkpointing.metric_name=train:loss"])
     assert m.loop.val_period == 0
+
+
+def test_ppo_composes_grpo_with_a_critic_and_no_overlap() -> None:
+    from rlpost.algorithms.critic import critic_config
+    from rlpost.config.layout import layout_of
+
+    _, m = load_master_config(["algo=ppo", "critic.lr=3e-4", "policy.generation.colocated.enabled=false",
+                               "cluster.gpus_per_node=2", "policy.generation.colocated.resources.gpus_per_node=1"])
+    assert isinstance(m, MasterConfig) and m.ppo is not None and m.critic is not None
+    assert m.grpo.num_generations_per_prompt == 4 and m.critic.lr == 3e-4
+    assert "critic" in layout_of(m).overlap_reason  # a split engine would overlap GRPO's steps; not PPO's
+    c = critic_config(m)
+    assert c.value_head and c.generation is None and c.optimizer.kwargs["lr"] == 3e-4
+    assert c.model_name == m.policy.model_name and not m.policy.value_head
+    rows = dict(plan_rows(m))
+    assert "value head, lr 0.0003, on the policy's" in rows["critic"] and "GAE (gamma 1.0" in rows["advantages"]
+    _, g = load_master_config([])
+    assert isinstance(g, MasterConfig) and g.ppo is None and g.critic is None
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["algo=ppo", "critic=null"], "critic"),
+    (["algo=ppo", "policy=megatron"], "policy._target_"),
+    (["algo=ppo", "grpo.async_grpo.enabled=true", "policy.generation.colocated.enabled=false",
+      "cluster.gpus_per_node=2", "policy.generation.colocated.resources.gpus_per_node=1",
+      "loss_fn.use_importance_sampling_correction=true"], "grpo.async_grpo.enabled"),
+    (["algo=ppo", "ppo.lam=1.5"], "ppo.lam"),
+    (["algo=ppo", "ppo.kl_in_reward=0.1", "loss_fn.reference_policy_kl_penalty=0.01"], "ppo.kl_in_reward"),
+    (["algo=ppo", "critic.num_workers=2"], "critic.num_workers"),
+    (["algo=ppo", "policy.value_head=true"], "policy.value_head"),
+    (["algo=sft", "+critic.lr=1"], "critic.lr"),
+])
+def test_bad_ppo_combinations_name_the_key(overrides: list[str], key: str) -> None:
+    assert refused(*overrides).key == key

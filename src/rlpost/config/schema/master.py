@@ -16,6 +16,7 @@ from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
 from rlpost.config.schema.model import ModelConfig
 from rlpost.config.schema.policy import PolicyConfig
+from rlpost.config.schema.ppo import CriticConfig, PPOConfig
 
 
 @dataclass
@@ -42,6 +43,10 @@ class MasterConfig:
     """The local checkpoint (or tiny model spec) behind policy.model_name."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """`rlpost eval`: which weights and prompts, how many samples."""
+    ppo: PPOConfig | None = None
+    """PPO (`algo=ppo`): GAE advantages from a critic instead of group baselines; None = GRPO."""
+    critic: CriticConfig | None = None
+    """PPO's value model (`algo=ppo`)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,7 +73,12 @@ class MasterConfig:
         self.cluster.check("cluster")
         self.checkpointing.check("checkpointing")
         self.eval.check("eval")
+        if self.ppo is not None:
+            self.ppo.check("ppo")
+        if self.critic is not None:
+            self.critic.check("critic")
         self._cross_checks()
+        self._ppo_checks()
 
     def _cross_checks(self) -> None:
         p, g, gen = self.policy, self.grpo, self.generation
@@ -105,3 +115,26 @@ class MasterConfig:
                 "logs it before the first step only)",
                 "use checkpointing.metric_name=train:reward or null",
             )
+
+    def _ppo_checks(self) -> None:
+        """PPO needs its critic, on a backend that builds value models, and the synchronous, unoverlapped step."""
+        require(not self.policy.value_head, "policy.value_head", True,
+                "the policy is a causal LM; the value head is set on the critic's workers by algo=ppo")
+        if self.ppo is None:
+            require(self.critic is None, "critic", "set", "only algo=ppo trains a critic", "use algo=ppo")
+            return
+        require(self.critic is not None, "critic", None, "algo=ppo needs a critic (the value model)",
+                "keep algo=ppo's critic block, e.g. critic.lr=1e-4")
+        require(self.policy.serves_value_model, "policy._target_", self.policy._target_,
+                "this backend builds no value model for PPO's critic", "use policy=dtensor or policy=dtensor_v2")
+        require(not self.grpo.async_grpo.enabled, "grpo.async_grpo.enabled", True,
+                "algo=ppo runs synchronous steps (the critic's values are the current batch's)")
+        require(self.grpo.overlap_generation_and_training is not True, "grpo.overlap_generation_and_training", True,
+                "algo=ppo's advantages need the whole batch's values: generation and training do not overlap")
+        require(self.ppo.kl_in_reward == 0.0 or self.loss_fn_kl() == 0.0, "ppo.kl_in_reward", self.ppo.kl_in_reward,
+                "the KL is either in the reward or in the loss, not both",
+                "set loss_fn.reference_policy_kl_penalty=0")
+
+    def loss_fn_kl(self) -> float:
+        """The loss's KL coefficient (0 for a loss without one)."""
+        return float(self.loss_fn.reference_policy_kl_penalty) if isinstance(self.loss_fn, ClippedPGLossConfig) else 0.0

@@ -236,6 +236,10 @@ class PolicyConfig:
     """Compute dtype: 'float32', 'bfloat16' or 'float16' (master weights stay fp32)."""
     reward_model_cfg: RewardModelConfig = field(default_factory=RewardModelConfig)
     """Reward-model mode."""
+    value_head: bool = False
+    """The worker builds a value model: the body with a one-output head on every token (HF
+    AutoModelForTokenClassification, num_labels=1). Set by algo=ppo on the critic's copy of this block
+    (rlpost.algorithms.critic); the DTensor workers serve it."""
     hf_config_overrides: dict[str, Any] = field(default_factory=dict)
     """Applied to the HF AutoConfig (and mirrored into vLLM's hf_overrides)."""
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
@@ -337,6 +341,8 @@ class PolicyConfig:
     # ---- what each backend schema defines -----------------------------------------------
     serves_reward_model: ClassVar[bool] = False
     """The backend can build a reward model (policy.reward_model_cfg.enabled, algo=rm)."""
+    serves_value_model: ClassVar[bool] = False
+    """The backend can build a value model (value_head: PPO's critic)."""
     pads_vocab: ClassVar[bool] = False
     """The backend pads the vocabulary to a multiple of TP itself (else TP must divide it)."""
     has_device_checks: ClassVar[bool] = False
@@ -376,6 +382,8 @@ class DTensorPolicyConfig(PolicyConfig):
 
     serves_reward_model: ClassVar[bool] = True
     """The DTensor workers build HF sequence classifiers for algo=rm."""
+    serves_value_model: ClassVar[bool] = True
+    """The DTensor workers build HF token classifiers: PPO's critic."""
 
     def check(self, path: str) -> None:
         super().check(path)

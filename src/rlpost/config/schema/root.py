@@ -23,6 +23,7 @@ from rlpost.config.schema.loss import LossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.model import ModelConfig
 from rlpost.config.schema.policy import PolicyConfig
+from rlpost.config.schema.ppo import CriticConfig, PPOConfig
 from rlpost.config.schema.supervised import DPOConfig, RMConfig, SFTConfig
 from rlpost.config.schema.supervised_master import MASTER_CONFIGS, SupervisedMasterConfig
 
@@ -50,6 +51,10 @@ class RootConfig:
     """Direct preference optimisation (`algo=dpo`)."""
     rm: RMConfig | None = None
     """Reward-model training (`algo=rm`)."""
+    ppo: PPOConfig | None = None
+    """PPO's additions to GRPO's blocks (`algo=ppo`)."""
+    critic: CriticConfig | None = None
+    """PPO's value model (`algo=ppo`)."""
     logger: GRPOLoggerConfig = field(default_factory=GRPOLoggerConfig)
     """Metrics sinks."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -79,9 +84,10 @@ def narrow(root: RootConfig) -> MasterConfig | SupervisedMasterConfig:
                               "choose it with generation=vllm|hf")
         return MasterConfig(policy=root.policy, loss_fn=root.loss_fn, env=root.env, data=root.data, grpo=root.grpo,
                             logger=root.logger, cluster=root.cluster, checkpointing=root.checkpointing,
-                            model=root.model, eval=root.eval or EvalConfig())
+                            model=root.model, eval=root.eval or EvalConfig(), ppo=root.ppo, critic=root.critic)
     for key, present in (("policy.generation", root.policy.generation is not None), ("env", bool(root.env)),
-                         ("eval", root.eval is not None)):
+                         ("eval", root.eval is not None), ("ppo", root.ppo is not None),
+                         ("critic", root.critic is not None)):
         if present:
             raise ConfigError(key, "set", f"algo={algo} does not generate: only algo=grpo reads this block")
     return MASTER_CONFIGS[algo](policy=root.policy, loss_fn=root.loss_fn, data=root.data,

@@ -192,6 +192,28 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         return BatchedDataDict(logprobs=torch.cat(outs, dim=0) if outs else torch.zeros(0, full_len))
 
     @torch.no_grad()
+    def get_values(self, data: BatchedDataDict) -> BatchedDataDict:
+        """A value model's (policy.value_head) values [B, S], aligned like logprobs: position t holds the head's
+        output at t - 1, the value of the state that emits token t (0 at each sequence's first token)."""
+        self._onload()
+        self.model.eval()
+        full_len = int(data["input_ids"].shape[1])
+        outs: list[torch.Tensor] = []
+        for mb in self._microbatches(data, self.cfg.logprob_batch_size):
+            head, rows, pk = self._forward_logits(mb)
+            v = torch.nn.functional.pad(head[..., 0], (1, 0))[:, :-1]  # [B, S] or [1, T]: shifted one position
+            if isinstance(mb, PackedMicroBatch):
+                assert pk is not None
+                v[0, pk.cu_seqlens_padded[:-1].long()] = 0.0
+                v = mb.unpack(v.cpu())
+            v = v.cpu()
+            if v.shape[1] < full_len:
+                v = torch.nn.functional.pad(v, (0, full_len - v.shape[1]))
+            if not mb.is_padding and not rows.is_padding:
+                outs.append(v)
+        return BatchedDataDict(values=torch.cat(outs, dim=0) if outs else torch.zeros(0, full_len))
+
+    @torch.no_grad()
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         if not self._has_reference:
             raise RuntimeError("the policy was built without a reference model (init_reference_model=False)")

@@ -18,8 +18,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def load_hf_causal_lm(cfg: PolicyConfig, dtype: torch.dtype) -> nn.Module:
     """`from_pretrained` on a local directory, fp32 master weights, SDPA attention: a causal LM, or with
     policy.reward_model_cfg.enabled a one-label sequence classifier on the same body (a new `score` head when
-    the directory holds a causal LM; HF pools the score at each row's last non-pad token)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    the directory holds a causal LM; HF pools the score at each row's last non-pad token), or with `value_head` a
+    one-label token classifier (PPO's critic: a value at every position)."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
 
     path = Path(cfg.model_name)
     if not path.is_dir():
@@ -31,6 +37,10 @@ def load_hf_causal_lm(cfg: PolicyConfig, dtype: torch.dtype) -> nn.Module:
         hf_cfg.num_labels = 1
         if hf_cfg.pad_token_id is None:  # the loader pads with EOS when a tokenizer has no pad token
             hf_cfg.pad_token_id = hf_cfg.eos_token_id
+    elif cfg.value_head:
+        auto = AutoModelForTokenClassification
+        hf_cfg.num_labels = 1
+        hf_cfg.classifier_dropout = 0.0  # a value estimate, not a regularised classifier
     model = auto.from_pretrained(
         path,
         config=hf_cfg,
@@ -39,6 +49,6 @@ def load_hf_causal_lm(cfg: PolicyConfig, dtype: torch.dtype) -> nn.Module:
         use_safetensors=True,
         attn_implementation="sdpa",
     )
-    if cfg.reward_model_cfg.enabled:
+    if cfg.reward_model_cfg.enabled or cfg.value_head:
         model.config.architectures = [type(model).__name__]  # the export loads as what it is
     return model

@@ -51,7 +51,9 @@ class Policy(ColocatablePolicyInterface):
         init_reference_model: bool = True,
         device: str = "cpu",
         timeout_s: float = 900.0,
+        name: str = "policy",
     ) -> None:
+        """`name`: what the workers are called in errors and the placement line ("policy", "critic")."""
         self.cfg = cfg
         self.device = device
         self.single_node = cluster.num_nodes == 1
@@ -72,7 +74,7 @@ class Policy(ColocatablePolicyInterface):
             init_optimizer=init_optimizer,
             init_reference_model=init_reference_model,
             dims=self.dims,
-            name_prefix="policy",
+            name_prefix=name,
             env_vars=env,
             timeout_s=timeout_s,
             concurrency_groups={REFIT_GROUP: 1},
@@ -119,6 +121,10 @@ class Policy(ColocatablePolicyInterface):
     # ---- PolicyInterface ----------------------------------------------------------------------
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         return self._logprob_call("get_logprobs", "logprobs", data)
+
+    def get_values(self, data: BatchedDataDict) -> BatchedDataDict:
+        """A value model's values [B, S] (policy.value_head: PPO's critic), aligned like logprobs."""
+        return self._logprob_call("get_values", "values", data)
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         return self._logprob_call("get_reference_policy_logprobs", "reference_logprobs", data)

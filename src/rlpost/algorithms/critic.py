@@ -1,0 +1,55 @@
+"""PPO's critic: the value model's worker group, built by the policy's backend from a copy of the policy's block.
+
+The copy loads `critic.model_name` (default: the policy's model) with a one-output head on every token
+(`value_head`), trains in full (no LoRA) with the policy's optimizer at `critic.lr`, never generates, and keeps no
+reference model. It sits on the policy's bundles (`critic.colocated`) or on bundles of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.policy import DTensorPolicyConfig, PolicyConfig
+from rlpost.distributed.virtual_cluster import RayVirtualCluster
+from rlpost.models.policy.lm_policy import Policy
+
+CRITIC_DIR = "critic"
+"""The critic's part of a checkpoint: step_N/critic/{weights,optimizer}."""
+
+
+def critic_config(cfg: MasterConfig) -> PolicyConfig:
+    """The critic's policy block: the policy's, with the value head, the critic's model, lr and micro-batch."""
+    c = cfg.critic
+    assert c is not None  # MasterConfig refuses algo=ppo without it
+    p = cfg.policy
+    optimizer = dataclasses.replace(p.optimizer, kwargs={**p.optimizer.kwargs, "lr": c.lr})
+    out = dataclasses.replace(p, model_name=c.model_name or p.model_name, generation=None, value_head=True,
+                              optimizer=optimizer, train_micro_batch_size=c.train_micro_batch_size or
+                              p.train_micro_batch_size)
+    if isinstance(out, DTensorPolicyConfig):
+        lora = dataclasses.replace(out.dtensor_cfg.lora_cfg, enabled=False)
+        out.dtensor_cfg = dataclasses.replace(out.dtensor_cfg, lora_cfg=lora)
+    return out
+
+
+def critic_cluster(cfg: MasterConfig, policy_cluster: RayVirtualCluster) -> RayVirtualCluster | None:
+    """The critic's own bundles (None when it shares the policy's)."""
+    c = cfg.critic
+    assert c is not None
+    if c.colocated:
+        return None
+    workers = c.num_workers or policy_cluster.workers_per_node
+    nodes = 1 if c.num_workers else policy_cluster.num_nodes
+    return RayVirtualCluster("ppo_critic_cluster", workers, nodes, policy_cluster.use_gpus, cfg.cluster.worker_num_cpus,
+                             1, cfg.cluster.placement_timeout_s)
+
+
+def build_critic(cfg: MasterConfig, cluster: RayVirtualCluster, checkpoint: Path | None, device: str) -> Policy:
+    """The critic's workers (not waited for), loading its part of `checkpoint` when resuming."""
+    weights = optim = None
+    if checkpoint is not None:
+        weights, optim = str(checkpoint / CRITIC_DIR / "weights"), str(checkpoint / CRITIC_DIR / "optimizer")
+    return Policy(cluster, critic_config(cfg), weights_path=weights, optimizer_path=optim, init_reference_model=False,
+                  device=device, timeout_s=cfg.cluster.call_timeout_s, name="critic")
