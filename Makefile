@@ -16,8 +16,15 @@ $(STAMP): requirements/$(STACK).txt pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(STACK) $(VENV) $(PY)
 	@touch $@
 
+# The run's directory (a sweep's, with ARGS="-m ..."), fixed here so the report that ends `make train` finds it.
+ifndef RUN_DIR
+RUN_DIR := outputs/make-train/$(shell date +%Y-%m-%d_%H-%M-%S)
+endif
+
+# The default job, then its page: $(RUN_DIR)/report.html (rlpost report). The exit status is the run's.
 train: install
-	$(BIN)/rlpost train $(ARGS)
+	$(BIN)/rlpost train hydra.run.dir=$(RUN_DIR) hydra.sweep.dir=$(RUN_DIR) $(ARGS); rc=$$?; \
+		[ ! -d $(RUN_DIR) ] || $(BIN)/rlpost report $(RUN_DIR); exit $$rc
 
 # The real-model smoke test (tests/integration/test_smollm2_smoke.py) needs SmolLM2 prepared: cached after the first run.
 # Two pytest-xdist workers, one test file at a time each (a file's fixtures are built once), the longest files first

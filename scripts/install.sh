@@ -27,4 +27,11 @@ else
   exit 2
 fi
 "${PIP[@]}" --no-deps -e .
+# Debian's Chromium renders `rlpost report`'s page in the tests (tests/integration/test_report.py): installed when it is
+# missing and apt-get can run (root); elsewhere those tests say why they skip.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null) \
+    || echo "install.sh: chromium was not installed (apt-get failed); the report's browser tests will skip" >&2
+fi
 "$VENV/bin/python" -c "import torch, rlpost; print(f'rlpost installed ($STACK): torch {torch.__version__}')"

@@ -34,6 +34,8 @@ commands:
   train [overrides]   run a job (GRPO by default); `-m` sweeps, `--cfg job` prints the config
   plan  [overrides]   compose + validate the config and print the derived numbers; starts nothing
   eval  [overrides]   score a model dir or a checkpoint (eval.checkpoint=...) on a data set: accuracy, pass@k
+  report DIR [DIR ...]
+                      one HTML page (opens offline) of a run, several runs overlaid, or a sweep directory
   launch <slurm|ray|kuberay> [options] -- train [overrides]
                       run on a cluster: a Slurm job, a Ray job, or a KubeRay manifest (`rlpost launch --help`)
 
@@ -42,6 +44,7 @@ examples:
   rlpost train policy=megatron algo=grpo
   rlpost train -m policy.optimizer.kwargs.lr=3e-4,1e-3,3e-3
   rlpost train --cfg job
+  rlpost report outputs/2026-01-01/12-00-00
   rlpost plan cluster.gpus_per_node=8 policy.dtensor_cfg.tensor_parallel_size=2
   rlpost launch slurm --nodes=2 --gpus-per-node=8 -- train cluster.gpus_per_node=8 policy.train_micro_batch_size=16
 
@@ -186,9 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         from rlpost.launch.command import launch
 
         return launch(rest)
+    if cmd == "report":
+        from rlpost.report.command import report
+
+        return report(rest)
     import difflib
 
-    close = difflib.get_close_matches(cmd, ["train", "plan", "eval", "launch"], n=1)
+    close = difflib.get_close_matches(cmd, ["train", "plan", "eval", "launch", "report"], n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     print(f"rlpost: unknown command {cmd!r}{hint}\n\n{USAGE}", file=sys.stderr)
     return 2

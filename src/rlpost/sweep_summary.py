@@ -158,3 +158,5 @@ class SweepSummary(Callback):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
         summary = {"jobs": rows, "best": best, "exit_status": status}
         (sweep_dir / "sweep_summary.json").write_text(json.dumps(summary, indent=1))
+        console.print(f"report: rlpost report {sweep_dir}   (every job overlaid, this table and the swept values "
+                      "against the final metrics)", soft_wrap=True, markup=False, highlight=False)

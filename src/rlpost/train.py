@@ -184,6 +184,9 @@ def _run_locked(cfg: DictConfig, master: AnyMaster, run_dir: Path) -> dict[str, 
     steps = summary.get("steps")
     write_status(run_dir, "finished" if summary.get("complete", True) else "stopped", 0,
                  steps if isinstance(steps, int) else None)
+    if "metrics" in summary:  # steps ran: the run's page (rlpost.report), under the runner's summary lines
+        print(f"  report:      rlpost report {run_dir}   (writes {run_dir / 'report.html'})", file=sys.stderr,
+              flush=True)
     return summary
 
 

@@ -144,9 +144,9 @@ def plan_overrides(argv: list[str]) -> list[str] | None:
     if len(argv) == 1 or argv[1].startswith("-"):
         return None  # rlpost --version / --help
     sub, rest = argv[1], argv[2:]
-    assert sub in ("train", "plan", "eval", "launch"), f"unknown subcommand {sub!r}"
-    if sub == "launch":
-        return None  # checked by its own --dry-run (test_a_documented_command_plans)
+    assert sub in ("train", "plan", "eval", "launch", "report"), f"unknown subcommand {sub!r}"
+    if sub in ("launch", "report"):
+        return None  # checked by its own --dry-run / its argument parser (test_a_documented_command_plans)
     if sub != "train":
         return rest
     flags, overrides, multirun = cli.split_hydra_argv(rest)
@@ -185,6 +185,11 @@ def test_a_documented_command_plans(text: str, tmp_path: Path, monkeypatch: pyte
     overrides = plan_overrides(argv)
     if argv[1:2] == ["launch"] and argv[2] in ("slurm", "ray"):  # the job's pre-flight; nothing submitted
         argv = [*argv[:3], "--dry-run", *argv[3:]]
+    if argv[1:2] == ["report"]:  # its directories are a run's: the options parse, the directories are placeholders
+        from rlpost.report.command import parse_args
+
+        assert parse_args(argv[2:]).paths, text
+        return
     if overrides is None:
         rc = cli.main(argv[1:])
         assert rc == 0, f"{text}\n  (at {', '.join(UNIQUE[text])})\n{capsys.readouterr().err}"

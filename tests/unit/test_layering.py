@@ -2,12 +2,13 @@
 
 Order, left to right:
 
-    config → runtime → data → distributed → ops → environments → models → algorithms → app → launch → cli
+    config → runtime → data → distributed → ops → environments → models → algorithms → app → report → launch → cli
 
 `runtime/` holds the run-time services every layer may use (console lines, the run log, `_target_`
 resolution, timers, checkpoint files, metrics); `ops/` the tensor ops shared by workers and losses;
 "app" is every module directly under `rlpost/` (train, runner, preflight, plan, ...) but `cli`, the console script
-that dispatches to all of them, `launch/` (`rlpost launch`) included. Every
+that dispatches to all of them, `report/` (`rlpost report`, which reads what the app wrote) and `launch/` (`rlpost
+launch`) included. Every
 import counts: the lazy ones inside functions and those under `if TYPE_CHECKING:` too (an annotation
 that names a class is a dependency on it).
 """
@@ -21,8 +22,8 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "rlpost"
-ORDER = ["config", "runtime", "data", "distributed", "ops", "environments", "models", "algorithms", "app", "launch",
-         "cli"]
+ORDER = ["config", "runtime", "data", "distributed", "ops", "environments", "models", "algorithms", "app", "report",
+         "launch", "cli"]
 
 
 def _module(path: Path) -> str:

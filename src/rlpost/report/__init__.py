@@ -1,0 +1,1 @@
+"""`rlpost report`: one offline HTML page of runs, a run comparison or a sweep (rlpost.report.command)."""
