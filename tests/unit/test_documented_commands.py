@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CONF = ROOT / "conf"
 
-NOT_COMMANDS = {"rlpost train [overrides]", "rlpost plan [overrides]", "rlpost eval [overrides]", "rlpost launch"}
+NOT_COMMANDS = {"rlpost train [overrides]", "rlpost plan [overrides]", "rlpost eval [overrides]", "rlpost launch",
+                "rlpost report"}
 """Quoted in prose as the syntax of a command, not as a command (as is any line ending in `[overrides]`)."""
 
 

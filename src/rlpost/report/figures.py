@@ -39,8 +39,8 @@ CURVES: tuple[Panel, ...] = (
 """The curves, in the report's order; a panel no run has a metric of is left out."""
 
 TOTAL = "timing/train/total_step_time"
-_LAYOUT = dict(template="plotly_white", height=340, margin=dict(l=60, r=20, t=50, b=45),
-               legend=dict(orientation="h", yanchor="top", y=-0.18, x=0))
+_LAYOUT = dict(template="plotly_white", height=340, margin=dict(l=60, r=40, t=50, b=45),
+               legend=dict(orientation="h", yanchor="top", y=-0.18, x=0), modebar=dict(orientation="v"))
 
 
 def _step_axis(fig: go.Figure, runs: list[Run]) -> None:
