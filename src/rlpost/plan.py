@@ -15,6 +15,7 @@ from rlpost.config.layout import (
 )
 from rlpost.config.lora_params import describe as describe_parameters
 from rlpost.config.lora_params import is_megatron, model_shape, parameter_counts
+from rlpost.config.schema.loss import ClippedPGLossConfig, DistillationLossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 
@@ -92,6 +93,7 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
         ("rollout engine", engine),
         ("loss", cfg.loss_fn._target_.rsplit(".", 1)[-1]),
         *_ppo_rows(cfg, lay),
+        *_teacher_rows(cfg, lay),
         ("device", cfg.cluster.device),
         ("prompts per step", str(lay.prompts_per_step)),
         ("completions per step", f"{lay.completions_per_step} ({g.num_prompts_per_step} x {g.num_generations_per_prompt})"),
@@ -128,6 +130,22 @@ def _ppo_rows(cfg: MasterConfig, lay: Layout) -> list[tuple[str, str]]:
         ("advantages", f"GAE (gamma {ppo.gamma}, lambda {ppo.lam}) on the reward at the last response token{kl}"
                        + ("; whitened over the step's batch" if ppo.whiten_advantages else "")),
     ]
+
+
+def _teacher_rows(cfg: MasterConfig, lay: Layout) -> list[tuple[str, str]]:
+    """A distillation teacher: which model, where it runs, what the KL is taken over."""
+    d = cfg.distillation
+    if d is None:
+        return []
+    t = d.teacher
+    where = (f"on the policy's {lay.train_world} worker slot(s), beside it" if t.colocated else
+             f"{t.num_workers or lay.train_world} worker(s) of its own")
+    over = "the whole vocabulary" if d.topk_logits_k is None else f"its top {d.topk_logits_k} tokens per position"
+    kind = cfg.loss_fn.kl_type if isinstance(cfg.loss_fn, DistillationLossConfig) else "reverse"
+    coef = cfg.loss_fn.distillation_kl_coef if isinstance(cfg.loss_fn, ClippedPGLossConfig) else 0.0
+    use = f"{coef} x the KL added to the policy-gradient loss" if coef else "the loss"
+    return [("teacher", f"{t.model_path}, scoring each sampled token, never trained; {where}; {kind} KL over {over} "
+                        f"is {use}")]
 
 
 def _span(name: str, first: int, count: int) -> str:

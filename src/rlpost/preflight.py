@@ -125,6 +125,8 @@ def preflight_checks(master: AnyMaster, run_dir: Path | None = None, device_chec
         check_supervised_data(master)
         return
     check_output_dirs(master, run_dir)
+    if master.distillation is not None:
+        master.distillation.teacher.check_model_dir("distillation.teacher")
     check_prompt_files(master)
     check_chat_template(master)
     check_data(master)

@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rlpost.algorithms.loop import StepLoop
 from rlpost.config.schema.checkpoint import CheckpointingConfig
+from rlpost.config.schema.loss import DistillationLossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.failures import SIGNAL_CODES, Interrupted
@@ -237,7 +238,8 @@ def _grpo_job(cfg: MasterConfig) -> Job[MasterConfig, GRPOComponents]:
         reward = summary["final_reward"]
         return f"final train/reward {reward:.3f}" if reward is not None else "no step left to run (run complete)"
 
-    return Job("PPO" if cfg.ppo is not None else "GRPO", "grpo.max_num_steps", cfg.grpo.max_num_steps, setup, loop, progress,
+    label = "PPO" if cfg.ppo is not None else "Distil" if isinstance(cfg.loss_fn, DistillationLossConfig) else "GRPO"
+    return Job(label, "grpo.max_num_steps", cfg.grpo.max_num_steps, setup, loop, progress,
                lambda last, comps: {"final_reward": last.get("train/reward"),
                                     "val_accuracy": last.get("validation/accuracy", comps.save_state.val_reward)},
                result_line)
@@ -328,7 +330,7 @@ def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path) -> dict[str, object]:
         "metrics": str(comps.logger.dir / "metrics.jsonl"),
         "tensorboard": str(comps.logger.tb_dir),
     }
-    steps = "steps" if job.label in ("GRPO", "PPO") else f"{job.label} steps"
+    steps = "steps" if job.label in ("GRPO", "PPO", "Distil") else f"{job.label} steps"
     console.print(
         f"[bold green]done[/]: {summary['steps']} {steps} in {summary['wall_s']:.0f}s, {job.result_line(summary)}\n"
         f"  metrics:     {summary['metrics']}\n  tensorboard: {summary['tensorboard']}\n"

@@ -1,8 +1,7 @@
-"""PPO's critic: the value model's worker group, built by the policy's backend from a copy of the policy's block.
+"""PPO's critic: the value model's worker group (rlpost.algorithms.side_groups).
 
-The copy loads `critic.model_name` (default: the policy's model) with a one-output head on every token
-(`value_head`), trains in full (no LoRA) with the policy's optimizer at `critic.lr`, never generates, and keeps no
-reference model. It sits on the policy's bundles (`critic.colocated`) or on bundles of its own.
+It loads `critic.model_name` (default: the policy's model) with a one-output head on every token (`value_head`),
+trains in full with the policy's optimizer at `critic.lr`, never generates, and keeps no reference model.
 """
 
 from __future__ import annotations
@@ -10,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from rlpost.algorithms.side_groups import side_cluster, side_config
 from rlpost.config.schema.master import MasterConfig
-from rlpost.config.schema.policy import DTensorPolicyConfig, PolicyConfig
+from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.models.policy.lm_policy import Policy
 
@@ -25,25 +25,15 @@ def critic_config(cfg: MasterConfig) -> PolicyConfig:
     assert c is not None  # MasterConfig refuses algo=ppo without it
     p = cfg.policy
     optimizer = dataclasses.replace(p.optimizer, kwargs={**p.optimizer.kwargs, "lr": c.lr})
-    out = dataclasses.replace(p, model_name=c.model_name or p.model_name, generation=None, value_head=True,
-                              optimizer=optimizer, train_micro_batch_size=c.train_micro_batch_size or
-                              p.train_micro_batch_size)
-    if isinstance(out, DTensorPolicyConfig):
-        lora = dataclasses.replace(out.dtensor_cfg.lora_cfg, enabled=False)
-        out.dtensor_cfg = dataclasses.replace(out.dtensor_cfg, lora_cfg=lora)
-    return out
+    return side_config(cfg, c.model_name or p.model_name, value_head=True, optimizer=optimizer,
+                       train_micro_batch_size=c.train_micro_batch_size or p.train_micro_batch_size)
 
 
 def critic_cluster(cfg: MasterConfig, policy_cluster: RayVirtualCluster) -> RayVirtualCluster | None:
     """The critic's own bundles (None when it shares the policy's)."""
     c = cfg.critic
     assert c is not None
-    if c.colocated:
-        return None
-    workers = c.num_workers or policy_cluster.workers_per_node
-    nodes = 1 if c.num_workers else policy_cluster.num_nodes
-    return RayVirtualCluster("ppo_critic_cluster", workers, nodes, policy_cluster.use_gpus, cfg.cluster.worker_num_cpus,
-                             1, cfg.cluster.placement_timeout_s)
+    return side_cluster("ppo_critic_cluster", cfg, policy_cluster, c.colocated, c.num_workers)
 
 
 def build_critic(cfg: MasterConfig, cluster: RayVirtualCluster, checkpoint: Path | None, device: str) -> Policy:

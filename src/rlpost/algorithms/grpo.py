@@ -129,7 +129,8 @@ def loop_parts(components: GRPOComponents) -> LoopParts:
         logger=components.logger, checkpointing=cfg.checkpointing, cluster=cfg.cluster,
         started_at=components.started_at, total_steps=lambda: components.save_state.total_steps,
         lr=cfg.policy.optimizer.kwargs.get("lr", "?") if cfg.policy.optimizer is not None else "?",
-        timeouts=[components.policy, components.generation, *([components.critic] if components.critic else [])],
+        timeouts=[components.policy, components.generation,
+                  *[g for g in (components.critic, components.teacher) if g is not None]],
         gpu_memory=components.policy if cfg.logger.monitor_gpus else None,
         drift=DriftLimits(g.token_mult_prob_error_warn_threshold, g.token_mult_prob_error_abort_threshold),
     )
@@ -154,8 +155,13 @@ def grpo_step(components: GRPOComponents, rows: list[PromptRow], step: int, time
 
 
 def logprobs(components: GRPOComponents, train_data: BatchedDataDict, timer: Timer) -> None:
-    """The trainer's own prev / reference logprobs, only those the loss reads."""
+    """The trainer's own prev / reference logprobs, only those the loss reads; a distillation teacher's top-k."""
     loss_fn, policy = components.loss_fn, components.policy
+    if components.teacher is not None:
+        from rlpost.algorithms.teacher import score
+
+        with timer.time("teacher_logprobs"):
+            score(components.teacher, components.cfg, train_data)
     if not (loss_fn.needs_prev_logprobs or loss_fn.needs_reference_logprobs):
         return
     with timer.time("policy_and_reference_logprobs"):

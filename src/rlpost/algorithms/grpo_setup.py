@@ -68,6 +68,8 @@ class GRPOComponents:
     config_dict: dict[str, object]
     critic: Policy | None = None
     """PPO's value model (rlpost.algorithms.critic); None for GRPO."""
+    teacher: Policy | None = None
+    """A distillation teacher (rlpost.algorithms.teacher); None without one."""
     colocated: bool = True
     overlap: bool = False
     """Synchronous steps overlap generation and training (rlpost.algorithms.overlap): where `Layout.overlap_chunk`
@@ -81,9 +83,9 @@ class GRPOComponents:
         (a failed or abandoned run) kills the workers without asking them first."""
         if not self.closed:
             self.closed = True
-            critic = self.critic
+            sides = [g for g in (self.critic, self.teacher) if g is not None]
             close_all([lambda: self.generation.shutdown(graceful), lambda: self.policy.shutdown(graceful),
-                       *([lambda: critic.shutdown(graceful)] if critic is not None else []), *[c.shutdown for c in self.clusters], *[e.shutdown for e in self.envs.values()], self.logger.close])
+                       *[(lambda g=g: g.shutdown(graceful)) for g in sides], *[c.shutdown for c in self.clusters], *[e.shutdown for e in self.envs.values()], self.logger.close])
 
 
 def close_all(closers: list[Callable[[], object]]) -> None:
@@ -148,6 +150,10 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
 
     tokenizer = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
     processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs)
+    if cfg.distillation is not None:
+        from rlpost.algorithms.teacher import check_same_tokenizer
+
+        check_same_tokenizer(cfg, tokenizer)
     g = cfg.grpo
     batch = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
     train_rows, val_rows = load_prompts(cfg, processor, batch)
@@ -165,8 +171,9 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
 
     lay = layout_of(cfg)
     cpus = cfg.cluster.worker_num_cpus
-    # a colocated critic (algo=ppo) is one more worker group on the policy's bundles
-    shared = 1 + (cfg.critic is not None and cfg.critic.colocated)
+    from rlpost.algorithms.side_groups import colocated_groups
+
+    shared = 1 + colocated_groups(cfg)  # a colocated critic or teacher is one more worker group on these bundles
     if colocated:
         train_cluster = RayVirtualCluster(
             "grpo_policy_cluster", lay.train_workers_per_node, lay.train_nodes, use_gpus, cpus * (shared + 1),
@@ -184,13 +191,16 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
             cfg.cluster.placement_timeout_s,
         )
         clusters = [train_cluster, gen_cluster]
-    critic_cluster = None
+    critic_cluster = teacher_cluster = None
     if cfg.critic is not None:
-        from rlpost.algorithms.critic import critic_cluster as own_bundles
+        from rlpost.algorithms.critic import critic_cluster as critic_bundles
 
-        critic_cluster = own_bundles(cfg, train_cluster)
-        if critic_cluster is not None:
-            clusters.append(critic_cluster)
+        critic_cluster = critic_bundles(cfg, train_cluster)
+    if cfg.distillation is not None:
+        from rlpost.algorithms.teacher import teacher_cluster as teacher_bundles
+
+        teacher_cluster = teacher_bundles(cfg, train_cluster)
+    clusters += [c for c in (critic_cluster, teacher_cluster) if c is not None]
 
     gen_cfg = cfg.generation
     if gen_cfg.model_name is None:
@@ -215,6 +225,12 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
 
                 critic = build_critic(cfg, critic_cluster or train_cluster, last, device)
                 opened.insert(2, lambda: critic.shutdown(graceful=False))
+            teacher = None
+            if cfg.distillation is not None:
+                from rlpost.algorithms.teacher import build_teacher
+
+                teacher = build_teacher(cfg, teacher_cluster or train_cluster, device)
+                opened.insert(2, lambda: teacher.shutdown(graceful=False))
             generation.wait_started()
             if (placed := placement.summary()) is not None:
                 say.info(f"placement: {placed}")
@@ -237,7 +253,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         cfg=cfg, run_dir=run_dir, policy=policy, generation=generation, clusters=clusters, dataloader=dataloader,
         val_rows=val_rows, loss_fn=loss_fn, logger=logger, checkpointer=checkpointer, save_state=save_state,
         tokenizer=tokenizer, processor=processor, envs=envs, model_fp=model_fp, config_dict=config_dict,
-        colocated=colocated, started_at=started_at, critic=critic,
+        colocated=colocated, started_at=started_at, critic=critic, teacher=teacher,
         overlap=bool(lay.overlap_chunk),
     )
 

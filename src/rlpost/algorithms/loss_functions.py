@@ -149,6 +149,7 @@ class ClippedPGLossFn:
         self.disable_ppo_ratio = bool(c.disable_ppo_ratio)
         self.force_on_policy_ratio = bool(c.force_on_policy_ratio)
         self.loss_type = LossType.TOKEN_LEVEL if c.token_level_loss else LossType.SEQUENCE_LEVEL
+        self.distillation_kl_coef = float(c.distillation_kl_coef)
 
     @property
     def needs_prev_logprobs(self) -> bool:
@@ -162,7 +163,7 @@ class ClippedPGLossFn:
 
     TOKEN_MEAN_METRICS = frozenset({"probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error",
                                     "policy_kl_error", "js_divergence_error", "sampling_importance_ratio",
-                                    "approx_entropy"})
+                                    "approx_entropy", "kl_to_teacher", "teacher_topk_mass", "student_topk_mass"})
     """Metrics that are token means over the global batch (divided by global_valid_toks) whatever the loss type."""
 
     def accumulated_scales(self, global_valid_seqs: float, global_valid_toks: float) -> tuple[float, dict[str, float]]:
@@ -260,9 +261,15 @@ class ClippedPGLossFn:
             is_w = is_w.clamp(max=float(self.truncated_importance_sampling_ratio))
         weights = is_w if self.use_importance_sampling_correction else torch.ones_like(lp_old)
 
-        # 5. Actor loss + KL.
+        # 5. Actor loss + KL (+ the KL to a distillation teacher, a token mean).
         actor_loss = self._reduce(weights * clip_loss, mask, token_mask, sample_mask, global_valid_seqs, gvt)
         loss = actor_loss + kl
+        teacher: dict[str, float] = {}
+        if self.distillation_kl_coef:
+            from rlpost.algorithms.distillation_loss import teacher_kl
+
+            to_teacher, teacher = teacher_kl(next_token_logits, data, mask, gvt)
+            loss = loss + self.distillation_kl_coef * to_teacher
 
         with torch.no_grad():
             metrics: dict[str, float] = {
@@ -274,6 +281,7 @@ class ClippedPGLossFn:
                 "kl_penalty": float(kl.item()) / beta if beta != 0 else 0.0,
                 **diag,
                 "sampling_importance_ratio": float(masked_mean(is_w, mask, global_normalization_factor=gvt).item()),
+                **teacher,
                 "num_valid_samples": float(sample_mask.sum().item()),
                 "approx_entropy": float(
                     -masked_mean(

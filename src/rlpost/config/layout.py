@@ -249,6 +249,8 @@ def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:
         why = "async GRPO overlaps whole batches instead (grpo.async_grpo.enabled=true)"
     elif cfg.ppo is not None:
         why = "PPO's advantages need the critic's values of the whole batch (algo=ppo)"
+    elif cfg.distillation is not None:
+        why = "the distillation teacher scores the whole batch before training"
     elif cfg.generation.colocated.enabled:
         why = ("the engine is colocated: it and the policy take turns on the shared workers "
                "(policy.generation.colocated.enabled=false gives the engine workers of its own)")

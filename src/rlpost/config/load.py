@@ -356,6 +356,8 @@ GRPO_ONLY = {"grpo": "block", "env": "group", "generation": "group", "eval": "bl
 
 PPO_ONLY = ("ppo", "critic")
 """The blocks only algo=ppo has (beside GRPO's)."""
+GENERATING = ("grpo", "ppo", "distillation")
+"""The algorithms that run GRPO's machinery: each reads GRPO's blocks."""
 
 
 def _algorithm_mismatch(overrides: list[str]) -> ConfigError | None:
@@ -364,14 +366,14 @@ def _algorithm_mismatch(overrides: list[str]) -> ConfigError | None:
     from rlpost.config.schema.root import ALGORITHMS
 
     algo = next((o.split("=", 1)[1] for o in overrides if o.startswith("algo=")), "grpo")
-    if algo not in (*ALGORITHMS, "ppo"):
+    if algo not in (*ALGORITHMS, *GENERATING):
         return None
     for o in overrides:
         key, _, value = o.lstrip("+~").partition("=")
         first = key.split(".", 1)[0]
         owner = "ppo" if first in PPO_ONLY else first if first in ALGORITHMS else "grpo" if (
-            first in GRPO_ONLY or key.startswith("policy.generation")) else None
-        readers = {owner, "ppo"} if owner == "grpo" else {owner}  # PPO runs on GRPO's blocks
+            first in GRPO_ONLY or first == "distillation" or key.startswith("policy.generation")) else None
+        readers = set(GENERATING) if owner == "grpo" else {owner}  # PPO and distillation run on GRPO's blocks
         if owner is not None and algo not in readers and first != "algo":
             return ConfigError(key, value, f"algo={algo} has no such {'group' if '.' not in key else 'key'}: it "
                                f"belongs to algo={owner}")

@@ -21,6 +21,7 @@ from rlpost.config.schema.env import (
 from rlpost.config.schema.generation import HFGenerationConfig, VllmConfig
 from rlpost.config.schema.loss import (
     ClippedPGLossConfig,
+    DistillationLossConfig,
     DPOLossConfig,
     NLLLossConfig,
     PreferenceLossConfig,
@@ -57,6 +58,7 @@ def register_configs() -> None:
     cs.store(group="schema/generation", name="hf", node=HFGenerationConfig)
     cs.store(group="schema/loss", name="clipped_pg", node=ClippedPGLossConfig)
     cs.store(group="schema/loss", name="nll", node=NLLLossConfig)
+    cs.store(group="schema/loss", name="distillation", node=DistillationLossConfig)
     cs.store(group="schema/loss", name="dpo", node=DPOLossConfig)
     cs.store(group="schema/loss", name="preference", node=PreferenceLossConfig)
     cs.store(group="schema/data", name="prompts", node=DataConfig)

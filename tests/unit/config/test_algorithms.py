@@ -3,6 +3,8 @@ is refused naming the key and the algorithm it belongs to."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -142,4 +144,38 @@ def test_ppo_composes_grpo_with_a_critic_and_no_overlap() -> None:
     (["algo=sft", "+critic.lr=1"], "critic.lr"),
 ])
 def test_bad_ppo_combinations_name_the_key(overrides: list[str], key: str) -> None:
+    assert refused(*overrides).key == key
+
+
+def test_distillation_composes_grpo_with_a_teacher(tmp_path: Path) -> None:
+    from rlpost.config.schema.loss import ClippedPGLossConfig, DistillationLossConfig
+    from rlpost.preflight import preflight_checks
+
+    _, m = load_master_config(["algo=distillation", f"distillation.teacher.model_path={tmp_path}"])
+    assert isinstance(m, MasterConfig) and isinstance(m.loss_fn, DistillationLossConfig)
+    assert m.distillation is not None and m.distillation.topk_logits_k == 64 and m.grpo.num_generations_per_prompt == 1
+    assert "reverse KL over its top 64 tokens per position is the loss" in dict(plan_rows(m))["teacher"]
+    with pytest.raises(ConfigError) as err:  # an empty directory: neither an HF model nor a checkpoint
+        preflight_checks(m, tmp_path / "run")
+    assert err.value.key == "distillation.teacher.model_path" and "config.json" in err.value.rule
+    (tmp_path / "policy" / "weights" / "hf").mkdir(parents=True)
+    (tmp_path / "policy" / "weights" / "hf" / "config.json").write_text("{}")
+    assert m.distillation.teacher.model_dir() == tmp_path / "policy" / "weights" / "hf"  # an rlpost checkpoint
+    _, g = load_master_config(["distillation=teacher", f"distillation.teacher.model_path={tmp_path}",
+                               "loss_fn.distillation_kl_coef=0.1"])
+    assert isinstance(g, MasterConfig) and isinstance(g.loss_fn, ClippedPGLossConfig) and g.distillation is not None
+    assert "0.1 x the KL added to the policy-gradient loss" in dict(plan_rows(g))["teacher"]
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["algo=distillation"], "distillation.teacher.model_path"),
+    (["loss_fn.distillation_kl_coef=0.1"], "loss_fn.distillation_kl_coef"),
+    (["distillation=teacher", "distillation.teacher.model_path=/x"], "distillation"),
+    (["algo=distillation", "distillation.teacher.model_path=/x", "policy=megatron"], "policy._target_"),
+    (["algo=distillation", "distillation.teacher.model_path=/x", "distillation.teacher.num_workers=2"],
+     "distillation.teacher.num_workers"),
+    (["algo=distillation", "distillation.teacher.model_path=/x", "loss_fn.kl_type=jensen"], "loss_fn.kl_type"),
+    (["algo=sft", "distillation.topk_logits_k=3"], "distillation.topk_logits_k"),
+])
+def test_bad_distillation_combinations_name_the_key(overrides: list[str], key: str) -> None:
     assert refused(*overrides).key == key

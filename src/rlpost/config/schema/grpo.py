@@ -123,12 +123,6 @@ class GRPOConfig:
             "dynamic_sampling_max_gen_batches",
         ):
             positive(f"{path}.{name}", getattr(self, name))
-        require(
-            self.num_generations_per_prompt >= 2,
-            f"{path}.num_generations_per_prompt",
-            self.num_generations_per_prompt,
-            "must be >= 2: the group baseline needs at least two samples per prompt",
-        )
         require(self.val_period >= 0, f"{path}.val_period", self.val_period, "must be >= 0")
         require(self.batch_multiplier >= 1.0, f"{path}.batch_multiplier", self.batch_multiplier, "must be >= 1")
         positive(f"{path}.async_grpo.max_trajectory_age_steps", self.async_grpo.max_trajectory_age_steps)

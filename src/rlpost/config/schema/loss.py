@@ -51,8 +51,12 @@ class ClippedPGLossConfig(LossConfig):
     force_on_policy_ratio: bool = False
     """rho = exp(lp - sg(lp)) = 1 and no prev-logprobs forward pass. Automatic (and exact) when the
     rollout batch is one optimizer step; set it to force the approximation with several steps."""
+    distillation_kl_coef: float = 0.0
+    """Add this times the reverse KL to a teacher on its top-k tokens (rlpost.algorithms.distillation_loss) to the
+    loss; needs a teacher (`distillation=teacher distillation.teacher.model_path=...`). 0 = none."""
 
     def check(self, path: str) -> None:
+        non_negative(f"{path}.distillation_kl_coef", self.distillation_kl_coef)
         non_negative(f"{path}.reference_policy_kl_penalty", self.reference_policy_kl_penalty)
         one_of(f"{path}.reference_policy_kl_type", self.reference_policy_kl_type, ("k1", "k2", "k3"))
         positive(f"{path}.kl_input_clamp_value", self.kl_input_clamp_value)
@@ -82,6 +86,24 @@ class ClippedPGLossConfig(LossConfig):
                 True,
                 "disable_ppo_ratio cannot be combined with sequence_level_importance_ratios",
             )
+
+
+@dataclass
+class DistillationLossConfig(LossConfig):
+    """On-policy distillation's loss (`loss=distillation`, algo=distillation): the per-token KL between the student
+    and the teacher on the teacher's top-k tokens (NeMo RL's DistillationLossFn names)."""
+
+    _target_: str = "rlpost.algorithms.distillation_loss.DistillationLossFn"
+    """Loss class."""
+    kl_type: str = "reverse"
+    """'reverse' (KL(student || teacher), on-policy distillation's), 'forward' or 'mixed'."""
+    mixed_kl_weight: float = 0.5
+    """With kl_type=mixed: the forward KL's weight (the reverse KL's is 1 - this)."""
+
+    def check(self, path: str) -> None:
+        one_of(f"{path}.kl_type", self.kl_type, ("reverse", "forward", "mixed"))
+        require(0.0 <= self.mixed_kl_weight <= 1.0, f"{path}.mixed_kl_weight", self.mixed_kl_weight,
+                "must be in [0, 1]")
 
 
 @dataclass

@@ -8,12 +8,13 @@ from rlpost.config.errors import ConfigError, require
 from rlpost.config.schema.checkpoint import CheckpointingConfig
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.data import DataConfig
+from rlpost.config.schema.distillation import DistillationConfig
 from rlpost.config.schema.env import EnvConfig, SyntheticEnvConfig
 from rlpost.config.schema.eval import EvalConfig
 from rlpost.config.schema.generation import GenerationConfig
 from rlpost.config.schema.grpo import GRPOConfig
 from rlpost.config.schema.logger import GRPOLoggerConfig
-from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
+from rlpost.config.schema.loss import ClippedPGLossConfig, DistillationLossConfig, LossConfig
 from rlpost.config.schema.model import ModelConfig
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.config.schema.ppo import CriticConfig, PPOConfig
@@ -47,6 +48,9 @@ class MasterConfig:
     """PPO (`algo=ppo`): GAE advantages from a critic instead of group baselines; None = GRPO."""
     critic: CriticConfig | None = None
     """PPO's value model (`algo=ppo`)."""
+    distillation: DistillationConfig | None = None
+    """A teacher scoring the policy's tokens (`algo=distillation`, or `distillation=teacher` with GRPO's
+    loss_fn.distillation_kl_coef); None = no teacher."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,11 +81,17 @@ class MasterConfig:
             self.ppo.check("ppo")
         if self.critic is not None:
             self.critic.check("critic")
+        if self.distillation is not None:
+            self.distillation.check("distillation")
         self._cross_checks()
         self._ppo_checks()
+        self._teacher_checks()
 
     def _cross_checks(self) -> None:
         p, g, gen = self.policy, self.grpo, self.generation
+        if self.ppo is None and not isinstance(self.loss_fn, DistillationLossConfig):
+            require(g.num_generations_per_prompt >= 2, "grpo.num_generations_per_prompt", g.num_generations_per_prompt,
+                    "must be >= 2: the group baseline needs at least two samples per prompt")
         require(
             not p.reward_model_cfg.enabled,
             "policy.reward_model_cfg.enabled",
@@ -127,6 +137,8 @@ class MasterConfig:
                 "keep algo=ppo's critic block, e.g. critic.lr=1e-4")
         require(self.policy.serves_value_model, "policy._target_", self.policy._target_,
                 "this backend builds no value model for PPO's critic", "use policy=dtensor or policy=dtensor_v2")
+        require(self.policy.parallel_sizes()["tp"] == 1, self.policy.tp_key(), self.policy.parallel_sizes()["tp"],
+                "the critic's value head has no tensor-parallel plan (tensor parallel size 1)")
         require(not self.grpo.async_grpo.enabled, "grpo.async_grpo.enabled", True,
                 "algo=ppo runs synchronous steps (the critic's values are the current batch's)")
         require(self.grpo.overlap_generation_and_training is not True, "grpo.overlap_generation_and_training", True,
@@ -138,3 +150,23 @@ class MasterConfig:
     def loss_fn_kl(self) -> float:
         """The loss's KL coefficient (0 for a loss without one)."""
         return float(self.loss_fn.reference_policy_kl_penalty) if isinstance(self.loss_fn, ClippedPGLossConfig) else 0.0
+
+    def _teacher_checks(self) -> None:
+        """A teacher is there exactly when the loss reads it, on a backend that serves it, with synchronous steps."""
+        coef = self.loss_fn.distillation_kl_coef if isinstance(self.loss_fn, ClippedPGLossConfig) else 0.0
+        reads = isinstance(self.loss_fn, DistillationLossConfig) or coef > 0
+        if self.distillation is None:
+            require(not reads, "loss_fn.distillation_kl_coef" if coef > 0 else "loss_fn._target_",
+                    coef if coef > 0 else self.loss_fn._target_, "the KL to a teacher needs a teacher",
+                    "add distillation=teacher distillation.teacher.model_path=DIR")
+            return
+        require(reads, "distillation", "set", "no loss reads the teacher",
+                "use algo=distillation, or loss_fn.distillation_kl_coef > 0 with GRPO's loss")
+        require(self.policy.serves_value_model, "policy._target_", self.policy._target_,
+                "this backend serves no distillation teacher", "use policy=dtensor or policy=dtensor_v2")
+        require(self.policy.parallel_sizes()["tp"] == 1, self.policy.tp_key(), self.policy.parallel_sizes()["tp"],
+                "the teacher's top-k and the distillation KL need whole-vocabulary logits (tensor parallel size 1)")
+        require(not self.grpo.async_grpo.enabled, "grpo.async_grpo.enabled", True,
+                "distillation runs synchronous steps (the teacher scores the batch being trained)")
+        require(self.grpo.overlap_generation_and_training is not True, "grpo.overlap_generation_and_training", True,
+                "the teacher scores the whole batch before training: generation and training do not overlap")

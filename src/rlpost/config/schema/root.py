@@ -15,6 +15,7 @@ from rlpost.config.errors import ConfigError
 from rlpost.config.schema.checkpoint import CheckpointingConfig
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.data import DataConfig, DatasetConfig
+from rlpost.config.schema.distillation import DistillationConfig
 from rlpost.config.schema.env import EnvConfig
 from rlpost.config.schema.eval import EvalConfig
 from rlpost.config.schema.grpo import GRPOConfig
@@ -55,6 +56,8 @@ class RootConfig:
     """PPO's additions to GRPO's blocks (`algo=ppo`)."""
     critic: CriticConfig | None = None
     """PPO's value model (`algo=ppo`)."""
+    distillation: DistillationConfig | None = None
+    """A distillation teacher (`algo=distillation`, or `distillation=teacher` with GRPO)."""
     logger: GRPOLoggerConfig = field(default_factory=GRPOLoggerConfig)
     """Metrics sinks."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -84,10 +87,11 @@ def narrow(root: RootConfig) -> MasterConfig | SupervisedMasterConfig:
                               "choose it with generation=vllm|hf")
         return MasterConfig(policy=root.policy, loss_fn=root.loss_fn, env=root.env, data=root.data, grpo=root.grpo,
                             logger=root.logger, cluster=root.cluster, checkpointing=root.checkpointing,
-                            model=root.model, eval=root.eval or EvalConfig(), ppo=root.ppo, critic=root.critic)
+                            model=root.model, eval=root.eval or EvalConfig(), ppo=root.ppo, critic=root.critic,
+                            distillation=root.distillation)
     for key, present in (("policy.generation", root.policy.generation is not None), ("env", bool(root.env)),
                          ("eval", root.eval is not None), ("ppo", root.ppo is not None),
-                         ("critic", root.critic is not None)):
+                         ("critic", root.critic is not None), ("distillation", root.distillation is not None)):
         if present:
             raise ConfigError(key, "set", f"algo={algo} does not generate: only algo=grpo reads this block")
     return MASTER_CONFIGS[algo](policy=root.policy, loss_fn=root.loss_fn, data=root.data,

@@ -214,6 +214,28 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         return BatchedDataDict(values=torch.cat(outs, dim=0) if outs else torch.zeros(0, full_len))
 
     @torch.no_grad()
+    def get_topk_logits(self, data: BatchedDataDict, k: int | None) -> BatchedDataDict:
+        """A teacher's top-k tokens per position and its full-vocabulary log-softmax at them (k None: the whole
+        vocabulary), [B, S, k] each, aligned like logprobs: position t holds the distribution that emits token t
+        (position 0: index 0, logprob 0, never read)."""
+        self._onload()
+        self.model.eval()
+        full_len = int(data["input_ids"].shape[1])
+        idx_out: list[torch.Tensor] = []
+        lp_out: list[torch.Tensor] = []
+        for mb in self._microbatches(data, self.cfg.logprob_batch_size):
+            if isinstance(mb, PackedMicroBatch):
+                raise ValueError("a teacher scores unpacked micro-batches (its block turns packing off)")
+            logits, rows, _ = self._forward_logits(mb)
+            lp = torch.log_softmax(logits, dim=-1)  # [B, S, V]
+            top = lp.topk(lp.shape[-1] if k is None else min(k, lp.shape[-1]), dim=-1)
+            pad = (0, 0, 1, full_len - lp.shape[1])  # one position at the front (the shift), the rest at the end
+            if not mb.is_padding and not rows.is_padding:
+                idx_out.append(torch.nn.functional.pad(top.indices[:, :-1], pad).cpu())
+                lp_out.append(torch.nn.functional.pad(top.values[:, :-1], pad).cpu())
+        return BatchedDataDict(teacher_topk_indices=torch.cat(idx_out), teacher_topk_logprobs=torch.cat(lp_out))
+
+    @torch.no_grad()
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         if not self._has_reference:
             raise RuntimeError("the policy was built without a reference model (init_reference_model=False)")

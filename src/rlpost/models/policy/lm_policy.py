@@ -126,6 +126,14 @@ class Policy(ColocatablePolicyInterface):
         """A value model's values [B, S] (policy.value_head: PPO's critic), aligned like logprobs."""
         return self._logprob_call("get_values", "values", data)
 
+    def get_topk_logits(self, data: BatchedDataDict, k: int | None) -> BatchedDataDict:
+        """A teacher's top-k indices and logprobs [B, S, k] per position (rlpost.algorithms.teacher)."""
+        shards, order = self._shard(data, None, for_training=False)
+        results = self.worker_group.run_sharded("get_topk_logits", shards, k)
+        out = BatchedDataDict({key: torch.cat([r[key] for r in results], dim=0)
+                               for key in ("teacher_topk_indices", "teacher_topk_logprobs")})
+        return out.restore_order(order) if order is not None else out
+
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         return self._logprob_call("get_reference_policy_logprobs", "reference_logprobs", data)
 

@@ -1,0 +1,39 @@
+"""Worker groups beside the policy, built by its backend from a copy of its block: PPO's critic and a distillation
+teacher. Each sits on the policy's bundles (one more actor on each) or on bundles of its own."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.policy import DTensorPolicyConfig, PolicyConfig
+from rlpost.distributed.virtual_cluster import RayVirtualCluster
+
+
+def side_config(cfg: MasterConfig, model_name: str, **changes: object) -> PolicyConfig:
+    """The policy's block for another model: no engine, no LoRA (a side group trains in full or not at all), with
+    `changes` applied."""
+    p = cfg.policy
+    out = dataclasses.replace(p, model_name=model_name, generation=None, **changes)  # type: ignore[arg-type]
+    if isinstance(out, DTensorPolicyConfig):
+        lora = dataclasses.replace(out.dtensor_cfg.lora_cfg, enabled=False)
+        out.dtensor_cfg = dataclasses.replace(out.dtensor_cfg, lora_cfg=lora)
+    return out
+
+
+def side_cluster(name: str, cfg: MasterConfig, policy_cluster: RayVirtualCluster, colocated: bool,
+                 num_workers: int | None) -> RayVirtualCluster | None:
+    """Bundles of the group's own (None when it shares the policy's): `num_workers` on one node, else as many as
+    the policy has, on as many nodes."""
+    if colocated:
+        return None
+    workers = num_workers or policy_cluster.workers_per_node
+    nodes = 1 if num_workers else policy_cluster.num_nodes
+    return RayVirtualCluster(name, workers, nodes, policy_cluster.use_gpus, cfg.cluster.worker_num_cpus, 1,
+                             cfg.cluster.placement_timeout_s)
+
+
+def colocated_groups(cfg: MasterConfig) -> int:
+    """How many side groups share the policy's bundles."""
+    return int(cfg.critic is not None and cfg.critic.colocated) + int(
+        cfg.distillation is not None and cfg.distillation.teacher.colocated)

@@ -1,0 +1,74 @@
+"""The teacher of on-policy distillation (`distillation`: set by algo=distillation, or `distillation=teacher` for
+GRPO's loss_fn.distillation_kl_coef)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlpost.config.errors import ConfigError, positive, require
+
+CHECKPOINT_EXPORT = Path("policy") / "weights" / "hf"
+"""Where an rlpost checkpoint (step_N) holds its consolidated HF export."""
+
+
+@dataclass
+class TeacherConfig:
+    """A policy-like worker group that scores the student's tokens and never trains."""
+
+    model_path: str = ""
+    """A local HF model directory, or an rlpost checkpoint (a run's checkpoints/step_N, whose consolidated HF export
+    is loaded). Its tokenizer must be the student's."""
+    colocated: bool = True
+    """Share the policy's workers' resources (one more actor on each of their bundles); false = bundles of its
+    own, `num_workers` of them."""
+    num_workers: int | None = None
+    """Ranks of a teacher on its own resources; None = as many as the policy has."""
+    logprob_batch_size: int | None = None
+    """Samples per micro-batch of the teacher's scoring pass; None = the policy's logprob_batch_size."""
+
+    def model_dir(self) -> Path | None:
+        """The HF directory behind model_path: the directory itself, or an rlpost checkpoint's export; None when
+        neither holds a config.json."""
+        path = Path(self.model_path).expanduser()
+        for candidate in (path, path / CHECKPOINT_EXPORT):
+            if (candidate / "config.json").is_file():
+                return candidate
+        return None
+
+    def check_model_dir(self, path: str) -> None:
+        """ConfigError unless model_path is an HF model directory or an rlpost checkpoint (the pre-flight's)."""
+        d = Path(self.model_path).expanduser()
+        if not d.is_dir():
+            raise ConfigError(f"{path}.model_path", self.model_path, "no such directory" if not d.exists() else
+                              "is not a directory", "name a local HF model directory or a run's checkpoints/step_N")
+        if self.model_dir() is None:
+            raise ConfigError(f"{path}.model_path", self.model_path,
+                              f"holds no config.json, itself or in {CHECKPOINT_EXPORT} (an rlpost checkpoint's HF "
+                              "export): neither an HF model directory nor a checkpoint with one",
+                              "checkpoints need checkpointing.save_consolidated=true")
+
+    def check(self, path: str) -> None:
+        require(bool(self.model_path), f"{path}.model_path", self.model_path,
+                "must name the teacher: a local HF model directory or an rlpost checkpoint (step_N)")
+        positive(f"{path}.num_workers", self.num_workers, allow_none=True)
+        positive(f"{path}.logprob_batch_size", self.logprob_batch_size, allow_none=True)
+        if self.colocated:
+            require(self.num_workers is None, f"{path}.num_workers", self.num_workers,
+                    "a colocated teacher runs on the policy's workers' bundles",
+                    "set distillation.teacher.colocated=false to give it workers of its own")
+
+
+@dataclass
+class DistillationConfig:
+    """On-policy distillation: the student generates, the teacher scores each of its tokens (NeMo RL's names)."""
+
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The teacher model and where it runs."""
+    topk_logits_k: int | None = 64
+    """The teacher's top-k tokens per position that the KL is taken over (capped at the vocabulary); None = the
+    whole vocabulary (the exact KL; [B, S, V] per step travels from the teacher)."""
+
+    def check(self, path: str) -> None:
+        positive(f"{path}.topk_logits_k", self.topk_logits_k, allow_none=True)
+        self.teacher.check(f"{path}.teacher")
