@@ -125,6 +125,7 @@ def render(page: Path, tmp: Path, screenshot: Path | None = None) -> tuple[str, 
     assert out.returncode == 0, out.stderr[-3000:]
     console = [line for line in out.stderr.splitlines() if ":CONSOLE" in line]
     if screenshot is not None:
+        screenshot.parent.mkdir(parents=True, exist_ok=True)
         shot = subprocess.run([*flags, f"--screenshot={screenshot}", page.as_uri()], capture_output=True, text=True,
                               timeout=120)
         assert shot.returncode == 0 and screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", shot.stderr[-3000:]
