@@ -112,3 +112,18 @@ def test_the_input_error_names_path_and_rule(tmp_path: Path) -> None:
     with pytest.raises(ReportInputError) as err:
         load_runs([tmp_path])
     assert err.value.path == tmp_path and "metrics.jsonl" in err.value.rule
+
+
+def test_a_sweep_job_that_failed_before_its_first_step_is_in_the_table(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    make_run(sweep / "0", ["policy.optimizer.kwargs.lr=1e-3"], rows())
+    failed = sweep / "1"
+    (failed / ".hydra").mkdir(parents=True)
+    (failed / ".hydra" / "overrides.yaml").write_text("- policy.optimizer.kwargs.lr=3e-3\n")
+    (failed / "failure.json").write_text(json.dumps({"exit_status": 4, "error": "rlpost: error: out of memory"}))
+    (sweep / "sweep_summary.json").write_text("{}")
+    runs, sweeps = load_runs([sweep])
+    assert [r.path.name for r in runs] == ["0"]  # no metrics: no curves
+    page = render(runs, sweeps)
+    assert "failed (exit 4): rlpost: error: out of memory" in page
+    assert "<td>3e-3</td>" in page
