@@ -202,6 +202,11 @@ def test_wandb_offline_run_holds_the_metrics(run3: tuple[Path, subprocess.Comple
             row["train/reward" if "train/reward" in row else "validation/accuracy"])
     config = wandb_records.config(path)
     assert config["grpo"]["max_num_steps"] == 3 and config["logger"]["wandb_enabled"] is True
+    # what `wandb sync` would upload once a key is configured (--dry-run: no server here)
+    sync = subprocess.run([str(Path(sys.executable).with_name("wandb")), "sync", "--dry-run", str(path.parent)],
+                          cwd=run_dir, env=_env(run_dir, run_dir), capture_output=True, text=True, timeout=120)
+    assert sync.returncode == 0 and "Would sync 1 run(s)" in sync.stdout + sync.stderr, sync.stdout + sync.stderr
+    assert path.name in sync.stdout + sync.stderr
 
 
 def test_mlflow_local_store_holds_the_metrics(run3: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
