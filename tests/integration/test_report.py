@@ -54,11 +54,14 @@ def _rlpost(args: list[str], cache: Path, home: Path, cwd: Path, timeout: float 
 
 @pytest.fixture(scope="module")
 def run3(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """A 3-step default run with both trackers on (MLflow to its default local store)."""
+    """A 3-step default run with both trackers on (MLflow to its default local store), and the health gate's warn
+    threshold at its floor, 1.0: the engine's and the trainer's fp32 logprobs differ in the last bits, so its steps
+    warn, and the page must show it."""
     root = tmp_path_factory.mktemp("report-run")
     run_dir = root / "run"
     out = _rlpost(["train", f"hydra.run.dir={run_dir}", "grpo.max_num_steps=3", "logger.wandb_enabled=true",
-                   "logger.mlflow_enabled=true", "logger.wandb.project=rlpost-test"], cache, root, root)
+                   "logger.mlflow_enabled=true", "logger.wandb.project=rlpost-test",
+                   "grpo.token_mult_prob_error_warn_threshold=1.0"], cache, root, root)
     return run_dir, out
 
 
@@ -148,7 +151,7 @@ def legend(dom: str, fid: str) -> list[str]:
 def test_train_prints_the_report_command(run3: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     run_dir, out = run3
     assert f"report:      rlpost report {run_dir}" in out.stderr
-    assert "rlpost: warning" not in out.stderr  # both trackers started
+    assert "rlpost: warning: logger." not in out.stderr  # both trackers started
 
 
 @needs_chromium
@@ -171,8 +174,11 @@ def test_the_report_of_a_run_renders_every_series(run3: tuple[Path, subprocess.C
     assert {"driver", "policy-0", "vllm-replica0"} <= set(legend(dom, "fig-resources-rss_gib"))
     tokens = legend(dom, "fig-resources-tokens_per_s")
     assert {"generation_tokens_per_s", "training_tokens_per_s"} <= set(tokens), tokens
-    assert "no failure or warning" in dom and "grpo.max_num_steps=3" in dom  # its messages and its config
-    assert "max_num_steps: 3" in dom
+    warned = [r["step"] for r in cli_runs.metrics(run_dir) if r.get("train/health_warnings")]
+    assert warned, "no step passed token_mult_prob_error_warn_threshold=1.0: the run's warnings are not exercised"
+    assert f"warning: step {warned[0]}: train/token_mult_prob_error=" in dom  # rlpost's line, from train.log
+    assert f"warning: steps passed the health gate's warn threshold (steps {', '.join(map(str, warned))};" in dom
+    assert "grpo.max_num_steps=3" in dom and "max_num_steps: 3" in dom  # its overrides and its config
 
 
 def test_the_run_logs_its_resources_every_step(run3: tuple[Path, subprocess.CompletedProcess[str]]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import netrc
 import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -100,6 +101,11 @@ class WandbTracker:
         self.run.finish()
 
 
+def mlflow_key(name: str) -> str:
+    """A metric or param name as MLflow takes it: letters, digits, `_ - . / ` and spaces; anything else becomes `_`."""
+    return re.sub(r"[^\w\-./ ]", "_", name)
+
+
 SERVER_PROBE_S = 5.0
 """How long a tracking server may take to answer its /health page before the tracker counts as not started (MLflow's
 own client would retry for minutes)."""
@@ -145,12 +151,13 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_key(k), float(v), ts, step)
+                                                    for k, v in metrics.items()])
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
-        params = [Param(k, v[:6000]) for k, v in flat(config).items()]
+        params = [Param(mlflow_key(k), v[:6000]) for k, v in flat(config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[i:i + 100])
         self.client.log_dict(self.run_id, dict(config), "config.json")

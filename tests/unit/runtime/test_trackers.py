@@ -12,7 +12,7 @@ import pytest
 
 from rlpost.config.schema.logger import LoggerConfig, MlflowConfig, WandbConfig
 from rlpost.runtime.metrics_logger import MetricsLogger
-from rlpost.runtime.trackers import flat, run_label
+from rlpost.runtime.trackers import flat, mlflow_key, run_label
 from tests import wandb_records
 
 ROWS = [{"train/reward": 0.1, "train/loss": 2.0}, {"train/reward": 0.3, "train/loss": 1.5, "not/scalar": "x"},
@@ -84,3 +84,5 @@ def test_names_and_params() -> None:
     assert run_label(Path("/x/multirun/2026-01-01/12-00-00/3")) == "12-00-00/3"
     assert run_label(Path("/x/outputs/run")) == "run"
     assert flat({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {"a.b": "1", "a.c": "[1, 2]", "d": "None"}
+    assert mlflow_key("resources/vllm-replica0/cpu_percent") == "resources/vllm-replica0/cpu_percent"
+    assert mlflow_key("gpu:0/used%") == "gpu_0/used_"
