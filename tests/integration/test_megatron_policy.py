@@ -340,3 +340,34 @@ def test_checkpoint_layout_mismatch_is_clear(tmp_path: Path) -> None:
     other = SimpleNamespace(cfg=policy_cfg(tmp_path, 2, *LAYOUTS["tp2"]), dp_size=1)
     with pytest.raises(ValueError, match=r"pipeline_model_parallel_size: saved 2, now 1.*same layout"):
         mc._check_layout(other, tmp_path)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layout", ["tp1_dp2", "pp2"])
+def test_teacher_topk_equals_dtensor_and_the_critic_learns(layout: str, ray_local: None, tiny_model_dir: Path,
+                                                           built: list[Built]) -> None:
+    """A distillation teacher on Megatron scores as the DTensor one does; a Megatron critic (value head in place of
+    the output layer) gives [B, S] values and fits fixed returns."""
+    from rlpost.algorithms.side_groups import with_lr
+    from rlpost.algorithms.value_loss import ClippedValueLossFn
+
+    data = make_batch(seed=3)
+    dt = build(built, dataclasses.replace(policy_cfg(tiny_model_dir, 1, megatron=False), generation=None), 1,
+               init_optimizer=False, init_reference_model=False)
+    ref = dt.policy.get_topk_logits(data, 8)
+    close(built, dt)
+    mg_cfg = dataclasses.replace(policy_cfg(tiny_model_dir, 2, *LAYOUTS[layout]), generation=None)
+    mg = build(built, mg_cfg, 2, init_optimizer=False, init_reference_model=False)
+    got = mg.policy.get_topk_logits(data, 8)
+    close(built, mg)
+    valid = valid_positions(data)
+    assert got["teacher_topk_logprobs"].shape == (B, S, 8)
+    assert torch.equal(got["teacher_topk_indices"][valid], ref["teacher_topk_indices"][valid])
+    assert float((got["teacher_topk_logprobs"] - ref["teacher_topk_logprobs"])[valid].abs().max()) <= TOL
+
+    critic = build(built, with_lr(dataclasses.replace(mg_cfg, value_head=True), 1e-3), 2, init_reference_model=False)
+    values = critic.policy.get_values(data)["values"]
+    assert values.shape == (B, S) and torch.all(values[:, 0] == 0)
+    data["values"] = values
+    data["returns"] = torch.rand(B, generator=torch.Generator().manual_seed(4))[:, None].expand(B, S).clone()
+    losses = [critic.policy.train(data, ClippedValueLossFn(None)).loss for _ in range(10)]
+    assert losses[-1] < 0.5 * losses[0], losses

@@ -60,3 +60,16 @@ def test_critic_warmup_on_workers_of_its_own(cache: Path, tmp_path: Path) -> Non
     assert [m["train/grad_norm"] == 0.0 for m in lines] == [True, True, False]
     assert all(m["train/critic_grad_norm"] > 0 for m in lines)
     assert all(m["train/value_clip_fraction"] == 0.0 for m in lines)
+
+
+def test_a_megatron_critic_is_trained_checkpointed_and_resumed(cache: Path, tmp_path: Path) -> None:
+    run = tmp_path / "megatron"
+    short = ["algo=ppo", "policy=megatron", "grpo.val_period=0", "checkpointing.metric_name=null",
+             "checkpointing.save_period=3"]
+    train(run, cache, *short, "grpo.max_num_steps=3")
+    assert any((run / "checkpoints" / "step_3" / "critic" / "weights").iterdir())
+    out = train(run, cache, *short, "grpo.max_num_steps=4")
+    assert "resuming from step 3" in out.stdout + out.stderr
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert all(m["train/critic_grad_norm"] > 0 and m["train/value_loss"] >= 0 for m in lines)

@@ -6,10 +6,9 @@ trains in full with the policy's optimizer at `critic.lr`, never generates, and 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
-from rlpost.algorithms.side_groups import side_cluster, side_config
+from rlpost.algorithms.side_groups import side_cluster, side_config, with_lr
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
@@ -24,9 +23,8 @@ def critic_config(cfg: MasterConfig) -> PolicyConfig:
     c = cfg.critic
     assert c is not None  # MasterConfig refuses algo=ppo without it
     p = cfg.policy
-    optimizer = dataclasses.replace(p.optimizer, kwargs={**p.optimizer.kwargs, "lr": c.lr})
-    return side_config(cfg, c.model_name or p.model_name, value_head=True, optimizer=optimizer,
-                       train_micro_batch_size=c.train_micro_batch_size or p.train_micro_batch_size)
+    return with_lr(side_config(cfg, c.model_name or p.model_name, value_head=True,
+                               train_micro_batch_size=c.train_micro_batch_size or p.train_micro_batch_size), c.lr)
 
 
 def critic_cluster(cfg: MasterConfig, policy_cluster: RayVirtualCluster) -> RayVirtualCluster | None:

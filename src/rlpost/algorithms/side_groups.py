@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.config.schema.policy import DTensorPolicyConfig, PolicyConfig
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 
@@ -18,6 +19,23 @@ def side_config(cfg: MasterConfig, model_name: str, **changes: object) -> Policy
     if isinstance(out, DTensorPolicyConfig):
         lora = dataclasses.replace(out.dtensor_cfg.lora_cfg, enabled=False)
         out.dtensor_cfg = dataclasses.replace(out.dtensor_cfg, lora_cfg=lora)
+    elif isinstance(out, MegatronPolicyConfig):
+        out.megatron_cfg = dataclasses.replace(out.megatron_cfg,
+                                               peft=dataclasses.replace(out.megatron_cfg.peft, enabled=False))
+    return out
+
+
+def with_lr(block: PolicyConfig, lr: float) -> PolicyConfig:
+    """`block` with its learning rate set to `lr`: policy.optimizer.kwargs.lr, and on Megatron the lr, min_lr and
+    warm-up start that the preset derived from it, scaled alike."""
+    scale = lr / float(block.optimizer.kwargs["lr"])
+    out = dataclasses.replace(block, optimizer=dataclasses.replace(block.optimizer,
+                                                                  kwargs={**block.optimizer.kwargs, "lr": lr}))
+    if isinstance(out, MegatronPolicyConfig):
+        m = out.megatron_cfg
+        opt = dataclasses.replace(m.optimizer, lr=m.optimizer.lr * scale, min_lr=m.optimizer.min_lr * scale)
+        sched = dataclasses.replace(m.scheduler, lr_warmup_init=m.scheduler.lr_warmup_init * scale)
+        out.megatron_cfg = dataclasses.replace(m, optimizer=opt, scheduler=sched)
     return out
 
 

@@ -133,7 +133,10 @@ def test_ppo_composes_grpo_with_a_critic_and_no_overlap() -> None:
 
 @pytest.mark.parametrize("overrides,key", [
     (["algo=ppo", "critic=null"], "critic"),
-    (["algo=ppo", "policy=megatron"], "policy._target_"),
+    (["algo=ppo", "policy=megatron", "policy.megatron_cfg.tensor_model_parallel_size=2", "cluster.gpus_per_node=2"],
+     "policy.megatron_cfg.tensor_model_parallel_size"),
+    (["algo=ppo", "policy=dtensor", "policy.dtensor_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=2"],
+     "policy.dtensor_cfg.tensor_parallel_size"),
     (["algo=ppo", "grpo.async_grpo.enabled=true", "policy.generation.colocated.enabled=false",
       "cluster.gpus_per_node=2", "policy.generation.colocated.resources.gpus_per_node=1",
       "loss_fn.use_importance_sampling_correction=true"], "grpo.async_grpo.enabled"),
@@ -171,7 +174,9 @@ def test_distillation_composes_grpo_with_a_teacher(tmp_path: Path) -> None:
     (["algo=distillation"], "distillation.teacher.model_path"),
     (["loss_fn.distillation_kl_coef=0.1"], "loss_fn.distillation_kl_coef"),
     (["distillation=teacher", "distillation.teacher.model_path=/x"], "distillation"),
-    (["algo=distillation", "distillation.teacher.model_path=/x", "policy=megatron"], "policy._target_"),
+    (["algo=distillation", "distillation.teacher.model_path=/x", "policy=megatron",
+      "policy.megatron_cfg.tensor_model_parallel_size=2", "cluster.gpus_per_node=2"],
+     "policy.megatron_cfg.tensor_model_parallel_size"),
     (["algo=distillation", "distillation.teacher.model_path=/x", "distillation.teacher.num_workers=2"],
      "distillation.teacher.num_workers"),
     (["algo=distillation", "distillation.teacher.model_path=/x", "loss_fn.kl_type=jensen"], "loss_fn.kl_type"),

@@ -224,6 +224,9 @@ class MegatronPolicyConfig(PolicyConfig):
     """Megatron pads the vocabulary itself (make_vocab_size_divisible_by)."""
     has_device_checks: ClassVar[bool] = True
     """GPU-only megatron-core features are refused on CPU; the mixed-precision flags must match the precision."""
+    serves_value_model: ClassVar[bool] = True
+    """The Megatron worker puts a value head in place of the output layer (PPO's critic) and scores a teacher's
+    top-k (rlpost.models.megatron.scoring)."""
 
     def check(self, path: str) -> None:
         super().check(path)

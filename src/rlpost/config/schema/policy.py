@@ -239,7 +239,7 @@ class PolicyConfig:
     value_head: bool = False
     """The worker builds a value model: the body with a one-output head on every token (HF
     AutoModelForTokenClassification, num_labels=1). Set by algo=ppo on the critic's copy of this block
-    (rlpost.algorithms.critic); the DTensor workers serve it."""
+    (rlpost.algorithms.critic); the DTensor and Megatron workers serve it."""
     hf_config_overrides: dict[str, Any] = field(default_factory=dict)
     """Applied to the HF AutoConfig (and mirrored into vLLM's hf_overrides)."""
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
@@ -342,7 +342,7 @@ class PolicyConfig:
     serves_reward_model: ClassVar[bool] = False
     """The backend can build a reward model (policy.reward_model_cfg.enabled, algo=rm)."""
     serves_value_model: ClassVar[bool] = False
-    """The backend can build a value model (value_head: PPO's critic)."""
+    """The backend can build a value model (value_head: PPO's critic) and score a distillation teacher's top-k."""
     pads_vocab: ClassVar[bool] = False
     """The backend pads the vocabulary to a multiple of TP itself (else TP must divide it)."""
     has_device_checks: ClassVar[bool] = False

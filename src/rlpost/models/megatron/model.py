@@ -248,12 +248,32 @@ def forward_logprobs(
     tp_group defaults to megatron's TP group; PP uses megatron's pipeline groups. micro_batch_size (default: the
     whole batch) splits the batch for the schedule; chunk_size bounds the positions per log-softmax chunk.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     check_right_padded(attention_mask)
     group = resolve_tp_group(tp_group)
     start, end, vocab = vocab_shard_range(model, group)
+
+    def collect(out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        logits = scale_and_mask_logits(out, temperature, start, vocab)
+        return vocab_parallel_logprobs(logits, ids, start, end, group, chunk_size).float()
+
+    return forward_collect(model, input_ids, collect, (), micro_batch_size=micro_batch_size)
+
+
+def forward_collect(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    collect: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    tail: tuple[int, ...],
+    *,
+    micro_batch_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """`collect(model output, input_ids)` of every micro-batch of right-padded input_ids [B, S] through megatron's
+    forward-only schedule, concatenated to [B, S, *tail] of `dtype` on every rank (the last pipeline stage
+    broadcasts it over the PP group)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     device = next(unwrap_model(model).parameters()).device
     batch_size, seq_len = input_ids.shape
     mbs = micro_batch_size or batch_size
@@ -264,12 +284,10 @@ def forward_logprobs(
         ids = next(data_iterator)
         output = mdl(ids, None, None)
 
-        def collect(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            logits = scale_and_mask_logits(out, temperature, start, vocab)
-            lp = vocab_parallel_logprobs(logits, ids, start, end, group, chunk_size)
-            return torch.zeros((), device=out.device), {"logprobs": lp.float()}
+        def last_stage(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            return torch.zeros((), device=out.device), {"out": collect(out, ids).to(dtype)}
 
-        return output, collect
+        return output, last_stage
 
     was_training = model.training
     model.eval()
@@ -286,12 +304,10 @@ def forward_logprobs(
             )
     finally:
         model.train(was_training)
-    logprobs = torch.cat([r["logprobs"] for r in results]) if results else None
+    out = torch.cat([r["out"] for r in results]) if results else None
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        if logprobs is None:
-            logprobs = torch.empty(batch_size, seq_len, dtype=torch.float32, device=device)
-        dist.broadcast(
-            logprobs, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
-        )
-    assert logprobs is not None
-    return logprobs
+        if out is None:
+            out = torch.empty(batch_size, seq_len, *tail, dtype=dtype, device=device)
+        dist.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    assert out is not None
+    return out

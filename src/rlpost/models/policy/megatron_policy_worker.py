@@ -173,6 +173,10 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         if m.freeze_moe_router:
             freeze_moe_routers(model)
         self.model: Any = model
+        if self.cfg.value_head:  # PPO's critic: one value per position in place of the vocabulary's logits
+            from rlpost.models.megatron.scoring import attach_value_head
+
+            attach_value_head(self.gpt, hf_config.hidden_size, hf_config.initializer_range)
         self.lora = m.peft.enabled
         if self.lora:  # adapters on the linears, everything else frozen (rlpost.models.megatron.lora)
             from rlpost.models.megatron.lora import inject
@@ -247,25 +251,53 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
             torch.cuda.empty_cache()
 
     # ---- logprobs ----------------------------------------------------------------------
-    def _logprobs(self, data: BatchedDataDict) -> torch.Tensor:
+    def _scoring_ids(self, data: BatchedDataDict) -> tuple[torch.Tensor, int]:
+        """input_ids padded for a forward-only pass (sequence parallelism's length multiple; equal micro-batches
+        under pipeline parallelism, the extra rows to drop afterwards) and the micro-batch size."""
         from megatron.core import parallel_state as ps
 
-        from rlpost.models.megatron.model import forward_logprobs
-
         ids = data["input_ids"]
-        rows, seq = int(ids.shape[0]), int(ids.shape[1])
-        if rows == 0:
-            return torch.zeros(0, seq)
+        rows = int(ids.shape[0])
         ids = self._pad_seq(BatchedDataDict(input_ids=ids), self._seq_multiple())["input_ids"]
         mbs = min(self.cfg.logprob_batch_size, rows)
         pad_rows = (-rows) % mbs if ps.get_pipeline_model_parallel_world_size() > 1 else 0
-        if pad_rows:  # the pipeline schedule needs equal micro-batches; the extra rows are dropped below
+        if pad_rows:
             ids = torch.cat([ids, ids[:1].expand(pad_rows, -1)])
+        return ids, mbs
+
+    def _logprobs(self, data: BatchedDataDict) -> torch.Tensor:
+        from rlpost.models.megatron.model import forward_logprobs
+
+        rows, seq = int(data["input_ids"].shape[0]), int(data["input_ids"].shape[1])
+        if rows == 0:
+            return torch.zeros(0, seq)
+        ids, mbs = self._scoring_ids(data)
         lp = forward_logprobs(
             self.model, ids, None, self.temperature, micro_batch_size=mbs, chunk_size=self.cfg.logprob_chunk_size
         )
         self._empty_cache(2)
         return lp[:rows, :seq].float().cpu()
+
+    @_megatron_call
+    @torch.no_grad()
+    def get_values(self, data: BatchedDataDict) -> BatchedDataDict:
+        """A value model's (policy.value_head: PPO's critic) values [B, S], aligned like logprobs."""
+        from rlpost.models.megatron.scoring import forward_values
+
+        rows, seq = int(data["input_ids"].shape[0]), int(data["input_ids"].shape[1])
+        ids, mbs = self._scoring_ids(data)
+        return BatchedDataDict(values=forward_values(self.model, ids, mbs)[:rows, :seq].cpu())
+
+    @_megatron_call
+    @torch.no_grad()
+    def get_topk_logits(self, data: BatchedDataDict, k: int | None) -> BatchedDataDict:
+        """A distillation teacher's top-k indices and logprobs [B, S, k] per position, aligned like logprobs."""
+        from rlpost.models.megatron.scoring import forward_topk
+
+        rows, seq = int(data["input_ids"].shape[0]), int(data["input_ids"].shape[1])
+        ids, mbs = self._scoring_ids(data)
+        idx, lp = forward_topk(self.model, ids, k, self.temperature, mbs)
+        return BatchedDataDict(teacher_topk_indices=idx[:rows, :seq].cpu(), teacher_topk_logprobs=lp[:rows, :seq].cpu())
 
     @_megatron_call
     @torch.no_grad()
