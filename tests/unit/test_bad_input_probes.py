@@ -114,3 +114,18 @@ def test_an_over_length_prompt_under_data_too_long_error_is_named_by_file_and_li
     out = rlpost("train", *MATH, f"data.train_data_path={data}", "model=local", f"model.path={tiny_model_dir}",
                  "data.max_input_seq_length=32", "data.too_long=error", cwd=tmp_path)
     assert_refused(out, f"{data}:5:", "longer than data.max_input_seq_length=32 tokens", fault=fault)
+
+
+@pytest.mark.parametrize(("path", "rule"), [
+    ("/nonexistent/run", "no such directory"),
+    ("/etc", "not a run directory (no metrics.jsonl) nor a sweep directory"),
+    ("/etc/hostname", "not a directory"),
+])
+def test_report_of_a_path_that_is_no_run_exits_2_naming_it(path: str, rule: str, tmp_path: Path,
+                                                            fault: Record) -> None:
+    out = rlpost("report", path, cwd=tmp_path)
+    fault(f"rlpost report {path}", out.returncode, out.stdout + out.stderr)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"rlpost report: error: {path}: {rule}"), out.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
