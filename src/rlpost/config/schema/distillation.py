@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlpost.config.errors import ConfigError, positive, require
+from rlpost.config.schema.ppo import check_placement
 
 CHECKPOINT_EXPORT = Path("policy") / "weights" / "hf"
 """Where an rlpost checkpoint (step_N) holds its consolidated HF export."""
@@ -51,12 +52,8 @@ class TeacherConfig:
     def check(self, path: str) -> None:
         require(bool(self.model_path), f"{path}.model_path", self.model_path,
                 "must name the teacher: a local HF model directory or an rlpost checkpoint (step_N)")
-        positive(f"{path}.num_workers", self.num_workers, allow_none=True)
         positive(f"{path}.logprob_batch_size", self.logprob_batch_size, allow_none=True)
-        if self.colocated:
-            require(self.num_workers is None, f"{path}.num_workers", self.num_workers,
-                    "a colocated teacher runs on the policy's workers' bundles",
-                    "set distillation.teacher.colocated=false to give it workers of its own")
+        check_placement(path, self.colocated, self.num_workers)
 
 
 @dataclass

@@ -135,14 +135,7 @@ class MasterConfig:
             return
         require(self.critic is not None, "critic", None, "algo=ppo needs a critic (the value model)",
                 "keep algo=ppo's critic block, e.g. critic.lr=1e-4")
-        require(self.policy.serves_value_model, "policy._target_", self.policy._target_,
-                "this backend builds no value model for PPO's critic", "use policy=dtensor or policy=dtensor_v2")
-        require(self.policy.parallel_sizes()["tp"] == 1, self.policy.tp_key(), self.policy.parallel_sizes()["tp"],
-                "the critic's value head has no tensor-parallel plan (tensor parallel size 1)")
-        require(not self.grpo.async_grpo.enabled, "grpo.async_grpo.enabled", True,
-                "algo=ppo runs synchronous steps (the critic's values are the current batch's)")
-        require(self.grpo.overlap_generation_and_training is not True, "grpo.overlap_generation_and_training", True,
-                "algo=ppo's advantages need the whole batch's values: generation and training do not overlap")
+        self._side_group_checks("critic", "the critic's values are the whole batch's")
         require(self.ppo.kl_in_reward == 0.0 or self.loss_fn_kl() == 0.0, "ppo.kl_in_reward", self.ppo.kl_in_reward,
                 "the KL is either in the reward or in the loss, not both",
                 "set loss_fn.reference_policy_kl_penalty=0")
@@ -162,11 +155,17 @@ class MasterConfig:
             return
         require(reads, "distillation", "set", "no loss reads the teacher",
                 "use algo=distillation, or loss_fn.distillation_kl_coef > 0 with GRPO's loss")
-        require(self.policy.serves_value_model, "policy._target_", self.policy._target_,
-                "this backend serves no distillation teacher", "use policy=dtensor or policy=dtensor_v2")
-        require(self.policy.parallel_sizes()["tp"] == 1, self.policy.tp_key(), self.policy.parallel_sizes()["tp"],
-                "the teacher's top-k and the distillation KL need whole-vocabulary logits (tensor parallel size 1)")
+        self._side_group_checks("distillation teacher", "the teacher scores the whole batch before it trains")
+
+    def _side_group_checks(self, group: str, why: str) -> None:
+        """A critic or a teacher: built by the policy's backend, on whole-vocabulary logits (tensor parallel size 1),
+        with synchronous, unoverlapped steps."""
+        p = self.policy
+        require(p.serves_value_model, "policy._target_", p._target_, f"this backend builds no {group}",
+                "use policy=dtensor, dtensor_v2 or megatron")
+        require(p.parallel_sizes()["tp"] == 1, p.tp_key(), p.parallel_sizes()["tp"],
+                f"the {group} needs whole-vocabulary logits and heads: tensor parallel size 1")
         require(not self.grpo.async_grpo.enabled, "grpo.async_grpo.enabled", True,
-                "distillation runs synchronous steps (the teacher scores the batch being trained)")
+                f"a {group} runs with synchronous steps: {why}")
         require(self.grpo.overlap_generation_and_training is not True, "grpo.overlap_generation_and_training", True,
-                "the teacher scores the whole batch before training: generation and training do not overlap")
+                f"a {group} needs generation and training apart: {why}")

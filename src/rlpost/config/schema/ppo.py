@@ -62,9 +62,14 @@ class CriticConfig:
         require(self.model_name is None or bool(self.model_name), f"{path}.model_name", self.model_name,
                 "must name a local model directory (or be null: the policy's)")
         positive(f"{path}.lr", self.lr)
-        positive(f"{path}.num_workers", self.num_workers, allow_none=True)
         positive(f"{path}.train_micro_batch_size", self.train_micro_batch_size, allow_none=True)
-        if self.colocated:
-            require(self.num_workers is None, f"{path}.num_workers", self.num_workers,
-                    "a colocated critic runs on the policy's workers' bundles",
-                    "set critic.colocated=false to give it workers of its own")
+        check_placement(path, self.colocated, self.num_workers)
+
+
+def check_placement(path: str, colocated: bool, num_workers: int | None) -> None:
+    """A worker group beside the policy (critic, teacher): `num_workers` > 0, and only for one of its own."""
+    positive(f"{path}.num_workers", num_workers, allow_none=True)
+    if colocated:
+        require(num_workers is None, f"{path}.num_workers", num_workers,
+                "a colocated group runs on the policy's workers' bundles",
+                f"set {path}.colocated=false to give it workers of its own")
