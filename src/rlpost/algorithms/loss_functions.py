@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeAlias, TypeVar
 import torch
 import torch.distributed as dist
 
+from rlpost.algorithms.teacher_kl import teacher_kl
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig, NLLLossConfig
 from rlpost.ops.logprobs import next_token_logprobs
@@ -266,8 +267,6 @@ class ClippedPGLossFn:
         loss = actor_loss + kl
         teacher: dict[str, float] = {}
         if self.distillation_kl_coef:
-            from rlpost.algorithms.distillation_loss import teacher_kl
-
             to_teacher, teacher = teacher_kl(next_token_logits, data, mask, gvt)
             loss = loss + self.distillation_kl_coef * to_teacher
 

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from rlpost.algorithms.distillation_loss import DistillationLossFn, topk_kl
+from rlpost.algorithms.distillation_loss import DistillationLossFn
 from rlpost.algorithms.loss_functions import ClippedPGLossFn
+from rlpost.algorithms.teacher_kl import topk_kl
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 
 

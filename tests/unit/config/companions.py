@@ -24,4 +24,8 @@ COMPANIONS: dict[tuple[str, str], list[str]] = {
     ("loss", "nll"): ["algo=sft"],
     ("loss", "dpo"): ["algo=dpo"],
     ("loss", "preference"): ["algo=rm"],
+    ("algo", "distillation"): ["distillation.teacher.model_path=/tmp/teacher"],
+    ("loss", "distillation"): ["distillation=teacher", "distillation.teacher.model_path=/tmp/teacher"],
+    ("distillation", "teacher"): ["distillation.teacher.model_path=/tmp/teacher", "loss_fn.distillation_kl_coef=0.1"],
+    ("experiment", "smollm2_arith_distill_cpu"): ["distillation.teacher.model_path=/tmp/teacher"],
 }

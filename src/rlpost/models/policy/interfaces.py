@@ -199,6 +199,13 @@ class PolicyWorker(Protocol):
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         """{'reference_logprobs': [b, S]} under the frozen initial weights."""
 
+    def get_values(self, data: BatchedDataDict) -> BatchedDataDict:
+        """{'values': [b, S]} of a value model (policy.value_head: PPO's critic), aligned like logprobs."""
+
+    def get_topk_logits(self, data: BatchedDataDict, k: int | None) -> BatchedDataDict:
+        """{'teacher_topk_indices', 'teacher_topk_logprobs': [b, S, k]} of a distillation teacher, aligned like
+        logprobs (k None: the whole vocabulary)."""
+
     def train(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None = None,
               eval_mode: bool = False) -> WorkerTrainResult:
         """Optimizer steps over this rank's shard in global batches of `gbs` (all ranks); eval_mode: no update."""
