@@ -12,7 +12,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
-TIMING = ("timing/", "performance/")
+TIMING = ("timing/", "performance/", "resources/")
+"""Metric prefixes that measure the machine, not the run: left out where two runs are compared."""
 
 
 def env(cache: Path) -> dict[str, str]:

@@ -322,7 +322,7 @@ def test_default_job_learns_with_a_reduced_budget(cache: Path, tmp_path: Path) -
     # The console holds the plan, one progress bar, rlpost's own lines and the summary; vLLM, Ray,
     # transformers and C-library output (tcmalloc, NUMA, Triton) went to train.log.
     console = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
-    ours = re.compile(r"^(\s*rlpost plan\s*|[┌│├└].*|GRPO .*|done: .*|  (metrics|tensorboard|checkpoints): .*|rlpost: .*)$")
+    ours = re.compile(r"^(\s*rlpost plan\s*|[┌│├└].*|GRPO .*|done: .*|  (metrics|tensorboard|checkpoints|report): .*|rlpost: .*)$")
     assert [line for line in console if not ours.match(line)] == []
     log = (run / "train.log").read_text()
     # the engine's vLLM lines (their "[file.py:line]" prefix) come from its own actor beside the policy's worker

@@ -14,6 +14,9 @@ from pathlib import Path
 WORKING_DIR_EXCLUDES = [".git", ".venv", "outputs", "multirun", "__pycache__", "*.safetensors"]
 """Left out of an uploaded working directory: environments, earlier runs and weights (models come from paths)."""
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+AGENT_WAIT_S = 60.0
+"""How long a submission waits for the head's job agent: the dashboard answers "No available agent" while the
+agent (re)starts, as after a node joins or a driver dies."""
 
 
 @dataclass(frozen=True)
@@ -41,14 +44,22 @@ class RayJob:
         return env
 
 
-def submit(job: RayJob) -> str:
-    """Submit the job; its submission id."""
+def submit(job: RayJob, agent_wait_s: float = AGENT_WAIT_S) -> str:
+    """Submit the job; its submission id. While the dashboard has no job agent yet, it asks again every 2 s, for
+    up to `agent_wait_s`."""
     from ray.job_submission import JobSubmissionClient
 
     client = JobSubmissionClient(job.address)
-    return client.submit_job(entrypoint=job.entrypoint(), runtime_env=job.runtime_env(),
-                             submission_id=f"rlpost-{time.strftime('%Y%m%d-%H%M%S')}-{job.run_dir.name}",
-                             metadata={"run_dir": str(job.run_dir)})
+    submission_id = f"rlpost-{time.strftime('%Y%m%d-%H%M%S')}-{job.run_dir.name}"
+    deadline = time.monotonic() + agent_wait_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=job.entrypoint(), runtime_env=job.runtime_env(),
+                                     submission_id=submission_id, metadata={"run_dir": str(job.run_dir)})
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(2.0)
 
 
 def wait_for(address: str, job_id: str, poll_s: float = 2.0) -> int:
