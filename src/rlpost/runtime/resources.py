@@ -1,19 +1,21 @@
 """Resource metrics of a step (`logger.resource_metrics`), sampled on the driver, logged under resources/:
 
-- `resources/<actor>/cpu_percent`, `resources/<actor>/rss_gib`: each live Ray actor of this job on the driver's node
-  (policy ranks, engine replicas, a reward model's scorer, ...), its process and the processes it started; CPU % is
-  over the time since the previous sample (since the process started, at the first), 100 = one core busy. An
-  actor is named after its Ray actor name without the group's unique suffix (`policy-0`, `vllm-0`), else its class.
-  Actors on other nodes are not sampled (their processes are not visible from here).
+- `resources/<actor>/cpu_percent`, `resources/<actor>/rss_gib`: each live Ray actor of this job (policy ranks,
+  engine replicas, a critic, a teacher, a reward model's scorer, ...), its process and the processes it started;
+  CPU % is over the time since the previous sample (since the process started, at the first), 100 = one core busy.
+  An actor is named after its Ray actor name without the group's unique suffix (`policy-0`, `vllm-0`), else its
+  class.
 - `resources/<actor>/gpu_memory_gib` and `resources/gpu<i>/{utilization_pct,memory_used_gib}` where NVML answers
-  (nvidia-ml-py): a process's device memory and each device's load, as NeMo RL's `logger.monitor_gpus` shows them.
+  (nvidia-ml-py): a process's device memory and each device's load, as NeMo RL's `logger.monitor_gpus` shows them;
+  another node's devices are `resources/node_<ip>/gpu<i>/...`.
 - `resources/driver/{cpu_percent,rss_gib}`: the driver process itself (not its children: a local Ray's processes).
 - `resources/generation_tokens_per_s`, `resources/training_tokens_per_s`: tokens the engine generated over the
   generation phase, tokens the update trained on over the training phase (the whole step when the algorithm has no
   such phase: SFT, DPO).
 
-No worker is asked anything: the driver reads the processes through psutil, so sampling costs no Ray call into a
-busy worker and works the same for every backend.
+No worker is asked anything: the driver reads its node's processes through psutil, and a probe actor of no CPU
+(`NodeSampler`, pinned to its node) reads each other node's, so sampling costs no call into a busy worker and works
+the same for every backend. A probe that does not answer within `PROBE_WAIT_S` is left out of that step.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 import psutil
 
 GIB = float(2**30)
+PROBE_WAIT_S = 5.0
+"""How long a step's row waits for the other nodes' probes."""
 _UNIQUE_SUFFIX = re.compile(r"-[0-9a-f]{6,}$")
 """Worker groups name their actors `<prefix>-<rank>-<id of the group>` (rlpost.distributed.worker_groups)."""
 
@@ -126,40 +130,41 @@ class _Nvml:
         return used
 
 
-def _job_actors() -> dict[str, int]:
-    """label -> pid of the live actors of this Ray job on this node ({} when Ray is not running)."""
+def _job_actors() -> dict[str, dict[str, int]]:
+    """node id -> {label: pid} of the live actors of this Ray job, the probes left out ({} without Ray)."""
     try:
         import ray
 
         if not ray.is_initialized():
             return {}
-        ctx = ray.get_runtime_context()
-        job, node = ctx.get_job_id(), ctx.get_node_id()
+        job = ray.get_runtime_context().get_job_id()
         table = ray._private.state.actors()  # noqa: SLF001 - the GCS actor table: name, pid, node (no dashboard)
     except Exception:  # noqa: BLE001 - a Ray without that table: no per-actor numbers
         return {}
-    found: dict[str, int] = {}
+    found: dict[str, dict[str, int]] = {}
+    labels: set[str] = set()
     for info in table.values():
         if info.get("State") != "ALIVE" or info.get("JobID") != job or not info.get("Pid"):
             continue
-        if (info.get("Address") or {}).get("NodeID") != node:
+        if info.get("ActorClassName") == NodeSampler.__name__:
             continue
         label = actor_label(str(info.get("Name") or ""), str(info.get("ActorClassName") or "actor"))
         n, base = 1, label
-        while label in found:
+        while label in labels:
             n += 1
             label = f"{base}_{n}"
-        found[label] = int(info["Pid"])
+        labels.add(label)
+        found.setdefault(str((info.get("Address") or {}).get("NodeID")), {})[label] = int(info["Pid"])
     return found
 
 
-class ResourceMonitor:
-    """Samples the driver and this job's actors (see the module docstring); one instance per run keeps each
-    process's previous CPU time, so CPU % covers the time since the last step."""
+class NodeSampler:
+    """The processes and devices of one node: each actor's process tree by pid (kept between samples, so CPU %
+    covers the time since the last one) and NVML. The driver holds one for its node; other nodes run one as a
+    probe actor."""
 
     def __init__(self) -> None:
         self._trees: dict[int, _ProcessTree] = {}
-        self._driver = _ProcessTree(psutil.Process(os.getpid()), with_children=False)  # its children: Ray's own
         self._nvml = _Nvml()
 
     def _tree(self, pid: int) -> _ProcessTree | None:
@@ -170,13 +175,12 @@ class ResourceMonitor:
                 return None
         return self._trees[pid]
 
-    def sample(self) -> dict[str, float]:
-        """resources/* of every process now (no token rates: `tokens_per_s`)."""
+    def sample(self, actors: dict[str, int], devices: str = "resources/gpu",
+               extra_pids: dict[str, int] | None = None) -> dict[str, float]:
+        """resources/<label>/* of the actors (label -> pid) on this node, the devices as `<devices><i>/*`, and
+        the device memory of `extra_pids` (label -> pid, e.g. the driver)."""
         out: dict[str, float] = {}
-        driver = self._driver.sample() or {}
-        out.update({f"resources/driver/{k}": v for k, v in driver.items()})
         gpu_mem = self._nvml.memory_by_pid() if self._nvml.handles else {}
-        actors = _job_actors()
         for label, pid in actors.items():
             tree = self._tree(pid)
             got = tree.sample() if tree is not None else None
@@ -185,9 +189,86 @@ class ResourceMonitor:
             out.update({f"resources/{label}/{k}": v for k, v in got.items()})
             if pid in gpu_mem:
                 out[f"resources/{label}/gpu_memory_gib"] = gpu_mem[pid]
-        if os.getpid() in gpu_mem:
-            out["resources/driver/gpu_memory_gib"] = gpu_mem[os.getpid()]
-        out.update(self._nvml.devices())
+        for label, pid in (extra_pids or {}).items():
+            if pid in gpu_mem:
+                out[f"resources/{label}/gpu_memory_gib"] = gpu_mem[pid]
+        out.update({k.replace("resources/gpu", devices, 1): v for k, v in self._nvml.devices().items()})
         live = set(actors.values())
         self._trees = {pid: t for pid, t in self._trees.items() if pid in live}
         return out
+
+
+class ResourceMonitor:
+    """Samples the driver and this job's actors on every node (see the module docstring); one instance per run."""
+
+    def __init__(self) -> None:
+        self._driver = _ProcessTree(psutil.Process(os.getpid()), with_children=False)  # its children: Ray's own
+        self._local = NodeSampler()
+        self._probes: dict[str, Any] = {}
+        """node id -> the NodeSampler actor on that node."""
+
+    def sample(self) -> dict[str, float]:
+        """resources/* of every process now (no token rates: `tokens_per_s`)."""
+        out: dict[str, float] = {}
+        driver = self._driver.sample() or {}
+        out.update({f"resources/driver/{k}": v for k, v in driver.items()})
+        by_node = _job_actors()
+        here = _this_node()
+        out.update(self._local.sample(by_node.pop(here, {}), extra_pids={"driver": os.getpid()}))
+        if by_node:
+            out.update(self._remote(by_node))
+        return out
+
+    def _remote(self, by_node: dict[str, dict[str, int]]) -> dict[str, float]:
+        """The other nodes' samples, from their probes (started at the first need); a probe that fails is dropped
+        (its node is gone: the worker groups end the run), one that is late is left out of this row."""
+        import ray
+
+        ips = _node_ips()
+        calls = {}
+        for node, actors in by_node.items():
+            probe = self._probes.get(node) or self._start_probe(node)
+            if probe is not None:
+                prefix = f"resources/node_{ips.get(node, node[:8])}/gpu"
+                calls[probe.sample.remote(actors, prefix)] = node
+        if not calls:
+            return {}
+        ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=PROBE_WAIT_S)
+        out: dict[str, float] = {}
+        for ref in ready:
+            try:
+                out.update(ray.get(ref, timeout=PROBE_WAIT_S))
+            except Exception:  # noqa: BLE001 - the probe or its node died: no numbers from there
+                self._probes.pop(calls[ref], None)
+        return out
+
+    def _start_probe(self, node: str) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        try:
+            probe = ray.remote(NodeSampler).options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        except Exception:  # noqa: BLE001 - a node that cannot take an actor: not sampled
+            return None
+        self._probes[node] = probe
+        return probe
+
+
+def _this_node() -> str:
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def _node_ips() -> dict[str, str]:
+    """node id -> its IP address, for the names of another node's device metrics."""
+    try:
+        import ray
+
+        return {str(n["NodeID"]): str(n["NodeManagerAddress"]) for n in ray.nodes()}
+    except Exception:  # noqa: BLE001
+        return {}
