@@ -7,10 +7,11 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
-from rlpost.runtime.resources import ResourceMonitor, _ProcessTree, actor_label, tokens_per_s
+psutil = pytest.importorskip("psutil")  # a device machine without it skips the GPU check below, not fails
+
+from rlpost.runtime.resources import ResourceMonitor, _ProcessTree, actor_label, tokens_per_s  # noqa: E402
 
 
 def test_actor_labels_drop_the_groups_unique_suffix() -> None:
@@ -59,3 +60,21 @@ def test_without_ray_the_monitor_samples_the_driver() -> None:
     assert first["resources/driver/cpu_percent"] >= 0.0
     assert not [k for k in first if k.startswith("resources/") and not k.startswith(("resources/driver/",
                                                                                      "resources/gpu"))]
+
+
+@pytest.mark.gpu
+def test_nvml_reads_each_gpus_memory_and_load() -> None:
+    """NVML's device numbers (NeMo RL's monitor_gpus): 512 MiB allocated on the device shows in its used memory."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("pynvml")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.cuda.init()
+    monitor = ResourceMonitor()
+    before = monitor.sample()
+    held = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    after = monitor.sample()
+    assert after["resources/gpu0/memory_used_gib"] - before["resources/gpu0/memory_used_gib"] > 0.4, (before, after)
+    assert 0.0 <= after["resources/gpu0/utilization_pct"] <= 100.0
+    del held
