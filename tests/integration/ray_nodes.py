@@ -13,6 +13,8 @@ from pathlib import Path
 
 import psutil
 
+from rlpost.distributed.ports import free_port
+
 RAY = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
 
 
@@ -24,8 +26,11 @@ class RayNode:
         self.ip = ip
         self.log = log
         with log.open("ab") as out:
+            # the dashboard agent's HTTP port (the Jobs API's way in) drawn free: its default 52365 is taken by any other
+            # Ray on this machine, and an agent that cannot bind leaves the cluster with no job agent
             self.proc = subprocess.Popen(
-                [RAY, "start", "--block", f"--node-ip-address={ip}", "--disable-usage-stats", *args],
+                [RAY, "start", "--block", f"--node-ip-address={ip}", "--disable-usage-stats",
+                 f"--dashboard-agent-listen-port={free_port()}", *args],
                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )
 
