@@ -1,8 +1,8 @@
 """Which actors each Ray node holds, so that a lost node is named with what it took down.
 
 Worker groups record each actor's node when they create it (`place`) and drop their records when they shut down
-(`forget`). When a call finds an actor dead, `lost_node` asks Ray whether the actor's node died with it; the
-message then names the node and every rlpost actor that was on it (the policy's ranks, engine replicas, ...).
+(`forget`). When a call finds an actor dead or failing, `lost_among` asks Ray whether a node of the group died;
+the message then names the node and every rlpost actor that was on it (the policy's ranks, engine replicas, ...).
 """
 
 from __future__ import annotations
@@ -73,19 +73,22 @@ def _raylet_answers(node: dict[str, object]) -> bool:
         return False
 
 
-def lost_node(node_id: str) -> str | None:
-    """When node `node_id` is gone (Ray reports it dead, or its raylet no longer answers): one line naming it and
-    what it held; else None (the node lives, or Ray cannot say)."""
-    if not node_id:
+def lost_among(node_ids: list[str]) -> str | None:
+    """When one of `node_ids` is gone (Ray reports it dead, or its raylet no longer answers): one line naming the
+    first such node and what it held; else None (they live, or Ray cannot say). A rank whose peer's node died often
+    fails first itself (its collective sees the connection close): the lost node, not that rank, is the cause."""
+    wanted = [n for n in dict.fromkeys(node_ids) if n]
+    if not wanted:
         return None
     try:
         import ray
 
-        nodes = ray.nodes()
+        nodes = {str(n.get("NodeID")): n for n in ray.nodes()}
     except Exception:  # noqa: BLE001 - Ray itself is gone: the caller's own message stands
         return None
-    for node in nodes:
-        if node.get("NodeID") == node_id and (not node.get("Alive", True) or not _raylet_answers(node)):
+    for node_id in wanted:
+        node = nodes.get(node_id)
+        if node is not None and (not node.get("Alive", True) or not _raylet_answers(node)):
             held = held_on(node_id)
             what = f"; it held {', '.join(held)}" if held else ""
             return f"node {node_label(node)} was lost{what}"

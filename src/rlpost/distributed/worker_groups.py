@@ -145,10 +145,12 @@ class ActorGroup:
             name, sep, msg = lines[-1].partition(": ") if lines else ("", "", "")
             head = f"{name.rsplit('.', 1)[-1]}: {msg}" if sep else (lines[-1] if lines else "an unknown error")
             self._fail(f"{self.describe(index)} failed to start: {head}\n{exc}")
+        # A node of the group died (this actor's, or a peer's whose loss this rank's collective saw first): name the
+        # node and everything it took down.
+        lost = placement.lost_among([self.nodes.get(index, ""), *self.nodes.values()])
+        if lost is not None:
+            self._fail(f"{lost}\n{exc}")
         if isinstance(exc, RayActorError):
-            lost = placement.lost_node(self.nodes.get(index, ""))
-            if lost is not None:  # the node died with the actor: name the node and everything it took down
-                self._fail(f"{lost}\n{exc}")
             self._fail(f"{self.describe(index)} died: {str(exc).splitlines()[0]}")
         cause = getattr(exc, "cause", None)
         head = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}" \
