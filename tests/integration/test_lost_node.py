@@ -37,8 +37,9 @@ def _ended(pid: int) -> bool:
 
 def test_a_peer_rank_failing_after_a_node_is_lost_names_the_node(tmp_path: Path) -> None:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    address = f"127.0.0.1:{free_port('127.0.0.1')}"
-    nodes: list[RayNode] = [head(int(address.rsplit(":", 1)[1]), env, tmp_path / "head.log")]
+    port = free_port("127.0.0.1")
+    address = f"127.0.0.1:{port}"
+    nodes: list[RayNode] = [head(port, env, tmp_path / "head.log")]
     try:
         nodes.append(worker(address, "127.0.0.2", env, tmp_path / "node2.log"))
         wait_nodes(address, 2, env)
