@@ -17,13 +17,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-def _has_cuda() -> bool:
+def _cuda_devices() -> int:
+    """CUDA devices torch can use here (0 without CUDA)."""
     try:
         import torch
 
-        return torch.cuda.is_available()
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # noqa: BLE001
-        return False
+        return 0
 
 
 LONGEST_FIRST = ("tests/integration/test_grpo.py", "tests/integration/test_supervised.py",
@@ -40,12 +41,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: each file keeps its own order
-    if _has_cuda():
-        return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    gpus = _cuda_devices()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu2" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs two NVIDIA GPUs ({gpus} here)"))
+        elif "gpu" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU"))
 
 
 @pytest.fixture(scope="session")
