@@ -3,8 +3,9 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# CPU unless an NVIDIA GPU answers nvidia-smi; override with `make install STACK=cpu|gpu`.
-STACK ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+# CPU unless an NVIDIA GPU answers nvidia-smi; override with `make install STACK=cpu|gpu|gpu-cu12` (gpu-cu12: CUDA 12
+# builds for a driver older than R580, kept by later targets once installed).
+STACK ?= $(if $(wildcard $(VENV)/.installed-gpu-cu12),gpu-cu12,$(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu))
 STAMP := $(VENV)/.installed-$(STACK)
 PYTEST_ARGS ?=
 
@@ -12,7 +13,8 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): requirements/$(STACK).txt pyproject.toml scripts/install.sh
+$(STAMP): requirements/$(STACK).txt $(if $(filter gpu-cu12,$(STACK)),requirements/gpu.txt) pyproject.toml \
+		scripts/install.sh
 	bash scripts/install.sh $(STACK) $(VENV) $(PY)
 	@touch $@
 

@@ -53,19 +53,28 @@ def _model_weights(cfg: Any) -> list[tuple[str, torch.Tensor]]:
     return [item for f in files for item in load_file(os.path.join(path, f)).items()]
 
 
+def run_device(cfg: Any) -> str:
+    """'cuda' or 'cpu': the device `cfg`'s run computes on (cluster.device, resolved as a run resolves it)."""
+    from rlpost.distributed.virtual_cluster import resolve_device
+
+    return resolve_device(cfg.cluster)
+
+
 def _engine_worker(cfg: Any) -> tuple[Any, Any, Any]:
-    """rlpost's engine worker class for `cfg` in this process, its sampling spec, and the seeds argument."""
+    """rlpost's engine worker class for `cfg` in this process (on the run's device, with the engine arguments a run
+    gives it there), its sampling spec, and the seeds argument."""
     gen = cfg.policy.generation
     model = str(cfg.policy.model_name)
     if "Vllm" in gen._target_:
         from torch import _dynamo
 
-        from rlpost.models.generation import vllm_generation as vg
+        import rlpost.models.generation.vllm_generation as vg
         from rlpost.models.generation.vllm_worker import VllmEngineWorker
 
-        os.environ.update(vg.engine_env(gen.vllm_cfg, torch.cuda.is_available()))
+        on_gpu = run_device(cfg) == "cuda"
+        os.environ.update(vg.engine_env(gen.vllm_cfg, on_gpu))
         _dynamo.config.disable = os.environ.get("TORCHDYNAMO_DISABLE") == "1"  # torch read the variable at import
-        worker: Any = VllmEngineWorker(model, vg.engine_kwargs(gen, 0, False, model_path=model))
+        worker: Any = VllmEngineWorker(model, vg.engine_kwargs(gen, 0, on_gpu, model_path=model))
         return worker, vg.sampling_spec(gen, False, worker.tokenizer.eos_token_id), None
     from rlpost.models.generation import hf_generation as hg
 
@@ -131,7 +140,9 @@ def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], 
     from transformers import AutoModelForCausalLM
 
     _threads()
+    device = torch.device(run_device(cfg))
     model = AutoModelForCausalLM.from_pretrained(str(cfg.policy.model_name), dtype=torch.float32)
+    model.to(device)  # type: ignore[arg-type]  # transformers' stub types `to` as a no-argument wrapper
     model.train()
     lr = (getattr(cfg.policy.optimizer, "kwargs", None) or {}).get("lr", 1e-5)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False, fused=False)
@@ -141,7 +152,7 @@ def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], 
     for i, (s, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, p : len(s)] = 1.0
-    adv = torch.randn(len(sequences), 1)
+    ids, mask, adv = ids.to(device), mask.to(device), torch.randn(len(sequences), 1, device=device)
     mbs = cfg.policy.train_micro_batch_size
     n_tok = mask[:, 1:].sum()
 
@@ -154,6 +165,8 @@ def bare_training(cfg: Any, sequences: list[list[int]], prompt_lens: list[int], 
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels finish inside its timing
 
     return timed(step, repeats), step
 

@@ -10,8 +10,11 @@ engine on the same node, N times; printed and saved beside its limits measured i
     .venv/bin/python -m benchmarks.refit model=smollm2_135m policy.dtensor_cfg.lora_cfg.enabled=true \
         policy.dtensor_cfg.lora_cfg.refit=adapter                                 # LoRA: the adapters alone
 
-Extra arguments are Hydra overrides (e.g. policy.refit_buffer_size_gb=1). Results go to results/bench_refit.json,
-the latest run per configuration.
+Extra arguments are Hydra overrides (e.g. policy.refit_buffer_size_gb=1). The refit runs on the device the run
+would (`cluster.device`, resolved as `rlpost train` resolves it): with cluster.device=cuda the bundles hold GPUs,
+the policy computes on CUDA and the engine is a GPU engine with sleep mode, asleep before each refit as between a
+run's steps (the CUDA IPC refit); on CPU the same on CPU bundles. Results go to results/bench_refit.json, the latest
+run per configuration.
 """
 
 from __future__ import annotations
@@ -22,51 +25,99 @@ import math
 import os
 import statistics
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.harness import RESULTS_DIR, Row, host, now, run_key, save_latest
 
 if TYPE_CHECKING:
     from rlpost.config.schema.master import MasterConfig
+    from rlpost.distributed.virtual_cluster import RayVirtualCluster
 
 RESULTS = RESULTS_DIR / "bench_refit.json"
 
 
+CPU_BUNDLE_CPUS = 0.4
+"""CPUs of the one bundle on a CPU machine (the policy rank and the engine share it)."""
+
+
+@dataclass(frozen=True)
+class RefitSetup:
+    """Where the benchmark's policy and engine run."""
+
+    device: str
+    """'cuda' or 'cpu': where the policy and the engine compute."""
+    use_gpus: bool
+    """The bundle reserves a GPU (shared by the colocated policy rank and engine, half each)."""
+    cpus_per_bundle: float
+    """CPUs the bundle reserves: the run's two colocated groups' worth on a GPU, CPU_BUNDLE_CPUS on a CPU."""
+
+    def cluster(self) -> RayVirtualCluster:
+        """The one-bundle cluster the policy and the engine share (not yet placed: nothing starts here)."""
+        from rlpost.distributed.virtual_cluster import RayVirtualCluster
+
+        return RayVirtualCluster("bench-refit", 1, use_gpus=self.use_gpus, cpus_per_bundle=self.cpus_per_bundle,
+                                 max_colocated_worker_groups=2)
+
+
+def refit_setup(cfg: MasterConfig, device: str | None = None) -> RefitSetup:
+    """The setup for `cfg`: its cluster.device resolved as a run resolves it (a GPU that cannot be used is refused,
+    rlpost.runtime.cuda_driver), or `device` when given."""
+    from rlpost.distributed.virtual_cluster import resolve_device
+
+    device = device or resolve_device(cfg.cluster)
+    on_gpu = device == "cuda"
+    return RefitSetup(device, on_gpu, cfg.cluster.worker_num_cpus * 2 if on_gpu else CPU_BUNDLE_CPUS)
+
+
 def refit_times(cfg: MasterConfig, refits: int) -> tuple[list[float], int]:
     """Seconds of each of `refits` colocated refits (policy -> engine, fingerprint-checked) on a local Ray, and the
-    bytes each moves (with LoRA served as an adapter, `lora_cfg.refit=adapter`, the adapters' alone)."""
+    bytes each moves (with LoRA served as an adapter, `lora_cfg.refit=adapter`, the adapters' alone). As in a run:
+    the engine starts first and goes to sleep before the policy is built, and sleeps again before each refit."""
     import ray
 
     from rlpost.algorithms.refit import refit_policy_generation
     from rlpost.config.schema.generation import VllmConfig
-    from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray
+    from rlpost.distributed.virtual_cluster import init_ray
     from rlpost.models.generation.vllm_generation import VllmGeneration
     from rlpost.models.policy.lm_policy import Policy
 
     gen = cfg.generation
     if not isinstance(gen, VllmConfig):
         raise SystemExit("benchmarks.refit measures the vLLM engine's refit (generation=vllm)")
+    setup = refit_setup(cfg)
+    if cfg.model.tiny is not None:  # built on first use, as a run builds it
+        from rlpost.models.tiny import ensure_tiny_model
+
+        ensure_tiny_model(cfg.model.tiny, cfg.model.path)
     init_ray(cfg.cluster)  # the Ray a run starts
-    cluster = RayVirtualCluster("bench-refit", 1, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
-    policy = Policy(cluster, cfg.policy)
+    cluster = setup.cluster()
     from rlpost.config.lora_params import adapter_config
 
     key, lora = cfg.policy.lora_settings("policy")
     adapter = adapter_config(key, lora, str(cfg.policy.model_name)) if lora.enabled and lora.refit == "adapter" \
         else None
-    engine = VllmGeneration(gen, cluster, str(cfg.policy.model_name), lora_adapter=adapter)
+    engine = policy = None
     try:
+        engine = VllmGeneration(gen, cluster, str(cfg.policy.model_name), timeout_s=cfg.cluster.call_timeout_s,
+                                hf_overrides=dict(cfg.policy.hf_config_overrides), lora_adapter=adapter)
+        engine.wait_started()
+        engine.finish_generation()  # colocated: asleep, its memory free for the policy
+        policy = Policy(cluster, cfg.policy, device=setup.device, timeout_s=cfg.cluster.call_timeout_s)
         info = policy.prepare_refit_info(gen.vllm_cfg.precision)
         engine.prepare_refit_info(info)
         moved = sum(math.prod(shape) * dtype.itemsize for shape, dtype in info.values())
         out = []
         for _ in range(refits):
+            engine.finish_generation()  # between a run's steps the engine sleeps while the policy trains
             out.append(refit_policy_generation(policy, engine, True, gen.vllm_cfg.precision,
                                                cfg.policy.refit_buffer_size_gb))
         return out, moved
     finally:
-        engine.shutdown()
-        policy.shutdown()
+        if engine is not None:
+            engine.shutdown()
+        if policy is not None:
+            policy.shutdown()
         cluster.shutdown()
         ray.shutdown()
 
@@ -101,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     best, median = min(measured), statistics.median(measured)
     result = {
         "overrides": args.overrides,
+        "device": refit_setup(cfg).device,
         "model_bytes": nbytes,
         "moved_bytes": moved,
         "refit_s": {"first": round(times[0], 4), "best": round(best, 4), "median": round(median, 4)},

@@ -36,6 +36,7 @@ from rlpost.preflight_data import (
     check_supervised_data,
 )
 from rlpost.runtime.build import check_target, check_target_kinds
+from rlpost.runtime.cuda_driver import usable_device
 
 AnyMaster = MasterConfig | SupervisedMasterConfig
 """The master config of any algorithm."""
@@ -115,6 +116,7 @@ def preflight_checks(master: AnyMaster, run_dir: Path | None = None, device_chec
     check_optimizer(master)
     check_target_kinds(master)  # after the optimizer's own allow-list check, which imports nothing it refuses
     if device_checks:
+        check_cuda_device(master)
         check_precision(master)
         check_gpu_only_keys(master)
     check_local_cpus(master)
@@ -144,6 +146,13 @@ def run_device(master: AnyMaster) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_cuda_device(master: AnyMaster) -> None:
+    """cluster.device=cuda needs a GPU torch can use; cluster.device=auto beside a GPU torch cannot use (a driver
+    too old for torch's CUDA build, a CPU torch) would quietly train on CPU: both refused, naming the driver and
+    torch's build (rlpost.runtime.cuda_driver)."""
+    usable_device(master.cluster.device)
 
 
 # ---- model directory --------------------------------------------------------------------------

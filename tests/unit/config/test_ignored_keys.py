@@ -11,7 +11,7 @@ from rlpost.config.errors import ConfigError
 from rlpost.config.load import load_master_config
 from rlpost.config.schema.checkpoint import wall_budget_s
 from rlpost.config.schema.master import MasterConfig
-from rlpost.preflight import preflight_checks
+from rlpost.preflight import check_gpu_only_keys, preflight_checks
 
 
 def master(*overrides: str) -> MasterConfig:
@@ -142,8 +142,10 @@ def test_gpu_only_keys_are_refused_on_cpu(override: str, key: str) -> None:
 
 
 def test_gpu_only_keys_pass_on_a_gpu_run() -> None:
-    preflight_checks(master("cluster.device=cuda", "policy.dtensor_cfg.cpu_offload=true", "logger.monitor_gpus=true",
-                            "policy.dtensor_cfg.clear_cache_every_n_steps=4", "policy.offload_optimizer_for_logprob=true"))
+    # the keys' own check: the whole pre-flight refuses cluster.device=cuda on a machine without a GPU
+    check_gpu_only_keys(master("cluster.device=cuda", "policy.dtensor_cfg.cpu_offload=true", "logger.monitor_gpus=true",
+                               "policy.dtensor_cfg.clear_cache_every_n_steps=4",
+                               "policy.offload_optimizer_for_logprob=true"))
 
 
 def test_vllm_expert_parallelism_needs_a_gpu_and_a_moe_model() -> None:
@@ -151,7 +153,9 @@ def test_vllm_expert_parallelism_needs_a_gpu_and_a_moe_model() -> None:
           "cluster.gpus_per_node=2"]
     err = preflight_refused(master("cluster.device=cpu", *ep))
     assert err.key == "policy.generation.vllm_cfg.expert_parallel_size" and err.rule.startswith("GPU only:")
-    err = preflight_refused(master("cluster.device=cuda", *ep))
+    with pytest.raises(ConfigError) as raised:
+        check_gpu_only_keys(master("cluster.device=cuda", *ep))
+    err = raised.value
     assert err.key == "policy.generation.vllm_cfg.expert_parallel_size" and "mixture-of-experts" in err.rule
 
 
