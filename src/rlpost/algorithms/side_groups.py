@@ -48,7 +48,7 @@ def side_cluster(name: str, cfg: MasterConfig, policy_cluster: RayVirtualCluster
     workers = num_workers or policy_cluster.workers_per_node
     nodes = 1 if num_workers else policy_cluster.num_nodes
     return RayVirtualCluster(name, workers, nodes, policy_cluster.use_gpus, cfg.cluster.worker_num_cpus, 1,
-                             cfg.cluster.placement_timeout_s)
+                             cfg.cluster.placement_timeout_s, device=policy_cluster.device)
 
 
 def colocated_groups(cfg: MasterConfig) -> int:

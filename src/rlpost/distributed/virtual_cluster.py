@@ -5,6 +5,11 @@ machine without GPUs) in one placement group. Worker groups place one actor per 
 (the policy and the rollout engine) may share the bundles, each actor asking for
 1/max_colocated_worker_groups of a bundle. If the bundles can't be reserved within the timeout it
 fails with a message naming what was asked and what exists; it never hangs.
+
+Two things are kept apart: `use_gpus` (each bundle reserves one Ray GPU, so Ray schedules the actors on GPUs and
+sets CUDA_VISIBLE_DEVICES to the one GPU of their bundle) and `device` (where the actors compute: 'cuda' or 'cpu').
+A run reserves GPUs exactly when it computes on CUDA; the scheduling tests reserve the logical GPUs of a
+`ray start --num-gpus=N` head on a CPU machine and compute on the CPU.
 """
 
 from __future__ import annotations
@@ -42,6 +47,17 @@ WORKER_ENV: dict[str, str] = {
 }
 
 
+def worker_threads(node_cpus: float, slots_on_node: int, max_colocated: int) -> int:
+    """Compute threads of one actor that works beside a GPU: a fair share of its node's cores among the actors the
+    node holds (`slots_on_node` GPU slots, each shared by up to `max_colocated` actors), at least 1."""
+    return max(1, int(node_cpus) // max(1, slots_on_node * max_colocated))
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """OMP_NUM_THREADS and MKL_NUM_THREADS of an actor (WORKER_ENV holds the CPU runs' 1)."""
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
 class ClusterResourceError(RuntimeError):
     """The requested bundles could not be reserved in time."""
 
@@ -51,15 +67,11 @@ class ClusterUnavailable(RuntimeError):
 
 
 def resolve_device(cfg: ClusterConfig) -> str:
-    """'cuda' or 'cpu' for cluster.device='auto'."""
-    if cfg.device != "auto":
-        return cfg.device
-    try:
-        import torch
+    """'cuda' or 'cpu' for cluster.device; ConfigError when the GPU it names or finds cannot be used
+    (rlpost.runtime.cuda_driver.usable_device, the pre-flight's check)."""
+    from rlpost.runtime.cuda_driver import usable_device
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        return "cpu"
+    return usable_device(cfg.device)
 
 
 def probe_head(address: str, timeout_s: float = 5.0) -> None:
@@ -217,11 +229,20 @@ class RayVirtualCluster:
         cpus_per_bundle: float = 0.5,
         max_colocated_worker_groups: int = 1,
         placement_timeout_s: float = 60.0,
+        device: str | None = None,
     ) -> None:
+        """`use_gpus`: each bundle reserves one Ray GPU. `device`: where the actors compute, 'cuda' or 'cpu' (None:
+        'cuda' when the bundles hold GPUs); 'cpu' on GPU bundles places actors as a GPU run does (logical GPUs of a
+        `ray start --num-gpus=N` head) while they compute on the CPU."""
+        device = device if device is not None else ("cuda" if use_gpus else "cpu")
+        if device not in ("cuda", "cpu") or (device == "cuda" and not use_gpus):
+            raise ValueError(f"cluster '{name}': device={device!r} with use_gpus={use_gpus}: a CUDA cluster reserves "
+                             "GPUs (use_gpus=True); device is 'cuda' or 'cpu'")
         self.name = name
         self.workers_per_node = workers_per_node
         self.num_nodes = num_nodes
         self.use_gpus = use_gpus
+        self.device = device
         self.cpus_per_bundle = cpus_per_bundle
         self.max_colocated_worker_groups = max_colocated_worker_groups
         self.placement_timeout_s = placement_timeout_s
@@ -237,6 +258,13 @@ class RayVirtualCluster:
         if self.use_gpus:
             b["GPU"] = 1.0
         return b
+
+    def gpu_share(self, fraction: float | None = None) -> float:
+        """The GPU an actor of one colocated group holds in its bundle: `fraction` (default 1/max_colocated) of the
+        bundle's one GPU, or 0 when the bundles hold none."""
+        if not self.use_gpus:
+            return 0.0
+        return fraction if fraction is not None else 1.0 / self.max_colocated_worker_groups
 
     def placement_group(self) -> PlacementGroup:
         """Reserve the bundles (once), or raise ClusterResourceError after the timeout."""
@@ -283,8 +311,28 @@ class RayVirtualCluster:
             "num_cpus": self.cpus_per_bundle * frac,
         }
         if self.use_gpus:
-            opts["num_gpus"] = frac
+            opts["num_gpus"] = self.gpu_share(frac)
         return opts
+
+    def local_rank(self, rank: int) -> int:
+        """LOCAL_RANK of rank `rank`: the index of its device among those it sees. An actor on a GPU bundle sees one
+        GPU (Ray sets CUDA_VISIBLE_DEVICES to its bundle's GPU), so 0, what `torch.cuda.set_device(LOCAL_RANK)` (as
+        transformers' tensor-parallel load calls it) accepts; on CPU bundles, the rank's index on its node."""
+        if self.use_gpus:
+            return 0
+        node = self.bundle_for_rank(rank).node_id
+        return sum(1 for b in self._order[:rank] if b.node_id == node)
+
+    def thread_env(self, rank: int) -> dict[str, str]:
+        """Thread-count environment of an actor on rank `rank`'s bundle: on CUDA a fair share of its node's cores
+        (`worker_threads`: the casts, DCP and offloaded optimizer steps that run on the host), on CPU nothing
+        (WORKER_ENV's one thread a process: the cores are the compute, shared by every worker)."""
+        if self.device != "cuda":
+            return {}
+        node_id = self.bundle_for_rank(rank).node_id
+        res: dict[str, float] = next((n.get("Resources", {}) for n in ray.nodes() if n.get("NodeID") == node_id), {})
+        slots = max(int(res.get("GPU", 0)), self.workers_per_node)
+        return thread_env(worker_threads(float(res.get("CPU", 1)), slots, self.max_colocated_worker_groups))
 
     def node_of_rank(self, rank: int) -> str:
         node_id = self.bundle_for_rank(rank).node_id

@@ -234,9 +234,10 @@ class RayWorkerGroup(ActorGroup):
         for rank in range(self.dims.world_size):
             env = {
                 **WORKER_ENV,
+                **cluster.thread_env(rank),
                 **(env_vars or {}),
                 "RANK": str(rank),
-                "LOCAL_RANK": str(rank % cluster.workers_per_node),
+                "LOCAL_RANK": str(cluster.local_rank(rank)),
                 "WORLD_SIZE": str(self.dims.world_size),
                 "MASTER_ADDR": addr,
                 "MASTER_PORT": str(port),
