@@ -5,10 +5,11 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from rlpost.config.device_defaults import run_device
 from rlpost.config.layout import (
+    IPC_BUFFERS,
     REFIT_TRANSPORTS,
     Layout,
-    cuda_ipc_refit,
     fsdp_wrapping,
     layout_of,
     prev_logprobs_pass,
@@ -54,7 +55,8 @@ def supervised_plan_rows(cfg: SupervisedMasterConfig) -> list[tuple[str, str]]:
         ("policy backend", p._target_.rsplit(".", 1)[-1]),
         ("parameters", describe_parameters(model_shape(cfg), lora, is_megatron(lora_key))),
         ("loss", cfg.loss_fn._target_.rsplit(".", 1)[-1]),
-        ("device", cfg.cluster.device),
+        ("device", _device(cfg.cluster.device)),
+        ("precision", p.precision),
         ("data", source),
         ("rows per step", f"{rows} {unit} = global batch {p.train_global_batch_size} sequences"),
         ("training layout", f"DP={cfg.dp} ({cfg.cluster.num_nodes * cfg.cluster.gpus_per_node} workers), "
@@ -94,7 +96,9 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
         ("loss", cfg.loss_fn._target_.rsplit(".", 1)[-1]),
         *_ppo_rows(cfg, lay),
         *_teacher_rows(cfg, lay),
-        ("device", cfg.cluster.device),
+        ("device", _device(cfg.cluster.device)),
+        ("precision", _precision(cfg)),
+        *([("engine execution", mode)] if (mode := _execution(cfg)) else []),
         ("prompts per step", str(lay.prompts_per_step)),
         ("completions per step", f"{lay.completions_per_step} ({g.num_prompts_per_step} x {g.num_generations_per_prompt})"),
         ("optimizer steps per GRPO step", f"{lay.optimizer_steps_per_grpo_step} (global batch {p.train_global_batch_size})"),
@@ -106,6 +110,7 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
                             + (f"; {fsdp}" if (fsdp := fsdp_wrapping(cfg, lay.train_world)) else "")),
         ("engine layout", f"{lay.gen_replicas} replica(s) x TP*PP={lay.gen_tp} ({lay.gen_world} workers)"),
         ("placement", placement),
+        *([("start-up", STARTUP_COLOCATED)] if lay.colocated else []),
         *([("nodes", _nodes(lay))] if max(lay.train_nodes, lay.gen_nodes) > 1 else []),
         ("refit", _refit(cfg, lay)),
         ("prev-logprobs pass", _PREV_PASS[prev_logprobs_pass(cfg)]),
@@ -113,6 +118,28 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
         ("generation and training", _overlap(cfg)),
         ("steps", f"max {g.max_num_steps} steps / {g.max_num_epochs} epoch(s); validate every {g.val_period}"),
     ]
+
+
+STARTUP_COLOCATED = "engine first, asleep, then the policy"
+"""The start-up order of a colocated engine and policy (rlpost.algorithms.grpo_setup)."""
+
+
+def _device(device: str) -> str:
+    """The device as configured; `auto` with what it picks on this machine (rlpost.config.device_defaults)."""
+    return f"auto ({run_device(device)} on this machine)" if device == "auto" else device
+
+
+def _precision(cfg: MasterConfig) -> str:
+    """The trainer's and the engine's dtype (`policy.precision`, which the engine follows unless set apart)."""
+    return f"trainer {cfg.policy.precision}, engine {cfg.generation.weight_dtype()}"
+
+
+def _execution(cfg: MasterConfig) -> str | None:
+    """vLLM's execution mode (`vllm_cfg.enforce_eager`); None for an engine without the choice."""
+    eager = getattr(getattr(cfg.generation, "vllm_cfg", None), "enforce_eager", None)
+    if eager is None:
+        return None
+    return "eager (vllm_cfg.enforce_eager=true)" if eager else "CUDA graphs (vllm_cfg.enforce_eager=false)"
 
 
 def _ppo_rows(cfg: MasterConfig, lay: Layout) -> list[tuple[str, str]]:
@@ -188,15 +215,11 @@ def _rollouts(cfg: MasterConfig) -> str:
 
 
 def _refit(cfg: MasterConfig, lay: Layout) -> str:
-    """The refit transport by name (rlpost.algorithms.refit), and for "ipc" on a known device the buffer's kind."""
+    """The refit transport by name (rlpost.algorithms.refit), and for "ipc" the buffers on the run's device."""
     row = f"{lay.refit}: {REFIT_TRANSPORTS[lay.refit]}{_lora_refit(cfg)}"
-    if lay.refit != "ipc" or cfg.cluster.device == "auto":  # "auto" is not resolved: that would import torch
+    if lay.refit != "ipc":
         return row
-    if cfg.cluster.device == "cpu":
-        return f"{row} (POSIX shared memory)"
-    if cuda_ipc_refit("cuda", lay.train_world):
-        return f"{row} (CUDA IPC: no host copy)"
-    return f"{row} (shared memory through the host: CUDA IPC needs the policy on one GPU)"
+    return f"{row} ({IPC_BUFFERS[run_device(cfg.cluster.device)]})"
 
 
 def _lora_refit(cfg: MasterConfig) -> str:

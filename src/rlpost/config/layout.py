@@ -208,25 +208,33 @@ def compute_layout(cfg: MasterConfig) -> Layout:
 
 
 REFIT_TRANSPORTS = {
-    "ipc": "rank 0 writes each bucket into a buffer on the shared node and the engines open it by handle",
+    "ipc": "each policy rank writes each bucket into a buffer on its own device and the engine worker beside it "
+           "opens it by handle",
     "object_store": "rank 0's buckets through Ray's object store (policy and engines span several nodes)",
     "collective": "a broadcast from the policy's rank 0 over the refit group (gloo on CPU, NCCL on GPU)",
 }
 """The three refit transports, by name: how the trained weights reach the engines (rlpost.algorithms.refit)."""
 
+IPC_BUFFERS = {
+    "cuda": "CUDA IPC per GPU: each engine reads the policy rank on its own GPU",
+    "cpu": "shared memory, one buffer per colocated pair",
+}
+"""The buffers of the "ipc" refit on each device."""
+
 
 def refit_transport(colocated: bool, train_nodes: int) -> str:
-    """The refit transport of a layout: colocated engines on one node read rank 0's IPC buffer ("ipc"), across
-    nodes the object store ("object_store"); engines on their own workers receive a broadcast ("collective")."""
+    """The refit transport of a layout: colocated engines on one node read the IPC buffer of the policy rank on their
+    own device ("ipc"), across nodes the object store ("object_store"); engines on their own workers receive a
+    broadcast ("collective")."""
     if not colocated:
         return "collective"
     return "ipc" if train_nodes == 1 else "object_store"
 
 
-def cuda_ipc_refit(device: str, policy_world_size: int) -> bool:
-    """Whether a colocated refit on one node goes over CUDA IPC (rlpost.distributed.cuda_ipc_buckets): the policy
-    trains on one GPU, so the engine is on that GPU too (colocated engines share the policy's workers)."""
-    return device == "cuda" and policy_world_size == 1
+def cuda_ipc_refit(device: str) -> bool:
+    """Whether a colocated refit on one node goes over CUDA IPC (rlpost.distributed.cuda_ipc_buckets): on GPUs each
+    engine worker shares its GPU with a policy rank, and reads the buckets that rank wrote on it."""
+    return device == "cuda"
 
 
 def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, DictKeyType, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
+from rlpost.config.device_defaults import resolve_device_defaults
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import layout_of
 from rlpost.config.removed_keys import removed_rule
@@ -273,6 +274,7 @@ def to_master_config(cfg: DictConfig, overrides: Sequence[str] | None = None) ->
     # to_object would keep a key the schema lacks as a stray attribute, and use it or not: refuse it first.
     check_unknown_keys(node)
     try:
+        resolve_device_defaults(node)  # precision `auto`, enforce_eager None: concrete before anything reads them
         root = OmegaConf.to_object(node)
         assert isinstance(root, RootConfig)
         obj = narrow(root)

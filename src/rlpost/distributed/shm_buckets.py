@@ -12,32 +12,72 @@ when its process exits; the engines unregister their attachment (unless they rea
 only the owner's exit (or `close`) removes it, a kill -9 of the owner included (its tracker outlives it). When the
 tracker died too (a kill of the whole process group), the next writer on the machine unlinks the segment: its name
 carries the owner's pid.
+
+A segment lives in /dev/shm (tmpfs), whose pages are taken when written: a segment larger than the room left there is
+created without complaint and its owner dies of SIGBUS while filling it (Docker's default /dev/shm is 64 MiB). So a
+writer checks the room before it creates a segment and fails with one line naming the sizes and the fix.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Sequence
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
-from typing import Final
+from typing import Final, cast
 
 import torch
 
-from rlpost.distributed.bucket_layout import RefitBucket, ShmBucket, bucket_bytes, bucket_views, fill_bucket
+from rlpost.distributed.bucket_layout import (
+    CudaIpcBucket,
+    RefitBucket,
+    ShmBucket,
+    bucket_bytes,
+    bucket_views,
+    fill_bucket,
+)
 
 PREFIX = "rlpost-refit-"
 """Segment names: PREFIX + owner pid + '-' + a random part."""
 SHM_KEY: Final = "shm"
 """Key of a descriptor (a dict); an object-store bucket is a one-element list [ref]."""
+SHM_ROOT: Final = "/dev/shm"
+"""Where POSIX shared-memory segments live on Linux."""
+
+
+class ShmTooSmall(RuntimeError):
+    """/dev/shm has no room for the refit's shared-memory buffer."""
+
+
+def shm_shortfall(free: int, needed: int, root: str = SHM_ROOT) -> str | None:
+    """The one-line error when `needed` bytes do not fit in the `free` bytes of `root`; None when they do."""
+    if needed <= free:
+        return None
+    mib = 2**20
+    return (f"{root} has {free / mib:.0f} MiB free, the colocated refit's shared-memory buffer needs "
+            f"{needed / mib:.0f} MiB: give it more room (Docker: `--shm-size=<bytes>` or `--ipc=host`) or lower "
+            "policy.refit_buffer_size_gb (two buffers of half of it take turns)")
+
+
+def check_shm_room(needed: int, root: str = SHM_ROOT) -> None:
+    """ShmTooSmall unless `root` has `needed` bytes free (a segment's pages are taken as they are written)."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:  # no such mount (not Linux): shared_memory says what is wrong
+        return
+    if (line := shm_shortfall(free, needed, root)) is not None:
+        raise ShmTooSmall(line)
 
 
 class ShmBucketWriter:
     """The owner's side: one segment, grown (replaced) only when a bucket does not fit."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: str = SHM_ROOT) -> None:
         self.segment: shared_memory.SharedMemory | None = None
+        self.root = root
+        """The mount the segments take their pages from (checked for room before each is created)."""
 
     def write(self, named: Sequence[tuple[str, torch.Tensor]]) -> ShmBucket:
         """Copy `named` (CPU or device tensors) into the segment; the descriptor the engines load from."""
@@ -52,6 +92,7 @@ class ShmBucketWriter:
             return
         self.close()
         sweep_orphans()
+        check_shm_room(nbytes, self.root)
         self.segment = shared_memory.SharedMemory(name=f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}", create=True,
                                                   size=nbytes)
 
@@ -104,10 +145,12 @@ def read_bucket(box: RefitBucket) -> list[tuple[str, torch.Tensor]]:
     device buffer, on this process's view of that GPU), or [object ref] (object store)."""
     if isinstance(box, dict):
         if SHM_KEY in box:
-            return read_shm_bucket(box)
-        from rlpost.distributed.cuda_ipc_buckets import read_cuda_ipc_bucket
+            return read_shm_bucket(cast(ShmBucket, box))
+        from rlpost.distributed.cuda_ipc_buckets import is_cuda_ipc, read_cuda_ipc_bucket
 
-        return read_cuda_ipc_bucket(box)
+        if not is_cuda_ipc(box):
+            raise TypeError("a per-device refit bucket is read by each engine worker from its own slot's entry")
+        return read_cuda_ipc_bucket(cast(CudaIpcBucket, box))
     import ray
 
     from rlpost.distributed.weight_buckets import decode

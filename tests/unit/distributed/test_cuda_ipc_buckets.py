@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlpost.config.layout import REFIT_TRANSPORTS, cuda_ipc_refit
+from rlpost.config.layout import IPC_BUFFERS, REFIT_TRANSPORTS, cuda_ipc_refit
 from rlpost.config.load import load_master_config
 from rlpost.distributed.bucket_layout import bucket_bytes, bucket_views, fill_bucket
 from rlpost.distributed.cuda_ipc_buckets import (
@@ -67,22 +67,22 @@ def test_the_shared_memory_writer_keeps_the_layout() -> None:
         writer.close()
 
 
-@pytest.mark.parametrize(("device", "world", "expected"), [("cuda", 1, True), ("cuda", 2, False), ("cpu", 1, False)])
-def test_cuda_ipc_applies_to_a_policy_on_one_gpu(device: str, world: int, expected: bool) -> None:
-    assert cuda_ipc_refit(device, world) is expected
+@pytest.mark.parametrize(("device", "expected"), [("cuda", True), ("cpu", False)])
+def test_cuda_ipc_applies_on_every_gpu(device: str, expected: bool) -> None:
+    assert cuda_ipc_refit(device) is expected
 
 
-class _Rank0(WeightExportMixin):
-    def __init__(self, device: str, world_size: int) -> None:
-        self.rank, self.world_size, self.device, self._export = 0, world_size, torch.device(device), []
+class _Rank(WeightExportMixin):
+    def __init__(self, device: str, world_size: int, rank: int) -> None:
+        self.rank, self.world_size, self.device, self._export = rank, world_size, torch.device(device), []
 
 
-@pytest.mark.parametrize(("device", "world", "kind"), [("cuda", 1, CudaIpcBucketWriter), ("cuda", 2, ShmBucketWriter),
-                                                       ("cpu", 1, ShmBucketWriter)])
-def test_rank_zero_shares_its_buckets_the_way_the_rule_says(device: str, world: int, kind: type) -> None:
-    """On its only GPU rank 0 hands the engine a device buffer; otherwise a host segment (its writers are created
-    lazily, so this needs no GPU: nothing is allocated until a bucket is written)."""
-    rank0 = _Rank0(device, world)
+@pytest.mark.parametrize(("device", "world", "kind"), [("cuda", 1, CudaIpcBucketWriter), ("cuda", 2, CudaIpcBucketWriter),
+                                                       ("cpu", 1, ShmBucketWriter), ("cpu", 2, ShmBucketWriter)])
+def test_each_rank_shares_its_buckets_the_way_the_rule_says(device: str, world: int, kind: type) -> None:
+    """On a GPU every rank hands the engine on its device a device buffer, however many GPUs; on a CPU a host segment
+    (writers are created lazily, so this needs no GPU: nothing is allocated until a bucket is written)."""
+    rank0 = _Rank(device, world, world - 1)
     try:
         assert type(rank0._shm_writer(0)) is kind
         assert rank0._shm_writer(0) is rank0._shm_writer(0) and rank0._shm_writer(1) is not rank0._shm_writer(0)
@@ -102,7 +102,7 @@ def test_a_cuda_ipc_descriptor_is_opened_on_the_gpu_it_names_or_refused() -> Non
     assert is_cuda_ipc(desc) and not is_cuda_ipc({"shm": "x", "records": []}) and not is_cuda_ipc([object()])
     with pytest.raises(RuntimeError, match="GPU-not-here, which this process does not see"):
         read_bucket(desc)
-    with pytest.raises(RuntimeError, match="engine on the policy's own GPU"):
+    with pytest.raises(RuntimeError, match="each engine worker on a GPU of the policy"):
         local_device_index("GPU-not-here")
     assert opened == []
 
@@ -111,10 +111,10 @@ def test_the_plan_names_the_refit_transport() -> None:
     def refit(*overrides: str) -> str:
         return dict(plan_rows(load_master_config(list(overrides))[1]))["refit"]
 
-    assert refit("cluster.device=cpu") == f"ipc: {REFIT_TRANSPORTS['ipc']} (POSIX shared memory)"
-    assert refit() == f"ipc: {REFIT_TRANSPORTS['ipc']}"  # device=auto: one design, the buffer's kind by device
-    assert refit("cluster.device=cuda").endswith("(CUDA IPC: no host copy)")
-    assert "through the host" in refit("cluster.device=cuda", "cluster.gpus_per_node=2")
+    assert refit("cluster.device=cpu") == f"ipc: {REFIT_TRANSPORTS['ipc']} ({IPC_BUFFERS['cpu']})"
+    assert refit("cluster.device=cuda") == f"ipc: {REFIT_TRANSPORTS['ipc']} ({IPC_BUFFERS['cuda']})"
+    assert refit("cluster.device=cuda", "cluster.gpus_per_node=2").endswith("each engine reads the policy rank on its "
+                                                                            "own GPU)")
     assert refit("cluster.num_nodes=2").startswith("object_store: ")
     assert refit("cluster.device=cpu", "cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
                  "policy.generation.colocated.resources.gpus_per_node=1").startswith("collective: a broadcast")

@@ -140,9 +140,10 @@ class VllmSpecificArgs:
     """Use vLLM's AsyncLLM engine (per-sample coroutines; still on-policy)."""
     precision: str = "float32"
     """Engine dtype: 'float32', 'bfloat16' or 'float16'."""
-    enforce_eager: bool = True
-    """Disable CUDA graphs / compilation (required on CPU). On the CPU it also runs eagerly what vLLM's sampler would
-    compile (TORCHDYNAMO_DISABLE=1 in the engine), keeping that compile off the path to the first step."""
+    enforce_eager: bool | None = True
+    """Disable CUDA graphs / compilation (required on CPU); None (conf/'s default) = eager on CPU, CUDA graphs on CUDA,
+    decided with the run's device (rlpost.config.device_defaults). On the CPU it also runs eagerly what vLLM's sampler
+    would compile (TORCHDYNAMO_DISABLE=1 in the engine), keeping that compile off the path to the first step."""
     load_format: str = "auto"
     """'auto' loads the checkpoint; 'dummy' leaves random weights for the first refit to fill."""
     kv_cache_space_gb: float | None = None

@@ -233,7 +233,8 @@ class PolicyConfig:
     """Prompts per `generate` call of the HF engine (generation=hf fills policy.generation.generation_batch_size
     from it); vLLM schedules whole batches itself, so with generation=vllm only the default is accepted."""
     precision: str = "float32"
-    """Compute dtype: 'float32', 'bfloat16' or 'float16' (master weights stay fp32)."""
+    """Compute dtype: 'float32', 'bfloat16', 'float16', or 'auto' (conf/'s default: bfloat16 on CUDA, float32 on CPU,
+    decided with the run's device by rlpost.config.device_defaults); master weights stay fp32."""
     reward_model_cfg: RewardModelConfig = field(default_factory=RewardModelConfig)
     """Reward-model mode."""
     value_head: bool = False
@@ -283,7 +284,8 @@ class PolicyConfig:
         positive(f"{path}.make_sequence_length_divisible_by", self.make_sequence_length_divisible_by)
         positive(f"{path}.max_total_sequence_length", self.max_total_sequence_length)
         positive(f"{path}.max_grad_norm", self.max_grad_norm, allow_none=True)
-        one_of(f"{path}.precision", self.precision, PRECISIONS)
+        require(self.precision in PRECISIONS, f"{path}.precision", self.precision,
+                f"must be one of {list(PRECISIONS)} or 'auto' (bfloat16 on CUDA, float32 on CPU)")
         require(
             self.train_micro_batch_size <= self.train_global_batch_size,
             f"{path}.train_micro_batch_size",

@@ -17,6 +17,8 @@ actually consumed, not a copy of what was sent.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Literal
@@ -41,6 +43,36 @@ RefitInfo = dict[str, tuple[tuple[int, ...], str]]
 
 RpcRecord = tuple[str, list[int], str, bytes]
 """One tensor as pack_for_rpc sends it: (name, shape, dtype, raw bytes)."""
+
+RELOAD_NOISE = {
+    "vllm.model_executor.model_loader.reload.layerwise": "%s: Failed to load weights",
+    "vllm.model_executor.model_loader.reload.inplace": "Following weights were not loaded from checkpoint: %s",
+}
+"""vLLM's reload_weights warnings, by logger, that a refit bucket sets off for every layer it does not carry (and
+the rotary embedding, which has no weights, for every load). rlpost checks what a refit delivers itself: the names
+against prepare_refit_info, and the engine's digests of what it consumed against the policy's export."""
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, msg: str) -> None:
+        super().__init__()
+        self.msg = msg
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.msg
+
+
+@contextlib.contextmanager
+def quiet_reload() -> Iterator[None]:
+    """Within: vLLM's RELOAD_NOISE is dropped at its loggers, every other record kept."""
+    pairs = [(logging.getLogger(name), _DropMessage(msg)) for name, msg in RELOAD_NOISE.items()]
+    for log, drop in pairs:
+        log.addFilter(drop)
+    try:
+        yield
+    finally:
+        for log, drop in pairs:
+            log.removeFilter(drop)
 
 
 def pack_for_rpc(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[RpcRecord]:
@@ -118,12 +150,13 @@ class RlpostWorkerExtension:
         """Load one refit bucket (whole layers) in place; per-tensor digests of what was consumed."""
         return self._rlpost_load(named, corrupt, partial=True).digests()
 
-    def rlpost_load_bucket_ipc(self, desc: CudaIpcBucket, corrupt: str | None = None) -> dict[str, str]:
-        """rlpost_load_bucket from the policy's device buffer on this worker's GPU (a CUDA IPC descriptor,
+    def rlpost_load_bucket_ipc(self, descs: list[CudaIpcBucket], corrupt: str | None = None) -> dict[str, str]:
+        """rlpost_load_bucket from the policy's device buffer on this worker's GPU (of `descs`, the CUDA IPC
+        descriptors of the policy ranks on the replica's GPUs, the one on this worker's GPU:
         rlpost.distributed.cuda_ipc_buckets); the views are dropped once the copies out of them are done."""
-        from rlpost.distributed.cuda_ipc_buckets import read_cuda_ipc_bucket
+        from rlpost.distributed.cuda_ipc_buckets import on_this_gpu, read_cuda_ipc_bucket
 
-        digests = self.rlpost_load_bucket(read_cuda_ipc_bucket(desc), corrupt)
+        digests = self.rlpost_load_bucket(read_cuda_ipc_bucket(on_this_gpu(descs)), corrupt)
         torch.cuda.current_stream().synchronize()  # the copies out of the buffer are done before rank 0 reuses it
         return digests
 
@@ -163,7 +196,8 @@ class RlpostWorkerExtension:
                 fp.add(name, t)
                 yield name, t
 
-        self.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
+        with quiet_reload():  # a bucket leaves most layers alone: vLLM would warn for each (RELOAD_NOISE)
+            self.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
         self.rlpost_last_path = "reload"
         consumed = set(fp.names)
         if consumed != {n for n, _ in named}:
