@@ -296,9 +296,13 @@ def test_unsupported_options_fail_clearly(
         (["policy.precision=bfloat16"], "cpu", "policy.precision"),
         (["policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp=true"], "cpu",
          "policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp"),
-        (["policy.precision=bfloat16"], "cuda", "policy.megatron_cfg.optimizer.bf16"),
+        (["policy.precision=bfloat16", "policy.megatron_cfg.optimizer.bf16=false"], "cuda",
+         "policy.megatron_cfg.optimizer.bf16"),
+        (["policy.precision=float32", "policy.megatron_cfg.optimizer.fp16=true"], "cuda",
+         "policy.megatron_cfg.optimizer.fp16"),
     ],
-    ids=["sequence_parallel", "activation_checkpointing", "bf16_training", "megatron_fsdp", "bf16_flag"],
+    ids=["sequence_parallel", "activation_checkpointing", "bf16_training", "megatron_fsdp", "bf16_flag",
+         "fp16_flag"],
 )
 def test_config_checks_name_the_key(overrides: list[str], device: str, key: str, tmp_path: Path) -> None:
     """In-process: the worker's up-front checks (no Ray); the errors survive pickling with their key."""
@@ -309,8 +313,43 @@ def test_config_checks_name_the_key(overrides: list[str], device: str, key: str,
     with pytest.raises((ConfigError, NotImplementedError), match=re.escape(key)) as info:
         check_megatron_support(cfg, device)
     assert key in str(pickle.loads(pickle.dumps(info.value)))  # Ray pickles it to the driver
-    if key in ("policy.precision", "policy.megatron_cfg.optimizer.bf16"):
+    if key in ("policy.precision", "policy.megatron_cfg.optimizer.bf16", "policy.megatron_cfg.optimizer.fp16"):
         check_megatron_support(cfg, device, init_optimizer=False)  # bf16 logprobs alone are fine
+
+
+@pytest.mark.parametrize(
+    ("overrides", "device", "dp", "expected"),
+    [
+        (["policy.precision=bfloat16"], "cuda", 2, (True, False, "bfloat16", True)),
+        (["policy.precision=bfloat16"], "cuda", 1, (True, False, "bfloat16", False)),
+        (["policy.precision=float16"], "cuda", 4, (False, True, "float16", True)),
+        (["policy.precision=float32"], "cpu", 2, (False, False, "float32", False)),
+        (["policy.precision=bfloat16", "policy.megatron_cfg.optimizer.use_distributed_optimizer=false",
+          "policy.megatron_cfg.optimizer.params_dtype=float32"], "cuda", 2, (True, False, "float32", False)),
+    ],
+    ids=["cuda_bf16_dp2", "cuda_bf16_dp1", "cuda_fp16_dp4", "cpu_fp32", "user_values_kept"],
+)
+def test_optimizer_defaults_follow_precision_device_and_dp(overrides: list[str], device: str, dp: int,
+                                                           expected: tuple[bool, bool, str, bool],
+                                                           tmp_path: Path) -> None:
+    """Left null, megatron's mixed-precision flags follow policy.precision and the distributed optimizer is on with
+    CUDA and DP > 1 (what the worker builds its optimizer from); a value the user set is kept. Such a config passes
+    the worker's device checks."""
+    from rlpost.models.policy.megatron_policy_worker import check_megatron_support
+
+    cfg = policy_cfg(tmp_path, dp, *overrides)
+    check_megatron_support(cfg, device)
+    assert cfg.megatron_cfg is not None
+    o = cfg.megatron_cfg.optimizer.resolved(cfg.precision, device, dp)
+    assert (o.bf16, o.fp16, o.params_dtype, o.use_distributed_optimizer) == expected
+
+
+def test_cpu_defaults_build_the_same_optimizer(tmp_path: Path) -> None:
+    """On CPU the defaults resolve to what megatron-core can run there: fp32, no distributed optimizer."""
+    cfg = policy_cfg(tmp_path, 2, "cluster.device=cpu")
+    assert cfg.precision == "float32" and cfg.megatron_cfg is not None
+    o = cfg.megatron_cfg.optimizer.resolved(cfg.precision, "cpu", 2)
+    assert (o.bf16, o.fp16, o.params_dtype, o.use_distributed_optimizer) == (False, False, "float32", False)
 
 
 @pytest.mark.parametrize(
@@ -371,3 +410,21 @@ def test_teacher_topk_equals_dtensor_and_the_critic_learns(layout: str, ray_loca
     data["returns"] = torch.rand(B, generator=torch.Generator().manual_seed(4))[:, None].expand(B, S).clone()
     losses = [critic.policy.train(data, ClippedValueLossFn(None)).loss for _ in range(10)]
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_a_bf16_critic_scores_in_the_models_dtype(ray_local: None, tiny_model_dir: Path, built: list[Built]) -> None:
+    """A bf16 Megatron critic (Float16Module): the value head takes the model's dtype, so it reads the bf16 hidden
+    states, and its values are the fp32 critic's within bf16's precision (the same seed builds the same head)."""
+    data = make_batch(seed=5)
+    values = {}
+    for precision in ("float32", "bfloat16"):
+        cfg = dataclasses.replace(policy_cfg(tiny_model_dir, 1, f"policy.precision={precision}"), generation=None,
+                                  value_head=True)
+        b = build(built, cfg, 1, init_optimizer=False, init_reference_model=False)  # bf16 training is GPU-only
+        values[precision] = b.policy.get_values(data)["values"]
+        close(built, b)
+    valid = valid_positions(data)
+    assert values["bfloat16"].dtype == torch.float32 and values["bfloat16"].shape == (B, S)
+    assert torch.isfinite(values["bfloat16"]).all()
+    scale = float(values["float32"][valid].abs().max())
+    assert float((values["bfloat16"] - values["float32"])[valid].abs().max()) <= 0.05 * scale + 1e-3

@@ -3,7 +3,7 @@ policy schema of the backend (`MegatronPolicyConfig`) with the checks of what th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from rlpost.config.errors import ConfigError, one_of, positive, require, safe_env_vars
@@ -23,12 +23,12 @@ class MegatronOptimizerConfig:
     """Learning rate floor of the decay schedule."""
     weight_decay: float = 0.01
     """Decoupled weight decay."""
-    bf16: bool = False
-    """bf16 mixed-precision optimizer with fp32 main params (GPU only)."""
-    fp16: bool = False
-    """fp16 mixed-precision optimizer with loss scaling (GPU only)."""
-    params_dtype: str = "float32"
-    """dtype of the model parameters as built."""
+    bf16: bool | None = None
+    """bf16 mixed-precision optimizer with fp32 main params (GPU only); None: on when policy.precision is bfloat16."""
+    fp16: bool | None = None
+    """fp16 mixed-precision optimizer with loss scaling (GPU only); None: on when policy.precision is float16."""
+    params_dtype: str | None = None
+    """dtype of the model parameters as built; None: policy.precision."""
     adam_beta1: float = 0.9
     """Adam beta1."""
     adam_beta2: float = 0.999
@@ -37,8 +37,9 @@ class MegatronOptimizerConfig:
     """Adam epsilon."""
     sgd_momentum: float = 0.9
     """SGD momentum (optimizer='sgd')."""
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state over data-parallel ranks (ZeRO-1; GPU only)."""
+    use_distributed_optimizer: bool | None = None
+    """Shard optimizer state over data-parallel ranks (ZeRO-1; GPU only); None: on with CUDA and more than one
+    data-parallel rank."""
     use_precision_aware_optimizer: bool = False
     """Keep optimizer states in lower precision (GPU only)."""
     clip_grad: float = 0.0
@@ -53,8 +54,22 @@ class MegatronOptimizerConfig:
         positive(f"{path}.lr", self.lr)
         require(self.min_lr <= self.lr, f"{path}.min_lr", self.min_lr, "must be <= lr")
         require(not (self.bf16 and self.fp16), f"{path}.bf16", self.bf16, "bf16 and fp16 are exclusive")
-        one_of(f"{path}.params_dtype", self.params_dtype, ("float32", "bfloat16", "float16"))
+        if self.params_dtype is not None:
+            one_of(f"{path}.params_dtype", self.params_dtype, ("float32", "bfloat16", "float16"))
         require(self.clip_grad >= 0, f"{path}.clip_grad", self.clip_grad, "must be >= 0")
+
+    def resolved(self, precision: str, device: str, data_parallel_size: int) -> MegatronOptimizerConfig:
+        """This config with every field left None made concrete for the run: bf16 / fp16 follow `precision`
+        (bfloat16 / float16), params_dtype is `precision`, and the distributed optimizer is on with CUDA and more
+        than one data-parallel rank (megatron-core runs it on GPUs only). A value the user set is kept."""
+        return replace(
+            self,
+            bf16=precision == "bfloat16" if self.bf16 is None else self.bf16,
+            fp16=precision == "float16" if self.fp16 is None else self.fp16,
+            params_dtype=precision if self.params_dtype is None else self.params_dtype,
+            use_distributed_optimizer=(device == "cuda" and data_parallel_size > 1
+                                       if self.use_distributed_optimizer is None else self.use_distributed_optimizer),
+        )
 
 
 @dataclass
@@ -302,7 +317,10 @@ class MegatronPolicyConfig(PolicyConfig):
         if not init_optimizer:
             return
         for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
-            flag = bool(getattr(m.optimizer, name))
+            flag = getattr(m.optimizer, name)
+            if flag is None:  # follows policy.precision (MegatronOptimizerConfig.resolved)
+                continue
             require(flag == (self.precision == dtype), f"{path}.megatron_cfg.optimizer.{name}", flag,
                     f"must be {not flag} with {path}.precision={self.precision}",
-                    "bf16/fp16 params train with megatron's mixed-precision optimizer")
+                    "bf16/fp16 params train with megatron's mixed-precision optimizer; leave it null to follow "
+                    f"{path}.precision")

@@ -36,11 +36,12 @@ class ValueHead(nn.Module):
 def attach_value_head(gpt: GPTModel, hidden_size: int, init_std: float) -> None:
     """Replace the last pipeline stage's output layer by a ValueHead. On every stage the output layer stops being
     tied to the embedding: the last stage then asks for no output weight, and no stage all-reduces the tied
-    weight's gradients between the first and the last stage."""
+    weight's gradients between the first and the last stage. The head takes the device and dtype of the model's
+    parameters (bf16 inside megatron's Float16Module), so it reads the hidden states in their own dtype."""
     gpt.share_embeddings_and_output_weights = False
     if gpt.post_process:
-        device = next(gpt.parameters()).device
-        gpt.output_layer = ValueHead(hidden_size, init_std).to(device)
+        first = next(gpt.parameters())
+        gpt.output_layer = ValueHead(hidden_size, init_std).to(device=first.device, dtype=first.dtype)
 
 
 def _shift(x: torch.Tensor) -> torch.Tensor:

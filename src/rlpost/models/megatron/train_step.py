@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
+from rlpost.distributed.collective_device import all_reduce_floats
 from rlpost.models.megatron.cpu_compat import is_cpu_compat_active
 from rlpost.models.megatron.export import unwrap_model
 from rlpost.models.megatron.model import resolve_tp_group, scale_and_mask_logits, vocab_shard_range
@@ -102,7 +103,7 @@ def wrap_ddp(model: torch.nn.Module, megatron_cfg: MegatronConfig) -> Distribute
         grad_reduce_in_fp32=c.grad_reduce_in_fp32,
         overlap_grad_reduce=c.overlap_grad_reduce,
         overlap_param_gather=c.overlap_param_gather,
-        use_distributed_optimizer=megatron_cfg.optimizer.use_distributed_optimizer,
+        use_distributed_optimizer=bool(megatron_cfg.optimizer.use_distributed_optimizer),
         use_megatron_fsdp=c.use_custom_fsdp,
         data_parallel_sharding_strategy=c.data_parallel_sharding_strategy,
         average_in_collective=False,
@@ -120,14 +121,14 @@ def build_optimizer(ddp_model: DistributedDataParallel, megatron_cfg: MegatronCo
         lr=o.lr,
         min_lr=o.min_lr,
         weight_decay=o.weight_decay,
-        bf16=o.bf16,
-        fp16=o.fp16,
-        params_dtype=_DTYPES[o.params_dtype],
+        bf16=bool(o.bf16),
+        fp16=bool(o.fp16),
+        params_dtype=_DTYPES[o.params_dtype or "float32"],
         adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2,
         adam_eps=o.adam_eps,
         sgd_momentum=o.sgd_momentum,
-        use_distributed_optimizer=o.use_distributed_optimizer,
+        use_distributed_optimizer=bool(o.use_distributed_optimizer),
         use_precision_aware_optimizer=o.use_precision_aware_optimizer,
         clip_grad=0.0 if is_cpu_compat_active() else o.clip_grad,
         optimizer_cpu_offload=o.optimizer_cpu_offload,
@@ -173,9 +174,22 @@ def _finalize_without_token_scaling(
     finalize_model_grads(model_chunks, None, **kwargs)
 
 
+def resolve_for_model(model: torch.nn.Module, megatron_cfg: MegatronConfig) -> MegatronConfig:
+    """megatron_cfg with the optimizer fields left None made concrete (`MegatronOptimizerConfig.resolved`) for this
+    model: its parameters' dtype as the precision, their device, and the data-parallel size of parallel_state."""
+    from megatron.core import parallel_state as ps
+
+    first = next(unwrap_model(model).parameters())
+    precision = {v: k for k, v in _DTYPES.items()}[first.dtype]
+    optimizer = megatron_cfg.optimizer.resolved(precision, first.device.type, ps.get_data_parallel_world_size())
+    return dataclasses.replace(megatron_cfg, optimizer=optimizer)
+
+
 def setup_training(model: torch.nn.Module, megatron_cfg: MegatronConfig, train_iters: int | None = None
                    ) -> MegatronTrainState:
-    """Wrap the built model in DDP, build optimizer + scheduler and install the schedule hooks on its config."""
+    """Wrap the built model in DDP, build optimizer + scheduler and install the schedule hooks on its config
+    (optimizer fields left None follow the model: `resolve_for_model`)."""
+    megatron_cfg = resolve_for_model(model, megatron_cfg)
     _check_cpu_support(megatron_cfg)
     ddp = wrap_ddp(model, megatron_cfg)
     optimizer = build_optimizer(ddp, megatron_cfg)
@@ -202,15 +216,15 @@ def _step_with_manual_clip(optimizer: MegatronOptimizer, clip_grad: float) -> tu
 
 
 def reduce_sums(loss: float, metrics: dict[str, float]) -> tuple[float, dict[str, float]]:
-    """Sum loss and metrics over DP ranks (last stage), then share them with every pipeline stage."""
+    """Sum loss and metrics over DP ranks (last stage; in fp64 on the DP group's device), then share them with every
+    pipeline stage."""
     from megatron.core import parallel_state as ps
 
     keys = sorted(metrics)
     is_last = ps.is_pipeline_last_stage()
     if is_last and ps.get_data_parallel_world_size() > 1:
-        t = torch.tensor([loss] + [metrics[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
-        loss, metrics = float(t[0]), {k: float(v) for k, v in zip(keys, t[1:].tolist(), strict=True)}
+        summed = all_reduce_floats([loss] + [metrics[k] for k in keys], ps.get_data_parallel_group())
+        loss, metrics = summed[0], dict(zip(keys, summed[1:], strict=True))
     if ps.get_pipeline_model_parallel_world_size() > 1:
         box = [(loss, metrics)]
         dist.broadcast_object_list(

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.collective_device import all_reduce
 from rlpost.models.policy.interfaces import GlobalBatchesResult, WorkerTrainResult
 from rlpost.models.policy.weight_export import params_finite
 
@@ -25,8 +26,7 @@ def global_valid_counts(batch: BatchedDataDict, device: torch.device,
                         group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(Gs, Gt): valid sequences (sum of sample_mask) and valid tokens (token_mask[:, 1:] of valid samples)
     of the global batch, summed over the data-parallel group."""
-    counts = local_valid_counts(batch).to(device)
-    dist.all_reduce(counts, group=group)
+    counts = all_reduce(local_valid_counts(batch).to(device), group)
     return counts[0], counts[1]
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.collective_device import all_reduce
 from rlpost.models.policy.global_batches import add_mb_metrics, local_valid_counts
 from rlpost.models.policy.interfaces import GlobalBatchesResult, WorkerTrainResult
 from rlpost.ops.loss_interface import LossFunction
@@ -57,7 +58,7 @@ class Parts:
         """Once every part is trained: the counts summed over the data-parallel group (in place), and what turns the
         parts' sums into the loss's global means (`loss_fn.accumulated_scales`: the loss's and gradients' factor,
         each metric's)."""
-        dist.all_reduce(self.counts, group=dp_group)
+        self.counts = all_reduce(self.counts, dp_group)
         scale, metric_scales = loss_fn.accumulated_scales(float(self.counts[0]), float(self.counts[1]))
         return float(scale), metric_scales
 
