@@ -1,5 +1,7 @@
 """`policy=dtensor_v2`: the same worker, with loading and parallelism delegated to libraries.
 
+- Loading: without TP, the model is built on the meta device, sharded there, and each rank loads only its shard
+  (rlpost.models.dtensor.shard_loading); with TP, transformers loads each rank's TP shard itself.
 - Tensor parallelism: transformers' own plan (`from_pretrained(tp_plan="auto", device_mesh=tp)`,
   the model's `base_model_tp_plan`); its lm_head plan gathers the logits, so the loss sees the full
   vocabulary.
@@ -20,10 +22,9 @@ import torch
 from torch import nn
 
 from rlpost.config.layout import fsdp_needed
-from rlpost.models.dtensor import lora
 from rlpost.models.dtensor.parallelize import DTYPES, decoder_layers
+from rlpost.models.dtensor.shard_loading import build_sharded
 from rlpost.models.policy.dtensor_worker_base import DTensorWorkerBase
-from rlpost.models.policy.hf_loading import load_hf_causal_lm
 from rlpost.ops.loss_interface import VocabParallelArgs
 
 if TYPE_CHECKING:
@@ -64,31 +65,33 @@ class DTensorPolicyWorkerV2(DTensorWorkerBase):
     def _build_model(self) -> nn.Module:
         from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_prepare_model
 
-        if self.tp_size > 1:
-            from transformers import AutoModelForCausalLM
-
-            model: nn.Module = AutoModelForCausalLM.from_pretrained(
-                self.cfg.model_name,
-                dtype=torch.float32,
-                tp_plan="auto",
-                device_mesh=self.mesh["tp"],
-                trust_remote_code=self.cfg.trust_remote_code,
-                use_safetensors=True,
-                attn_implementation="sdpa",
-                **self.cfg.hf_config_overrides,
-            )
-        else:
-            model = load_hf_causal_lm(self.cfg, torch.float32)
-            if self.lora is not None:  # (with TP, the config check refuses LoRA here: transformers shards at load)
-                model = lora.inject(model, self.lora)
-            model = model.to(self.device)
-        acc = self._accelerator(type(decoder_layers(model)[0]).__name__)
         d = self.cfg.dtensor_cfg
-        if d.activation_checkpointing:
-            model = fsdp2_apply_ac(acc, model)
-        if not fsdp_needed(self.dp_size, self.tp_size, self.cfg.precision, d.cpu_offload):
-            return model
-        return fsdp2_prepare_model(acc, model)
+
+        def parallel(model: nn.Module) -> nn.Module:
+            acc = self._accelerator(type(decoder_layers(model)[0]).__name__)
+            if d.activation_checkpointing:
+                model = fsdp2_apply_ac(acc, model)
+            if not fsdp_needed(self.dp_size, self.tp_size, self.cfg.precision, d.cpu_offload):
+                return model
+            return fsdp2_prepare_model(acc, model)
+
+        if self.tp_size == 1:  # on the meta device, each rank loading its shard (rlpost.models.dtensor.shard_loading)
+            offloaded = d.cpu_offload and self.device.type == "cuda"  # the plugin's CPUOffloadPolicy (_accelerator)
+            return build_sharded(self.cfg, self.lora, self.device, parallel, params_on_cpu=offloaded)
+        # (with TP, the config check refuses LoRA: transformers shards at load)
+        from transformers import AutoModelForCausalLM
+
+        model: nn.Module = AutoModelForCausalLM.from_pretrained(
+            self.cfg.model_name,
+            dtype=torch.float32,
+            tp_plan="auto",
+            device_mesh=self.mesh["tp"],
+            trust_remote_code=self.cfg.trust_remote_code,
+            use_safetensors=True,
+            attn_implementation="sdpa",
+            **self.cfg.hf_config_overrides,
+        )
+        return parallel(model)
 
     def _vp_kwargs(self) -> VocabParallelArgs:
         return {}  # transformers' lm_head plan gathers the logits: the loss sees the full vocabulary
