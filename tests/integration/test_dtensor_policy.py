@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -333,3 +334,25 @@ def test_finish_parts_without_parts_or_after_a_failed_part_raises(ray_local: Non
     with pytest.raises(WorkerGroupError, match="policy rank 0 .*raised KeyError"):
         b.policy.finish_parts(loss)
     assert max_diff(before, b.policy.full_weights()) == 0.0  # no optimizer step on a partial batch
+
+
+def test_a_rank_builds_its_model_only_once_the_start_gate_opens(ray_local: None, tiny_model_dir: Path,
+                                                               built: list[Built], tmp_path: Path) -> None:
+    """The colocated start-up order (rlpost.distributed.start_gate): a policy rank's process starts at once, but it
+    allocates nothing until the engines on its devices sleep; here the gate is a task that ends when a file appears."""
+    from rlpost.distributed.start_gate import StartGate
+
+    @ray.remote(num_cpus=0)
+    def until(path: str) -> bool:
+        while not os.path.exists(path):
+            time.sleep(0.05)
+        return True
+
+    opened = tmp_path / "engines-asleep"
+    b = Built(policy_cfg(tiny_model_dir), 1, start_after=StartGate([until.remote(str(opened))], timeout_s=300))
+    built.append(b)
+    ping = b.policy.worker_group.workers[0].ping.remote()
+    ready, _ = ray.wait([ping], timeout=12)  # a rank of the tiny model is up in a few seconds without a gate
+    assert not ready, "the rank was built before its start gate opened"
+    opened.touch()
+    assert ray.get(ping, timeout=300) == 0

@@ -500,3 +500,30 @@ def test_an_engine_that_fails_to_start_is_named_when_waited_for(ray_local: None,
         engine.shutdown()
     finally:
         cluster.shutdown()
+
+
+def test_a_sleeping_engine_refuses_to_generate_at_once_naming_its_state(engine: Any, tokenizer: Any) -> None:
+    """One sleep/wake state machine on every device: a colocated engine sleeps after generating, and a generate call
+    before it is woken (weights and KV cache) fails at once with a line naming the engine and its state, on the CPU as
+    it must on a GPU, where a sleeping vLLM would wait forever."""
+    from rlpost.models.generation.sleep_state import EngineAsleep
+
+    batch = _batch(tokenizer, PROMPTS[:2])
+    name = "vLLM replica" if "Vllm" in type(engine).__name__ else "HF engine rank"
+    assert engine.cfg.colocated.enabled and not engine.asleep
+    try:
+        engine.finish_generation()
+        assert engine.asleep and set(engine.state()) == {"asleep"}
+        for state in ("asleep", "weights awake, KV cache asleep"):
+            t0 = time.monotonic()
+            with pytest.raises(Exception, match=f"{name} \\d is {state}: generation was asked of a sleeping engine"
+                               ) as err:
+                engine.generate(batch)
+            assert time.monotonic() - t0 < 10 and EngineAsleep.__name__ in str(err.value)
+            engine.prepare_for_generation(tags=["weights"])
+        assert set(engine.state()) == {"weights awake, KV cache asleep"}
+        engine.prepare_for_generation(tags=["kv_cache"])
+        assert set(engine.state()) == {"awake"} and not engine.asleep
+        assert engine.generate(batch)["output_ids"].shape[0] == 2
+    finally:
+        engine.prepare_for_generation()

@@ -90,16 +90,29 @@ def test_multi_turn_tool_episodes_on_the_async_engine(cache: Path, tmp_path: Pat
     """experiment=tiny_lookup on vLLM's async engine: one coroutine per episode, two model turns around the
     lookup tool's answer; only the model's tokens are trained and the trainer agrees with the engine on them."""
     run = tmp_path / "lookup"
+    # step 3 follows the validation at step 2 with no refit due: the sleeping colocated engine is woken all the same
     train(run, cache, "experiment=tiny_lookup", *SMALL, "policy.generation.vllm_cfg.async_engine=true",
-          "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.max_val_samples=16", "checkpointing=disabled")
+          "grpo.max_num_steps=3", "grpo.val_period=2", "grpo.max_val_samples=16", "checkpointing=disabled")
     lines = metrics(run)
     steps = [m for m in lines if "train/token_mult_prob_error" in m]
-    assert [m["step"] for m in steps] == [1, 2]
+    assert [m["step"] for m in steps] == [1, 2, 3]
     for m in steps:
         assert m["train/rollout/mean_turns"] == 2.0 and m["train/rollout/mean_env_tokens"] > 0
         assert m["train/valid_response_tokens"] == 2 * 32  # 32 episodes x 2 model tokens; the tool's are masked
         assert m["train/token_mult_prob_error"] <= 1.001, m["train/token_mult_prob_error"]
     assert "validation/accuracy" in lines[-1]
+
+
+def test_dynamic_sampling_wakes_the_engine_for_its_next_batch(cache: Path, tmp_path: Path) -> None:
+    """Dynamic sampling generates again within a step when too few groups vary: the colocated engine went to sleep
+    after the first batch and has no refit due, so it must be woken for the next one (on a GPU a sleeping vLLM
+    would wait forever; here the engine's state machine refuses at once)."""
+    run = tmp_path / "dynamic"
+    train(run, cache, *SMALL, "grpo.use_dynamic_sampling=true", "grpo.max_num_steps=3", "grpo.val_period=0",
+          "checkpointing=disabled")
+    steps = [m for m in metrics(run) if "train/token_mult_prob_error" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert max(m["train/dynamic_sampling_num_gen_batches"] for m in steps) >= 2, steps
 
 
 ASYNC = ["grpo.async_grpo.enabled=true", "cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",

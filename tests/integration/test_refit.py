@@ -265,3 +265,53 @@ def test_async_batches_stay_in_the_driver_and_the_buffer_actor_holds_their_recor
         assert got.extra["buffer_dropped_stale"] == 2 and c._batches == {}
     finally:
         ray.kill(buffer)
+
+
+def test_a_colocated_refit_gives_each_engine_the_buckets_of_the_policy_rank_on_its_device(
+        ray_local: None, tiny_model_dir: Path) -> None:
+    """Two policy ranks (DP=2) and two engine replicas share two worker slots: every rank writes each bucket into a
+    buffer of its own (shared memory here, CUDA IPC on its GPU) and the replica on slot r loads rank r's, so no
+    engine reads across devices; both replicas end on the policy's weights."""
+    import os
+
+    import ray
+
+    from rlpost.algorithms.refit import load_buckets
+    from rlpost.distributed.shm_buckets import PREFIX
+
+    pcfg, gcfg = configs(tiny_model_dir, "cluster.gpus_per_node=2")
+    cluster = RayVirtualCluster("refit-pairs", 2, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
+    policy = Policy(cluster, pcfg)
+    engine = VllmGeneration(gcfg, cluster)
+    try:
+        assert policy.dims.dp == 2 and engine.num_replicas == 2
+        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
+        out0 = engine.generate(prompts())
+        train_once(policy, out0)
+        pids = ray.get([w.__ray_call__.remote(lambda _: os.getpid()) for w in policy.worker_group.workers],
+                       timeout=60)
+        buckets = policy.export_weight_buckets("float32", 2**16)  # several buckets: the two slots take turns
+        seen: list[list[int]] = []
+
+        def boxes() -> Any:
+            for box in buckets:
+                owners = [int(d["shm"].removeprefix(PREFIX).split("-")[0]) for d in box["per_rank"]]
+                seen.append(owners)
+                assert [engine._replica_box(box, r)["per_rank"] for r in range(2)] == [[d] for d in box["per_rank"]]
+                yield box
+
+        class Boxes:  # the export's bucket count rides along (the last bucket ends the refit)
+            planned = property(lambda _: buckets.planned)
+            fingerprint = property(lambda _: buckets.fingerprint)
+
+            def __iter__(self) -> Any:
+                return boxes()
+
+        engine.prepare_for_generation()
+        load_buckets(engine, Boxes())  # the fingerprint check: both replicas loaded what rank 0 exported
+        assert len(seen) > 2 and all(owners == pids for owners in seen), (seen, pids)
+        assert mult_prob_error(policy, engine.generate(prompts())) <= 1.0001
+    finally:
+        engine.shutdown()
+        policy.shutdown()
+        cluster.shutdown()

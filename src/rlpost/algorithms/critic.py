@@ -11,6 +11,7 @@ from pathlib import Path
 from rlpost.algorithms.side_groups import side_cluster, side_config, with_lr
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.policy import PolicyConfig
+from rlpost.distributed.start_gate import StartGate
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.models.policy.lm_policy import Policy
 
@@ -34,10 +35,12 @@ def critic_cluster(cfg: MasterConfig, policy_cluster: RayVirtualCluster) -> RayV
     return side_cluster("ppo_critic_cluster", cfg, policy_cluster, c.colocated, c.num_workers)
 
 
-def build_critic(cfg: MasterConfig, cluster: RayVirtualCluster, checkpoint: Path | None, device: str) -> Policy:
-    """The critic's workers (not waited for), loading its part of `checkpoint` when resuming."""
+def build_critic(cfg: MasterConfig, cluster: RayVirtualCluster, checkpoint: Path | None, device: str,
+                 gate: StartGate | None = None) -> Policy:
+    """The critic's workers (not waited for), loading its part of `checkpoint` when resuming; each builds its model
+    once `gate` is ready (rlpost.distributed.start_gate)."""
     weights = optim = None
     if checkpoint is not None:
         weights, optim = str(checkpoint / CRITIC_DIR / "weights"), str(checkpoint / CRITIC_DIR / "optimizer")
     return Policy(cluster, critic_config(cfg), weights_path=weights, optimizer_path=optim, init_reference_model=False,
-                  device=device, timeout_s=cfg.cluster.call_timeout_s, name="critic")
+                  device=device, timeout_s=cfg.cluster.call_timeout_s, name="critic", start_after=gate)

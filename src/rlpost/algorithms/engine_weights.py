@@ -1,14 +1,14 @@
 """Which policy version the rollout engine serves, and the refit that brings it up to date.
 
-Training bumps the policy's version; `sync` refits the engine (timed as the step's "refit") when the engine's version
-is older, before anything generates. The refit itself is `refit_policy_generation`: one path for every layout, the
+Training bumps the policy's version; `sync`, called before anything generates, refits the engine (timed as the
+step's "refit") when the engine's version is older, and otherwise wakes it if it sleeps. The refit itself is `refit_policy_generation`: one path for every layout, the
 transport chosen by where the engine lives (docs/backends.md).
 """
 
 from __future__ import annotations
 
 from rlpost.algorithms.grpo_setup import GRPOComponents, generation_dtype
-from rlpost.algorithms.refit import refit_policy_generation
+from rlpost.algorithms.refit import refit_policy_generation, wake_for_generation
 from rlpost.runtime.timer import Timer
 
 
@@ -33,7 +33,11 @@ class EngineWeights:
         return took
 
     def sync(self, timer: Timer) -> None:
-        """Bring the engine to the policy's version before it generates (timed on `timer` as "refit")."""
+        """Make the engine ready to generate the policy's current weights: a refit when it is behind (timed on
+        `timer` as "refit"), else a wake when it sleeps (a colocated engine sleeps after every generation phase)."""
         if self.engine_version != self.policy_version:
             with timer.time("refit"):
                 self.refit()
+        else:
+            c = self.components
+            wake_for_generation(c.policy, c.generation, c.colocated)

@@ -25,6 +25,7 @@ from rlpost.data.datasets import DataError
 from rlpost.data.prompts import PromptProcessor, load_prompt_rows, load_tokenizer
 from rlpost.data.rows import PromptRow
 from rlpost.distributed import placement
+from rlpost.distributed.start_gate import StartGate
 from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
 from rlpost.distributed.worker_groups import WorkerGroupError
 from rlpost.environments.interfaces import EnvironmentInterface
@@ -213,28 +214,28 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
             weights, optim = str(last / "policy" / "weights"), str(last / "policy" / "optimizer")
         loss_fn: LossFunction = build(_loss_config(cfg), key="loss_fn._target_")
         try:  # the workers load the checkpoint in their constructor; a failure shows on the first call
-            # The engines first (the longest start: vLLM's imports and engine), then the policy's actors beside
-            # them: neither constructor waits for its actors.
+            # The engines first, asleep, then the worker groups on their devices (rlpost.distributed.start_gate): the
+            # groups' processes start and import beside the engines, and build their models once the engines sleep.
             generation = _engines(cfg, gen_cluster)
             opened.insert(0, lambda: generation.shutdown(graceful=False))
-            policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device)
+            gate = StartGate(generation.sleep_once_started(), cfg.cluster.call_timeout_s)
+            policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device, gate)
             opened.insert(1, lambda: policy.shutdown(graceful=False))  # closed after the engines
             critic = None
             if cfg.critic is not None:
                 from rlpost.algorithms.critic import build_critic
 
-                critic = build_critic(cfg, critic_cluster or train_cluster, last, device)
+                critic = build_critic(cfg, critic_cluster or train_cluster, last, device, gate)
                 opened.insert(2, lambda: critic.shutdown(graceful=False))
             teacher = None
             if cfg.distillation is not None:
                 from rlpost.algorithms.teacher import build_teacher
 
-                teacher = build_teacher(cfg, teacher_cluster or train_cluster, device)
+                teacher = build_teacher(cfg, teacher_cluster or train_cluster, device, gate)
                 opened.insert(2, lambda: teacher.shutdown(graceful=False))
             generation.wait_started()
             if (placed := placement.summary()) is not None:
                 say.info(f"placement: {placed}")
-            generation.finish_generation()
             if not colocated:
                 from rlpost.algorithms.refit import init_refit_collective
 
@@ -270,13 +271,14 @@ def _engines(cfg: MasterConfig, cluster: RayVirtualCluster) -> GenerationInterfa
 
 
 def _policy(cfg: MasterConfig, cluster: RayVirtualCluster, weights: str | None, optim: str | None,
-            loss_fn: LossFunction, device: str) -> ColocatablePolicyInterface:
-    """The policy's workers (not waited for), loading the checkpoint at `weights` / `optim` when resuming."""
+            loss_fn: LossFunction, device: str, gate: StartGate) -> ColocatablePolicyInterface:
+    """The policy's workers (not waited for), loading the checkpoint at `weights` / `optim` when resuming; each
+    builds its model once `gate` is ready."""
     from rlpost.models.policy.lm_policy import Policy
 
     return Policy(cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
                   init_reference_model=loss_fn.needs_reference_logprobs or kl_in_reward(cfg) > 0, device=device,
-                  timeout_s=cfg.cluster.call_timeout_s)
+                  timeout_s=cfg.cluster.call_timeout_s, start_after=gate)
 
 
 def kl_in_reward(cfg: MasterConfig) -> float:

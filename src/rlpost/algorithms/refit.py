@@ -1,4 +1,5 @@
-"""refit_policy_generation: the policy's current weights into the rollout engine, verified.
+"""refit_policy_generation: the policy's current weights into the rollout engine, verified; and
+wake_for_generation, which readies a sleeping engine that needs no new weights.
 
 Colocated: the policy's rank 0 writes one bucket of at most refit_buffer_size_gb at a time into its
 reusable shared-memory segment (one node: rlpost.distributed.shm_buckets) or the Ray object store
@@ -42,6 +43,19 @@ def refit_policy_generation(
         policy.offload_after_refit()
     policy_generation.prepare_for_generation(tags=["kv_cache"])
     return time.perf_counter() - t0
+
+
+def wake_for_generation(policy: ColocatablePolicyInterface, policy_generation: GenerationInterface,
+                        colocated_inference: bool) -> bool:
+    """Wake a sleeping engine that already serves the policy's weights (after a validation, or between dynamic
+    sampling's batches); True when it was asleep. A colocated policy leaves the device first, as for a refit."""
+    if not policy_generation.asleep:
+        return False
+    if colocated_inference:
+        policy.offload_before_refit()
+        policy.offload_after_refit()
+    policy_generation.prepare_for_generation()
+    return True
 
 
 def load_buckets(policy_generation: GenerationInterface, buckets: WeightBuckets) -> str:

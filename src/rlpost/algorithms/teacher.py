@@ -12,6 +12,7 @@ from rlpost.config.schema.distillation import DistillationConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.start_gate import StartGate
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.models.policy.lm_policy import Policy
 
@@ -40,10 +41,12 @@ def teacher_cluster(cfg: MasterConfig, policy_cluster: RayVirtualCluster) -> Ray
     return side_cluster("distillation_teacher_cluster", cfg, policy_cluster, t.colocated, t.num_workers)
 
 
-def build_teacher(cfg: MasterConfig, cluster: RayVirtualCluster, device: str) -> Policy:
-    """The teacher's workers (not waited for)."""
+def build_teacher(cfg: MasterConfig, cluster: RayVirtualCluster, device: str, gate: StartGate | None = None
+                  ) -> Policy:
+    """The teacher's workers (not waited for); each builds its model once `gate` is ready
+    (rlpost.distributed.start_gate)."""
     return Policy(cluster, teacher_config(cfg), init_optimizer=False, init_reference_model=False, device=device,
-                  timeout_s=cfg.cluster.call_timeout_s, name="teacher")
+                  timeout_s=cfg.cluster.call_timeout_s, name="teacher", start_after=gate)
 
 
 def score(teacher: Policy, cfg: MasterConfig, train_data: BatchedDataDict) -> None:

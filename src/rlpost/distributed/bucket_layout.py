@@ -37,9 +37,27 @@ class CudaIpcBucket(TypedDict):
     records: list[BucketEntry]
 
 
-RefitBucket: TypeAlias = "ShmBucket | CudaIpcBucket | list[ray.ObjectRef[list[BucketRecord]]]"
-"""A bucket as the driver forwards it unread: a shared-memory or CUDA IPC descriptor, or [object ref] (the object
-store; in a list so Ray does not fetch it)."""
+@final
+class PerDeviceBuckets(TypedDict):
+    """One bucket as every policy rank wrote it into its own IPC buffer (a colocated refit on one node). Entry r is
+    policy rank r's, on the device of worker slot r, where the engine worker of slot r reads it: each engine gets
+    its weights from the device it shares with the policy."""
+
+    per_rank: list[ShmBucket | CudaIpcBucket]
+
+
+RefitBucket: TypeAlias = "PerDeviceBuckets | ShmBucket | CudaIpcBucket | list[ray.ObjectRef[list[BucketRecord]]]"
+"""A bucket as the driver forwards it unread: one IPC descriptor per policy rank, a single shared-memory or CUDA
+IPC descriptor, or [object ref] (the object store; in a list so Ray does not fetch it)."""
+
+
+def is_per_device(box: object) -> bool:
+    return isinstance(box, dict) and "per_rank" in box
+
+
+def slots_of(box: PerDeviceBuckets, first: int, count: int) -> PerDeviceBuckets:
+    """The descriptors of worker slots first .. first + count - 1 (the slots one engine replica spans)."""
+    return {"per_rank": box["per_rank"][first : first + count]}
 
 
 def _aligned(nbytes: int) -> int:

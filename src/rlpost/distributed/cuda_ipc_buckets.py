@@ -1,7 +1,9 @@
-"""Refit buckets through CUDA IPC: a colocated engine on the policy's own GPU loads straight from its device memory.
+"""Refit buckets through CUDA IPC: a colocated engine loads straight from the device memory of the policy rank on its
+own GPU.
 
-When the policy trains on one GPU and the engine shares it (colocated, the cluster's only GPU), the export never
-leaves the device. The policy's rank 0 keeps one flat device buffer per slot (as large as the largest bucket, so
+Colocated engines share the policy's GPUs, one policy rank and one engine worker per GPU, so each rank serves the
+engine worker on its GPU and the export never leaves the devices. Each policy rank keeps one flat device buffer per
+slot (as large as the largest bucket, so
 `policy.refit_buffer_size_gb` bounds it, two slots together as on the CPU), copies each bucket into it
 (rlpost.distributed.bucket_layout), and hands out a small descriptor: the buffer's CUDA IPC handle
 (`torch.multiprocessing.reductions.reduce_tensor`, which also records an event the opener waits on, so the copy
@@ -12,9 +14,8 @@ refit's later buckets (torch caches the opened allocation) and freed when the re
 `offload_after_refit`), so the engine has that memory while it generates.
 
 This is NeMo RL's colocated CUDA IPC refit in rlpost's bucket interface; where it applies is
-`rlpost.config.layout.cuda_ipc_refit`. With several GPUs the colocated refit goes
-through host shared memory instead (an engine on another GPU could not open rank 0's handle): a per-GPU IPC export
-from every rank is left to do.
+`rlpost.config.layout.cuda_ipc_refit`. A bucket reaches the engines as every rank's descriptor
+(rlpost.distributed.bucket_layout.PerDeviceBuckets), and each engine worker opens the one on its GPU (`on_this_gpu`).
 """
 
 from __future__ import annotations
@@ -49,12 +50,25 @@ def local_device_index(uuid: str) -> int:
             return i
     raise RuntimeError(
         f"a CUDA IPC refit bucket lives on GPU {uuid}, which this process does not see ({count} visible GPU(s)): "
-        "a CUDA IPC refit needs the engine on the policy's own GPU (colocated, one GPU)"
+        "a CUDA IPC refit needs each engine worker on a GPU of the policy (colocated)"
     )
 
 
+def on_this_gpu(descs: Sequence[CudaIpcBucket]) -> CudaIpcBucket:
+    """Of the descriptors of the policy ranks on an engine replica's GPUs, the one on this process's current GPU (a
+    single descriptor is taken as it is); a clear error when none is."""
+    if len(descs) == 1:
+        return descs[0]
+    mine = device_uuid(torch.cuda.current_device())
+    for desc in descs:
+        if desc["device_uuid"] == mine:
+            return desc
+    raise RuntimeError(f"no refit bucket was written on this engine worker's GPU {mine} (written on "
+                       f"{[d['device_uuid'] for d in descs]}): each colocated engine worker needs a policy rank on its GPU")
+
+
 class CudaIpcBucketWriter:
-    """Rank 0's side: one device buffer, grown (replaced) only when a bucket does not fit."""
+    """A policy rank's side: one device buffer, grown (replaced) only when a bucket does not fit."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

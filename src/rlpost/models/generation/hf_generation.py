@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import ray
 import torch
 
 from rlpost.config.schema.generation import GenerationConfig, HFGenerationConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.bucket_layout import PerDeviceBuckets, is_per_device
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import ALIVE_TIMEOUT_S, ParallelDims, RayWorkerGroup
 from rlpost.models.fingerprint import FingerprintBuilder, check_fingerprints, fingerprint_of_digests, weight_fingerprint
@@ -48,6 +49,7 @@ from rlpost.models.generation.outputs import (
     row_stop_strings,
     unpack_prompts,
 )
+from rlpost.models.generation.sleep_state import SleepState
 from rlpost.models.generation.vllm_extension import FAULT_ENV, check_against_info
 from rlpost.runtime.gc_heap import import_frozen
 
@@ -138,7 +140,9 @@ class HFGenerationWorker:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
         self.group: StatelessGroup | None = None
-        torch.manual_seed(seed + int(os.environ.get("RANK", "0")))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.sleep_state = SleepState()  # rlpost.models.generation.sleep_state: the same rules on every device
+        torch.manual_seed(seed + self.rank)
 
     def info(self) -> EngineInfo:
         """Tokenizer ids and placement."""
@@ -194,6 +198,7 @@ class HFGenerationWorker:
     ) -> GeneratedBatch:
         """One sample per prompt, in order (packed); `seed` reseeds the sampler first (reproducible shards); `stops[i]`
         adds stop strings for prompt i (rows with the same stops are generated together)."""
+        self.sleep_state.require_awake(f"HF engine rank {self.rank}")
         if seed is not None:
             torch.manual_seed(seed)
         groups: dict[tuple[str, ...], list[int]] = {}
@@ -208,10 +213,26 @@ class HFGenerationWorker:
                     out[i] = sample
         return GeneratedBatch.of(x for x in out if x is not None)
 
-    # ------------------------------------------------------------------ memory phases
-    def to_device(self, device: str) -> bool:
-        """Move the model (GPU <-> CPU offload around training)."""
-        self.model.to(self.device if device == "engine" else torch.device(device))
+    # ------------------------------------------------------------------ sleep and wake
+    def state(self) -> str:
+        """The engine's sleep state in words (rlpost.models.generation.sleep_state)."""
+        return self.sleep_state.name
+
+    def sleep(self) -> bool:
+        """Release the device for training: on a GPU the model moves to host memory; on a CPU only the state
+        changes (there is no KV cache to drop between calls)."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.sleep_state.slept()
+        return True
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wake the `tags` parts (None: all); the weights come back to the device on a GPU."""
+        parts = self.sleep_state.to_wake(tags)
+        if "weights" in parts and self.device.type == "cuda":
+            self.model.to(self.device)
+        self.sleep_state.woke(parts)
         return True
 
     # ------------------------------------------------------------------ refit
@@ -292,6 +313,7 @@ class HFGeneration(GenerationInterface):
         if not self.model_path:
             raise ValueError("HFGeneration needs model_path or cfg.model_name")
         self._refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
+        self.sleep_state = SleepState()  # the engines' state as this side last set it (they start awake)
         self.group = RayWorkerGroup(
             cluster,
             HFGenerationWorker,
@@ -334,17 +356,29 @@ class HFGeneration(GenerationInterface):
         parts = self.group.run_sharded("generate", shards, spec, shard_kwargs=per_shard)
         return assemble_outputs(data["input_ids"], data["input_lengths"], parts, self.pad_token_id)
 
+    @property
+    def asleep(self) -> bool:
+        return not self.sleep_state.awake
+
     def prepare_for_generation(self, tags: list[str] | None = None, **kwargs: object) -> bool:
-        """Bring the model back to the GPU when colocated (no-op on CPU); the whole model, whatever `tags` asks."""
-        if self.cluster.use_gpus and self.cfg.colocated.enabled:
-            self.group.run_all("to_device", "engine")
+        """Wake the `tags` parts of every engine (None: all) that are asleep (rlpost.models.generation.sleep_state);
+        nothing to do when they are awake."""
+        parts = self.sleep_state.to_wake(tags)
+        if parts:
+            self.group.run_all("wake_up", parts)
+            self.sleep_state.woke(parts)
         return True
 
     def finish_generation(self, **kwargs: object) -> bool:
-        """Offload the model to CPU when colocated on GPU (no-op on CPU)."""
-        if self.cluster.use_gpus and self.cfg.colocated.enabled:
-            self.group.run_all("to_device", "cpu")
+        """Put a colocated engine to sleep (its model to host memory on a GPU, the state alone on a CPU)."""
+        if self.cfg.colocated.enabled and self.sleep_state.name != "asleep":
+            self.group.run_all("sleep")
+            self.sleep_state.slept()
         return True
+
+    def state(self) -> list[str]:
+        """Each engine's sleep state in words, as the engine itself holds it."""
+        return cast(list[str], self.group.run_all("state"))
 
     def prepare_refit_info(self, state_dict_info: StateDictInfo) -> None:
         """Every later refit must carry exactly these names, shapes and dtypes."""
@@ -367,12 +401,15 @@ class HFGeneration(GenerationInterface):
         return self._check(fps, self._expected(items))
 
     def update_weights_from_buckets(self, buckets: Iterable[object]) -> str:
-        """Every worker loads each bucket where rank 0 wrote it (shared memory or the object store); the checked
-        fingerprint."""
+        """Every worker loads each bucket where the policy wrote it (the IPC buffer of the policy rank on its device,
+        or the object store); the checked fingerprint."""
         corrupt = os.environ.get(FAULT_ENV) or None
         digests: list[dict[str, str]] = [{} for _ in range(self.group.world_size)]
-        for box in buckets:
-            for r, part in enumerate(self.group.run_all("load_bucket", box, corrupt)):
+        for box in buckets:  # per-device buckets: worker r reads the one policy rank r wrote on its device
+            parts = (self.group.run_sharded("load_bucket", cast(PerDeviceBuckets, box)["per_rank"], corrupt)
+                     if is_per_device(box)
+                     else self.group.run_all("load_bucket", box, corrupt))
+            for r, part in enumerate(parts):
                 digests[r].update(part)
         fps = []
         for d in digests:

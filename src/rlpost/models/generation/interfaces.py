@@ -94,6 +94,19 @@ class GenerationInterface(ABC):
         """Raise, naming it, when an engine worker is dead (a refit broadcast fails when a receiver died, and
         the receiver is the one to name)."""
 
+    def sleep_once_started(self) -> list[ray.ObjectRef[object]]:
+        """Put a colocated engine to sleep as soon as it has started, without waiting: the handles that are ready
+        once it sleeps, for the worker groups that share its devices to wait on before they allocate
+        (rlpost.distributed.start_gate). An engine on workers of its own stays awake: no handles."""
+        self.finish_generation()
+        return []
+
+    @property
+    def asleep(self) -> bool:
+        """Some part of the engine sleeps (rlpost.models.generation.sleep_state): it must be woken before it
+        generates. An engine that never sleeps keeps this default."""
+        return False
+
     @abstractmethod
     def prepare_for_generation(self, tags: list[str] | None = None, **kwargs: object) -> bool:
         """Make the engine ready to generate (wake weights / KV cache on GPU, or only `tags` of them); True when

@@ -10,15 +10,18 @@ sized from the model's config.json, `auto_kv_cache_bytes`), passed as `kv_cache_
 GiB work; a VLLM_CPU_KVCACHE_SPACE inherited from
 the environment is dropped inside the actor, since vLLM would let that integer override it).
 With `vllm_cfg.async_engine` the replica holds an AsyncLLM, whose engine core is always a separate
-(spawned) process, so start-up costs one more vLLM import and refit tensors cross vLLM's RPC as bytes.
+(spawned) process, so start-up costs one more vLLM import and refit tensors cross vLLM's RPC as bytes
+(VLLM_ALLOW_INSECURE_SERIALIZATION=1 lets a CUDA IPC descriptor through that RPC).
 Threads: every actor runs with OMP_NUM_THREADS=1 (WORKER_ENV) and `VLLM_CPU_OMP_THREADS_BIND=nobind`:
 vLLM's automatic binding would pin each engine to fixed cores chosen without regard to Ray's
 fractional CPU shares (two replicas on one core, or onto cores other processes use); unbound
-single-threaded engines let the OS spread them. sleep/wake are no-ops on CPU and are not called.
+single-threaded engines let the OS spread them.
 
-GPU (CUDA vLLM): `enable_sleep_mode=True`; when colocated, `finish_generation` puts the engines to sleep
-(level 1: weights to CPU, KV cache dropped) and `prepare_for_generation(tags)` wakes them; TP > 1
-replicas use vLLM's Ray executor on the replica's bundles (VLLM_RAY_BUNDLE_INDICES).
+Sleep and wake (rlpost.models.generation.sleep_state) follow one state machine on every device: a colocated engine is
+put to sleep after each generation phase (`finish_generation`) and woken before the next (`prepare_for_generation`,
+by a refit or on its own), and a generate call on a sleeping replica fails at once naming it. On a GPU (CUDA vLLM,
+`enable_sleep_mode=True`) a sleep offloads the weights and drops the KV cache (level 1); on a CPU only the state
+changes. TP > 1 replicas use vLLM's Ray executor on the replica's bundles (VLLM_RAY_BUNDLE_INDICES).
 
 Sampling (read from `cfg` at every generate call): temperature, top_p, top_k (None -> -1, off),
 max_tokens = max_new_tokens, stop_token_ids (None -> [eos]; exactly these ids stop, EOS included
@@ -41,14 +44,15 @@ import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import ray
 import torch
 
 from rlpost.config.schema.generation import GenerationConfig, VllmConfig, VllmSpecificArgs
 from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
+from rlpost.distributed.bucket_layout import PerDeviceBuckets, is_per_device, slots_of
+from rlpost.distributed.virtual_cluster import WORKER_ENV, ActorOptions, RayVirtualCluster
 from rlpost.distributed.worker_groups import ALIVE_TIMEOUT_S, ActorGroup
 from rlpost.models.fingerprint import check_fingerprints, fingerprint_of_digests, weight_fingerprint
 from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
@@ -60,6 +64,7 @@ from rlpost.models.generation.outputs import (
     row_stop_strings,
     unpack_prompts,
 )
+from rlpost.models.generation.sleep_state import SleepState
 from rlpost.models.generation.vllm_extension import FAULT_ENV
 from rlpost.models.generation.vllm_worker import SamplingSpec, VllmEngineWorker
 
@@ -83,7 +88,10 @@ def engine_env(vllm_cfg: VllmSpecificArgs, on_gpu: bool) -> dict[str, str]:
     time to the first step (TORCHDYNAMO_DISABLE=1 runs it eagerly, with the same values). On a GPU the compiled
     helper stays: eagerly it would hold a [tokens, vocabulary] mask, GBs for a large batch."""
     eager_cpu = vllm_cfg.enforce_eager and not on_gpu
-    return {**VLLM_ENGINE_ENV, **({"TORCHDYNAMO_DISABLE": "1"} if eager_cpu else {})}
+    env = {**VLLM_ENGINE_ENV, **({"TORCHDYNAMO_DISABLE": "1"} if eager_cpu else {})}
+    if vllm_cfg.async_engine:  # a refit's CUDA IPC descriptor (a rebuild function, torch types) crosses AsyncLLM's
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # msgspec RPC, which pickles it only when this is set
+    return env
 
 
 def actor_env(vllm_cfg: VllmSpecificArgs, on_gpu: bool) -> dict[str, str]:
@@ -170,6 +178,36 @@ def sampling_spec(cfg: GenerationConfig, greedy: bool, eos_token_id: int | None)
     }
 
 
+def ray_executor_env(cluster: RayVirtualCluster, first_slot: int, slots: int) -> dict[str, str]:
+    """Environment of a replica leader whose engine runs vLLM's Ray executor on the `slots` bundles from rank
+    `first_slot`. vLLM starts one worker per bundle of VLLM_RAY_BUNDLE_INDICES, each asking for
+    VLLM_RAY_PER_WORKER_GPUS GPUs (vllm/v1/executor/ray_executor.py `_init_workers_ray`; vLLM's default, a whole
+    GPU, never fits a bundle a colocated policy actor holds part of). Each worker asks for the engine's share of a
+    bundle (1/max_colocated) over the replica's TP x PP workers, as NeMo RL divides it; Ray leaves the leader's
+    CUDA_VISIBLE_DEVICES alone (vLLM indexes the GPUs of its workers itself)."""
+    bundles = [str(cluster.bundle_for_rank(first_slot + k).index) for k in range(slots)]
+    return {
+        "VLLM_RAY_BUNDLE_INDICES": ",".join(bundles),
+        "VLLM_RAY_PER_WORKER_GPUS": repr(cluster.gpu_share() / slots),
+        "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+    }
+
+
+def replica_placement(cluster: RayVirtualCluster, first_slot: int, slots: int, ray_executor: bool
+                      ) -> tuple[ActorOptions, dict[str, str]]:
+    """Ray options and environment of the leader of a replica on the `slots` bundles from rank `first_slot`. An
+    engine in the leader's process (`ray_executor` False) takes the group's share of the first bundle; one that
+    runs vLLM's Ray executor takes no GPU itself and its workers, which Ray places in the leader's placement group
+    (captured child tasks), take the shares `ray_executor_env` sets."""
+    opts = cluster.scheduling(first_slot)
+    env = cluster.thread_env(first_slot)
+    if ray_executor:
+        opts["num_gpus"] = 0
+        opts["scheduling_strategy"].placement_group_capture_child_tasks = True
+        env.update(ray_executor_env(cluster, first_slot, slots))
+    return opts, env
+
+
 ASYNC_ACTOR_CONCURRENCY = 256
 """Threads of an async-engine replica's actor: concurrent generate calls (one per in-flight sample)."""
 
@@ -202,23 +240,19 @@ class VllmGeneration(GenerationInterface):
                 f"PP {v.pipeline_parallel_size}"
             )
         self.num_replicas = cluster.world_size // self.slots_per_replica
-        self.use_gpus = cluster.use_gpus
+        self.use_gpus = cluster.device == "cuda"  # the engines compute on CUDA (the bundles may hold logical GPUs)
         self.group = ActorGroup([], "vLLM replica" if name_prefix == "vllm" else f"vLLM {name_prefix} replica",
                                 timeout_s)
         self._next_replica = 0
         self._refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
+        self.sleep_state = SleepState()  # the replicas' state as this side last set it (they start awake)
         remote_cls = ray.remote(VllmEngineWorker)
         for r in range(self.num_replicas):
             first_slot = r * self.slots_per_replica
-            opts = cluster.scheduling(first_slot)
-            env = {**WORKER_ENV, **actor_env(v, self.use_gpus)}
-            if self.use_gpus and self.slots_per_replica > 1:
-                # vLLM's Ray executor starts one GPU worker per slot of this replica; the leader needs no GPU.
-                opts["num_gpus"] = 0
-                opts["scheduling_strategy"].placement_group_capture_child_tasks = True
-                env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(
-                    str(cluster.bundle_for_rank(first_slot + k).index) for k in range(self.slots_per_replica)
-                )
+            kwargs = engine_kwargs(cfg, r, self.use_gpus, hf_overrides, self.model_path)
+            opts, placement_env = replica_placement(cluster, first_slot, self.slots_per_replica,
+                                                    kwargs.get("distributed_executor_backend") == "ray")
+            env = {**WORKER_ENV, **actor_env(v, self.use_gpus), **placement_env}
             opts["runtime_env"] = {"env_vars": env}
             opts["name"] = f"{name_prefix}-replica{r}-{id(self):x}"
             if v.async_engine:  # per-sample rollouts send many small concurrent requests to the one AsyncLLM
@@ -226,10 +260,10 @@ class VllmGeneration(GenerationInterface):
             self.group.workers.append(
                 remote_cls.options(**opts).remote(
                     self.model_path,
-                    engine_kwargs(cfg, r, self.use_gpus, hf_overrides, self.model_path),
+                    kwargs,
                     v.async_engine,
                     r,
-                    "cuda" if self.use_gpus else "cpu",
+                    cluster.device,
                     dict(lora_adapter) if lora_adapter else None,
                 )
             )
@@ -338,19 +372,40 @@ class VllmGeneration(GenerationInterface):
         samples = await self.group.get_async(future, replica)
         return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
 
+    @property
+    def asleep(self) -> bool:
+        return not self.sleep_state.awake
+
     def prepare_for_generation(self, tags: list[str] | None = None, **kwargs: object) -> bool:
-        """Wake the engines (GPU sleep mode); a no-op on CPU."""
-        if self.use_gpus:
-            self._all("wake_up", tags)
+        """Wake the `tags` parts of every replica (None: weights and KV cache) that are asleep; nothing to do when
+        they are awake. The replicas keep the state (rlpost.models.generation.sleep_state), and this side a copy of
+        it, so an awake engine costs no call."""
+        parts = self.sleep_state.to_wake(tags)
+        if parts:
+            self._all("wake_up", parts)
+            self.sleep_state.woke(parts)
         return True
 
     def finish_generation(self, **kwargs: object) -> bool:
-        """Sleep the engines when colocated on GPU; otherwise nothing. Cached prefixes stay valid until the weights
-        change, and every refit path drops them as it ends (`end_refit`, `_after_refit`), so resetting them here too
-        would be a Ray round trip a step for nothing."""
-        if self.use_gpus and self.cfg.colocated.enabled:
+        """Put a colocated engine to sleep (level 1: weights offloaded and KV cache dropped on a GPU, the state alone
+        on a CPU); an engine on workers of its own stays awake. Cached prefixes stay valid until the weights change,
+        and every refit path drops them as it ends (`end_refit`, `_after_refit`)."""
+        if self.cfg.colocated.enabled and self.sleep_state.name != "asleep":
             self._all("sleep", 1)
+            self.sleep_state.slept()
         return True
+
+    def sleep_once_started(self) -> list[ray.ObjectRef[object]]:
+        """Colocated: each replica's sleep call, queued behind its start (a Ray actor runs its calls in order); the
+        handles are ready once every replica sleeps. On its own workers: none."""
+        if not self.cfg.colocated.enabled:
+            return []
+        self.sleep_state.slept()
+        return [w.sleep.remote(1) for w in self.workers]
+
+    def state(self) -> list[str]:
+        """Each replica's sleep state in words, as the replica itself holds it."""
+        return self._all("state")
 
     # ------------------------------------------------------------------ refit
     def prepare_refit_info(self, state_dict_info: StateDictInfo) -> None:
@@ -375,18 +430,26 @@ class VllmGeneration(GenerationInterface):
         return self._check_fingerprints(fps, expected)
 
     def update_weights_from_buckets(self, buckets: Iterable[object]) -> str:
-        """Every replica loads each bucket where rank 0 wrote it (shared memory or the object store); the checked
-        fingerprint."""
+        """Every replica loads each bucket where the policy wrote it (the IPC buffers of the policy ranks on its
+        devices, or the object store); the checked fingerprint."""
         digests: list[dict[str, str]] = [{} for _ in self.workers]
         ended = False
         for k, box in enumerate(buckets):
             ended = getattr(buckets, "planned", None) == k + 1  # the last one: end_refit rides along
-            parts = self._get([w.load_bucket.remote(box, self._fault(r), ended) for r, w in enumerate(self.workers)])
+            parts = self._get([w.load_bucket.remote(self._replica_box(box, r), self._fault(r), ended)
+                               for r, w in enumerate(self.workers)])
             for r, part in enumerate(parts):
                 digests[r].update(part)
         if not ended:
             self._get([w.end_refit.remote() for w in self.workers])
         return self._check_fingerprints([self._complete_fingerprint(d) for d in digests], None)
+
+    def _replica_box(self, box: object, replica: int) -> object:
+        """What replica `replica` loads of a bucket: of per-device buckets, those of the policy ranks on its own
+        slots (its workers' devices); any other box as it is."""
+        if not is_per_device(box):
+            return box
+        return slots_of(cast(PerDeviceBuckets, box), replica * self.slots_per_replica, self.slots_per_replica)
 
     def _complete_fingerprint(self, digests: dict[str, str]) -> str:
         missing = sorted(set(self._refit_info or {}) - set(digests))

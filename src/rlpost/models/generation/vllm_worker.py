@@ -17,11 +17,12 @@ import asyncio
 import os
 import threading
 from collections.abc import Coroutine, Iterator
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, TypeVar, cast
 
 import torch
 
 from rlpost.models.generation.outputs import EngineInfo, GeneratedBatch, GeneratedSample
+from rlpost.models.generation.sleep_state import SleepState
 from rlpost.models.generation.vllm_lora import (
     ADAPTER_ID,
     ADAPTER_NAME,
@@ -133,7 +134,7 @@ class VllmEngineWorker:
             and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
             and engine_kwargs.get("distributed_executor_backend", "uni") == "uni"
         )
-        self._sleeping = False
+        self.sleep_state = SleepState()  # rlpost.models.generation.sleep_state: the same rules on every device
         self._req = 0
         self._req_lock = threading.Lock()
         kwargs = {"model": model_path, "worker_extension_cls": EXTENSION_CLS, **engine_kwargs}
@@ -203,6 +204,7 @@ class VllmEngineWorker:
                         stops: list[list[str]] | None, bounds: list[tuple[int, int]]) -> Iterator[GeneratedBatch]:
         """`generate` for rows [a, b) of each (a, b) in `bounds`, one after the other, each chunk yielded (a Ray
         streaming call: the caller gets it while the next one generates)."""
+        self.sleep_state.require_awake(self.name)
         for a, b in bounds:
             yield self.generate(prompts[a:b], sampling, seeds[a:b] if seeds is not None else None,
                                 stops[a:b] if stops is not None else None)
@@ -220,6 +222,7 @@ class VllmEngineWorker:
         stop strings for prompt i. With the async engine, concurrent calls (the actor is threaded) share it.
         Rows that repeat a prompt with consecutive seeds go as one request for several samples (`fan_out_runs`):
         the same tokens, with the prompt rendered, checked and admitted once per run instead of once per row."""
+        self.sleep_state.require_awake(self.name)
         if not prompts:
             return GeneratedBatch()
         runs = fan_out_runs(prompts, seeds, stops, float(sampling.get("temperature", 1.0)) == 0.0)
@@ -270,29 +273,39 @@ class VllmEngineWorker:
         self._run(self.engine.resume_generation())
         return True
 
-    # ------------------------------------------------------------------ memory phases (GPU only)
+    # ------------------------------------------------------------------ sleep and wake
+    @property
+    def name(self) -> str:
+        return f"vLLM replica {self.replica}"
+
+    def state(self) -> str:
+        """The engine's sleep state in words (rlpost.models.generation.sleep_state)."""
+        return self.sleep_state.name
+
     def wake_up(self, tags: list[str] | None = None) -> bool:
-        """Wake weights and/or KV cache after sleep (GPU with enable_sleep_mode; a no-op otherwise)."""
-        if self.device != "cuda" or not self._sleeping:
-            return True
-        if self.async_engine:
-            self._run(self.engine.wake_up(tags))
-        else:
-            self.engine.wake_up(tags)
-        if tags is None or "kv_cache" in tags:
-            self._sleeping = False
+        """Wake the `tags` parts (None: weights and KV cache) that are asleep. On a GPU vLLM's sleep mode brings
+        them back to the device; on a CPU only the state changes."""
+        parts = self.sleep_state.to_wake(tags)
+        if parts and self.device == "cuda":
+            if self.async_engine:
+                self._run(self.engine.wake_up(parts))
+            else:
+                self.engine.wake_up(parts)
+        self.sleep_state.woke(parts)
         return True
 
     def sleep(self, level: int = 1) -> bool:
-        """Free GPU memory for training: level 1 offloads weights to CPU and drops the KV cache."""
-        self.reset_prefix_cache()
-        if self.device != "cuda":
+        """Release the device for training: on a GPU, level 1 offloads the weights to host memory and drops the KV
+        cache (vLLM's sleep mode); on a CPU only the state changes."""
+        if self.sleep_state.name == "asleep":
             return True
-        if self.async_engine:
-            self._run(self.engine.sleep(level))
-        else:
-            self.engine.sleep(level)
-        self._sleeping = True
+        self.reset_prefix_cache()
+        if self.device == "cuda":
+            if self.async_engine:
+                self._run(self.engine.sleep(level))
+            else:
+                self.engine.sleep(level)
+        self.sleep_state.slept()
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -307,8 +320,7 @@ class VllmEngineWorker:
         self._rpc("rlpost_set_refit_info", info)
 
     def _before_refit(self) -> None:
-        if self._sleeping:
-            self.wake_up(["weights"])
+        self.wake_up(["weights"])
 
     def _serve_adapter(self) -> None:
         """After an adapter refit: the engine loads the adapter just received in place of the last one."""
@@ -344,15 +356,25 @@ class VllmEngineWorker:
         return self._after_refit(fps)
 
     def load_bucket(self, box: RefitBucket, corrupt: str | None = None, last: bool = False) -> dict[str, str]:
-        """Load one refit bucket (`box`: a shared-memory or CUDA IPC descriptor, or [ref] in the object store);
-        per-tensor digests. `last`: the refit's final bucket, so `end_refit` runs in the same call."""
+        """Load one refit bucket (`box`: the descriptors of the policy ranks on this replica's devices, a shared-memory
+        or CUDA IPC descriptor, or [ref] in the object store); per-tensor digests. `last`: the refit's final bucket, so `end_refit` runs in the same call."""
+        from rlpost.distributed.bucket_layout import CudaIpcBucket, PerDeviceBuckets, is_per_device
         from rlpost.distributed.cuda_ipc_buckets import is_cuda_ipc
         from rlpost.distributed.shm_buckets import read_bucket
         from rlpost.models.generation.vllm_extension import pack_for_rpc
 
         self._before_refit()
-        if is_cuda_ipc(box):  # each engine worker opens the policy's device buffer itself: no copy through here
-            digests = self._rpc("rlpost_load_bucket_ipc", box, corrupt)
+        on_devices: list[CudaIpcBucket] | None = None
+        if is_per_device(box):  # written by the policy rank on each of this replica's devices
+            parts = cast(PerDeviceBuckets, box)["per_rank"]
+            if is_cuda_ipc(parts[0]):  # each engine worker opens the buffer on its own GPU: no copy through here
+                on_devices = cast(list[CudaIpcBucket], parts)
+            else:  # host memory: the replica's one worker reads its slot's segment
+                box = parts[0]
+        elif is_cuda_ipc(box):
+            on_devices = [cast(CudaIpcBucket, box)]
+        if on_devices is not None:
+            digests = self._rpc("rlpost_load_bucket_ipc", on_devices, corrupt)
         elif self._in_process:
             digests = self._rpc("rlpost_load_bucket", read_bucket(box), corrupt)
         else:

@@ -246,8 +246,9 @@ def read_format(path: Path, fmt: str, *required: str) -> dict[str, Any]:
 
 
 # ---- the DTensor policy ------------------------------------------------------------------------------------------
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Collective over all ranks: rank 0 gets full fp32 CPU tensors under HF names, others {}.
+def full_state_dict(model: nn.Module, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """Collective over all ranks: rank 0 gets full fp32 CPU tensors under HF names, others {}; `every_rank`: every
+    rank gets them, on its own device (a colocated refit hands each engine the tensors on its device).
 
     One process holding a plain CPU model (one fp32 rank, not wrapped): the model's own state dict, detached,
     which is what DCP returns there too (the same tensors, no copies), without DCP's per-tensor machinery on every
@@ -256,8 +257,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     if alone and all(t.device.type == "cpu" and not isinstance(t, DTensor)
                      for t in [*model.parameters(), *model.buffers()]):
         return {k: v.detach() for k, v in model.state_dict().items()}
-    return cast(dict[str, torch.Tensor],
-                get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:

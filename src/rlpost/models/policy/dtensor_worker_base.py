@@ -27,6 +27,8 @@ from rlpost.config.schema.lora import LoRAConfig
 from rlpost.config.schema.policy import DTensorPolicyConfig
 from rlpost.data.packing import PackedSequences
 from rlpost.distributed.batched_data_dict import BatchedDataDict, PackedMicroBatch
+from rlpost.distributed.collective_device import all_reduce
+from rlpost.distributed.start_gate import StartGate
 from rlpost.models.dtensor import lora
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
@@ -59,10 +61,14 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         optimizer_path: str | None = None,
         init_optimizer: bool = True,
         init_reference_model: bool = True,
+        start_after: StartGate | None = None,
     ) -> None:
+        """`start_after`: nothing is allocated before it is ready (rlpost.distributed.start_gate)."""
         # The heavy imports first, with the collector paused and their objects frozen (rlpost.runtime.gc_heap): the
         # model classes, and torch's compiler stack that the optimizer's first param group imports.
         import_frozen("torch._dynamo", "transformers.models.auto.modeling_auto")
+        if start_after is not None:  # colocated engines start, and sleep, before this rank touches the device
+            start_after.wait()
         self.cfg = cfg
         self.device = torch.device(os.environ.get("RLPOST_DEVICE", "cpu"))
         if self.device.type == "cpu":
@@ -288,8 +294,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
             recorded = self._backward_micro_batches(gb, loss_fn, gs, gt, gb_loss)
             grad_norm = self._clip_grad_norm()
             optimizer.step()
-            dist.all_reduce(gb_loss, group=self.dp_group)
-            return float(gb_loss), grad_norm, recorded
+            return float(all_reduce(gb_loss, self.dp_group)), grad_norm, recorded
 
         def forward_only(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor
                          ) -> tuple[float, float, list[dict[str, float]]]:
@@ -299,8 +304,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
                 loss, metrics = self._micro_loss(mb, loss_fn, gs, gt)
                 gb_loss += loss
                 recorded.append(metrics)
-            dist.all_reduce(gb_loss, group=self.dp_group)
-            return float(gb_loss), 0.0, recorded
+            return float(all_reduce(gb_loss, self.dp_group)), 0.0, recorded
 
         result = train_global_batches(data, local_gbs, self.device, self.dp_group, step)
         if self.scheduler is not None and not eval_mode:
@@ -328,8 +332,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
                     p.grad.mul_(scale)
         grad_norm = self._clip_grad_norm()
         self.optimizer.step()
-        loss = parts.loss * scale
-        dist.all_reduce(loss, group=self.dp_group)
+        loss = all_reduce(parts.loss * scale, self.dp_group)
         if self.scheduler is not None:
             self.scheduler.step()
         return finish_result(parts.result(float(loss), grad_norm, metric_scales), self.optimizer.param_groups[0]["lr"],
@@ -428,21 +431,24 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         return cuda_memory_stats(self.device)
 
     # ---- refit export ----------------------------------------------------------------------
-    def prepare_weights_for_export(self, dtype: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """All ranks: gather full weights (collective); rank 0 keeps them cast to `dtype` under HF names. With
-        `lora_cfg.refit=adapter`, the adapters alone, under PEFT's names (rlpost.models.generation.vllm_lora)."""
+    def prepare_weights_for_export(self, dtype: str, every_rank: bool = False
+                                   ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """All ranks: gather full weights (collective); rank 0 (`every_rank`: each rank, for the engine on its
+        device) keeps them cast to `dtype` under HF names. With `lora_cfg.refit=adapter`, the adapters alone, under
+        PEFT's names (rlpost.models.generation.vllm_lora)."""
+        keep = every_rank or self.rank == 0
         if self.lora is not None and self.lora.refit == "adapter":
             self._onload()
             adapters = lora.adapter_state(self.model)
             torch_dtype = getattr(torch, dtype)
-            self._export = [(k, v.to(torch_dtype)) for k, v in adapters.items()] if self.rank == 0 else []
+            self._export = [(k, v.to(torch_dtype)) for k, v in adapters.items()] if keep else []
             return {k: (tuple(v.shape), v.dtype) for k, v in self._export}
-        full = self.full_weights()
+        full = self._gathered_weights(every_rank)
         embedding = full.get("model.embed_tokens.weight")
         if "lm_head.weight" not in full and embedding is not None and getattr(self.model.config, "tie_word_embeddings", False):
             full["lm_head.weight"] = embedding
         torch_dtype = getattr(torch, dtype)
-        self._export = [(k, v.to(torch_dtype)) for k, v in full.items() if v is not None] if self.rank == 0 else []
+        self._export = [(k, v.to(torch_dtype)) for k, v in full.items() if v is not None] if keep else []
         return {k: (tuple(v.shape), v.dtype) for k, v in self._export}
 
     def init_refit_collective(self, host: str, port: int, world_size: int) -> bool:
@@ -476,8 +482,12 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
     def full_weights(self) -> dict[str, torch.Tensor]:
         """All ranks call; rank 0 gets the full fp32 state dict under the model's own names (tests, exports), with
         LoRA the adapters merged in."""
+        return self._gathered_weights(every_rank=False)
+
+    def _gathered_weights(self, every_rank: bool) -> dict[str, torch.Tensor]:
+        """`full_weights`, on every rank (each on its own device) when `every_rank`."""
         self._onload()
-        full = dtensor_checkpoint.full_state_dict(self.model)
+        full = dtensor_checkpoint.full_state_dict(self.model, every_rank)
         return lora.merged(full, lora.scaling(self.lora)) if self.lora else full
 
     def shutdown(self) -> bool:

@@ -57,7 +57,7 @@ class TrainResult:
 
 @dataclass(frozen=True)
 class StagedExport:
-    """Rank 0's answer to `stage_export`: the export's buckets and fingerprint."""
+    """A serving rank's answer to `stage_export`: the export's buckets and (rank 0's) fingerprint."""
 
     plan: list[list[int]]
     """Weight indices of each bucket."""
@@ -227,8 +227,10 @@ class PolicyWorker(Protocol):
 
     def gpu_memory_stats(self) -> dict[str, float]: ...
 
-    def prepare_weights_for_export(self, dtype: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Gather full weights (collective); rank 0 keeps them for export. {name: (shape, dtype)}."""
+    def prepare_weights_for_export(self, dtype: str, every_rank: bool = False
+                                   ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Gather full weights (collective); rank 0 keeps them for export (`every_rank`: every rank does, for the
+        engine on its device). {name: (shape, dtype)} of what this rank keeps."""
 
     def clear_export(self) -> None: ...
 

@@ -9,13 +9,14 @@ already globally normalised, as in NeMo RL) and the rest averaged.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.microbatching import DynamicBatchingArgs, SequencePackingArgs
+from rlpost.distributed.start_gate import StartGate
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
 from rlpost.models.policy.interfaces import (
@@ -52,8 +53,10 @@ class Policy(ColocatablePolicyInterface):
         device: str = "cpu",
         timeout_s: float = 900.0,
         name: str = "policy",
+        start_after: StartGate | None = None,
     ) -> None:
-        """`name`: what the workers are called in errors and the placement line ("policy", "critic")."""
+        """`name`: what the workers are called in errors and the placement line ("policy", "critic"). `start_after`:
+        each worker builds its model once these are ready (rlpost.distributed.start_gate: colocated engines asleep)."""
         self.cfg = cfg
         self.device = device
         self.single_node = cluster.num_nodes == 1
@@ -73,6 +76,7 @@ class Policy(ColocatablePolicyInterface):
             optimizer_path=optimizer_path,
             init_optimizer=init_optimizer,
             init_reference_model=init_reference_model,
+            start_after=start_after,
             dims=self.dims,
             name_prefix=name,
             env_vars=env,
@@ -187,9 +191,10 @@ class Policy(ColocatablePolicyInterface):
         return info
 
     def export_weight_buckets(self, dtype: str, max_bucket_bytes: int = 256 * 2**20) -> WeightBuckets:
-        # One node (a colocated engine shares the policy's): buckets go through rank 0's reusable IPC buffer (shared
-        # memory, or CUDA IPC on the policy's only GPU) instead of a fresh object-store allocation each.
-        return _RankZeroBuckets(self.worker_group, dtype, max_bucket_bytes, ipc=self.single_node)
+        # One node (a colocated engine shares the policy's devices): every rank writes the buckets into its own
+        # reusable IPC buffers (shared memory, or CUDA IPC on its GPU) for the engine on its device; across nodes
+        # rank 0's go through the object store.
+        return _ExportBuckets(self.worker_group, dtype, max_bucket_bytes, per_device=self.single_node)
 
     def init_refit_collective_async(self, host: str, port: int, world_size: int) -> list[ray.ObjectRef[bool]]:
         """Start rank 0 joining the refit group (it blocks until the engines join too)."""
@@ -251,43 +256,52 @@ def _aggregate(results: list[WorkerTrainResult]) -> TrainResult:
     )
 
 
-class _RankZeroBuckets(WeightBuckets):
-    """Rank 0 writes the buckets one ahead of the engines (into two IPC buffers, or the object store); the driver only
-    forwards the boxes. The first step of the iteration stages the export on every rank (`stage_export`); a model
-    that fits one bucket comes back from it already written."""
+class _ExportBuckets(WeightBuckets):
+    """The export, one bucket ahead of the engines; the driver only forwards the boxes. `per_device`: every rank
+    writes each bucket into its own two IPC buffers and a box holds every rank's descriptor (PerDeviceBuckets: the
+    engine worker of slot r reads rank r's, on its own device); otherwise rank 0 puts each bucket in the object
+    store. The first step of the iteration stages the export on every rank (`stage_export`); a model that fits one
+    bucket comes back from it already written."""
 
-    def __init__(self, group: RayWorkerGroup, dtype: str, max_bytes: int, ipc: bool = False) -> None:
+    def __init__(self, group: RayWorkerGroup, dtype: str, max_bytes: int, per_device: bool = False) -> None:
         self.group = group
         self.dtype = dtype
         self.max_bytes = max_bytes
-        self.ipc = ipc
+        self.per_device = per_device
         self._fp: str | None = None
         self._count = 0
         self.planned: int | None = None
         """Buckets the export was split into (known once the iteration started)."""
 
+    def _writers(self) -> list[Any]:
+        return self.group.workers if self.per_device else self.group.workers[:1]
+
+    def _box(self, parts: list[object]) -> object:
+        return {"per_rank": parts} if self.per_device else parts[0]
+
     def __iter__(self) -> Iterator[object]:
-        staged: StagedExport = self.group.run_all("stage_export", self.dtype, self.max_bytes, self.ipc)[0]
-        plan = staged.plan
+        staged: list[StagedExport] = self.group.run_all("stage_export", self.dtype, self.max_bytes, self.per_device)
+        writers = self._writers()
+        plan = staged[0].plan
         self.planned = len(plan)
         try:
-            if staged.first is not None:  # already written, and rank 0 cleared its export
-                yield staged.first
+            if staged[0].first is not None:  # already written, and the ranks cleared their export
+                yield self._box([s.first for s in staged[: len(writers)]])
                 self._count = 1
             else:
-                # One bucket ahead: rank 0 writes bucket k + 1 (into the other IPC buffer) while the engines load
+                # One bucket ahead: the ranks write bucket k + 1 (into their other IPC buffer) while the engines load
                 # bucket k. Resuming here means the consumer is done with bucket k - 1, whose buffer k + 1 reuses.
-                rank0 = self.group.workers[0]
-                ahead = rank0.put_export_bucket.remote(plan[0], self.ipc, 0)
+                ahead = [w.put_export_bucket.remote(plan[0], self.per_device, 0) for w in writers]
                 for k in range(len(plan)):
-                    box = self.group.get([ahead])[0]
+                    box = self._box(self.group.get(ahead, indices=list(range(len(writers)))))
                     if k + 1 < len(plan):
-                        ahead = rank0.put_export_bucket.remote(plan[k + 1], self.ipc, (k + 1) % 2)
+                        ahead = [w.put_export_bucket.remote(plan[k + 1], self.per_device, (k + 1) % 2)
+                                 for w in writers]
                     yield box
                     self._count += 1
-            self._fp = staged.fingerprint
+            self._fp = staged[0].fingerprint
         finally:
-            if staged.first is None:
+            if staged[0].first is None:
                 self.group.run_all("clear_export")
 
     @property

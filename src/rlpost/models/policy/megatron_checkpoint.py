@@ -190,9 +190,10 @@ def _load_own_keys(path: Path, prefix: str) -> dict[str, torch.Tensor]:
     return dest
 
 
-def gather_hf_weights(worker: MegatronState, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def gather_hf_weights(worker: MegatronState, dtype: torch.dtype, every_rank: bool = False) -> dict[str, torch.Tensor]:
     """Collective over TP x PP of DP replica 0 (other replicas return at once): global rank 0 gets every weight
-    as a full HF-named CPU tensor cast to dtype (a tied lm_head included), the other ranks {}."""
+    as a full HF-named CPU tensor cast to dtype (a tied lm_head included), the other ranks {}. `every_rank`: every
+    replica gathers over its own TP x PP groups and every rank keeps the tensors on its device."""
     from megatron.core import parallel_state as ps
 
     from rlpost.models.megatron.export import export_hf_weights
@@ -200,20 +201,24 @@ def gather_hf_weights(worker: MegatronState, dtype: torch.dtype) -> dict[str, to
     m = worker.cfg.megatron_cfg
     assert m is not None
     out: dict[str, torch.Tensor] = {}
-    if ps.get_data_parallel_rank() != 0:
+    if ps.get_data_parallel_rank() != 0 and not every_rank:
         return out
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     for name, t in export_hf_weights(
         worker.model, worker.hf_config, tp_group, pp_group, dtype=dtype, converter_type=m.converter_type
     ):
-        if worker.rank == 0:
+        if every_rank:
+            out[name] = t.detach().clone()
+        elif worker.rank == 0:
             out[name] = t.detach().to("cpu", copy=True)
     return out
 
 
-def gather_peft_adapters(worker: MegatronState, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """With LoRA: collective over TP x PP of DP replica 0; global rank 0 gets the adapters under PEFT's HF names,
-    cast to dtype (rlpost.models.megatron.lora_peft.peft_state), the other ranks {}."""
+def gather_peft_adapters(worker: MegatronState, dtype: torch.dtype, every_rank: bool = False
+                         ) -> dict[str, torch.Tensor]:
+    """With LoRA: collective over TP x PP of DP replica 0; global rank 0 (`every_rank`: every rank of every
+    replica) gets the adapters under PEFT's HF names, cast to dtype (rlpost.models.megatron.lora_peft.peft_state),
+    the other ranks {}."""
     from megatron.core import parallel_state as ps
 
     from rlpost.models.megatron.convert import hf_model_dims
@@ -221,11 +226,11 @@ def gather_peft_adapters(worker: MegatronState, dtype: torch.dtype) -> dict[str,
 
     m = worker.cfg.megatron_cfg
     assert m is not None
-    if ps.get_data_parallel_rank() != 0:
+    if ps.get_data_parallel_rank() != 0 and not every_rank:
         return {}
     dims = hf_model_dims(worker.hf_config, m.converter_type)
     named = peft_state(worker.model, dims, ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group())
-    return {k: v.to(dtype) for k, v in named.items()} if worker.rank == 0 else {}
+    return {k: v.to(dtype) for k, v in named.items()} if worker.rank == 0 or every_rank else {}
 
 
 def save(worker: MegatronState, weights_path: str, optimizer_path: str | None, hf_export: bool) -> None:

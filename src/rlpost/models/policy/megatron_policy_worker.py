@@ -24,10 +24,15 @@ memory into a megatron GPTModel (`rlpost.models.megatron`).
   clips the fp32 grads itself with megatron's rule (megatron's clip asserts CUDA tensor types).
 - Export / full_weights: TP all-gather + PP broadcast to full HF-named tensors (tied lm_head included) by DP
   replica 0; global rank 0 keeps them. Checkpoints: see `megatron_checkpoint` (DCP, same-layout restore, hf/).
-- Memory phases (GPU; no-ops on CPU): offload_before/after_refit (and prepare_for_lp_inference with
-  offload_optimizer_for_logprob) move the optimizer state to the CPU, prepare_for_training / train bring it back;
-  weights stay on the GPU. empty_unused_memory_level 1 / 2: empty the cache after each global batch / also after
-  each logprob pass. With sequence_parallel the sequence is right-padded to a multiple of TP.
+- Memory phases (GPU; no-ops on CPU, rlpost.models.megatron.offload): offload_before_refit (and
+  prepare_for_lp_inference with offload_optimizer_for_logprob) moves the optimizer (its state and its fp32 main
+  params) to pinned host memory, prepare_for_training / train bring it back. offload_after_refit, which runs while
+  a colocated engine generates, moves everything else too: DDP's parameter and gradient buffers and the parameters
+  outside them; the next call that needs the model brings them back first. empty_unused_memory_level 1 / 2: empty
+  the cache after each global batch / also after each logprob pass. With sequence_parallel the sequence is
+  right-padded to a multiple of TP.
+- Precision and optimizer: megatron_cfg.optimizer.bf16 / fp16 / params_dtype left null follow policy.precision;
+  use_distributed_optimizer left null is on with CUDA and DP > 1 (MegatronOptimizerConfig.resolved).
 
 Device (env RLPOST_DEVICE): 'cpu' = gloo, the local layer spec, fp32 and the CPU compatibility layer, switched on
 around every call in the calling thread (Ray runs actor calls on a thread pool; the layer's function mode is per
@@ -55,6 +60,7 @@ import torch.distributed as dist
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.distributed.start_gate import StartGate
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
 from rlpost.models.policy.interfaces import WorkerTrainResult
 from rlpost.models.policy.train_parts import Parts, PartsLoss, TrainPartsMixin
@@ -65,6 +71,7 @@ from rlpost.runtime.gc_heap import import_frozen
 if TYPE_CHECKING:
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from rlpost.models.megatron.offload import HostCopies
     from rlpost.models.megatron.train_step import MegatronTrainState
 
 _P = ParamSpec("_P")
@@ -89,13 +96,15 @@ def check_megatron_support(cfg: MegatronPolicyConfig, device_type: str, init_opt
 
 def _megatron_call(fn: Callable[Concatenate[MegatronPolicyWorker, _P], _R]
                    ) -> Callable[Concatenate[MegatronPolicyWorker, _P], _R]:
-    """Re-raise a deferred init error; on CPU run the call with the CPU compatibility layer on in this thread."""
+    """Re-raise a deferred init error; bring an offloaded model back to the GPU; on CPU run the call with the CPU
+    compatibility layer on in this thread."""
 
     @functools.wraps(fn)
     def wrapper(self: MegatronPolicyWorker, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if self._init_error is not None:
             raise self._init_error
         if self.device.type != "cpu":
+            self._onload_model()
             return fn(self, *args, **kwargs)
         from rlpost.models.megatron.cpu_compat import cpu_compat
 
@@ -115,14 +124,22 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         optimizer_path: str | None = None,
         init_optimizer: bool = True,
         init_reference_model: bool = True,
+        start_after: StartGate | None = None,
     ) -> None:
+        """`start_after`: nothing is allocated before it is ready (rlpost.distributed.start_gate)."""
         self.cfg = cfg
+        self._start_after = start_after
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.device = torch.device(os.environ.get("RLPOST_DEVICE", "cpu"))
         self._init_error: BaseException | None = None
         self._export: list[tuple[str, torch.Tensor]] = []
         self._offloaded = False
+        self._model_offloaded = False
+        self._loose_params: list[torch.nn.Parameter] = []
+        self._main_params: list[torch.Tensor] = []
+        self._model_host: HostCopies = []
+        self._main_host: HostCopies = []
         self._init_parts()
         try:
             check_megatron_support(cfg, self.device.type, init_optimizer)
@@ -144,6 +161,8 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         from rlpost.models.megatron.train_step import setup_training
         from rlpost.models.policy import megatron_checkpoint
 
+        if self._start_after is not None:  # colocated engines start, and sleep, before this rank touches the device
+            self._start_after.wait()
         m = self.cfg.megatron_cfg
         assert m is not None
         if self.device.type == "cpu":
@@ -161,6 +180,9 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         )
         seed_model_parallel_rng(1234)
         self.dp_size = ps.get_data_parallel_world_size()
+        # optimizer flags left null follow the precision, the device and DP (checkpoints read the resolved values)
+        m = dataclasses.replace(m, optimizer=m.optimizer.resolved(self.cfg.precision, self.device.type, self.dp_size))
+        self.cfg = dataclasses.replace(self.cfg, megatron_cfg=m)
         self.temperature = float(self.cfg.generation.temperature) if self.cfg.generation is not None else 1.0
         hf_config, hf_state = load_hf_checkpoint(self.cfg.model_name)
         for key, value in self.cfg.hf_config_overrides.items():
@@ -195,6 +217,12 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
             self.model = self.train_state.model
         if weights_path:
             megatron_checkpoint.load(self, weights_path, optimizer_path)
+        if self.device.type == "cuda":  # what the memory phases move, listed while everything is on the GPU
+            from rlpost.models.megatron.offload import loose_parameters, optimizer_main_params
+
+            self._loose_params = loose_parameters(self.model)
+            if self.train_state is not None:
+                self._main_params = optimizer_main_params(self.train_state.optimizer, self.model)
 
     # ---- small helpers -----------------------------------------------------------------
     def ping(self) -> int:
@@ -426,21 +454,42 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
             self.train_state.scheduler.step(increment=1)
         return finish_result(result, self.train_state.optimizer.param_groups[0]["lr"], self.model.parameters())
 
-    # ---- memory phases (GPU: optimizer state to / from the CPU; no-ops on CPU) ------------------
+    # ---- memory phases (GPU: optimizer, then the model, to / from pinned host memory; no-ops on CPU) ----------
     def _offload_optimizer_state(self) -> None:
-        from rlpost.models.policy.megatron_checkpoint import move_optimizer_state
+        from rlpost.models.megatron.offload import move_optimizer_state, offload_storages
 
         if self.device.type == "cuda" and not self._offloaded and self.train_state is not None:
             move_optimizer_state(self.train_state.optimizer, "cpu")
+            self._main_host = offload_storages(self._main_params)
             self._offloaded = True
             torch.cuda.empty_cache()
 
     def _restore_optimizer_state(self) -> None:
-        from rlpost.models.policy.megatron_checkpoint import move_optimizer_state
+        from rlpost.models.megatron.offload import move_optimizer_state, onload_storages
 
         if self._offloaded and self.train_state is not None:  # offloaded only with an optimizer
             move_optimizer_state(self.train_state.optimizer, self.device)
+            onload_storages(self._main_host)
+            self._main_host = []
             self._offloaded = False
+
+    def _offload_model(self) -> None:
+        """Parameters and gradient buffers to the host (GPU; not while a batch is being trained in parts, whose
+        gradients live in the buffers)."""
+        from rlpost.models.megatron.offload import offload_model
+
+        if self.device.type == "cuda" and not self._model_offloaded and self._parts is None:
+            self._model_host = offload_model(self.model, self._loose_params)
+            self._model_offloaded = True
+            torch.cuda.empty_cache()
+
+    def _onload_model(self) -> None:
+        from rlpost.models.megatron.offload import onload_model
+
+        if self._model_offloaded:
+            onload_model(self.model, self._model_host)
+            self._model_host = []
+            self._model_offloaded = False
 
     @_megatron_call
     def prepare_for_training(self) -> None:
@@ -453,16 +502,20 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         if self.cfg.offload_optimizer_for_logprob:
             self._offload_optimizer_state()
 
-    @_megatron_call
     def offload_before_refit(self) -> None:
+        """GPU: the optimizer goes to the host before the refit gathers the weights."""
+        if self._init_error is not None:
+            raise self._init_error
         self._offload_optimizer_state()
 
-    @_megatron_call
     def offload_after_refit(self) -> None:
-        """GPU: the refit's device buffers are freed and the optimizer state goes to the CPU; the weights stay on the
-        GPU (megatron's DDP buffers)."""
+        """GPU, while a colocated engine generates: the refit's device buffers are freed, the optimizer and then the
+        model (parameters, gradient buffers) go to the host; the next call that needs the model brings it back."""
+        if self._init_error is not None:
+            raise self._init_error
         self.release_device_buffers()
         self._offload_optimizer_state()
+        self._offload_model()
 
     def gpu_memory_stats(self) -> dict[str, float]:
         """logger.monitor_gpus: this rank's CUDA memory ({} on CPU)."""
@@ -471,25 +524,28 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         return cuda_memory_stats(self.device)
 
     # ---- refit export ----------------------------------------------------------------------
-    def gather_full_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Collective over TP x PP of DP replica 0: rank 0 gets full HF-named CPU tensors (tied lm_head too)."""
+    def gather_full_weights(self, dtype: torch.dtype, every_rank: bool = False) -> dict[str, torch.Tensor]:
+        """Collective over TP x PP of DP replica 0: rank 0 gets full HF-named CPU tensors (tied lm_head too);
+        `every_rank`: every replica gathers and every rank keeps them on its device."""
         from rlpost.models.policy.megatron_checkpoint import gather_hf_weights
 
-        return gather_hf_weights(self, dtype)
+        return gather_hf_weights(self, dtype, every_rank)
 
     @_megatron_call
-    def prepare_weights_for_export(self, dtype: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """All ranks: gather the full weights (collective); rank 0 keeps them cast to `dtype` under HF names.
+    def prepare_weights_for_export(self, dtype: str, every_rank: bool = False
+                                   ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """All ranks: gather the full weights (collective); rank 0 (`every_rank`: each rank, for the engine on its
+        device) keeps them cast to `dtype` under HF names.
 
-        Returns rank 0's {name: (shape, dtype)} (the generation side's StateDictInfo), {} on other ranks.
+        Returns the kept {name: (shape, dtype)} (the generation side's StateDictInfo), {} where nothing is kept.
         """
         m = self.cfg.megatron_cfg
         if m is not None and m.peft.enabled and m.peft.refit == "adapter":  # the adapters alone, PEFT's names
             from rlpost.models.policy.megatron_checkpoint import gather_peft_adapters
 
-            self._export = list(gather_peft_adapters(self, getattr(torch, dtype)).items())
+            self._export = list(gather_peft_adapters(self, getattr(torch, dtype), every_rank).items())
         else:
-            self._export = list(self.gather_full_weights(getattr(torch, dtype)).items())
+            self._export = list(self.gather_full_weights(getattr(torch, dtype), every_rank).items())
         return {k: (tuple(v.shape), v.dtype) for k, v in self._export}
 
     def init_refit_collective(self, host: str, port: int, world_size: int) -> bool:

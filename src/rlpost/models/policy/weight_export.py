@@ -1,10 +1,11 @@
 """The worker side of refit, shared by every policy backend.
 
-A worker fills `self._export` (rank 0: full HF-named tensors, cast to the engine's dtype) in its own
-`prepare_weights_for_export`; this mixin serves it in bounded buckets through an IPC buffer on one node (a reusable
-shared-memory segment, or a device buffer opened over CUDA IPC on the policy's only GPU), else the object store;
-fingerprints it; stages a private copy for async GRPO; and broadcasts it over the refit group for an engine on its
-own workers.
+A worker fills `self._export` (full HF-named tensors, cast to the engine's dtype) in its own
+`prepare_weights_for_export`: on rank 0, or on every rank when the engines share the policy's node. This mixin serves
+it in bounded buckets: on one node every rank writes them into its own IPC buffers (a reusable shared-memory segment
+on a CPU, a device buffer opened over CUDA IPC on a GPU), and the engine worker on each rank's device reads that
+rank's; across nodes rank 0 puts them in the object store. It fingerprints the export; stages a private copy for
+async GRPO; and broadcasts it over the refit group for an engine on its own workers.
 """
 
 from __future__ import annotations
@@ -47,21 +48,21 @@ class WeightExportMixin:
     _export: list[tuple[str, torch.Tensor]]
     _refit_group: StatelessGroup | None = None
     _shm: dict[int, ShmBucketWriter | CudaIpcBucketWriter] | None = None
-    """Rank 0's reusable IPC buffers (ShmBucketWriter or CudaIpcBucketWriter) for colocated refit buckets, per slot
-    (0, 1), once written."""
+    """This rank's reusable IPC buffers (ShmBucketWriter or CudaIpcBucketWriter) for colocated refit buckets, per
+    slot (0, 1), once written."""
     _staged: tuple[list[tuple[str, torch.Tensor]], str] | None = None
     """(weights, fingerprint) of the last `stage_weights` (rank 0): what `broadcast_staged` sends."""
 
     def plan_export_buckets(self, max_bytes: int) -> list[list[int]]:
-        """Rank 0: the prepared export split into layer-aligned buckets of at most max_bytes."""
+        """The prepared export split into layer-aligned buckets of at most max_bytes ([] where nothing is kept)."""
         from rlpost.distributed.weight_buckets import plan_buckets
 
-        return plan_buckets(self._export, max_bytes) if self.rank == 0 else []
+        return plan_buckets(self._export, max_bytes) if self._export else []
 
     def put_export_bucket(self, indices: list[int], ipc: bool = False, slot: int = 0) -> RefitBucket:
-        """Rank 0: one bucket for the engines, forwarded unread by the caller: into this rank's reusable IPC buffer
-        number `slot` (`ipc`: the engines are on this node; a descriptor comes back; the caller writes bucket k + 1
-        into the other slot while the engines load bucket k), or into the object store ([ref])."""
+        """One bucket for the engines, forwarded unread by the caller: into this rank's reusable IPC buffer number
+        `slot` (`ipc`: every rank, for the engine on its device; a descriptor comes back; the caller writes bucket
+        k + 1 into the other slot while the engines load bucket k), or from rank 0 into the object store ([ref])."""
         named = [self._export[i] for i in indices]
         if ipc:
             return self._shm_writer(slot).write(named)
@@ -72,20 +73,21 @@ class WeightExportMixin:
         return [ray.put(encode(named))]
 
     def stage_export(self, dtype: str, max_bytes: int, ipc: bool = False) -> StagedExport | None:
-        """All ranks: gather the full weights (a collective). Rank 0 answers with the bucket plan and the export's
-        fingerprint (None elsewhere); when the whole export fits one bucket it is already out (`first`, see
-        put_export_bucket) and the export is cleared, so a small model's refit takes one call here.
+        """All ranks: gather the full weights (a collective). Rank 0 (with `ipc`, every rank: each serves the engine
+        on its own device) answers with the bucket plan and, on rank 0, the export's fingerprint (None elsewhere);
+        when the whole export fits one bucket it is already out (`first`, see put_export_bucket) and the export is
+        cleared, so a small model's refit takes one call here.
 
-        Through IPC buffers a model larger than `max_bytes` goes in buckets of half of it, one per slot, so rank 0
+        Through IPC buffers a model larger than `max_bytes` goes in buckets of half of it, one per slot, so a rank
         writes the next while the engines load the current and the two slots together stay within `max_bytes`
         (`policy.refit_buffer_size_gb`)."""
-        self.prepare_weights_for_export(dtype)  # type: ignore[attr-defined]
-        if self.rank != 0:
+        self.prepare_weights_for_export(dtype, every_rank=ipc)  # type: ignore[attr-defined]
+        if self.rank != 0 and not ipc:
             return None
         plan = self.plan_export_buckets(max_bytes)
         if ipc and len(plan) > 1:
             plan = self.plan_export_buckets(max(1, max_bytes // 2))
-        fingerprint = self.export_fingerprint()
+        fingerprint = self.export_fingerprint() if self.rank == 0 else ""
         if len(plan) != 1:
             return StagedExport(plan, fingerprint)
         first = self.put_export_bucket(plan[0], ipc)
@@ -93,15 +95,15 @@ class WeightExportMixin:
         return StagedExport(plan, fingerprint, first)
 
     def _shm_writer(self, slot: int) -> ShmBucketWriter | CudaIpcBucketWriter:
-        """Rank 0's reusable buffer `slot` shared with the engines on this node, created on first use: a
-        shared-memory segment (ShmBucketWriter), or on the policy's only GPU a device buffer the colocated engine
-        opens over CUDA IPC (CudaIpcBucketWriter: the export never leaves the GPU)."""
+        """This rank's reusable buffer `slot` shared with the engine on its device, created on first use: a
+        shared-memory segment (ShmBucketWriter) on a CPU, or on a GPU a device buffer the colocated engine opens
+        over CUDA IPC (CudaIpcBucketWriter: the bucket goes from device to device)."""
         if self._shm is None:
             self._shm = {}
         if slot not in self._shm:
             from rlpost.config.layout import cuda_ipc_refit
 
-            if cuda_ipc_refit(self.device.type, self.world_size):
+            if cuda_ipc_refit(self.device.type):
                 from rlpost.distributed.cuda_ipc_buckets import CudaIpcBucketWriter
 
                 self._shm[slot] = CudaIpcBucketWriter(self.device)
