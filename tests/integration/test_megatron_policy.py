@@ -215,7 +215,12 @@ def check_refit(policy: Policy, weights: dict[str, torch.Tensor]) -> None:
 
     info = policy.prepare_refit_info()
     buckets = policy.export_weight_buckets("float32", 64 * 1024)
-    got = {k: v.clone() for box in buckets for k, v in read_bucket(box)}  # one node: rank 0's shared memory
+    got: dict[str, torch.Tensor] = {}
+    for box in buckets:  # one node: every rank writes each bucket into its own segment, for the engine beside it
+        parts = [read_bucket(d) for d in box["per_rank"]]
+        assert len(parts) == policy.worker_group.world_size
+        assert all(max_diff(dict(p), dict(parts[0])) == 0.0 for p in parts[1:])
+        got.update({k: v.clone() for k, v in parts[0]})
     assert buckets.count > 1  # the bound split the export
     assert set(info) == set(got) == set(weights) and "lm_head.weight" in got
     assert all(info[k] == (tuple(v.shape), v.dtype) for k, v in got.items())

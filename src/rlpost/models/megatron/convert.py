@@ -291,14 +291,15 @@ def tp_split_dim(name: str) -> int | None:
 
 
 def _shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """TP shard `rank` of the full megatron tensor `name` (fc1: [gate_r; up_r])."""
+    """TP shard `rank` of the full megatron tensor `name` (fc1: [gate_r; up_r]), in storage of its own (not a view
+    that would keep the full tensor alive)."""
     dim = tp_split_dim(name)
     if dim is None or size == 1:
         return full
     if name.endswith("linear_fc1.weight"):
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
-    return full.chunk(size, dim=dim)[rank].contiguous()
+    return full.chunk(size, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
 def merge_tp_shard(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -380,25 +381,31 @@ def hf_to_megatron_state_dict(
     The stage holds global layers layer_range (default: the even split) under local indices; stage 0 gets the
     embedding, the last stage the final norm and (unless tied on a single stage) output_layer.weight, which for a
     tied model is the embedding. Vocab rows are zero-padded to padded_vocab_size(V, tp_size, divisor).
-    Tensors may share storage with hf_state_dict.
+    Tensors may share storage with hf_state_dict. Each unit (the embedding, a layer, the final norm and head) is
+    converted and cut to this rank's shard before the next is read, so with a lazily read checkpoint
+    (rlpost.models.megatron.model.LazyCheckpoint) the rank holds its shard and one unit's full tensors.
     """
     d = hf_model_dims(hf_config, converter_type)
     start, end = layer_range or pipeline_layer_range(d.num_layers, pp_rank, pp_size)
     vocab = padded_vocab_size(d.vocab_size, tp_size, divisor)
-    full: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+
+    def put(name: str, full: torch.Tensor) -> None:
+        out[name] = _shard(name, full, tp_rank, tp_size)
+
     if pp_rank == 0:
-        full["embedding.word_embeddings.weight"] = _pad_rows(hf_state_dict["model.embed_tokens.weight"], vocab)
+        put("embedding.word_embeddings.weight", _pad_rows(hf_state_dict["model.embed_tokens.weight"], vocab))
     for g in range(start, end):
         for name, t in _layer_hf_to_megatron(hf_state_dict, g, d).items():
-            full[f"decoder.layers.{g - start}.{name}"] = t
+            put(f"decoder.layers.{g - start}.{name}", t)
     if pp_rank == pp_size - 1:
-        full["decoder.final_layernorm.weight"] = hf_state_dict["model.norm.weight"]
+        put("decoder.final_layernorm.weight", hf_state_dict["model.norm.weight"])
         if not (d.tied_embeddings and pp_rank == 0):
             head = "model.embed_tokens.weight" if d.tied_embeddings else "lm_head.weight"
             if head not in hf_state_dict:
                 raise KeyError(f"{head} missing from the HF state dict (tie_word_embeddings={d.tied_embeddings})")
-            full["output_layer.weight"] = _pad_rows(hf_state_dict[head], vocab)
-    return {name: _shard(name, t, tp_rank, tp_size) for name, t in full.items()}
+            put("output_layer.weight", _pad_rows(hf_state_dict[head], vocab))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ Megatron -> HF

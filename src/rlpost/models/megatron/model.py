@@ -47,12 +47,37 @@ if TYPE_CHECKING:
     from rlpost.config.schema.megatron import MegatronConfig
 
 
-def load_hf_checkpoint(model_dir: str | os.PathLike[str]) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
-    """(HF config, state dict) of a local checkpoint: *.safetensors (single or indexed), else pytorch_model.bin.
+class LazyCheckpoint(Mapping[str, torch.Tensor]):
+    """The tensors of a local safetensors checkpoint, each read from its file when it is asked for and not kept: a
+    rank converting its shard holds one checkpoint tensor at a time, never the whole model."""
+
+    def __init__(self, files: list[str]) -> None:
+        from safetensors import safe_open
+
+        self._where: dict[str, str] = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                self._where.update(dict.fromkeys(f.keys(), file))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self._where[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_hf_checkpoint(model_dir: str | os.PathLike[str]) -> tuple[PretrainedConfig, Mapping[str, torch.Tensor]]:
+    """(HF config, state dict) of a local checkpoint: *.safetensors (single or indexed), read lazily tensor by tensor
+    (LazyCheckpoint), else pytorch_model.bin (memory-mapped).
 
     Never runs checkpoint code (trust_remote_code=False).
     """
-    from safetensors.torch import load_file
     from transformers import AutoConfig
 
     path = os.fspath(model_dir)
@@ -63,12 +88,10 @@ def load_hf_checkpoint(model_dir: str | os.PathLike[str]) -> tuple[PretrainedCon
             files = sorted(set(json.load(f)["weight_map"].values()))
     else:
         files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(os.path.join(path, name)))
     if not files:
-        state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
-    return config, state
+        state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True, mmap=True)
+        return config, state
+    return config, LazyCheckpoint([os.path.join(path, name) for name in files])
 
 
 def _te_available() -> bool:
