@@ -55,7 +55,7 @@ class RayNode:
             except ProcessLookupError:
                 return
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=5)  # a test's node: what has not stopped by then is killed
                 return
             except subprocess.TimeoutExpired:
                 continue

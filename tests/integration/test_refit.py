@@ -73,6 +73,40 @@ def mult_prob_error(policy: Policy, gen_out: BatchedDataDict) -> float:
     return float(torch.exp((lp_train - gen_out["logprobs"]).abs())[mask].mean())
 
 
+class OwnerRecorder:
+    """Wraps a policy's refit export and records, bucket by bucket, the pids of the processes that wrote each of a
+    per-device bucket's shared-memory segments (their names carry the owner's pid)."""
+
+    def __init__(self, policy: Policy, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.owners: list[list[int]] = []
+        real = policy.export_weight_buckets
+        recorder = self
+
+        class Recorded:
+            def __init__(self, buckets: Any) -> None:
+                self.buckets = buckets
+
+            planned = property(lambda self: self.buckets.planned)  # the last bucket ends the refit
+            fingerprint = property(lambda self: self.buckets.fingerprint)
+
+            def __iter__(self) -> Any:
+                from rlpost.distributed.shm_buckets import PREFIX
+
+                for box in self.buckets:
+                    recorder.owners.append([int(d["shm"].removeprefix(PREFIX).split("-")[0]) for d in box["per_rank"]])
+                    yield box
+
+        monkeypatch.setattr(policy, "export_weight_buckets", lambda *a, **k: Recorded(real(*a, **k)))
+
+
+def worker_pids(policy: Policy) -> list[int]:
+    import os
+
+    import ray
+
+    return ray.get([w.__ray_call__.remote(lambda _: os.getpid()) for w in policy.worker_group.workers], timeout=60)
+
+
 LAYOUTS = {
     "colocated": (True, ["policy.dtensor_cfg.tensor_parallel_size=2"]),
     "split": (False, ["policy.dtensor_cfg.tensor_parallel_size=2"]),
@@ -115,8 +149,12 @@ def test_refit_keeps_engine_on_policy_with_tp2(ray_local: None, tiny_model_dir: 
         train_once(policy, out0)
         stale = mult_prob_error(policy, out0)
         assert stale > 1.01  # the weights really changed: the engine is now off-policy
-        took = refit_policy_generation(policy, engine, colocated, "float32")
+        recorder = OwnerRecorder(policy, monkeypatch) if colocated else None
+        took = refit_policy_generation(policy, engine, colocated, "float32", refit_buffer_size_gb=2**16 / 2**30)
         assert took > 0
+        if recorder is not None:  # each rank wrote every bucket into its own segment; replica r read rank r's
+            assert recorder.owners and all(o == worker_pids(policy) for o in recorder.owners), recorder.owners
+            monkeypatch.undo()
         out1 = engine.generate(prompts())
         err = mult_prob_error(policy, out1)
         assert err <= 1.0001, err
@@ -226,7 +264,7 @@ def test_refit_in_small_buckets_never_passes_through_the_driver(
         refit_policy_generation(policy, engine, True, "float32", refit_buffer_size_gb=bucket_gb)
         monkeypatch.setattr(ray, "get", real_get)
         assert exported[0].count >= 3  # the buffer bound really split the model
-        assert exported[0].ipc  # one node: through rank 0's reusable IPC buffer, not the object store
+        assert exported[0].per_device  # one node: through each rank's reusable IPC buffer, not the object store
         assert sum(received) < 0.01 * model_bytes, (sum(received), model_bytes)
         err = mult_prob_error(policy, engine.generate(prompts()))
         assert err <= 1.0001, err
@@ -266,52 +304,3 @@ def test_async_batches_stay_in_the_driver_and_the_buffer_actor_holds_their_recor
     finally:
         ray.kill(buffer)
 
-
-def test_a_colocated_refit_gives_each_engine_the_buckets_of_the_policy_rank_on_its_device(
-        ray_local: None, tiny_model_dir: Path) -> None:
-    """Two policy ranks (DP=2) and two engine replicas share two worker slots: every rank writes each bucket into a
-    buffer of its own (shared memory here, CUDA IPC on its GPU) and the replica on slot r loads rank r's, so no
-    engine reads across devices; both replicas end on the policy's weights."""
-    import os
-
-    import ray
-
-    from rlpost.algorithms.refit import load_buckets
-    from rlpost.distributed.shm_buckets import PREFIX
-
-    pcfg, gcfg = configs(tiny_model_dir, "cluster.gpus_per_node=2")
-    cluster = RayVirtualCluster("refit-pairs", 2, cpus_per_bundle=0.4, max_colocated_worker_groups=2)
-    policy = Policy(cluster, pcfg)
-    engine = VllmGeneration(gcfg, cluster)
-    try:
-        assert policy.dims.dp == 2 and engine.num_replicas == 2
-        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
-        out0 = engine.generate(prompts())
-        train_once(policy, out0)
-        pids = ray.get([w.__ray_call__.remote(lambda _: os.getpid()) for w in policy.worker_group.workers],
-                       timeout=60)
-        buckets = policy.export_weight_buckets("float32", 2**16)  # several buckets: the two slots take turns
-        seen: list[list[int]] = []
-
-        def boxes() -> Any:
-            for box in buckets:
-                owners = [int(d["shm"].removeprefix(PREFIX).split("-")[0]) for d in box["per_rank"]]
-                seen.append(owners)
-                assert [engine._replica_box(box, r)["per_rank"] for r in range(2)] == [[d] for d in box["per_rank"]]
-                yield box
-
-        class Boxes:  # the export's bucket count rides along (the last bucket ends the refit)
-            planned = property(lambda _: buckets.planned)
-            fingerprint = property(lambda _: buckets.fingerprint)
-
-            def __iter__(self) -> Any:
-                return boxes()
-
-        engine.prepare_for_generation()
-        load_buckets(engine, Boxes())  # the fingerprint check: both replicas loaded what rank 0 exported
-        assert len(seen) > 2 and all(owners == pids for owners in seen), (seen, pids)
-        assert mult_prob_error(policy, engine.generate(prompts())) <= 1.0001
-    finally:
-        engine.shutdown()
-        policy.shutdown()
-        cluster.shutdown()
