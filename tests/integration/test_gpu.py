@@ -29,13 +29,30 @@ def _policy(model_dir: Path, *overrides: str):  # noqa: ANN202
     return p
 
 
+def random_batch(n: int = 16, s: int = 12):  # noqa: ANN201
+    """A training batch of `n` random sequences of `s` tokens with random advantages."""
+    from rlpost.distributed.batched_data_dict import BatchedDataDict
+
+    return BatchedDataDict(input_ids=torch.randint(3, 300, (n, s)), input_lengths=torch.full((n,), s),
+                           token_mask=torch.ones(n, s), sample_mask=torch.ones(n),
+                           advantages=torch.randn(n, 1).expand(n, s).clone(), generation_logprobs=torch.zeros(n, s))
+
+
+def train_one_step(policy) -> None:  # noqa: ANN001
+    """A logprob pass and one clipped-PG step on a random batch; the loss is finite and gradients flowed."""
+    from rlpost.algorithms.loss_functions import ClippedPGLossFn
+    from rlpost.config.schema.loss import ClippedPGLossConfig
+
+    data = random_batch()
+    data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
+    out = policy.train(data, ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)))
+    assert torch.isfinite(torch.tensor(out.loss)) and out.grad_norm > 0
+
+
 @pytest.mark.parametrize("backend", ["dtensor", "megatron", "dtensor-lora", "megatron-lora"])
 def test_bf16_training_step_on_gpu(ray_local: None, tiny_model_dir: Path, backend: str) -> None:
     """A bf16 step on each backend; with LoRA the adapters are bf16 beside the frozen base (megatron: in its
     Float16Module and distributed optimizer, which then hold the adapters alone)."""
-    from rlpost.algorithms.loss_functions import ClippedPGLossFn
-    from rlpost.config.schema.loss import ClippedPGLossConfig
-    from rlpost.distributed.batched_data_dict import BatchedDataDict
     from rlpost.distributed.virtual_cluster import RayVirtualCluster
     from rlpost.models.policy.lm_policy import Policy
 
@@ -49,14 +66,7 @@ def test_bf16_training_step_on_gpu(ray_local: None, tiny_model_dir: Path, backen
     cluster = RayVirtualCluster("gpu", 1, use_gpus=True, cpus_per_bundle=1.0)
     policy = Policy(cluster, _policy(tiny_model_dir, *extra), device="cuda")
     try:
-        n, s = 16, 12
-        ids = torch.randint(3, 300, (n, s))
-        data = BatchedDataDict(input_ids=ids, input_lengths=torch.full((n,), s), token_mask=torch.ones(n, s),
-                               sample_mask=torch.ones(n), advantages=torch.randn(n, 1).expand(n, s).clone(),
-                               generation_logprobs=torch.zeros(n, s))
-        data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
-        out = policy.train(data, ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)))
-        assert torch.isfinite(torch.tensor(out.loss)) and out.grad_norm > 0
+        train_one_step(policy)
     finally:
         policy.shutdown()
         cluster.shutdown()
@@ -84,18 +94,13 @@ def test_dtensor_memory_phases_free_the_gpu_and_restore_it(ray_local: None, tiny
     next logprob pass and training step bring them back with the same numbers (issue #11 §4)."""
     from rlpost.algorithms.loss_functions import ClippedPGLossFn
     from rlpost.config.schema.loss import ClippedPGLossConfig
-    from rlpost.distributed.batched_data_dict import BatchedDataDict
     from rlpost.distributed.virtual_cluster import RayVirtualCluster
     from rlpost.models.policy.lm_policy import Policy
 
     cluster = RayVirtualCluster("gpu-mem", 1, use_gpus=True, cpus_per_bundle=1.0)
     policy = Policy(cluster, _policy(tiny_model_dir, "policy.offload_optimizer_for_logprob=true"), device="cuda")
     try:
-        n, s = 16, 12
-        ids = torch.randint(3, 300, (n, s))
-        data = BatchedDataDict(input_ids=ids, input_lengths=torch.full((n,), s), token_mask=torch.ones(n, s),
-                               sample_mask=torch.ones(n), advantages=torch.randn(n, 1).expand(n, s).clone(),
-                               generation_logprobs=torch.zeros(n, s))
+        data = random_batch()
         loss_fn = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0))
         data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
         policy.train(data, loss_fn)

@@ -177,13 +177,9 @@ def test_each_policy_rank_sees_one_gpu_and_local_rank_indexes_it(gpu_head: str, 
 def test_dtensor_v2_tp2_trains_a_step_on_two_gpus(tiny_model_dir: Path) -> None:
     """F6 on real GPUs: policy=dtensor_v2 with TP=2 (transformers' tensor-parallel load, which calls
     torch.cuda.set_device(LOCAL_RANK) in ranks that see one GPU each) builds and trains one bf16 step."""
-    import torch
-
-    from rlpost.algorithms.loss_functions import ClippedPGLossFn
     from rlpost.config.load import load_master_config
-    from rlpost.config.schema.loss import ClippedPGLossConfig
-    from rlpost.distributed.batched_data_dict import BatchedDataDict
     from rlpost.models.policy.lm_policy import Policy
+    from tests.integration.test_gpu import train_one_step
 
     if ray.is_initialized():
         ray.shutdown()
@@ -199,15 +195,7 @@ def test_dtensor_v2_tp2_trains_a_step_on_two_gpus(tiny_model_dir: Path) -> None:
     policy = None
     try:
         policy = Policy(cluster, p, device="cuda")
-        n, s = 16, 12
-        ids = torch.randint(3, 300, (n, s))
-        data = BatchedDataDict(input_ids=ids, input_lengths=torch.full((n,), s), token_mask=torch.ones(n, s),
-                               sample_mask=torch.ones(n), advantages=torch.randn(n, 1).expand(n, s).clone(),
-                               generation_logprobs=torch.zeros(n, s))
-        data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
-        loss: Any = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0))
-        out = policy.train(data, loss)
-        assert torch.isfinite(torch.tensor(out.loss)) and out.grad_norm > 0
+        train_one_step(policy)
     finally:
         if policy is not None:
             policy.shutdown()

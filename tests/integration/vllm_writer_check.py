@@ -12,23 +12,12 @@ import torch
 
 
 def main(model_dir: str) -> None:
-    from safetensors.torch import load_file
-
-    from rlpost.config.schema.generation import VllmConfig
-    from rlpost.models.generation import vllm_generation as vg
-    from rlpost.models.generation.vllm_extension import WRITER_ENV
-    from rlpost.models.generation.vllm_worker import VllmEngineWorker
-
-    cfg = VllmConfig(max_new_tokens=12)
-    os.environ.update(vg.engine_env(cfg.vllm_cfg, False))
-    cfg.vllm_cfg.kv_cache_space_gb = 0.125
-    cfg.vllm_cfg.max_model_len = 128
-    worker = VllmEngineWorker(model_dir, vg.engine_kwargs(cfg, 0, False))
     from vllm import SamplingParams
-    base = [(n, t) for f in sorted(os.listdir(model_dir)) if f.endswith(".safetensors")
-            for n, t in load_file(os.path.join(model_dir, f)).items()]
-    g = torch.Generator().manual_seed(3)
-    new = [(n, t + 0.3 * torch.randn(t.shape, generator=g)) for n, t in base]
+    from vllm_scripts import cpu_engine  # this script's folder is on sys.path
+
+    from rlpost.models.generation.vllm_extension import WRITER_ENV
+
+    worker, base, new = cpu_engine(model_dir, 12, 128, seed=3)
     prompts = [[1, 5, 7, 9, 11, 3], [4, 4, 8, 15, 16, 23, 42], [2, 3]]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
 

@@ -371,7 +371,7 @@ class HFGeneration(GenerationInterface):
 
     def finish_generation(self, **kwargs: object) -> bool:
         """Put a colocated engine to sleep (its model to host memory on a GPU, the state alone on a CPU)."""
-        if self.cfg.colocated.enabled and self.sleep_state.name != "asleep":
+        if self.cfg.colocated.enabled and not self.sleep_state.asleep:
             self.group.run_all("sleep")
             self.sleep_state.slept()
         return True

@@ -41,11 +41,16 @@ class SleepState:
         return self.weights and self.kv_cache
 
     @property
+    def asleep(self) -> bool:
+        """Weights and KV cache are both asleep."""
+        return not (self.weights or self.kv_cache)
+
+    @property
     def name(self) -> str:
         """The state in words: "awake", "asleep", or which part is awake."""
         if self.awake:
             return "awake"
-        if not (self.weights or self.kv_cache):
+        if self.asleep:
             return "asleep"
         return "weights awake, KV cache asleep" if self.weights else "KV cache awake, weights asleep"
 

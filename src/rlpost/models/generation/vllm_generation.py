@@ -390,7 +390,7 @@ class VllmGeneration(GenerationInterface):
         """Put a colocated engine to sleep (level 1: weights offloaded and KV cache dropped on a GPU, the state alone
         on a CPU); an engine on workers of its own stays awake. Cached prefixes stay valid until the weights change,
         and every refit path drops them as it ends (`end_refit`, `_after_refit`)."""
-        if self.cfg.colocated.enabled and self.sleep_state.name != "asleep":
+        if self.cfg.colocated.enabled and not self.sleep_state.asleep:
             self._all("sleep", 1)
             self.sleep_state.slept()
         return True

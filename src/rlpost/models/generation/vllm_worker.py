@@ -297,7 +297,7 @@ class VllmEngineWorker:
     def sleep(self, level: int = 1) -> bool:
         """Release the device for training: on a GPU, level 1 offloads the weights to host memory and drops the KV
         cache (vLLM's sleep mode); on a CPU only the state changes."""
-        if self.sleep_state.name == "asleep":
+        if self.sleep_state.asleep:
             return True
         self.reset_prefix_cache()
         if self.device == "cuda":
@@ -357,7 +357,8 @@ class VllmEngineWorker:
 
     def load_bucket(self, box: RefitBucket, corrupt: str | None = None, last: bool = False) -> dict[str, str]:
         """Load one refit bucket (`box`: the descriptors of the policy ranks on this replica's devices, a shared-memory
-        or CUDA IPC descriptor, or [ref] in the object store); per-tensor digests. `last`: the refit's final bucket, so `end_refit` runs in the same call."""
+        or CUDA IPC descriptor, or [ref] in the object store); per-tensor digests. `last`: the refit's final bucket,
+        so `end_refit` runs in the same call."""
         from rlpost.distributed.bucket_layout import CudaIpcBucket, PerDeviceBuckets, is_per_device
         from rlpost.distributed.cuda_ipc_buckets import is_cuda_ipc
         from rlpost.distributed.shm_buckets import read_bucket

@@ -12,7 +12,7 @@ def test_an_engine_starts_awake_and_sleeps_whole() -> None:
     assert s.awake and s.name == "awake"
     s.require_awake("vLLM replica 0")
     s.slept()
-    assert not s.awake and s.name == "asleep"
+    assert not s.awake and s.asleep and s.name == "asleep"
 
 
 def test_a_refit_wakes_the_weights_then_the_kv_cache() -> None:
@@ -20,7 +20,7 @@ def test_a_refit_wakes_the_weights_then_the_kv_cache() -> None:
     s.slept()
     assert s.to_wake(["weights"]) == ["weights"]
     s.woke(["weights"])
-    assert s.name == "weights awake, KV cache asleep" and not s.awake
+    assert s.name == "weights awake, KV cache asleep" and not s.awake and not s.asleep
     assert s.to_wake(None) == ["kv_cache"]  # what is awake already is not woken twice
     s.woke(s.to_wake(["kv_cache"]))
     assert s.awake and s.to_wake(None) == []
