@@ -68,9 +68,9 @@ DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = (
     "dynamic_sampling_num_discarded_valid_samples",
     "dynamic_sampling_num_gen_batches",
 )
-# Metrics each built-in loss returns (rlpost.algorithms.loss_functions), logged as train/<name>.
+# Metrics each built-in loss returns (rlpost.losses.clipped_pg), logged as train/<name>.
 LOSS_METRICS: dict[str, tuple[str, ...]] = {
-    "rlpost.algorithms.loss_functions.ClippedPGLossFn": (
+    "rlpost.losses.clipped_pg.ClippedPGLossFn": (
         "loss",
         "probs_ratio",
         "probs_ratio_clamped",
@@ -83,12 +83,12 @@ LOSS_METRICS: dict[str, tuple[str, ...]] = {
         "num_valid_samples",
         "approx_entropy",
     ),
-    "rlpost.algorithms.loss_functions.NLLLoss": ("loss", "token_accuracy", "num_unmasked_tokens",
+    "rlpost.losses.clipped_pg.NLLLoss": ("loss", "token_accuracy", "num_unmasked_tokens",
                                                  "num_valid_samples"),
-    "rlpost.algorithms.preference_losses.DPOLossFn": ("loss", "preference_loss", "sft_loss", "kl_to_reference",
+    "rlpost.losses.preference.DPOLossFn": ("loss", "preference_loss", "sft_loss", "kl_to_reference",
                                                       "accuracy", "rewards_chosen_mean", "rewards_rejected_mean",
                                                       "reward_margin", "num_valid_samples"),
-    "rlpost.algorithms.preference_losses.PreferenceLoss": ("loss", "accuracy", "rewards_chosen_mean",
+    "rlpost.losses.preference.PreferenceLoss": ("loss", "accuracy", "rewards_chosen_mean",
                                                            "rewards_rejected_mean", "reward_margin",
                                                            "num_valid_samples"),
 }

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from rlpost.algorithms.grpo_setup import _checkpoint_load_failure
-from rlpost.algorithms.loss_functions import ClippedPGLossFn
 from rlpost.config.load import load_master_config
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import WorkerGroupError
+from rlpost.losses.clipped_pg import ClippedPGLossFn
 from rlpost.models.policy.lm_policy import Policy
 from tests.pickles import plant
 

@@ -12,13 +12,13 @@ import pytest
 import ray
 import torch
 
-from rlpost.algorithms.loss_functions import ClippedPGLossFn
 from rlpost.config.load import load_master_config
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.policy import PolicyConfig, PytorchOptimizerConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import WorkerGroupError
+from rlpost.losses.clipped_pg import ClippedPGLossFn
 from rlpost.models.policy.interfaces import TrainResult
 from rlpost.models.policy.lm_policy import Policy
 

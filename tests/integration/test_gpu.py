@@ -40,8 +40,8 @@ def random_batch(n: int = 16, s: int = 12):  # noqa: ANN201
 
 def train_one_step(policy) -> None:  # noqa: ANN001
     """A logprob pass and one clipped-PG step on a random batch; the loss is finite and gradients flowed."""
-    from rlpost.algorithms.loss_functions import ClippedPGLossFn
     from rlpost.config.schema.loss import ClippedPGLossConfig
+    from rlpost.losses.clipped_pg import ClippedPGLossFn
 
     data = random_batch()
     data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
@@ -92,9 +92,9 @@ def test_grpo_on_gpu_with_cuda_vllm(tmp_path: Path, lora: list[str]) -> None:
 def test_dtensor_memory_phases_free_the_gpu_and_restore_it(ray_local: None, tiny_model_dir: Path) -> None:
     """offload_before_refit / offload_after_refit move the optimizer state and then the model off the GPU; the
     next logprob pass and training step bring them back with the same numbers (issue #11 §4)."""
-    from rlpost.algorithms.loss_functions import ClippedPGLossFn
     from rlpost.config.schema.loss import ClippedPGLossConfig
     from rlpost.distributed.virtual_cluster import RayVirtualCluster
+    from rlpost.losses.clipped_pg import ClippedPGLossFn
     from rlpost.models.policy.lm_policy import Policy
 
     cluster = RayVirtualCluster("gpu-mem", 1, use_gpus=True, cpus_per_bundle=1.0)

@@ -41,8 +41,8 @@ def _batch(seed: int = 0) -> object:
 
 
 def _pg_loss() -> object:
-    from rlpost.algorithms.loss_functions import ClippedPGLossFn
     from rlpost.config.schema.loss import ClippedPGLossConfig
+    from rlpost.losses.clipped_pg import ClippedPGLossFn
 
     return ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0))
 
@@ -82,8 +82,8 @@ def test_bf16_megatron_critic_learns(ray_local: None, tiny_model_dir: Path) -> N
     """PPO's critic on Megatron in bf16 (Float16Module, the mixed-precision optimizer): the value head reads the bf16
     hidden states, and a few steps fit fixed returns."""
     from rlpost.algorithms.side_groups import with_lr
-    from rlpost.algorithms.value_loss import ClippedValueLossFn
     from rlpost.distributed.virtual_cluster import RayVirtualCluster
+    from rlpost.losses.value import ClippedValueLossFn
     from rlpost.models.policy.lm_policy import Policy
 
     cfg = dataclasses.replace(_policy(tiny_model_dir, "policy=megatron", "policy.precision=bfloat16"),

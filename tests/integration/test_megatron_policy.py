@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from rlpost.algorithms.loss_functions import ClippedPGLossFn
 from rlpost.config.errors import ConfigError
 from rlpost.config.load import load_master_config
 from rlpost.config.schema.loss import ClippedPGLossConfig
@@ -26,6 +25,7 @@ from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.ports import free_port
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import WorkerGroupError
+from rlpost.losses.clipped_pg import ClippedPGLossFn
 from rlpost.models.policy.interfaces import TrainResult
 from rlpost.models.policy.lm_policy import Policy
 
@@ -392,7 +392,7 @@ def test_teacher_topk_equals_dtensor_and_the_critic_learns(layout: str, ray_loca
     """A distillation teacher on Megatron scores as the DTensor one does; a Megatron critic (value head in place of
     the output layer) gives [B, S] values and fits fixed returns."""
     from rlpost.algorithms.side_groups import with_lr
-    from rlpost.algorithms.value_loss import ClippedValueLossFn
+    from rlpost.losses.value import ClippedValueLossFn
 
     data = make_batch(seed=3)
     dt = build(built, dataclasses.replace(policy_cfg(tiny_model_dir, 1, megatron=False), generation=None), 1,

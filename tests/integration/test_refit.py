@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from rlpost.algorithms.loss_functions import ClippedPGLossFn
 from rlpost.algorithms.refit import init_refit_collective, refit_policy_generation
 from rlpost.config.load import load_master_config
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.policy import PytorchOptimizerConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import ClusterResourceError, RayVirtualCluster
+from rlpost.losses.clipped_pg import ClippedPGLossFn
 from rlpost.models.fingerprint import FingerprintMismatch
 from rlpost.models.generation.vllm_generation import VllmGeneration
 from rlpost.models.policy.lm_policy import Policy

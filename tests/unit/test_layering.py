@@ -2,10 +2,10 @@
 
 Order, left to right:
 
-    config → runtime → data → distributed → ops → environments → models → algorithms → app → report → launch → cli
+    config → runtime → data → distributed → ops → losses → environments → models → algorithms → app → report → launch → cli
 
 `runtime/` holds the run-time services every layer may use (console lines, the run log, `_target_`
-resolution, timers, checkpoint files, metrics); `ops/` the tensor ops shared by workers and losses;
+resolution, timers, checkpoint files, metrics); `ops/` the tensor ops shared by workers and losses; `losses/` every loss and the interface the workers call it through;
 "app" is every module directly under `rlpost/` (train, runner, preflight, plan, ...) but `cli`, the console script
 that dispatches to all of them, `report/` (`rlpost report`, which reads what the app wrote) and `launch/` (`rlpost
 launch`) included. Every
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "rlpost"
-ORDER = ["config", "runtime", "data", "distributed", "ops", "environments", "models", "algorithms", "app", "report",
+ORDER = ["config", "runtime", "data", "distributed", "ops", "losses", "environments", "models", "algorithms", "app", "report",
          "launch", "cli"]
 
 
@@ -110,7 +110,7 @@ def test_config_imports_nothing_heavy() -> None:
 def test_interfaces_modules_are_leaves(interfaces: Path) -> None:
     # A leaf names only data types: config schemas, the batch container, other interfaces.
     module = _module(interfaces)
-    allowed = ("rlpost.config", "rlpost.distributed.batched_data_dict", "rlpost.ops.loss_interface")
+    allowed = ("rlpost.config", "rlpost.distributed.batched_data_dict", "rlpost.losses.interface")
     deps = [t for m, t, _ in EDGES
             if m == module and not t.startswith(allowed) and not t.endswith(".interfaces")]
     assert not deps, f"{module} imports {deps}"

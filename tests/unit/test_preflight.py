@@ -200,11 +200,11 @@ def test_metric_name_no_step_logs() -> None:
 def test_metric_names_match_what_a_step_logs() -> None:
     """The lists in preflight follow grpo._step_metrics, rollouts.score and the built-in losses."""
     from rlpost.algorithms.grpo import _step_metrics
-    from rlpost.algorithms.loss_functions import ClippedPGLossFn, NLLLoss
     from rlpost.algorithms.rollouts import score
     from rlpost.config.schema.loss import ClippedPGLossConfig
     from rlpost.distributed.batched_data_dict import BatchedDataDict
     from rlpost.environments.interfaces import EnvironmentReturn
+    from rlpost.losses.clipped_pg import ClippedPGLossFn, NLLLoss
     from rlpost.models.policy.interfaces import TrainResult
 
     b, s, v = 2, 4, 5
@@ -216,7 +216,7 @@ def test_metric_names_match_what_a_step_logs() -> None:
     n = torch.tensor(float(b * (s - 1)))
     for loss_fn, target in ((ClippedPGLossFn(ClippedPGLossConfig()), "ClippedPGLossFn"), (NLLLoss(), "NLLLoss")):
         _, loss_metrics = loss_fn(torch.zeros(b, s, v), data, torch.tensor(float(b)), n)
-        assert set(loss_metrics) == set(LOSS_METRICS[f"rlpost.algorithms.loss_functions.{target}"]), target
+        assert set(loss_metrics) == set(LOSS_METRICS[f"rlpost.losses.clipped_pg.{target}"]), target
 
     env = SimpleNamespace(step=lambda responses, rows: EnvironmentReturn(rewards=[1.0] * len(rows)), cfg=None)
     rewards, reward_metrics = score(["a", "b"], [{"env_name": "e"}, {"env_name": "e"}], {"e": env})

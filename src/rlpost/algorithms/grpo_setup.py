@@ -29,9 +29,9 @@ from rlpost.distributed.start_gate import StartGate
 from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
 from rlpost.distributed.worker_groups import WorkerGroupError
 from rlpost.environments.interfaces import EnvironmentInterface
+from rlpost.losses.interface import LossFunction
 from rlpost.models.generation.interfaces import GenerationInterface
 from rlpost.models.policy.interfaces import ColocatablePolicyInterface
-from rlpost.ops.loss_interface import LossFunction
 from rlpost.runtime import console as say
 from rlpost.runtime.build import build
 from rlpost.runtime.checkpointing import (

@@ -1,8 +1,8 @@
 """Loss interfaces at NeMo RL's path (`nemo_rl.algorithms.interfaces`): `LossType`, `LossFunction`.
 
-They live in `rlpost.ops.loss_interface`, below the workers that call them; this module re-exports them.
+They live in `rlpost.losses.interface`, below the workers that call them; this module re-exports them.
 """
 
-from rlpost.ops.loss_interface import LossFunction, LossType
+from rlpost.losses.interface import LossFunction, LossType
 
 __all__ = ["LossFunction", "LossType"]

@@ -23,10 +23,10 @@ from rlpost.algorithms.grpo import GRPO, logprobs, loop_parts, step_result, trai
 from rlpost.algorithms.grpo_setup import GRPOComponents, kl_in_reward
 from rlpost.algorithms.loop import StepLoop, StepResult
 from rlpost.algorithms.prepare import training_tensors
-from rlpost.algorithms.value_loss import ClippedValueLossFn
 from rlpost.config.schema.ppo import PPOConfig
 from rlpost.data.rows import PromptRow
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.losses.value import ClippedValueLossFn
 from rlpost.models.policy.interfaces import TrainResult
 from rlpost.models.policy.lm_policy import Policy
 from rlpost.runtime.timer import Timer

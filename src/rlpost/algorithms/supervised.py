@@ -38,8 +38,8 @@ from rlpost.data.prompts import load_tokenizer
 from rlpost.data.supervised_rows import ConversationTokenizer, Tokenized, load_supervised_rows, tokenize_rows
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
+from rlpost.losses.interface import LossFunction
 from rlpost.models.policy.interfaces import ColocatablePolicyInterface, TrainResult
-from rlpost.ops.loss_interface import LossFunction
 from rlpost.runtime import console as say
 from rlpost.runtime.build import build
 from rlpost.runtime.checkpointing import CheckpointManager, model_fingerprint

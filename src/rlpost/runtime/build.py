@@ -150,7 +150,7 @@ def verify_targets(cfg: object) -> None:
 TARGET_KINDS: dict[str, tuple[str, str]] = {
     "policy._target_": ("rlpost.models.policy.interfaces.PolicyWorker", "policy worker"),
     "policy.generation._target_": ("rlpost.models.generation.interfaces.GenerationInterface", "rollout engine"),
-    "loss_fn._target_": ("rlpost.ops.loss_interface.LossFunction", "loss"),
+    "loss_fn._target_": ("rlpost.losses.interface.LossFunction", "loss"),
     "env.*._target_": ("rlpost.environments.interfaces.EnvironmentInterface", "reward environment"),
 }
 """What the class a `_target_` key names must be: (the interface it subclasses or implements, a short name)."""

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlpost.algorithms.gae import explained_variance, gae, masked_whiten, token_rewards
-from rlpost.algorithms.value_loss import ClippedValueLossFn
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.losses.value import ClippedValueLossFn
 
 
 def _random_batch(seed: int, b: int = 12, s: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from rlpost.algorithms.loss_functions import ClippedPGLossFn
 from rlpost.algorithms.multi_turn import (
     TurnSettings,
     run_async_multi_turn_rollout,
@@ -22,6 +21,7 @@ from rlpost.algorithms.train_data import build_train_data
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from rlpost.losses.clipped_pg import ClippedPGLossFn
 
 PAD = 0
 

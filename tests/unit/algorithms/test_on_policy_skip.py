@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlpost.algorithms.loss_functions import ClippedPGLossFn, NLLLoss
 from rlpost.config.layout import prev_logprobs_pass
 from rlpost.config.load import load_master_config
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.losses.clipped_pg import ClippedPGLossFn, NLLLoss
 from rlpost.plan import plan_rows
 
 B, S, V, H = 6, 10, 17, 16

@@ -218,7 +218,7 @@ GOOD = [
     "torch.optim.AdamW",
     "torch.optim.Adafactor",
     "torch.optim.lr_scheduler.ConstantLR",
-    "rlpost.algorithms.loss_functions.ClippedPGLossFn",
+    "rlpost.losses.clipped_pg.ClippedPGLossFn",
     "rlpost.runtime.build.ConfigError",  # re-exported inside rlpost: allowed
     "rlpost.environments.synthetic.SyntheticEnvironment",
 ]

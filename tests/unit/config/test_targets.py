@@ -73,7 +73,7 @@ def test_every_shipped_target_is_of_its_kind(key: str) -> None:
      "is not a rollout engine class"),
     ("policy.generation._target_", "rlpost.models.generation.interfaces.GenerationInterface", "is abstract"),
     ("loss_fn._target_", "rlpost.data.dataloader.PromptLoader", "it has no __call__"),
-    ("env.math._target_", "rlpost.algorithms.loss_functions.NLLLoss", "is not a reward environment class"),
+    ("env.math._target_", "rlpost.losses.clipped_pg.NLLLoss", "is not a reward environment class"),
 ])
 def test_a_target_of_the_wrong_kind_is_refused(key: str, target: str, rule: str) -> None:
     from rlpost.config.errors import ConfigError

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlpost.algorithms.loss_functions import ClippedPGLossFn
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.ports import free_port
+from rlpost.losses.clipped_pg import ClippedPGLossFn
 from rlpost.ops.logprobs import logprobs_from_logits, vocab_parallel_logprobs
 
 B, S, V = 3, 7, 10

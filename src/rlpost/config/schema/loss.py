@@ -11,7 +11,7 @@ from rlpost.config.errors import ConfigError, non_negative, one_of, positive, re
 class LossConfig:
     """Base of every loss config: the loss class to build."""
 
-    _target_: str = "rlpost.algorithms.loss_functions.ClippedPGLossFn"
+    _target_: str = "rlpost.losses.clipped_pg.ClippedPGLossFn"
     """Loss class, built by rlpost.runtime.build with this config."""
 
     def check(self, path: str) -> None:
@@ -52,7 +52,7 @@ class ClippedPGLossConfig(LossConfig):
     """rho = exp(lp - sg(lp)) = 1 and no prev-logprobs forward pass. Automatic (and exact) when the
     rollout batch is one optimizer step; set it to force the approximation with several steps."""
     distillation_kl_coef: float = 0.0
-    """Add this times the reverse KL to a teacher on its top-k tokens (rlpost.algorithms.distillation_loss) to the
+    """Add this times the reverse KL to a teacher on its top-k tokens (rlpost.losses.distillation) to the
     loss; needs a teacher (`distillation=teacher distillation.teacher.model_path=...`). 0 = none."""
 
     def check(self, path: str) -> None:
@@ -93,7 +93,7 @@ class DistillationLossConfig(LossConfig):
     """On-policy distillation's loss (`loss=distillation`, algo=distillation): the per-token KL between the student
     and the teacher on the teacher's top-k tokens (NeMo RL's DistillationLossFn names)."""
 
-    _target_: str = "rlpost.algorithms.distillation_loss.DistillationLossFn"
+    _target_: str = "rlpost.losses.distillation.DistillationLossFn"
     """Loss class."""
     kl_type: str = "reverse"
     """'reverse' (KL(student || teacher), on-policy distillation's), 'forward' or 'mixed'."""
@@ -110,7 +110,7 @@ class DistillationLossConfig(LossConfig):
 class NLLLossConfig(LossConfig):
     """Token-level negative log-likelihood (SFT)."""
 
-    _target_: str = "rlpost.algorithms.loss_functions.NLLLoss"
+    _target_: str = "rlpost.losses.clipped_pg.NLLLoss"
     """Loss class."""
 
 
@@ -119,7 +119,7 @@ class DPOLossConfig(LossConfig):
     """NeMo RL's DPO loss (`loss=dpo`, algo=dpo): w_p * -log sigmoid(beta * (r_chosen - r_rejected)) + w_s * NLL of
     the chosen response, with the implicit reward r = sum (or mean) over response tokens of (lp - lp_ref)."""
 
-    _target_: str = "rlpost.algorithms.preference_losses.DPOLossFn"
+    _target_: str = "rlpost.losses.preference.DPOLossFn"
     """Loss class."""
     reference_policy_kl_penalty: float = 0.05
     """beta: the strength of the implicit KL to the reference policy."""
@@ -144,5 +144,5 @@ class DPOLossConfig(LossConfig):
 class PreferenceLossConfig(LossConfig):
     """Bradley-Terry loss of a reward model (`loss=preference`, algo=rm): -log sigmoid(s_chosen - s_rejected)."""
 
-    _target_: str = "rlpost.algorithms.preference_losses.PreferenceLoss"
+    _target_: str = "rlpost.losses.preference.PreferenceLoss"
     """Loss class."""

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from rlpost.config.schema.megatron import MegatronConfig
     from rlpost.distributed.batched_data_dict import BatchedDataDict
-    from rlpost.ops.loss_interface import LossFunction, VocabParallelArgs
+    from rlpost.losses.interface import LossFunction, VocabParallelArgs
 
 LossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 """megatron schedule's loss_func: output -> (loss, token count, metrics to report)."""

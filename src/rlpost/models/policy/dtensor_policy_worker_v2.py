@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from rlpost.config.layout import fsdp_needed
+from rlpost.losses.interface import VocabParallelArgs
 from rlpost.models.dtensor.parallelize import DTYPES, decoder_layers
 from rlpost.models.dtensor.shard_loading import build_sharded
 from rlpost.models.policy.dtensor_worker_base import DTensorWorkerBase
-from rlpost.ops.loss_interface import VocabParallelArgs
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

@@ -29,6 +29,7 @@ from rlpost.data.packing import PackedSequences
 from rlpost.distributed.batched_data_dict import BatchedDataDict, PackedMicroBatch
 from rlpost.distributed.collective_device import all_reduce
 from rlpost.distributed.start_gate import StartGate
+from rlpost.losses.interface import LossFunction, VocabParallelArgs
 from rlpost.models.dtensor import lora
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
@@ -37,11 +38,10 @@ from rlpost.models.policy.memory_phases import OffloadState, cuda_memory_stats
 from rlpost.models.policy.optim import build_optimizer, build_scheduler
 from rlpost.models.policy.train_parts import Parts, PartsLoss, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
-from rlpost.ops.loss_interface import LossFunction, VocabParallelArgs
 from rlpost.runtime.gc_heap import import_frozen
 
 if TYPE_CHECKING:
-    from rlpost.ops.packed_loss import SequencePackingLossWrapper
+    from rlpost.losses.packed import SequencePackingLossWrapper
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -358,7 +358,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         rows = rows.to(self.device)
         fn: LossFunction | SequencePackingLossWrapper = loss_fn
         if pk is not None:
-            from rlpost.ops.packed_loss import SequencePackingLossWrapper
+            from rlpost.losses.packed import SequencePackingLossWrapper
 
             fn = SequencePackingLossWrapper(loss_fn, pk.cu_seqlens, pk.cu_seqlens_padded)
         loss, metrics = fn(logits, rows, gs, gt, **self._vp_kwargs())

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from rlpost.distributed.batched_data_dict import BatchedDataDict
-    from rlpost.ops.loss_interface import LossFunction
+    from rlpost.losses.interface import LossFunction
 
 
 class GlobalBatchesResult(TypedDict):

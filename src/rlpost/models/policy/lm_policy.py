@@ -19,6 +19,7 @@ from rlpost.distributed.microbatching import DynamicBatchingArgs, SequencePackin
 from rlpost.distributed.start_gate import StartGate
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
 from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
+from rlpost.losses.interface import LossFunction
 from rlpost.models.policy.interfaces import (
     ColocatablePolicyInterface,
     StagedExport,
@@ -26,7 +27,6 @@ from rlpost.models.policy.interfaces import (
     WeightBuckets,
     WorkerTrainResult,
 )
-from rlpost.ops.loss_interface import LossFunction
 from rlpost.runtime.build import resolve
 
 if TYPE_CHECKING:

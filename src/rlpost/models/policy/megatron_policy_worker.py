@@ -61,11 +61,11 @@ from rlpost.config.errors import ConfigError
 from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.start_gate import StartGate
+from rlpost.losses.interface import LossFunction, VocabParallelArgs
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
 from rlpost.models.policy.interfaces import WorkerTrainResult
 from rlpost.models.policy.train_parts import Parts, PartsLoss, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
-from rlpost.ops.loss_interface import LossFunction, VocabParallelArgs
 from rlpost.runtime.gc_heap import import_frozen
 
 if TYPE_CHECKING:

@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.collective_device import all_reduce
+from rlpost.losses.interface import LossFunction
 from rlpost.models.policy.global_batches import add_mb_metrics, local_valid_counts
 from rlpost.models.policy.interfaces import GlobalBatchesResult, WorkerTrainResult
-from rlpost.ops.loss_interface import LossFunction
 
 
 class PartsLoss(LossFunction, Protocol):

@@ -1,16 +1,16 @@
 """On-policy distillation's loss (algo=distillation): `DistillationLossFn`, the token mean over the global batch of
-the KL to the teacher (rlpost.algorithms.teacher_kl) on the student's own samples."""
+the KL to the teacher (rlpost.losses.teacher_kl) on the student's own samples."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from rlpost.algorithms.loss_functions import LossConfigLike, _coerce_config
-from rlpost.algorithms.teacher_kl import teacher_kl
 from rlpost.config.schema.loss import DistillationLossConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.ops.loss_interface import LossType
+from rlpost.losses.clipped_pg import LossConfigLike, _coerce_config
+from rlpost.losses.interface import LossType
+from rlpost.losses.teacher_kl import teacher_kl
 
 _EPS = 1e-8
 

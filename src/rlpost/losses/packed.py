@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from rlpost.ops.loss_interface import LossFunction, LossType
+from rlpost.losses.interface import LossFunction, LossType
 
 if TYPE_CHECKING:
     from rlpost.distributed.batched_data_dict import BatchedDataDict

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.ops.loss_interface import LossType
+from rlpost.losses.interface import LossType
 
 _EPS = 1e-8
 

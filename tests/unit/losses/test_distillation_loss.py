@@ -1,4 +1,4 @@
-"""The distillation KL (rlpost.algorithms.distillation_loss) against a plain-Python computation, and GRPO's add-on
+"""The distillation KL (rlpost.losses.distillation) against a plain-Python computation, and GRPO's add-on
 term (loss_fn.distillation_kl_coef)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from rlpost.algorithms.distillation_loss import DistillationLossFn
-from rlpost.algorithms.loss_functions import ClippedPGLossFn
-from rlpost.algorithms.teacher_kl import topk_kl
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.losses.clipped_pg import ClippedPGLossFn
+from rlpost.losses.distillation import DistillationLossFn
+from rlpost.losses.teacher_kl import topk_kl
 
 
 def _reference(student_logits: list[float], indices: list[int], teacher_lp: list[float], kl_type: str,

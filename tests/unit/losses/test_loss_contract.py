@@ -6,9 +6,9 @@ import inspect
 
 import pytest
 
-from rlpost.algorithms.loss_functions import ClippedPGLossFn, NLLLoss
-from rlpost.ops.loss_interface import LossFunction
-from rlpost.ops.packed_loss import SequencePackingLossWrapper
+from rlpost.losses.clipped_pg import ClippedPGLossFn, NLLLoss
+from rlpost.losses.interface import LossFunction
+from rlpost.losses.packed import SequencePackingLossWrapper
 
 
 @pytest.mark.parametrize("loss", [ClippedPGLossFn, NLLLoss, SequencePackingLossWrapper], ids=lambda c: c.__name__)

@@ -1,6 +1,6 @@
 """The per-token KL between a student and a distillation teacher on the teacher's top-k tokens (or the whole
 vocabulary): `topk_kl`, and `teacher_kl`, its token mean over a micro-batch, which on-policy distillation's loss
-(rlpost.algorithms.distillation_loss) and GRPO's add-on term (loss_fn.distillation_kl_coef) use.
+(rlpost.losses.distillation) and GRPO's add-on term (loss_fn.distillation_kl_coef) use.
 
 The teacher's part of the batch (rlpost.algorithms.teacher) is aligned like a logprob: position t holds the
 distribution that emits token t, as `teacher_topk_indices` [B, S, k] and the teacher's full-vocabulary log-softmax at

@@ -8,11 +8,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from rlpost.algorithms.loss_functions import ClippedPGLossFn, NLLLoss
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.data.packing import pack_tensor
 from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.ops.packed_loss import SequencePackingLossWrapper
+from rlpost.losses.clipped_pg import ClippedPGLossFn, NLLLoss
+from rlpost.losses.packed import SequencePackingLossWrapper
 
 B, S, V = 8, 14, 11
 

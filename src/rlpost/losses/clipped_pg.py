@@ -6,7 +6,7 @@ m = token_mask * sample_mask. Losses and metrics are normalised by the GLOBAL co
 the SUM over micro-batches and ranks. `ClippedPGLossFn.__call__` computes, in numbered steps: the KL penalty
 to the reference (k1/k2/k3, clamped), the ratio and its clipped version (per token, or per sequence for GSPO),
 the pessimistic surrogate with optional dual clip, the train/inference importance weights (optionally
-truncated), then loss = reduce(w * surrogate) + KL. tests/unit/algorithms/test_loss_functions.py holds the
+truncated), then loss = reduce(w * surrogate) + KL. tests/unit/losses/test_loss_functions.py holds the
 formulas term by term and checks them against NeMo RL's to 1e-7.
 """
 
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, TypeAlias, TypeVar
 import torch
 import torch.distributed as dist
 
-from rlpost.algorithms.teacher_kl import teacher_kl
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig, NLLLossConfig
+from rlpost.losses.interface import LossType
+from rlpost.losses.teacher_kl import teacher_kl
 from rlpost.ops.logprobs import next_token_logprobs
-from rlpost.ops.loss_interface import LossType
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlpost.algorithms.loss_functions import LossConfigLike, _coerce_config, _slice_inputs, masked_mean
 from rlpost.config.schema.loss import DPOLossConfig, PreferenceLossConfig
-from rlpost.ops.loss_interface import LossType
+from rlpost.losses.clipped_pg import LossConfigLike, _coerce_config, _slice_inputs, masked_mean
+from rlpost.losses.interface import LossType
 
 if TYPE_CHECKING:
     from rlpost.distributed.batched_data_dict import BatchedDataDict

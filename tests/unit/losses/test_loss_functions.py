@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from rlpost.algorithms.interfaces import LossFunction, LossType
-from rlpost.algorithms.loss_functions import ClippedPGLossFn, NLLLoss
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.loss import ClippedPGLossConfig, NLLLossConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.losses.clipped_pg import ClippedPGLossFn, NLLLoss
 
 V = 4
 EPS = 1e-8

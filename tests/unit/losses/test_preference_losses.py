@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from rlpost.algorithms.loss_functions import NLLLoss
-from rlpost.algorithms.preference_losses import DPOLossFn, PreferenceLoss
 from rlpost.config.schema.loss import DPOLossConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.losses.clipped_pg import NLLLoss
+from rlpost.losses.preference import DPOLossFn, PreferenceLoss
 
 B, S, V = 6, 7, 11  # three pairs
 
