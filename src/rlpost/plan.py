@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from rlpost.config.algorithms import rollout_plan_rows
 from rlpost.config.device_defaults import run_device
 from rlpost.config.layout import (
     IPC_BUFFERS,
@@ -16,7 +17,6 @@ from rlpost.config.layout import (
 )
 from rlpost.config.lora_params import describe as describe_parameters
 from rlpost.config.lora_params import is_megatron, model_shape, parameter_counts
-from rlpost.config.schema.loss import ClippedPGLossConfig, DistillationLossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 
@@ -94,8 +94,7 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
                                            is_megatron(p.lora_settings("policy")[0]))),
         ("rollout engine", engine),
         ("loss", cfg.loss_fn._target_.rsplit(".", 1)[-1]),
-        *_ppo_rows(cfg, lay),
-        *_teacher_rows(cfg, lay),
+        *rollout_plan_rows(cfg, lay.train_world),
         ("device", _device(cfg.cluster.device)),
         ("precision", _precision(cfg)),
         *([("engine execution", mode)] if (mode := _execution(cfg)) else []),
@@ -140,39 +139,6 @@ def _execution(cfg: MasterConfig) -> str | None:
     if eager is None:
         return None
     return "eager (vllm_cfg.enforce_eager=true)" if eager else "CUDA graphs (vllm_cfg.enforce_eager=false)"
-
-
-def _ppo_rows(cfg: MasterConfig, lay: Layout) -> list[tuple[str, str]]:
-    """algo=ppo: where the critic runs and how the advantages are made."""
-    ppo, c = cfg.ppo, cfg.critic
-    if ppo is None or c is None:
-        return []
-    where = (f"on the policy's {lay.train_world} worker slot(s), beside it" if c.colocated else
-             f"{c.num_workers or lay.train_world} worker(s) of its own")
-    body = c.model_name or "the policy's model"
-    kl = f", minus {ppo.kl_in_reward} x KL to the reference per token" if ppo.kl_in_reward else ""
-    warm = f"; the policy trains from step {ppo.critic_warmup_steps + 1}" if ppo.critic_warmup_steps else ""
-    return [
-        ("critic", f"{body} with a value head, lr {c.lr}, {where}; value clip {ppo.value_clip}{warm}"),
-        ("advantages", f"GAE (gamma {ppo.gamma}, lambda {ppo.lam}) on the reward at the last response token{kl}"
-                       + ("; whitened over the step's batch" if ppo.whiten_advantages else "")),
-    ]
-
-
-def _teacher_rows(cfg: MasterConfig, lay: Layout) -> list[tuple[str, str]]:
-    """A distillation teacher: which model, where it runs, what the KL is taken over."""
-    d = cfg.distillation
-    if d is None:
-        return []
-    t = d.teacher
-    where = (f"on the policy's {lay.train_world} worker slot(s), beside it" if t.colocated else
-             f"{t.num_workers or lay.train_world} worker(s) of its own")
-    over = "the whole vocabulary" if d.topk_logits_k is None else f"its top {d.topk_logits_k} tokens per position"
-    kind = cfg.loss_fn.kl_type if isinstance(cfg.loss_fn, DistillationLossConfig) else "reverse"
-    coef = cfg.loss_fn.distillation_kl_coef if isinstance(cfg.loss_fn, ClippedPGLossConfig) else 0.0
-    use = f"{coef} x the KL added to the policy-gradient loss" if coef else "the loss"
-    return [("teacher", f"{t.model_path}, scoring each sampled token, never trained; {where}; {kind} KL over {over} "
-                        f"is {use}")]
 
 
 def _span(name: str, first: int, count: int) -> str:

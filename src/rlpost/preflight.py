@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rlpost.config.algorithms import preflight as addon_preflight
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import model_dir_key, read_hf_config
 from rlpost.config.lora_params import check_lora_modules
@@ -127,8 +128,7 @@ def preflight_checks(master: AnyMaster, run_dir: Path | None = None, device_chec
         check_supervised_data(master)
         return
     check_output_dirs(master, run_dir)
-    if master.distillation is not None:
-        master.distillation.teacher.check_model_dir("distillation.teacher")
+    addon_preflight(master)
     check_prompt_files(master)
     check_chat_template(master)
     check_data(master)

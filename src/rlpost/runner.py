@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlpost.algorithms.loop import StepLoop
+from rlpost.config.algorithms import algorithm
 from rlpost.config.schema.checkpoint import CheckpointingConfig
-from rlpost.config.schema.loss import DistillationLossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.failures import SIGNAL_CODES, Interrupted
@@ -219,14 +219,12 @@ class Job(Generic[_Cfg, _C]):
 
 
 def _grpo_job(cfg: MasterConfig) -> Job[MasterConfig, GRPOComponents]:
-    from rlpost.algorithms.grpo import grpo_loop, setup
+    from rlpost.algorithms.grpo import setup
+    from rlpost.algorithms.grpo_unit import GRPOUnit
 
-    if cfg.grpo.async_grpo.enabled:
-        from rlpost.algorithms.async_grpo import async_grpo_loop as loop
-    elif cfg.ppo is not None:
-        from rlpost.algorithms.ppo import ppo_loop as loop
-    else:
-        loop = grpo_loop
+    def loop(comps: GRPOComponents) -> AbstractContextManager[StepLoop]:
+        assert isinstance(comps.unit, GRPOUnit), f"{cfg.algo}'s UNIT is no GRPOUnit"
+        return comps.unit.loop(comps)
 
     def progress(m: dict[str, float]) -> str:
         info = f"reward {m.get('train/reward', float('nan')):.3f}  step {m.get('timing/train/total_step_time', 0):.2f}s"
@@ -238,8 +236,8 @@ def _grpo_job(cfg: MasterConfig) -> Job[MasterConfig, GRPOComponents]:
         reward = summary["final_reward"]
         return f"final train/reward {reward:.3f}" if reward is not None else "no step left to run (run complete)"
 
-    label = "PPO" if cfg.ppo is not None else "Distil" if isinstance(cfg.loss_fn, DistillationLossConfig) else "GRPO"
-    return Job(label, "grpo.max_num_steps", cfg.grpo.max_num_steps, setup, loop, progress,
+    return Job(algorithm(cfg.algo).label, "grpo.max_num_steps", cfg.grpo.max_num_steps, setup,
+               loop, progress,
                lambda last, comps: {"final_reward": last.get("train/reward"),
                                     "val_accuracy": last.get("validation/accuracy", comps.save_state.val_reward)},
                result_line)
@@ -330,7 +328,7 @@ def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path) -> dict[str, object]:
         "metrics": str(comps.logger.dir / "metrics.jsonl"),
         "tensorboard": str(comps.logger.tb_dir),
     }
-    steps = "steps" if job.label in ("GRPO", "PPO", "Distil") else f"{job.label} steps"
+    steps = "steps" if isinstance(cfg, MasterConfig) else f"{job.label} steps"
     console.print(
         f"[bold green]done[/]: {summary['steps']} {steps} in {summary['wall_s']:.0f}s, {job.result_line(summary)}\n"
         f"  metrics:     {summary['metrics']}\n  tensorboard: {summary['tensorboard']}\n"

@@ -20,7 +20,6 @@ import torch
 
 from rlpost.algorithms.checkpoint_io import record_checkpoint_metric, write_checkpoint
 from rlpost.algorithms.collect import TrainedBatch, collect_batch, validation_seeds
-from rlpost.algorithms.critic import CRITIC_DIR
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
 from rlpost.algorithms.engine_weights import EngineWeights
 from rlpost.algorithms.grpo_setup import GRPOComponents, setup
@@ -115,7 +114,7 @@ def save_checkpoint(components: GRPOComponents, step: int, metrics: dict[str, fl
     batch) replaces the dataloader's own position."""
     ck = components.cfg.checkpointing
     record_checkpoint_metric(components.save_state, ck.metric_name, metrics)
-    others = {CRITIC_DIR: components.critic} if components.critic is not None else {}
+    others = {s.spec.checkpoint_dir: s.group for s in components.sides if s.spec.checkpoint_dir is not None}
     write_checkpoint(components.checkpointer, components.policy, step, components.save_state,
                      loader_state or components.dataloader.state_dict(), components.config_dict, components.model_fp,
                      ck.save_consolidated, metrics_row if metrics_row is not None else metrics, others)
@@ -129,8 +128,7 @@ def loop_parts(components: GRPOComponents) -> LoopParts:
         logger=components.logger, checkpointing=cfg.checkpointing, cluster=cfg.cluster,
         started_at=components.started_at, total_steps=lambda: components.save_state.total_steps,
         lr=cfg.policy.optimizer.kwargs.get("lr", "?") if cfg.policy.optimizer is not None else "?",
-        timeouts=[components.policy, components.generation,
-                  *[g for g in (components.critic, components.teacher) if g is not None]],
+        timeouts=[components.policy, components.generation, *[s.group for s in components.sides]],
         gpu_memory=components.policy if cfg.logger.monitor_gpus else None,
         drift=DriftLimits(g.token_mult_prob_error_warn_threshold, g.token_mult_prob_error_abort_threshold),
     )
@@ -155,13 +153,11 @@ def grpo_step(components: GRPOComponents, rows: list[PromptRow], step: int, time
 
 
 def logprobs(components: GRPOComponents, train_data: BatchedDataDict, timer: Timer) -> None:
-    """The trainer's own prev / reference logprobs, only those the loss reads; a distillation teacher's top-k."""
+    """What the side groups put in first (a distillation teacher's top-k), then the trainer's own prev / reference
+    logprobs, only those the loss reads."""
     loss_fn, policy = components.loss_fn, components.policy
-    if components.teacher is not None:
-        from rlpost.algorithms.teacher import score
-
-        with timer.time("teacher_logprobs"):
-            score(components.teacher, components.cfg, train_data)
+    for side in components.sides:
+        side.spec.score(side.group, train_data, timer)
     if not (loss_fn.needs_prev_logprobs or loss_fn.needs_reference_logprobs):
         return
     with timer.time("policy_and_reference_logprobs"):

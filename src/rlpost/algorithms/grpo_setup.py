@@ -9,6 +9,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -16,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlpost.algorithms.checkpoint_io import restore_loader_and_rng, resume_info, saved_metrics_row
+from rlpost.algorithms.units import RolloutUnit, Side, run_side_groups, unit_of
 from rlpost.config.lora_params import adapter_config
 from rlpost.config.schema.grpo import GRPOSaveState
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
@@ -67,10 +69,10 @@ class GRPOComponents:
     envs: dict[str, EnvironmentInterface]
     model_fp: str
     config_dict: dict[str, object]
-    critic: Policy | None = None
-    """PPO's value model (rlpost.algorithms.critic); None for GRPO."""
-    teacher: Policy | None = None
-    """A distillation teacher (rlpost.algorithms.teacher); None without one."""
+    unit: RolloutUnit = field(default_factory=RolloutUnit)
+    """The algorithm's code (rlpost.algorithms.units): its advantages, side groups and loop."""
+    sides: list[Side] = field(default_factory=list)
+    """Worker groups beside the policy (PPO's critic, a distillation teacher), in the order they were built."""
     colocated: bool = True
     overlap: bool = False
     """Synchronous steps overlap generation and training (rlpost.algorithms.overlap): where `Layout.overlap_chunk`
@@ -84,9 +86,14 @@ class GRPOComponents:
         (a failed or abandoned run) kills the workers without asking them first."""
         if not self.closed:
             self.closed = True
-            sides = [g for g in (self.critic, self.teacher) if g is not None]
             close_all([lambda: self.generation.shutdown(graceful), lambda: self.policy.shutdown(graceful),
-                       *[(lambda g=g: g.shutdown(graceful)) for g in sides], *[c.shutdown for c in self.clusters], *[e.shutdown for e in self.envs.values()], self.logger.close])
+                       *[(lambda g=s.group: g.shutdown(graceful)) for s in self.sides],
+                       *[c.shutdown for c in self.clusters], *[e.shutdown for e in self.envs.values()],
+                       self.logger.close])
+
+    def side(self, name: str) -> Policy:
+        """The side group called `name` (KeyError when the run has none)."""
+        return next(s.group for s in self.sides if s.spec.name == name)
 
 
 def close_all(closers: list[Callable[[], object]]) -> None:
@@ -151,10 +158,9 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
 
     tokenizer = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
     processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs)
-    if cfg.distillation is not None:
-        from rlpost.algorithms.teacher import check_same_tokenizer
-
-        check_same_tokenizer(cfg, tokenizer)
+    unit, side_specs = unit_of(cfg), run_side_groups(cfg)
+    for spec in side_specs:
+        spec.before_start(tokenizer)
     g = cfg.grpo
     batch = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
     train_rows, val_rows = load_prompts(cfg, processor, batch)
@@ -172,9 +178,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
 
     lay = layout_of(cfg)
     cpus = cfg.cluster.worker_num_cpus
-    from rlpost.algorithms.side_groups import colocated_groups
-
-    shared = 1 + colocated_groups(cfg)  # a colocated critic or teacher is one more worker group on these bundles
+    shared = 1 + sum(s.colocated for s in side_specs)  # a colocated side group is one more on these bundles
     if colocated:
         train_cluster = RayVirtualCluster(
             "grpo_policy_cluster", lay.train_workers_per_node, lay.train_nodes, use_gpus, cpus * (shared + 1),
@@ -192,16 +196,8 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
             cfg.cluster.placement_timeout_s,
         )
         clusters = [train_cluster, gen_cluster]
-    critic_cluster = teacher_cluster = None
-    if cfg.critic is not None:
-        from rlpost.algorithms.critic import critic_cluster as critic_bundles
-
-        critic_cluster = critic_bundles(cfg, train_cluster)
-    if cfg.distillation is not None:
-        from rlpost.algorithms.teacher import teacher_cluster as teacher_bundles
-
-        teacher_cluster = teacher_bundles(cfg, train_cluster)
-    clusters += [c for c in (critic_cluster, teacher_cluster) if c is not None]
+    side_clusters = [spec.cluster(train_cluster) for spec in side_specs]
+    clusters += [c for c in side_clusters if c is not None]
 
     gen_cfg = cfg.generation
     if gen_cfg.model_name is None:
@@ -219,20 +215,12 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
             generation = _engines(cfg, gen_cluster)
             opened.insert(0, lambda: generation.shutdown(graceful=False))
             gate = StartGate(generation.sleep_once_started(), cfg.cluster.call_timeout_s)
-            policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device, gate)
+            policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device, gate, unit.reference_needed(cfg))
             opened.insert(1, lambda: policy.shutdown(graceful=False))  # closed after the engines
-            critic = None
-            if cfg.critic is not None:
-                from rlpost.algorithms.critic import build_critic
-
-                critic = build_critic(cfg, critic_cluster or train_cluster, last, device, gate)
-                opened.insert(2, lambda: critic.shutdown(graceful=False))
-            teacher = None
-            if cfg.distillation is not None:
-                from rlpost.algorithms.teacher import build_teacher
-
-                teacher = build_teacher(cfg, teacher_cluster or train_cluster, device, gate)
-                opened.insert(2, lambda: teacher.shutdown(graceful=False))
+            sides: list[Side] = []
+            for spec, own in zip(side_specs, side_clusters, strict=True):
+                sides.append(Side(spec, spec.build(own or train_cluster, last, device, gate)))
+                opened.insert(2, partial(sides[-1].group.shutdown, graceful=False))
             generation.wait_started()
             if (placed := placement.summary()) is not None:
                 say.info(f"placement: {placed}")
@@ -254,7 +242,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         cfg=cfg, run_dir=run_dir, policy=policy, generation=generation, clusters=clusters, dataloader=dataloader,
         val_rows=val_rows, loss_fn=loss_fn, logger=logger, checkpointer=checkpointer, save_state=save_state,
         tokenizer=tokenizer, processor=processor, envs=envs, model_fp=model_fp, config_dict=config_dict,
-        colocated=colocated, started_at=started_at, critic=critic, teacher=teacher,
+        colocated=colocated, started_at=started_at, unit=unit, sides=sides,
         overlap=bool(lay.overlap_chunk),
     )
 
@@ -271,19 +259,14 @@ def _engines(cfg: MasterConfig, cluster: RayVirtualCluster) -> GenerationInterfa
 
 
 def _policy(cfg: MasterConfig, cluster: RayVirtualCluster, weights: str | None, optim: str | None,
-            loss_fn: LossFunction, device: str, gate: StartGate) -> ColocatablePolicyInterface:
+            loss_fn: LossFunction, device: str, gate: StartGate, reference: bool) -> ColocatablePolicyInterface:
     """The policy's workers (not waited for), loading the checkpoint at `weights` / `optim` when resuming; each
-    builds its model once `gate` is ready."""
+    builds its model once `gate` is ready. The reference model is kept when the loss reads it or `reference`."""
     from rlpost.models.policy.lm_policy import Policy
 
     return Policy(cluster, cfg.policy, weights_path=weights, optimizer_path=optim,
-                  init_reference_model=loss_fn.needs_reference_logprobs or kl_in_reward(cfg) > 0, device=device,
+                  init_reference_model=loss_fn.needs_reference_logprobs or reference, device=device,
                   timeout_s=cfg.cluster.call_timeout_s, start_after=gate)
-
-
-def kl_in_reward(cfg: MasterConfig) -> float:
-    """PPO's coefficient of the KL penalty in the reward (ppo.kl_in_reward; 0 for GRPO)."""
-    return cfg.ppo.kl_in_reward if cfg.ppo is not None else 0.0
 
 
 def _checkpoint_load_failure(exc: BaseException) -> str | None:

@@ -11,18 +11,22 @@ are the loop's.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from rlpost.algorithms.collect import TrainedBatch, collect_batch, shaped_rewards
+from rlpost.algorithms.critic import CriticGroup
 from rlpost.algorithms.engine_weights import EngineWeights
 from rlpost.algorithms.gae import explained_variance, gae, masked_whiten, token_rewards
 from rlpost.algorithms.grpo import GRPO, logprobs, loop_parts, step_result, train
-from rlpost.algorithms.grpo_setup import GRPOComponents, kl_in_reward
+from rlpost.algorithms.grpo_setup import GRPOComponents
+from rlpost.algorithms.grpo_unit import GRPOUnit
 from rlpost.algorithms.loop import StepLoop, StepResult
 from rlpost.algorithms.prepare import training_tensors
+from rlpost.algorithms.units import SideGroup
+from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.ppo import PPOConfig
 from rlpost.data.rows import PromptRow
 from rlpost.distributed.batched_data_dict import BatchedDataDict
@@ -43,9 +47,15 @@ class PPOBatch(TrainedBatch):
 
 
 def _parts(components: GRPOComponents) -> tuple[PPOConfig, Policy]:
-    ppo, critic = components.cfg.ppo, components.critic
-    assert ppo is not None and critic is not None  # set up by algo=ppo
-    return ppo, critic
+    ppo = components.cfg.ppo
+    assert ppo is not None  # algo=ppo's block
+    return ppo, components.side(CriticGroup.name)
+
+
+def kl_in_reward(cfg: MasterConfig) -> float:
+    """The coefficient of the KL penalty in the reward (ppo.kl_in_reward)."""
+    assert cfg.ppo is not None
+    return cfg.ppo.kl_in_reward
 
 
 def ppo_advantages(components: GRPOComponents, train_data: BatchedDataDict, rewards: torch.Tensor,
@@ -131,3 +141,20 @@ class PPO(GRPO):
 def ppo_loop(components: GRPOComponents) -> Iterator[StepLoop]:
     """The step loop of a PPO run."""
     yield StepLoop(PPO(components), loop_parts(components))
+
+
+class PPOUnit(GRPOUnit):
+    """`algo=ppo` (rlpost.config.algorithms): the critic beside the policy, GAE in `ppo_step`."""
+
+    def side_groups(self, cfg: MasterConfig) -> list[SideGroup]:
+        assert cfg.critic is not None  # algo=ppo's block
+        return [CriticGroup(cfg, cfg.critic)]
+
+    def reference_needed(self, cfg: MasterConfig) -> bool:
+        return kl_in_reward(cfg) > 0
+
+    def loop(self, components: GRPOComponents) -> AbstractContextManager[StepLoop]:
+        return ppo_loop(components)
+
+
+UNIT = PPOUnit()

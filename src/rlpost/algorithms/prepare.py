@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from rlpost.algorithms.advantages import calculate_baseline_and_std_per_prompt, compute_advantages
 from rlpost.algorithms.collect import shaped_rewards
 from rlpost.algorithms.grpo_setup import GRPOComponents
 from rlpost.algorithms.rollouts import RolloutBatch
@@ -18,11 +17,9 @@ from rlpost.runtime.timer import Timer
 
 
 def _advantages(components: GRPOComponents, batch: RolloutBatch) -> torch.Tensor:
-    grpo_cfg = components.cfg.grpo
-    rewards = shaped_rewards(grpo_cfg, batch)
-    valid = torch.ones_like(rewards)
-    baseline, std = calculate_baseline_and_std_per_prompt(batch.group_ids, rewards, valid, grpo_cfg.use_leave_one_out_baseline)
-    return compute_advantages(rewards, baseline, std, grpo_cfg.normalize_rewards)
+    """The algorithm's advantages of the batch's shaped rewards (rlpost.algorithms.units.RolloutUnit.advantages)."""
+    cfg = components.cfg
+    return components.unit.advantages(cfg, batch.group_ids, shaped_rewards(cfg.grpo, batch))
 
 
 def prepare(components: GRPOComponents, batch: RolloutBatch, timer: Timer) -> tuple[BatchedDataDict, torch.Tensor]:

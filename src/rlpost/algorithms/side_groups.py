@@ -1,5 +1,6 @@
-"""Worker groups beside the policy, built by its backend from a copy of its block: PPO's critic and a distillation
-teacher. Each sits on the policy's bundles (one more actor on each) or on bundles of its own."""
+"""Worker groups beside the policy (rlpost.algorithms.units.SideGroup), built by its backend from a copy of its block:
+PPO's critic, a distillation teacher. Each sits on the policy's bundles (one more actor on each) or on bundles of its
+own."""
 
 from __future__ import annotations
 
@@ -50,8 +51,3 @@ def side_cluster(name: str, cfg: MasterConfig, policy_cluster: RayVirtualCluster
     return RayVirtualCluster(name, workers, nodes, policy_cluster.use_gpus, cfg.cluster.worker_num_cpus, 1,
                              cfg.cluster.placement_timeout_s, device=policy_cluster.device)
 
-
-def colocated_groups(cfg: MasterConfig) -> int:
-    """How many side groups share the policy's bundles."""
-    return int(cfg.critic is not None and cfg.critic.colocated) + int(
-        cfg.distillation is not None and cfg.distillation.teacher.colocated)

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from rlpost.config.algorithms import whole_batch_reason
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.grpo import AsyncGRPOConfig
 from rlpost.config.schema.loss import ClippedPGLossConfig
@@ -255,10 +256,8 @@ def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:
         why = "grpo.overlap_generation_and_training=false"
     elif g.async_grpo.enabled:
         why = "async GRPO overlaps whole batches instead (grpo.async_grpo.enabled=true)"
-    elif cfg.ppo is not None:
-        why = "PPO's advantages need the critic's values of the whole batch (algo=ppo)"
-    elif cfg.distillation is not None:
-        why = "the distillation teacher scores the whole batch before training"
+    elif (whole := whole_batch_reason(cfg)) is not None:
+        why = whole
     elif cfg.generation.colocated.enabled:
         why = ("the engine is colocated: it and the policy take turns on the shared workers "
                "(policy.generation.colocated.enabled=false gives the engine workers of its own)")

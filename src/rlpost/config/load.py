@@ -296,7 +296,11 @@ def task_overrides() -> list[str]:
 
 
 def _supervised_algo(cfg: DictConfig) -> str | None:
-    return next((a for a in ("sft", "dpo", "rm") if cfg.get(a) is not None), None)
+    """The algorithm of a job that trains on rows (SFT, DPO, RM), else None."""
+    from rlpost.config.algorithms import ALGORITHMS
+
+    algo = ALGORITHMS.get(str(cfg.get("algo")))
+    return algo.name if algo is not None and not algo.rollout else None
 
 
 def validation_off_note(cfg: DictConfig, overrides: Sequence[str]) -> str | None:
@@ -353,32 +357,22 @@ def compose_config(overrides: list[str] | None = None, config_name: str = CONFIG
         raise (_algorithm_mismatch(overrides) or translate_exception(exc, overrides=overrides)) from None
 
 
-GRPO_ONLY = {"grpo": "block", "env": "group", "generation": "group", "eval": "block", "policy.generation": "block"}
-"""What only algo=grpo has: config groups (`generation=hf`) and blocks (`grpo.x=...`)."""
-
-PPO_ONLY = ("ppo", "critic")
-"""The blocks only algo=ppo has (beside GRPO's)."""
-GENERATING = ("grpo", "ppo", "distillation")
-"""The algorithms that run GRPO's machinery: each reads GRPO's blocks."""
-
-
 def _algorithm_mismatch(overrides: list[str]) -> ConfigError | None:
     """A failed composition caused by an override that the chosen algorithm has no place for: a key of another
-    algorithm's block (`algo=sft grpo.max_num_steps=3`), or a group only GRPO chooses (`algo=dpo generation=hf`)."""
-    from rlpost.config.schema.root import ALGORITHMS
+    algorithm's block (`algo=sft grpo.max_num_steps=3`), or a group only rollout algorithms choose (`algo=dpo
+    generation=hf`)."""
+    from rlpost.config.algorithms import ALGORITHMS, readers
 
-    algo = next((o.split("=", 1)[1] for o in overrides if o.startswith("algo=")), "grpo")
-    if algo not in (*ALGORITHMS, *GENERATING):
+    algo = next((o.split("=", 1)[1] for o in overrides if o.startswith("algo=")), next(iter(ALGORITHMS)))
+    if algo not in ALGORITHMS:
         return None
     for o in overrides:
         key, _, value = o.lstrip("+~").partition("=")
         first = key.split(".", 1)[0]
-        owner = "ppo" if first in PPO_ONLY else first if first in ALGORITHMS else "grpo" if (
-            first in GRPO_ONLY or first == "distillation" or key.startswith("policy.generation")) else None
-        readers = set(GENERATING) if owner == "grpo" else {owner}  # PPO and distillation run on GRPO's blocks
-        if owner is not None and algo not in readers and first != "algo":
+        owners = readers("policy.generation" if key.startswith("policy.generation") else first)
+        if owners and algo not in owners and first != "algo":
             return ConfigError(key, value, f"algo={algo} has no such {'group' if '.' not in key else 'key'}: it "
-                               f"belongs to algo={owner}")
+                               f"belongs to algo={owners[0]}")
     return None
 
 

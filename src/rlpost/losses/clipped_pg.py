@@ -132,8 +132,11 @@ class ClippedPGLossFn:
     DictConfig); invalid option combinations raise ConfigError here, at build time.
     """
 
+    config_class: type[ClippedPGLossConfig] = ClippedPGLossConfig
+    """The config it is built from (a subclass's own subclass of it)."""
+
     def __init__(self, cfg: LossConfigLike) -> None:
-        self.cfg: ClippedPGLossConfig = _coerce_config(cfg, ClippedPGLossConfig)
+        self.cfg: ClippedPGLossConfig = _coerce_config(cfg, self.config_class)
         self.cfg.check("loss_fn")
         c = self.cfg
         self.reference_policy_kl_penalty = float(c.reference_policy_kl_penalty)
@@ -190,6 +193,28 @@ class ClippedPGLossFn:
         per_seq = masked_mean(x, token_mask, dim=-1)  # [B]
         return masked_mean(per_seq, sample_mask, global_normalization_factor=global_valid_seqs)
 
+    def surrogate(self, lp: torch.Tensor, lp_old: torch.Tensor, adv: torch.Tensor,
+                  token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token policy loss [B, S-1] from the logprobs, the pre-update ones and the advantages, with the ratio
+        and its clipped version (for the metrics): the ratio (per sequence for GSPO) clipped to
+        [1 - ratio_clip_min, 1 + ratio_clip_max], the pessimistic max(-A r, -A clip(r)), the dual clip; REINFORCE
+        (disable_ppo_ratio): -A lp."""
+        if not self.disable_ppo_ratio:
+            log_ratio = lp - lp_old  # [B, S-1]
+            if self.sequence_level_importance_ratios:
+                seq_log_ratio = masked_mean(log_ratio, token_mask, dim=-1)  # [B]
+                ratios = torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(log_ratio)  # [B, S-1]
+            else:
+                ratios = torch.exp(log_ratio)
+            ratios_clamped = ratios.clamp(1.0 - self.ratio_clip_min, 1.0 + self.ratio_clip_max)
+        else:
+            ratios = lp
+            ratios_clamped = lp
+        clip_loss = torch.max(-adv * ratios, -adv * ratios_clamped)  # [B, S-1]
+        if self.ratio_clip_c is not None:
+            clip_loss = torch.where(adv < 0, torch.min(clip_loss, -adv * self.ratio_clip_c), clip_loss)
+        return clip_loss, ratios, ratios_clamped
+
     def __call__(
         self,
         next_token_logits: torch.Tensor,
@@ -234,23 +259,8 @@ class ClippedPGLossFn:
         else:
             kl = torch.zeros((), dtype=lp.dtype, device=lp.device)
 
-        # 2. Ratio and its clipped version.
-        if not self.disable_ppo_ratio:
-            log_ratio = lp - lp_old  # [B, S-1]
-            if self.sequence_level_importance_ratios:
-                seq_log_ratio = masked_mean(log_ratio, token_mask, dim=-1)  # [B]
-                ratios = torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(log_ratio)  # [B, S-1]
-            else:
-                ratios = torch.exp(log_ratio)
-            ratios_clamped = ratios.clamp(1.0 - self.ratio_clip_min, 1.0 + self.ratio_clip_max)
-        else:
-            ratios = lp
-            ratios_clamped = lp
-
-        # 3. Pessimistic clipped surrogate, optional dual clip.
-        clip_loss = torch.max(-adv * ratios, -adv * ratios_clamped)  # [B, S-1]
-        if self.ratio_clip_c is not None:
-            clip_loss = torch.where(adv < 0, torch.min(clip_loss, -adv * self.ratio_clip_c), clip_loss)
+        # 2-3. The surrogate: the ratio, clipped, in the pessimistic surrogate (a subclass's own, e.g. CISPO's).
+        clip_loss, ratios, ratios_clamped = self.surrogate(lp, lp_old, adv, token_mask)
 
         # 4. Importance-sampling weights between the training and the inference engine.
         if self.sequence_level_importance_ratios:

@@ -137,7 +137,7 @@ def test_keep_top_k_ranks_only_metrics_measured_at_that_step(tmp_path) -> None: 
 
     ck = CheckpointingConfig(metric_name="val:accuracy", keep_top_k=1)
     c = SimpleNamespace(
-        cfg=SimpleNamespace(checkpointing=ck), save_state=GRPOSaveState(), critic=None, policy=_SavingPolicy(),
+        cfg=SimpleNamespace(checkpointing=ck), save_state=GRPOSaveState(), sides=[], policy=_SavingPolicy(),
         checkpointer=CheckpointManager(ck, tmp_path), dataloader=SimpleNamespace(state_dict=lambda: {}),
         config_dict={}, model_fp="fp",
     )

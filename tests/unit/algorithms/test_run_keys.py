@@ -96,7 +96,7 @@ def test_save_consolidated_decides_the_hf_export(tmp_path: Path, consolidated: b
     ck = CheckpointingConfig(metric_name=None, save_consolidated=consolidated)
     policy = RecordingPolicy()
     c = SimpleNamespace(
-        cfg=SimpleNamespace(checkpointing=ck), save_state=GRPOSaveState(), critic=None, policy=policy,
+        cfg=SimpleNamespace(checkpointing=ck), save_state=GRPOSaveState(), sides=[], policy=policy,
         checkpointer=CheckpointManager(ck, tmp_path), dataloader=SimpleNamespace(state_dict=lambda: {}),
         config_dict={}, model_fp="fp",
     )

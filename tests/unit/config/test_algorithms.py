@@ -114,7 +114,7 @@ def test_validation_needs_validation_rows() -> None:
 
 
 def test_ppo_composes_grpo_with_a_critic_and_no_overlap() -> None:
-    from rlpost.algorithms.critic import critic_config
+    from rlpost.algorithms.critic import CriticGroup
     from rlpost.config.layout import layout_of
 
     _, m = load_master_config(["algo=ppo", "critic.lr=3e-4", "policy.generation.colocated.enabled=false",
@@ -122,7 +122,8 @@ def test_ppo_composes_grpo_with_a_critic_and_no_overlap() -> None:
     assert isinstance(m, MasterConfig) and m.ppo is not None and m.critic is not None
     assert m.grpo.num_generations_per_prompt == 4 and m.critic.lr == 3e-4
     assert "critic" in layout_of(m).overlap_reason  # a split engine would overlap GRPO's steps; not PPO's
-    c = critic_config(m)
+    assert m.critic is not None
+    c = CriticGroup(m, m.critic).config()
     assert c.value_head and c.generation is None and c.optimizer.kwargs["lr"] == 3e-4
     assert c.model_name == m.policy.model_name and not m.policy.value_head
     rows = dict(plan_rows(m))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlpost.config.errors import ConfigError, positive, require
-from rlpost.config.schema.ppo import check_placement
+from rlpost.config.schema.side_group import check_placement
 
 CHECKPOINT_EXPORT = Path("policy") / "weights" / "hf"
 """Where an rlpost checkpoint (step_N) holds its consolidated HF export."""

@@ -182,5 +182,3 @@ class GRPOSaveState:
 
 def _default_grpo_save_state() -> GRPOSaveState:
     return GRPOSaveState()
-
-

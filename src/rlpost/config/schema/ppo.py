@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlpost.config.errors import non_negative, positive, require
+from rlpost.config.schema.side_group import check_placement
 
 
 @dataclass
@@ -64,12 +65,3 @@ class CriticConfig:
         positive(f"{path}.lr", self.lr)
         positive(f"{path}.train_micro_batch_size", self.train_micro_batch_size, allow_none=True)
         check_placement(path, self.colocated, self.num_workers)
-
-
-def check_placement(path: str, colocated: bool, num_workers: int | None) -> None:
-    """A worker group beside the policy (critic, teacher): `num_workers` > 0, and only for one of its own."""
-    positive(f"{path}.num_workers", num_workers, allow_none=True)
-    if colocated:
-        require(num_workers is None, f"{path}.num_workers", num_workers,
-                "a colocated group runs on the policy's workers' bundles",
-                f"set {path}.colocated=false to give it workers of its own")

@@ -1,16 +1,19 @@
 """RootConfig: what Hydra composes (every algorithm's block optional), and `narrow`, which turns it into the
-chosen algorithm's typed master config: GRPO's MasterConfig, or SFT / DPO / RM's SupervisedMasterConfig.
+chosen algorithm's typed master config: MasterConfig for a rollout algorithm, SFT / DPO / RM's
+SupervisedMasterConfig.
 
-`algo=grpo|sft|dpo|rm` (conf/algo/) fills exactly one of grpo / sft / dpo / rm, and chooses the groups that
-algorithm reads: GRPO brings the engine (policy.generation), the environments (env), its loss and prompt data;
-the others bring their loss and data only. A key of a block the chosen algorithm does not read cannot be set:
-Hydra has no such key to override, and a block filled by other means is refused here, naming it.
+`algo=<name>` (conf/algo/) sets `algo` and fills that algorithm's blocks (rlpost.config.algorithms), and
+chooses the groups it reads: a rollout algorithm brings the engine (policy.generation), the environments (env),
+its loss and prompt data; the others bring their loss and data only. A key of a block the chosen algorithm does not
+read cannot be set: Hydra has no such key to override, and a block filled by other means is refused here, naming
+it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlpost.config.algorithms import ADDONS, algorithm, all_blocks, readers
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.checkpoint import CheckpointingConfig
 from rlpost.config.schema.cluster import ClusterConfig
@@ -26,16 +29,15 @@ from rlpost.config.schema.model import ModelConfig
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.config.schema.ppo import CriticConfig, PPOConfig
 from rlpost.config.schema.supervised import DPOConfig, RMConfig, SFTConfig
-from rlpost.config.schema.supervised_master import MASTER_CONFIGS, SupervisedMasterConfig
-
-ALGORITHMS = ("grpo", "sft", "dpo", "rm")
-"""The `algo` options, each the name of the block it fills."""
+from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 
 
 @dataclass
 class RootConfig:
     """The composed config, before `narrow` picks the algorithm's master config (no checks of its own)."""
 
+    algo: str = "grpo"
+    """The algorithm (rlpost.config.algorithms), set by the `algo=` option."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """The trained policy and its backend (and, for GRPO, its rollout engine)."""
     loss_fn: LossConfig = field(default_factory=LossConfig)
@@ -71,29 +73,33 @@ class RootConfig:
 
 
 def narrow(root: RootConfig) -> MasterConfig | SupervisedMasterConfig:
-    """The chosen algorithm's validated master config (ConfigError if no or several algorithm blocks are set)."""
-    chosen = [name for name in ALGORITHMS if getattr(root, name) is not None]
-    if len(chosen) != 1:
-        raise ConfigError("algo", chosen or None, "exactly one algorithm block must be set",
-                          f"choose it with algo={'|'.join(ALGORITHMS)}")
-    algo = chosen[0]
-    if algo == "grpo":
-        assert root.grpo is not None
+    """The chosen algorithm's validated master config (ConfigError naming a block it does not read, or lacks)."""
+    algo = algorithm(root.algo)
+    reads = set(algo.blocks) | (set(ADDONS) if algo.rollout else set())
+    for name in all_blocks():
+        if name not in reads and getattr(root, name) is not None:
+            raise ConfigError(name, "set", f"algo={algo.name} does not read this block",
+                              f"it belongs to algo={readers(name)[0]}")
+    for name in algo.blocks:
+        if getattr(root, name) is None:
+            raise ConfigError(name, None, f"algo={algo.name} needs this block", f"keep algo={algo.name}'s defaults")
+    if algo.rollout:
         if not isinstance(root.data, DataConfig):
-            raise ConfigError("data", type(root.data).__name__, "algo=grpo reads prompts with answers",
+            raise ConfigError("data", type(root.data).__name__, f"algo={algo.name} reads prompts with answers",
                               "use a GRPO data option, e.g. data=synthetic|arith|math_jsonl")
         if root.policy.generation is None:
-            raise ConfigError("policy.generation", None, "algo=grpo needs a rollout engine",
+            raise ConfigError("policy.generation", None, f"algo={algo.name} needs a rollout engine",
                               "choose it with generation=vllm|hf")
-        return MasterConfig(policy=root.policy, loss_fn=root.loss_fn, env=root.env, data=root.data, grpo=root.grpo,
+        blocks = {name: getattr(root, name) for name in reads}  # the grpo block and the algorithm's (checked above)
+        return MasterConfig(algo=algo.name, policy=root.policy, loss_fn=root.loss_fn, env=root.env, data=root.data,
                             logger=root.logger, cluster=root.cluster, checkpointing=root.checkpointing,
-                            model=root.model, eval=root.eval or EvalConfig(), ppo=root.ppo, critic=root.critic,
-                            distillation=root.distillation)
+                            model=root.model, eval=root.eval or EvalConfig(), **blocks)
     for key, present in (("policy.generation", root.policy.generation is not None), ("env", bool(root.env)),
-                         ("eval", root.eval is not None), ("ppo", root.ppo is not None),
-                         ("critic", root.critic is not None), ("distillation", root.distillation is not None)):
+                         ("eval", root.eval is not None)):
         if present:
-            raise ConfigError(key, "set", f"algo={algo} does not generate: only algo=grpo reads this block")
-    return MASTER_CONFIGS[algo](policy=root.policy, loss_fn=root.loss_fn, data=root.data,
-                                logger=root.logger, cluster=root.cluster, checkpointing=root.checkpointing,
-                                model=root.model, **{algo: getattr(root, algo)})
+            raise ConfigError(key, "set", f"algo={algo.name} does not generate: only rollout algorithms read this "
+                              "block", f"it belongs to algo={readers(key)[0]}")
+    assert algo.master is not None and issubclass(algo.master, SupervisedMasterConfig)
+    return algo.master(policy=root.policy, loss_fn=root.loss_fn, data=root.data, logger=root.logger,
+                       cluster=root.cluster, checkpointing=root.checkpointing, model=root.model,
+                       **{name: getattr(root, name) for name in algo.blocks})

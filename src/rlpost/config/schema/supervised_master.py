@@ -188,6 +188,3 @@ class RMMasterConfig(SupervisedMasterConfig):
     rm: RMConfig = field(default_factory=RMConfig)
     """The reward-model loop."""
 
-
-MASTER_CONFIGS: dict[str, type[SupervisedMasterConfig]] = {
-    "sft": SFTMasterConfig, "dpo": DPOMasterConfig, "rm": RMMasterConfig}

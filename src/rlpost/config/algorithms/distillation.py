@@ -1,0 +1,43 @@
+"""The distillation teacher's rules, plan rows and pre-flight (its block: rlpost.config.schema.distillation; its
+code: rlpost.algorithms.distillation)."""
+
+from __future__ import annotations
+
+from rlpost.config.errors import require
+from rlpost.config.schema.loss import ClippedPGLossConfig, DistillationLossConfig
+from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.side_group import side_group_rules, where
+
+
+def teacher_rules(master: MasterConfig) -> None:
+    """A teacher is there exactly when the loss reads it, on a backend that serves it, with synchronous steps."""
+    loss = master.loss_fn
+    coef = loss.distillation_kl_coef if isinstance(loss, ClippedPGLossConfig) else 0.0
+    reads = isinstance(loss, DistillationLossConfig) or coef > 0
+    if master.distillation is None:
+        require(not reads, "loss_fn.distillation_kl_coef" if coef > 0 else "loss_fn._target_",
+                coef if coef > 0 else loss._target_, "the KL to a teacher needs a teacher",
+                "add distillation=teacher distillation.teacher.model_path=DIR")
+        return
+    require(reads, "distillation", "set", "no loss reads the teacher",
+            "use algo=distillation, or loss_fn.distillation_kl_coef > 0 with GRPO's loss")
+    side_group_rules(master, "distillation teacher", "the teacher scores the whole batch before it trains")
+
+
+def plan_rows(master: MasterConfig, train_world: int) -> list[tuple[str, str]]:
+    """Which teacher, where it runs, what the KL is taken over."""
+    d, loss = master.distillation, master.loss_fn
+    assert d is not None
+    t = d.teacher
+    over = "the whole vocabulary" if d.topk_logits_k is None else f"its top {d.topk_logits_k} tokens per position"
+    kind = loss.kl_type if isinstance(loss, DistillationLossConfig) else "reverse"
+    coef = loss.distillation_kl_coef if isinstance(loss, ClippedPGLossConfig) else 0.0
+    use = f"{coef} x the KL added to the policy-gradient loss" if coef else "the loss"
+    return [("teacher", f"{t.model_path}, scoring each sampled token, never trained; "
+                        f"{where(t.colocated, t.num_workers, train_world)}; {kind} KL over {over} is {use}")]
+
+
+def preflight(master: MasterConfig) -> None:
+    """The teacher's model directory exists and holds a model."""
+    assert master.distillation is not None
+    master.distillation.teacher.check_model_dir("distillation.teacher")

@@ -1,0 +1,35 @@
+"""PPO's rules across blocks and its plan rows (its blocks: rlpost.config.schema.ppo; its code:
+rlpost.algorithms.ppo)."""
+
+from __future__ import annotations
+
+from rlpost.config.errors import require
+from rlpost.config.schema.loss import ClippedPGLossConfig
+from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.side_group import side_group_rules, where
+
+
+def ppo_rules(master: MasterConfig) -> None:
+    """PPO's critic, on a backend that builds value models, with the synchronous, unoverlapped step; the KL either in
+    the reward or in the loss."""
+    critic, p = master.critic, master.ppo
+    assert critic is not None and p is not None  # algo=ppo's blocks (rlpost.config.algorithms)
+    side_group_rules(master, "critic", "the critic's values are the whole batch's")
+    kl = master.loss_fn.reference_policy_kl_penalty if isinstance(master.loss_fn, ClippedPGLossConfig) else 0.0
+    require(p.kl_in_reward == 0.0 or kl == 0.0, "ppo.kl_in_reward", p.kl_in_reward,
+            "the KL is either in the reward or in the loss, not both", "set loss_fn.reference_policy_kl_penalty=0")
+
+
+def plan_rows(master: MasterConfig, train_world: int) -> list[tuple[str, str]]:
+    """Where the critic runs and how the advantages are made."""
+    p, c = master.ppo, master.critic
+    assert p is not None and c is not None
+    body = c.model_name or "the policy's model"
+    kl = f", minus {p.kl_in_reward} x KL to the reference per token" if p.kl_in_reward else ""
+    warm = f"; the policy trains from step {p.critic_warmup_steps + 1}" if p.critic_warmup_steps else ""
+    return [
+        ("critic", f"{body} with a value head, lr {c.lr}, {where(c.colocated, c.num_workers, train_world)}; "
+                   f"value clip {p.value_clip}{warm}"),
+        ("advantages", f"GAE (gamma {p.gamma}, lambda {p.lam}) on the reward at the last response token{kl}"
+                       + ("; whitened over the step's batch" if p.whiten_advantages else "")),
+    ]
