@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rlpost.config.algorithms import distillation, grpo, ppo
+from rlpost.config.algorithms import distillation, grpo, ppo, rloo
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema import supervised_master
 
@@ -83,6 +83,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
               plan_rows=ppo.plan_rows, whole_batch="PPO's advantages need the critic's values of the whole batch "
                                                    "(algo=ppo)"),
     Algorithm("distillation", "Distil", "rlpost.algorithms.distillation", ("grpo", "distillation")),
+    Algorithm("rloo", "RLOO", "rlpost.algorithms.rloo", ("grpo",), rules=rloo.rloo_rules, plan_rows=rloo.plan_rows),
     Algorithm("sft", "SFT", "rlpost.algorithms.supervised", ("sft",), rollout=False,
               master=supervised_master.SFTMasterConfig),
     Algorithm("dpo", "DPO", "rlpost.algorithms.supervised", ("dpo",), rollout=False,
