@@ -9,6 +9,7 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from rlpost.config.schema.cispo import CISPOLossConfig
 from rlpost.config.schema.data import DataConfig
 from rlpost.config.schema.env import (
     CalculatorEnvConfig,
@@ -57,6 +58,7 @@ def register_configs() -> None:
     cs.store(group="schema/generation", name="vllm", node=VllmConfig)
     cs.store(group="schema/generation", name="hf", node=HFGenerationConfig)
     cs.store(group="schema/loss", name="clipped_pg", node=ClippedPGLossConfig)
+    cs.store(group="schema/loss", name="cispo", node=CISPOLossConfig)
     cs.store(group="schema/loss", name="nll", node=NLLLossConfig)
     cs.store(group="schema/loss", name="distillation", node=DistillationLossConfig)
     cs.store(group="schema/loss", name="dpo", node=DPOLossConfig)
