@@ -75,7 +75,7 @@ def _cluster(made: list[Any], name: str, workers: int, colocated: int, device: s
 def _policy(made: list[Any], cluster: RayVirtualCluster) -> list[dict[str, Any]]:
     group = RayWorkerGroup(cluster, GpuProbe, name_prefix="policy", timeout_s=BOUND_S)
     made.append(group)
-    return group.run_all("seen")
+    return group.run_all(GpuProbe.seen)
 
 
 def _leaders(made: list[Any], cluster: RayVirtualCluster, tp: int, cls: type = GpuProbe) -> ActorGroup:
@@ -102,7 +102,7 @@ def test_colocated_policy_and_engine_share_each_gpu_half_and_half(gpu_head: str,
     cluster = _cluster(made, "colo", 2, colocated=2)
     engines = _leaders(made, cluster, tp=1)
     policy = _policy(made, cluster)
-    engine = engines.call_all("seen")
+    engine = engines.call_all(GpuProbe.seen)
     for r in range(2):
         assert policy[r]["resources"].get("GPU") == engine[r]["resources"].get("GPU") == 0.5
         assert _gpu(policy[r]) == _gpu(engine[r]), (policy[r], engine[r])
@@ -120,7 +120,7 @@ def test_vllm_tp2_workers_fit_beside_the_colocated_policy(gpu_head: str, made: l
     out = leaders.get([leaders.workers[0].start_workers.remote(BOUND_S)])[0]
     assert out["scheduled"] == 2, f"vLLM's TP workers did not schedule within {BOUND_S:.0f}s: {out}"
     assert out["per_worker_gpus"] == pytest.approx(0.25)  # the engine's half of a bundle over its 2 workers
-    assert leaders.call_all("seen")[0]["resources"].get("GPU") is None  # the leader holds no GPU
+    assert leaders.call_all(ExecutorLeader.seen)[0]["resources"].get("GPU") is None  # the leader holds no GPU
     for k, worker in enumerate(out["workers"]):
         assert cluster.bundle_for_rank(k).index == out["bundles"][k]
         assert _gpu(worker) == _gpu(policy[k])

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,8 +144,8 @@ class _Group:
     def __init__(self) -> None:
         self.calls: list[str | None] = []
 
-    def shutdown(self, graceful_method: str | None = None, timeout_s: float = 30.0) -> None:
-        self.calls.append(graceful_method)
+    def shutdown(self, graceful_method: Callable[[Any], object] | None = None, timeout_s: float = 30.0) -> None:
+        self.calls.append(None if graceful_method is None else graceful_method.__name__)
 
 
 @pytest.mark.parametrize("graceful, method", [(True, "shutdown"), (False, None)])

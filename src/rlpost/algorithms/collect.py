@@ -21,6 +21,7 @@ from rlpost.algorithms.advantages import (
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
 from rlpost.algorithms.grpo_setup import GRPOComponents
 from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
+from rlpost.algorithms.refit import wake_for_generation
 from rlpost.algorithms.rollouts import RolloutBatch
 from rlpost.config.schema.grpo import GRPOConfig
 from rlpost.data.rows import PromptRow
@@ -100,17 +101,18 @@ def collect_batch(
     next_rows: Callable[[], list[PromptRow]],
     step: int,
     timer: Timer,
-    sync_weights: Callable[[], None],
 ) -> Collected:
     """Generate and score `rows` (and, with dynamic sampling, more from `next_rows`) until the batch
-    is full. `sync_weights` refits the engine when its weights are stale (a no-op otherwise)."""
+    is full. The engine serves the policy's current weights (the step refit it first); it sleeps after each
+    generation phase and is woken before the next."""
     grpo_cfg = components.cfg.grpo
     sampler = (DynamicSampler(grpo_cfg.num_prompts_per_step * grpo_cfg.num_generations_per_prompt,
                               grpo_cfg.dynamic_sampling_max_gen_batches) if grpo_cfg.use_dynamic_sampling else None)
     generated: list[torch.Tensor] = []
     while True:
         repeated, group_ids, seeds = step_samples(components, rows, step, sampler.gen_batches if sampler else 0)
-        sync_weights()
+        if generated:  # the engine slept after the previous batch: same weights, so a wake, not a refit
+            wake_for_generation(components.policy, components.generation, components.colocated)
         # books "generation" and "reward_calculation" (scoring) apart; warns on slow rewards
         rollout = run_rollouts(repeated, group_ids, components.generation, components.tokenizer, components.envs,
                                turn_settings(components.cfg), components.cfg.generation.async_rollouts(),

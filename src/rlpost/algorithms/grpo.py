@@ -143,9 +143,9 @@ def schedule(grpo_cfg: GRPOConfig) -> Schedule:
 
 def grpo_step(components: GRPOComponents, rows: list[PromptRow], step: int, timer: Timer,
               weights: EngineWeights) -> TrainedBatch:
-    """One synchronous GRPO step on the prompts `rows`: collect (refit when stale) -> prepare -> logprobs -> train."""
-    collected = collect_batch(components, rows, components.dataloader.next_batch, step, timer,
-                              lambda: weights.sync(timer))
+    """One synchronous GRPO step on the prompts `rows`: refit -> collect -> prepare -> logprobs -> train."""
+    weights.sync(timer)  # the engine takes the policy's weights (a wake when it has them)
+    collected = collect_batch(components, rows, components.dataloader.next_batch, step, timer)
     train_data, advantages = prepare(components, collected.batch, timer)
     logprobs(components, train_data, timer)
     results = train(components, train_data, weights, timer)

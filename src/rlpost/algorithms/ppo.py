@@ -78,8 +78,8 @@ def ppo_step(components: GRPOComponents, rows: list[PromptRow], step: int, timer
              weights: EngineWeights) -> PPOBatch:
     """One PPO step on the prompts `rows` (see the module docstring)."""
     ppo, critic = _parts(components)
-    collected = collect_batch(components, rows, components.dataloader.next_batch, step, timer,
-                              lambda: weights.sync(timer))
+    weights.sync(timer)  # the engine takes the policy's weights (a wake when it has them)
+    collected = collect_batch(components, rows, components.dataloader.next_batch, step, timer)
     batch = collected.batch
     with timer.time("data_processing"):
         rewards = shaped_rewards(components.cfg.grpo, batch)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, Concatenate, NoReturn, ParamSpec, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -22,6 +22,12 @@ from rlpost.distributed import placement
 from rlpost.distributed.virtual_cluster import WORKER_ENV, RayVirtualCluster
 
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
+_S = TypeVar("_S")
+
+Method = Callable[Concatenate[Any, _P], _T]
+"""A worker method, named by the class or protocol that declares it (`PolicyWorker.train`): the call is checked
+against its signature and its result typed, and the actor is called by the method's name."""
 
 
 class WorkerGroupError(RuntimeError):
@@ -158,32 +164,36 @@ class ActorGroup:
         # One line first (what the console shows), then the remote traceback for train.log.
         raise WorkerGroupError(f"{self.describe(index)} raised {head}\n{exc}") from None
 
-    def call_all(self, method: str, *args: object, **kwargs: object) -> list[Any]:
+    def call_all(self, method: Method[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> list[_T]:
         """Call `method` on every actor with the same arguments; results in actor order."""
         return self.get(self.call_async(method, *args, **kwargs))
 
-    def call_async(self, method: str, *args: object, **kwargs: object) -> list[ray.ObjectRef[Any]]:
+    def call_async(self, method: Method[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> list[ray.ObjectRef[_T]]:
         """`call_all` without waiting: one future per actor (actor order), for `get`."""
-        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        return [getattr(w, method.__name__).remote(*args, **kwargs) for w in self.workers]
+
+    def submit(self, index: int, method: Method[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> ray.ObjectRef[_T]:
+        """Call `method` on actor `index` without waiting (one actor's own arguments); `get` the future."""
+        return getattr(self.workers[index], method.__name__).remote(*args, **kwargs)
 
     def _fail(self, msg: str) -> NoReturn:
         self.failure = msg
         self.shutdown()
         raise WorkerGroupError(msg)
 
-    def check_alive(self, method: str, timeout_s: float) -> None:
+    def check_alive(self, method: Callable[[Any], object], timeout_s: float) -> None:
         """Call the cheap `method` on every actor: a dead one is named (WorkerGroupError). A group already shut down
         by a failure another call saw first raises that failure (it has no actors left to ask)."""
         if self.failure is not None:
             raise WorkerGroupError(self.failure)
-        self.get([getattr(w, method).remote() for w in self.workers], timeout_s=timeout_s)
+        self.get([getattr(w, method.__name__).remote() for w in self.workers], timeout_s=timeout_s)
 
-    def shutdown(self, graceful_method: str | None = None, timeout_s: float = 30.0) -> None:
+    def shutdown(self, graceful_method: Callable[[Any], object] | None = None, timeout_s: float = 30.0) -> None:
         """Optionally call `graceful_method` on every rank (bounded), then kill the actors."""
         if graceful_method and self.workers:
             try:
                 ray.wait(
-                    [getattr(w, graceful_method).remote() for w in self.workers],
+                    [getattr(w, graceful_method.__name__).remote() for w in self.workers],
                     num_returns=len(self.workers),
                     timeout=timeout_s,
                 )
@@ -261,35 +271,28 @@ class RayWorkerGroup(ActorGroup):
         return f"{self.name_prefix} rank {index}"
 
     # ---- dispatch -------------------------------------------------------------------------
-    def run_all(self, method: str, *args: object, **kwargs: object) -> list[Any]:
+    def run_all(self, method: Method[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> list[_T]:
         """Call `method` on every rank with the same arguments; results in rank order."""
         return self.call_all(method, *args, **kwargs)
 
-    def run_rank0(self, method: str, *args: object, **kwargs: object) -> Any:
-        return self.get([getattr(self.workers[0], method).remote(*args, **kwargs)])[0]
+    def run_rank0(self, method: Method[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        return self.get([self.submit(0, method, *args, **kwargs)])[0]
 
-    def run_sharded(
-        self, method: str, shards: Sequence[object], *args: object, output_only: bool = True,
-        shard_kwargs: Sequence[Mapping[str, object]] | None = None, **kwargs: object
-    ) -> list[Any]:
-        """Send `shards[dp]` (and `shard_kwargs[dp]`, keyword arguments of that shard) to every rank of
-        data-parallel index dp; one result per shard (dp order)."""
-        futures = self.submit_sharded(method, shards, *args, shard_kwargs=shard_kwargs, **kwargs)
-        return self.collect_sharded(futures, output_only)
+    def run_sharded(self, method: Callable[Concatenate[Any, _S, _P], _T], shards: Sequence[_S], *args: _P.args,
+                    **kwargs: _P.kwargs) -> list[_T]:
+        """Send `shards[dp]` to every rank of data-parallel index dp (the method's first argument); one result per
+        shard (dp order)."""
+        return self.collect_sharded(self.submit_sharded(method, shards, *args, **kwargs))
 
-    def submit_sharded(self, method: str, shards: Sequence[object], *args: object,
-                       shard_kwargs: Sequence[Mapping[str, object]] | None = None, **kwargs: object
-                       ) -> list[ray.ObjectRef[Any]]:
+    def submit_sharded(self, method: Callable[Concatenate[Any, _S, _P], _T], shards: Sequence[_S], *args: _P.args,
+                       **kwargs: _P.kwargs) -> list[ray.ObjectRef[_T]]:
         """`run_sharded` without waiting: one future per rank (rank order), for `collect_sharded`."""
         if len(shards) != self.dims.dp:
             raise ValueError(f"{len(shards)} shards for data-parallel size {self.dims.dp}")
         dps = [self.dims.coords(r)["dp"] for r in range(len(self.workers))]
         # A shard several ranks read (TP/PP peers) is stored once; one that a single rank reads goes in its call.
         refs = [ray.put(s) if dps.count(dp) > 1 else s for dp, s in enumerate(shards)]
-        return [
-            getattr(w, method).remote(refs[dps[r]], *args, **kwargs, **(shard_kwargs[dps[r]] if shard_kwargs else {}))
-            for r, w in enumerate(self.workers)
-        ]
+        return [getattr(w, method.__name__).remote(refs[dps[r]], *args, **kwargs) for r, w in enumerate(self.workers)]
 
     def collect_sharded(self, futures: Sequence[ray.ObjectRef[_T]], output_only: bool = True) -> list[_T]:
         """The results of `submit_sharded`: one per shard (dp order), or every rank's with output_only=False."""

@@ -1,4 +1,4 @@
-"""The collect phase: the engine is synced before it generates, dynamic sampling keeps drawing prompts
+"""The collect phase: the engine sleeps after each generation and is woken for the next, dynamic sampling keeps drawing prompts
 until enough groups vary, and train/reward covers every sample generated in the step."""
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ class _CountingEngine:
 
     def __init__(self) -> None:
         self.calls = 0
+        self.asleep = False
+        self.wakes: list[int] = []
 
     def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         self.calls += 1
@@ -36,6 +38,12 @@ class _CountingEngine:
         return BatchedDataDict(output_ids=out, generation_lengths=torch.ones(n, dtype=torch.long))
 
     def finish_generation(self) -> bool:
+        self.asleep = True
+        return True
+
+    def prepare_for_generation(self) -> bool:
+        self.wakes.append(self.calls)
+        self.asleep = False
         return True
 
 
@@ -65,13 +73,13 @@ def test_dynamic_sampling_draws_until_groups_vary_and_reports_every_reward() -> 
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=2, use_dynamic_sampling=True,
                       batch_multiplier=1.0, dynamic_sampling_max_gen_batches=3)
     engine = _CountingEngine()
-    comps = SimpleNamespace(cfg=_cfg(grpo), processor=SimpleNamespace(batch=lambda rows: [dict(r) for r in rows]), generation=engine,
-                            tokenizer=_Tokenizer(), envs={"t": _TableEnv()})
-    syncs: list[int] = []
+    comps = SimpleNamespace(cfg=_cfg(grpo), processor=SimpleNamespace(batch=lambda rows: [dict(r) for r in rows]),
+                            generation=engine, tokenizer=_Tokenizer(), envs={"t": _TableEnv()}, policy=None,
+                            colocated=False)
     later = iter([_rows(spread=0.5)])  # the second draw varies within each group
-    got = collect_batch(comps, _rows(spread=0.0), lambda: next(later), step=1, timer=Timer(),
-                        sync_weights=lambda: syncs.append(engine.calls))
-    assert engine.calls == 2 and syncs == [0, 1]  # the engine is synced before each generation
+    got = collect_batch(comps, _rows(spread=0.0), lambda: next(later), step=1, timer=Timer())
+    assert engine.calls == 2 and engine.wakes == [1]  # slept after the first batch, woken before the second
+    assert engine.asleep  # and asleep again after the last
     assert got.batch.size == 4 and got.batch.rewards.tolist() == [0.25, 0.75, 0.25, 0.75]
     # train/reward: all 8 generated samples (4 flat ones at 0.25, then 4 varied), not only the kept batch
     assert got.generated_rewards.tolist() == [0.25] * 4 + [0.25, 0.75] * 2
@@ -83,5 +91,5 @@ def test_without_dynamic_sampling_one_batch_is_the_step() -> None:
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=2)
     comps = SimpleNamespace(cfg=_cfg(grpo), processor=SimpleNamespace(batch=lambda rows: [dict(r) for r in rows]),
                             generation=_CountingEngine(), tokenizer=_Tokenizer(), envs={"t": _TableEnv()})
-    got = collect_batch(comps, _rows(spread=0.0), lambda: [], step=3, timer=Timer(), sync_weights=lambda: None)
+    got = collect_batch(comps, _rows(spread=0.0), lambda: [], step=3, timer=Timer())
     assert got.sampler is None and got.batch.size == 4 and got.generated_rewards.tolist() == [0.25] * 4

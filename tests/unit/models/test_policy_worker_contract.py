@@ -1,7 +1,7 @@
 """The PolicyWorker Protocol is the contract between the Policy facade and the worker families.
 
 Both families implement every method with the Protocol's parameters, and the facade calls (by name, through
-RayWorkerGroup) only methods the Protocol declares: a method renamed or added on one side fails here, not in a
+RayWorkerGroup, as `PolicyWorker.<method>`) only methods the Protocol declares: a method renamed or added on one side fails here, not in a
 Ray actor at run time.
 """
 
@@ -44,16 +44,18 @@ def test_the_facade_calls_only_contract_methods() -> None:
     called: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr in CALLERS and node.args and isinstance(node.args[0], ast.Constant):
-                called.add(node.args[0].value)
+            first = node.args[0] if node.args else None
+            if node.func.attr in CALLERS and isinstance(first, ast.Attribute) and isinstance(first.value, ast.Name) \
+                    and first.value.id == "PolicyWorker":
+                called.add(first.attr)  # run_all(PolicyWorker.<method>, ...)
             if node.func.attr == "remote" and isinstance(node.func.value, ast.Attribute):
                 called.add(node.func.value.attr)  # w.<method>.remote(...)
             target = node.func.value
             if (node.func.attr == "remote" and isinstance(target, ast.Call) and isinstance(target.func, ast.Attribute)
                     and target.func.attr == "options" and isinstance(target.func.value, ast.Attribute)):
                 called.add(target.func.value.attr)  # w.<method>.options(...).remote(...)
-        if isinstance(node, ast.keyword) and node.arg == "graceful_method":  # "shutdown" if graceful else None
-            called |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+        if isinstance(node, ast.keyword) and node.arg == "graceful_method":  # PolicyWorker.shutdown if graceful ...
+            called |= {c.attr for c in ast.walk(node.value) if isinstance(c, ast.Attribute)}
     assert {"train", "get_logprobs", "put_export_bucket", "broadcast_weights_collective", "broadcast_staged",
             "shutdown"} <= called
     unknown = sorted(called - CONTRACT)

@@ -27,19 +27,18 @@ the driver compares it with the sent tensors cast to the engine's precision.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
-import ray
 import torch
 
 from rlpost.config.schema.generation import GenerationConfig, HFGenerationConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.bucket_layout import PerDeviceBuckets, is_per_device
 from rlpost.distributed.virtual_cluster import RayVirtualCluster
-from rlpost.distributed.worker_groups import ALIVE_TIMEOUT_S, ParallelDims, RayWorkerGroup
-from rlpost.models.fingerprint import FingerprintBuilder, check_fingerprints, fingerprint_of_digests, weight_fingerprint
-from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
+from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
+from rlpost.models.fingerprint import FingerprintBuilder, weight_fingerprint
+from rlpost.models.generation.engine_group import EngineGroup
 from rlpost.models.generation.outputs import (
     EngineInfo,
     GeneratedBatch,
@@ -60,6 +59,17 @@ if TYPE_CHECKING:
     from rlpost.distributed.collective import StatelessGroup
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PromptShard(TypedDict):
+    """One worker's part of a generate() call."""
+
+    prompts: list[list[int]]
+    """Token ids of each prompt, unpadded."""
+    seed: int | None
+    """Reseed the sampler with this first (the shard's first row's seed); None: leave it."""
+    stops: list[list[str]] | None
+    """Stop strings per prompt on top of the config's; None: none."""
 
 
 class HFSamplingSpec(TypedDict):
@@ -192,13 +202,11 @@ class HFGenerationWorker:
             out.append(GeneratedSample(new[i, :n].tolist(), lps[i, :n].tolist(), truncated=not stopped))
         return out
 
-    def generate(
-        self, prompts: list[list[int]], spec: HFSamplingSpec, seed: int | None = None,
-        stops: list[list[str]] | None = None,
-    ) -> GeneratedBatch:
-        """One sample per prompt, in order (packed); `seed` reseeds the sampler first (reproducible shards); `stops[i]`
-        adds stop strings for prompt i (rows with the same stops are generated together)."""
+    def generate(self, shard: PromptShard, spec: HFSamplingSpec) -> GeneratedBatch:
+        """One sample per prompt of `shard`, in order (packed); its `seed` reseeds the sampler first (reproducible
+        shards); its `stops[i]` adds stop strings for prompt i (rows with the same stops are generated together)."""
         self.sleep_state.require_awake(f"HF engine rank {self.rank}")
+        prompts, seed, stops = shard["prompts"], shard["seed"], shard["stops"]
         if seed is not None:
             torch.manual_seed(seed)
         groups: dict[tuple[str, ...], list[int]] = {}
@@ -218,9 +226,9 @@ class HFGenerationWorker:
         """The engine's sleep state in words (rlpost.models.generation.sleep_state)."""
         return self.sleep_state.name
 
-    def sleep(self) -> bool:
+    def sleep(self, level: int = 1) -> bool:
         """Release the device for training: on a GPU the model moves to host memory; on a CPU only the state
-        changes (there is no KV cache to drop between calls)."""
+        changes (there is no KV cache to drop between calls). `level` is vLLM's (one level here)."""
         if self.device.type == "cuda":
             self.model.to("cpu")
             torch.cuda.empty_cache()
@@ -254,11 +262,14 @@ class HFGenerationWorker:
         own = self.model.state_dict()
         return weight_fingerprint((n, own[n]) for n in sd)
 
-    def load_bucket(self, box: RefitBucket, corrupt: str | None = None) -> dict[str, str]:
-        """Load one refit bucket (`box`: a shared-memory descriptor, or [ref] in the object store); per-tensor
-        digests."""
+    def load_bucket(self, box: RefitBucket, corrupt: str | None = None, last: bool = False) -> dict[str, str]:
+        """Load one refit bucket (`box`: the descriptor the policy rank on this worker's device wrote, a
+        shared-memory descriptor, or [ref] in the object store); per-tensor digests. `last` changes nothing here
+        (`end_refit` has nothing to do)."""
         from rlpost.distributed.shm_buckets import read_bucket
 
+        if is_per_device(box):
+            box = cast(PerDeviceBuckets, box)["per_rank"][0]
         named = read_bucket(box)
         check_against_info(named, self.refit_info, partial=True)
         corrupt = corrupt or os.environ.get(FAULT_ENV) or None
@@ -273,19 +284,22 @@ class HFGenerationWorker:
         return fp.digests()
 
     def init_collective(self, host: str, port: int, rank_offset: int, world_size: int, timeout_s: float) -> int:
-        """Join the trainer's refit group as rank rank_offset + RANK."""
+        """Join the trainer's refit group as rank `rank_offset` (the driver's offset for this worker)."""
         from rlpost.distributed.collective import StatelessGroup
 
-        rank = rank_offset + int(os.environ.get("RANK", "0"))
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.group = StatelessGroup(host, port, rank, world_size, backend=backend, timeout_s=timeout_s)
-        return rank
+        self.group = StatelessGroup(host, port, rank_offset, world_size, backend=backend, timeout_s=timeout_s)
+        return rank_offset
 
     def update_weights_from_collective(self, corrupt: str | None = None) -> str:
         """Receive the trainer's broadcast and load it."""
         if self.group is None:
             raise RuntimeError("init_collective was not called")
         return self.update_weights(self.group.broadcast_tensors(None, src=0), corrupt)
+
+    def end_refit(self) -> bool:
+        """After a refit's last bucket: nothing to drop (no prefix cache)."""
+        return True
 
     def shutdown(self) -> bool:
         """Leave the refit group."""
@@ -295,8 +309,11 @@ class HFGenerationWorker:
         return True
 
 
-class HFGeneration(GenerationInterface):
-    """transformers `generate` engines, one per cluster worker."""
+class HFGeneration(EngineGroup):
+    """transformers `generate` engines, one per cluster worker (sleep and refit: EngineGroup's)."""
+
+    cfg: HFGenerationConfig
+    group: RayWorkerGroup
 
     def __init__(
         self,
@@ -307,13 +324,12 @@ class HFGeneration(GenerationInterface):
         seed: int = 0,
         hf_overrides: Mapping[str, object] | None = None,
     ) -> None:
+        super().__init__()
         self.cfg = cfg
         self.cluster = cluster
         self.model_path = model_path or cfg.model_name
         if not self.model_path:
             raise ValueError("HFGeneration needs model_path or cfg.model_name")
-        self._refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
-        self.sleep_state = SleepState()  # the engines' state as this side last set it (they start awake)
         self.group = RayWorkerGroup(
             cluster,
             HFGenerationWorker,
@@ -326,12 +342,9 @@ class HFGeneration(GenerationInterface):
             name_prefix="hf-generation",
             timeout_s=timeout_s,
         )
-        info: EngineInfo = self.group.run_rank0("info")
+        info = self.group.run_rank0(HFGenerationWorker.info)
         self.eos_token_id: int | None = info["eos_token_id"]
         self.pad_token_id: int = int(info["pad_token_id"])
-
-    def set_call_timeout(self, timeout_s: float) -> None:
-        self.group.timeout_s = timeout_s
 
     def pause_for_refit(self, recompute_kv_cache: bool = False) -> None:
         raise RuntimeError("the HF engine cannot take weights mid-generation (in-flight weight updates need vLLM's "
@@ -340,119 +353,24 @@ class HFGeneration(GenerationInterface):
     def resume_after_refit(self) -> None:
         raise RuntimeError("the HF engine has no paused requests to resume")
 
-    def check_alive(self) -> None:
-        self.group.check_alive("info", ALIVE_TIMEOUT_S)
-
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict:
         """Generate for every row of `data` (contract in rlpost.models.generation.interfaces)."""
         prompts = unpack_prompts(data)
         spec = hf_sampling_spec(self.cfg, greedy, self.eos_token_id)
-        splits = contiguous_splits(len(prompts), self.group.dims.dp)
-        shards = [prompts[a:b] for a, b in splits]
         stops = row_stop_strings(data)
         seeds = [int(x) for x in data["seeds"]] if "seeds" in data else None
-        per_shard = [{"seed": seeds[a] if seeds and a < len(seeds) else None, "stops": stops[a:b] if stops else None}
-                     for a, b in splits]
-        parts = self.group.run_sharded("generate", shards, spec, shard_kwargs=per_shard)
+        shards = [PromptShard(prompts=prompts[a:b], seed=seeds[a] if seeds and a < len(seeds) else None,
+                              stops=stops[a:b] if stops else None)
+                  for a, b in contiguous_splits(len(prompts), self.group.dims.dp)]
+        parts = self.group.run_sharded(HFGenerationWorker.generate, shards, spec)
         return assemble_outputs(data["input_ids"], data["input_lengths"], parts, self.pad_token_id)
 
-    @property
-    def asleep(self) -> bool:
-        return not self.sleep_state.awake
-
-    def prepare_for_generation(self, tags: list[str] | None = None, **kwargs: object) -> bool:
-        """Wake the `tags` parts of every engine (None: all) that are asleep (rlpost.models.generation.sleep_state);
-        nothing to do when they are awake."""
-        parts = self.sleep_state.to_wake(tags)
-        if parts:
-            self.group.run_all("wake_up", parts)
-            self.sleep_state.woke(parts)
-        return True
-
-    def finish_generation(self, **kwargs: object) -> bool:
-        """Put a colocated engine to sleep (its model to host memory on a GPU, the state alone on a CPU)."""
-        if self.cfg.colocated.enabled and not self.sleep_state.asleep:
-            self.group.run_all("sleep")
-            self.sleep_state.slept()
-        return True
-
-    def state(self) -> list[str]:
-        """Each engine's sleep state in words, as the engine itself holds it."""
-        return cast(list[str], self.group.run_all("state"))
-
-    def prepare_refit_info(self, state_dict_info: StateDictInfo) -> None:
-        """Every later refit must carry exactly these names, shapes and dtypes."""
-        info = {n: (tuple(int(d) for d in s), str(dt)) for n, (s, dt) in state_dict_info.items()}
-        self._refit_info = info
-        self.group.run_all("prepare_refit_info", info)
-
-    def _expected(self, items: list[tuple[str, torch.Tensor]]) -> str:
+    def expected_fingerprint(self, items: list[tuple[str, torch.Tensor]]) -> str:
+        """Of the tensors in the engine's precision (each worker holds its model in it)."""
         dt = _DTYPES[self.cfg.precision]
         return weight_fingerprint((n, t.to(dt) if t.is_floating_point() else t) for n, t in items)
-
-    def _check(self, fps: list[str], expected: str | None) -> str:
-        return check_fingerprints(fps, expected, who="worker")
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-        """Load new weights into every worker; returns the checked fingerprint (in the engine's precision)."""
-        items = [(n, t.detach().to("cpu").contiguous()) for n, t in named_tensors]
-        corrupt = os.environ.get(FAULT_ENV) or None
-        fps = self.group.run_all("update_weights", ray.put(items), corrupt)
-        return self._check(fps, self._expected(items))
-
-    def update_weights_from_buckets(self, buckets: Iterable[object]) -> str:
-        """Every worker loads each bucket where the policy wrote it (the IPC buffer of the policy rank on its device,
-        or the object store); the checked fingerprint."""
-        corrupt = os.environ.get(FAULT_ENV) or None
-        digests: list[dict[str, str]] = [{} for _ in range(self.group.world_size)]
-        for box in buckets:  # per-device buckets: worker r reads the one policy rank r wrote on its device
-            parts = (self.group.run_sharded("load_bucket", cast(PerDeviceBuckets, box)["per_rank"], corrupt)
-                     if is_per_device(box)
-                     else self.group.run_all("load_bucket", box, corrupt))
-            for r, part in enumerate(parts):
-                digests[r].update(part)
-        fps = []
-        for d in digests:
-            missing = sorted(set(self._refit_info or {}) - set(d))
-            if missing:
-                raise RuntimeError(f"refit did not carry {missing[:5]} (prepare_refit_info announced them)")
-            fps.append(fingerprint_of_digests(d))
-        return self._check(fps, None)
-
-    def init_collective_async(
-        self, master_addr: str, master_port: int, rank_offset: int, world_size: int, timeout_s: float = 300.0
-    ) -> list[ray.ObjectRef[object]]:
-        """Start joining the refit group; wait with `self.group.get(futures)`."""
-        return [
-            w.init_collective.remote(master_addr, master_port, rank_offset, world_size, timeout_s)
-            for w in self.group.workers
-        ]
-
-    def init_collective(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> None:
-        """Join the refit group; the trainer's rank 0 must join concurrently."""
-        self.group.get(self.init_collective_async(master_addr, master_port, rank_offset, world_size))
-
-    @property
-    def engine_world_size(self) -> int:
-        """Processes that join the refit group."""
-        return self.group.world_size
-
-    def wait_collective_init(self, futures: list[ray.ObjectRef[object]]) -> None:
-        self.group.get(futures)
-
-    def update_weights_from_collective_async(self) -> list[ray.ObjectRef[str]]:
-        """Start receiving a broadcast; finish with `wait_collective_update(futures)`."""
-        return [w.update_weights_from_collective.remote() for w in self.group.workers]
-
-    def wait_collective_update(self, futures: list[ray.ObjectRef[str]], expected: str | None = None) -> str:
-        """Wait for a collective refit; workers must agree (and match `expected`, the sender's, if given)."""
-        return self._check(self.group.get(futures), expected)
-
-    def update_weights_from_collective(self) -> str:
-        """Receive the broadcast (sent concurrently by the trainer) and load it; workers must agree."""
-        return self.wait_collective_update(self.update_weights_from_collective_async())
 
     def shutdown(self, graceful: bool = True) -> None:
         """Kill the workers, asking them to release first when `graceful` (idempotent)."""
         if getattr(self, "group", None) is not None and self.group.workers:
-            self.group.shutdown(graceful_method="shutdown" if graceful else None, timeout_s=10.0)
+            self.group.shutdown(graceful_method=HFGenerationWorker.shutdown if graceful else None, timeout_s=10.0)

@@ -22,7 +22,7 @@ Output BatchedDataDict, one row per input row, in input order:
 Stop rules: `stop_token_ids` (None = the tokenizer's EOS; [] = none) and `stop_strings` end a
 sample; the token that completes the stop (id or string) is the last generated token.
 
-Refit: `update_weights` / `update_weights_from_collective` return the engine-side weight fingerprint
+Refit: `update_weights`, `update_weights_from_buckets` and `wait_collective_update` return the engine-side weight fingerprint
 (rlpost.models.fingerprint) of what the engine actually loaded; a disagreement raises
 FingerprintMismatch.
 """
@@ -131,18 +131,11 @@ class GenerationInterface(ABC):
         returns the fingerprint of everything loaded, checked across the engine's workers."""
 
     @abstractmethod
-    def init_collective(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> None:
-        """Join the refit group (rlpost.distributed.collective) whose rank 0 is the trainer.
-
-        Engine worker k takes rank rank_offset + k. The call returns once the group is formed, so
-        the trainer's rank 0 must join concurrently (e.g. start this first with `init_collective_async`
-        where an engine offers it).
-        """
-
-    @abstractmethod
     def init_collective_async(self, master_addr: str, master_port: int, rank_offset: int, world_size: int
                               ) -> list[ray.ObjectRef[object]]:
-        """`init_collective` without waiting: the handles for `wait_collective_init`."""
+        """Start joining the refit group (rlpost.distributed.collective) whose rank 0 is the trainer: engine worker k
+        takes rank rank_offset + k. The trainer's rank 0 joins concurrently; `wait_collective_init` waits for the
+        group to form."""
 
     @abstractmethod
     def wait_collective_init(self, futures: list[ray.ObjectRef[object]]) -> None:
@@ -161,10 +154,6 @@ class GenerationInterface(ABC):
     def wait_collective_update(self, futures: list[ray.ObjectRef[str]], expected: str | None = None) -> str:
         """Wait for a collective refit; the engine's workers must agree (and match `expected` when given);
         returns the fingerprint."""
-
-    @abstractmethod
-    def update_weights_from_collective(self) -> str:
-        """Receive weights broadcast by the trainer's rank 0 and load them; returns the fingerprint."""
 
     @abstractmethod
     def set_call_timeout(self, timeout_s: float) -> None:

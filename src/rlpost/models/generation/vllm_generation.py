@@ -42,20 +42,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import ray
-import torch
 
 from rlpost.config.schema.generation import GenerationConfig, VllmConfig, VllmSpecificArgs
 from rlpost.distributed.batched_data_dict import BatchedDataDict
-from rlpost.distributed.bucket_layout import PerDeviceBuckets, is_per_device, slots_of
 from rlpost.distributed.virtual_cluster import WORKER_ENV, ActorOptions, RayVirtualCluster
-from rlpost.distributed.worker_groups import ALIVE_TIMEOUT_S, ActorGroup
-from rlpost.models.fingerprint import check_fingerprints, fingerprint_of_digests, weight_fingerprint
-from rlpost.models.generation.interfaces import GenerationInterface, StateDictInfo
+from rlpost.distributed.worker_groups import ActorGroup
+from rlpost.models.generation.engine_group import EngineGroup
 from rlpost.models.generation.outputs import (
     EngineInfo,
     GeneratedBatch,
@@ -64,13 +61,10 @@ from rlpost.models.generation.outputs import (
     row_stop_strings,
     unpack_prompts,
 )
-from rlpost.models.generation.sleep_state import SleepState
-from rlpost.models.generation.vllm_extension import FAULT_ENV
 from rlpost.models.generation.vllm_worker import SamplingSpec, VllmEngineWorker
 
 _T = TypeVar("_T")
 
-FAULT_REPLICA_ENV = "RLPOST_FAULT_CORRUPT_REFIT_REPLICA"
 """Test-only: which replica applies RLPOST_FAULT_CORRUPT_REFIT (default 0)."""
 
 VLLM_ENGINE_ENV: dict[str, str] = {
@@ -212,8 +206,12 @@ ASYNC_ACTOR_CONCURRENCY = 256
 """Threads of an async-engine replica's actor: concurrent generate calls (one per in-flight sample)."""
 
 
-class VllmGeneration(GenerationInterface):
-    """vLLM rollout engines: `cluster.world_size // tensor_parallel_size` data-parallel replicas."""
+class VllmGeneration(EngineGroup):
+    """vLLM rollout engines: `cluster.world_size // tensor_parallel_size` data-parallel replicas (sleep and refit:
+    EngineGroup's, one actor per replica)."""
+
+    who = "replica"
+    cfg: VllmConfig
 
     def __init__(
         self,
@@ -227,13 +225,14 @@ class VllmGeneration(GenerationInterface):
     ) -> None:
         """`lora_adapter`: the policy's PEFT adapter config when refits carry the LoRA adapter alone
         (`lora_cfg.refit=adapter`, rlpost.models.generation.vllm_lora); None: refits carry the model's weights."""
+        super().__init__()
         self.cfg = cfg
         self.cluster = cluster
         self.model_path = model_path or cfg.model_name
         if not self.model_path:
             raise ValueError("VllmGeneration needs model_path or cfg.model_name")
         v = cfg.vllm_cfg
-        self.slots_per_replica = v.tensor_parallel_size * v.pipeline_parallel_size
+        self.slots = self.slots_per_replica = v.tensor_parallel_size * v.pipeline_parallel_size
         if cluster.world_size % self.slots_per_replica:
             raise ValueError(
                 f"cluster of {cluster.world_size} workers can't hold replicas of TP {v.tensor_parallel_size} x "
@@ -244,8 +243,6 @@ class VllmGeneration(GenerationInterface):
         self.group = ActorGroup([], "vLLM replica" if name_prefix == "vllm" else f"vLLM {name_prefix} replica",
                                 timeout_s)
         self._next_replica = 0
-        self._refit_info: dict[str, tuple[tuple[int, ...], str]] | None = None
-        self.sleep_state = SleepState()  # the replicas' state as this side last set it (they start awake)
         remote_cls = ray.remote(VllmEngineWorker)
         for r in range(self.num_replicas):
             first_slot = r * self.slots_per_replica
@@ -269,7 +266,7 @@ class VllmGeneration(GenerationInterface):
             )
             self.group.place(r, cluster.bundle_for_rank(first_slot).node_id)
         # Not waited for here: the policy's workers (built next) start beside the engines; the first use waits.
-        self._info_futures = [w.info.remote() for w in self.group.workers]
+        self._info_futures = self.group.call_async(VllmEngineWorker.info)
         self._info: EngineInfo | None = None
 
     def wait_started(self) -> None:
@@ -294,9 +291,6 @@ class VllmGeneration(GenerationInterface):
         return int(self._engine_info()["pad_token_id"])
 
     # ------------------------------------------------------------------ plumbing
-    def set_call_timeout(self, timeout_s: float) -> None:
-        self.group.timeout_s = timeout_s
-
     @property
     def workers(self) -> list[Any]:
         """One actor per replica (the replica's leader)."""
@@ -304,9 +298,6 @@ class VllmGeneration(GenerationInterface):
 
     def _get(self, futures: Sequence[ray.ObjectRef[_T]], replicas: list[int] | None = None) -> list[_T]:
         return self.group.get(futures, indices=replicas)
-
-    def _all(self, method: str, *args: object) -> list[Any]:
-        return self.group.call_all(method, *args)
 
     # ------------------------------------------------------------------ generation
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict:
@@ -320,10 +311,11 @@ class VllmGeneration(GenerationInterface):
         futures, used = [], []
         for r, (a, b) in enumerate(chunks):
             if b > a:
-                futures.append(self.workers[r].generate.remote(prompts[a:b], spec, seeds[a:b] if seeds else None,
-                                                               stops[a:b] if stops else None))
+                futures.append(self.group.submit(r, VllmEngineWorker.generate, prompts[a:b], spec,
+                                                 seeds[a:b] if seeds else None, stops[a:b] if stops else None))
                 used.append(r)
-        return assemble_outputs(data["input_ids"], data["input_lengths"], self._get(futures, used), self.pad_token_id)
+        samples: list[GeneratedBatch] = self._get(futures, used)
+        return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
 
     def generate_chunks(self, data: Mapping[str, Any], bounds: list[tuple[int, int]],
                         greedy: bool = False) -> Iterator[BatchedDataDict]:
@@ -352,13 +344,10 @@ class VllmGeneration(GenerationInterface):
 
     def pause_for_refit(self, recompute_kv_cache: bool = False) -> None:
         """Freeze every replica's in-flight requests (vLLM pause_generation(mode='keep')); async engine only."""
-        self._all("pause", recompute_kv_cache)
+        self.group.call_all(VllmEngineWorker.pause, recompute_kv_cache)
 
     def resume_after_refit(self) -> None:
-        self._all("resume")
-
-    def check_alive(self) -> None:
-        self.group.check_alive("info", ALIVE_TIMEOUT_S)
+        self.group.call_all(VllmEngineWorker.resume)
 
     async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict:
         """One request set (typically one multi-turn sample's turn) on the next replica, awaited: with
@@ -368,133 +357,13 @@ class VllmGeneration(GenerationInterface):
         seeds = [int(x) for x in data["seeds"]] if "seeds" in data else None
         replica = self._next_replica
         self._next_replica = (self._next_replica + 1) % self.num_replicas
-        future = self.workers[replica].generate.remote(prompts, spec, seeds, row_stop_strings(data))
+        future = self.group.submit(replica, VllmEngineWorker.generate, prompts, spec, seeds, row_stop_strings(data))
         samples = await self.group.get_async(future, replica)
         return assemble_outputs(data["input_ids"], data["input_lengths"], samples, self.pad_token_id)
 
-    @property
-    def asleep(self) -> bool:
-        return not self.sleep_state.awake
-
-    def prepare_for_generation(self, tags: list[str] | None = None, **kwargs: object) -> bool:
-        """Wake the `tags` parts of every replica (None: weights and KV cache) that are asleep; nothing to do when
-        they are awake. The replicas keep the state (rlpost.models.generation.sleep_state), and this side a copy of
-        it, so an awake engine costs no call."""
-        parts = self.sleep_state.to_wake(tags)
-        if parts:
-            self._all("wake_up", parts)
-            self.sleep_state.woke(parts)
-        return True
-
-    def finish_generation(self, **kwargs: object) -> bool:
-        """Put a colocated engine to sleep (level 1: weights offloaded and KV cache dropped on a GPU, the state alone
-        on a CPU); an engine on workers of its own stays awake. Cached prefixes stay valid until the weights change,
-        and every refit path drops them as it ends (`end_refit`, `_after_refit`)."""
-        if self.cfg.colocated.enabled and not self.sleep_state.asleep:
-            self._all("sleep", 1)
-            self.sleep_state.slept()
-        return True
-
-    def sleep_once_started(self) -> list[ray.ObjectRef[object]]:
-        """Colocated: each replica's sleep call, queued behind its start (a Ray actor runs its calls in order); the
-        handles are ready once every replica sleeps. On its own workers: none."""
-        if not self.cfg.colocated.enabled:
-            return []
-        self.sleep_state.slept()
-        return [w.sleep.remote(1) for w in self.workers]
-
-    def state(self) -> list[str]:
-        """Each replica's sleep state in words, as the replica itself holds it."""
-        return self._all("state")
-
-    # ------------------------------------------------------------------ refit
-    def prepare_refit_info(self, state_dict_info: StateDictInfo) -> None:
-        """Every later refit must carry exactly these names, shapes and dtypes (checked in the engines)."""
-        self._refit_info = {n: (tuple(int(d) for d in s), str(dt)) for n, (s, dt) in state_dict_info.items()}
-        self._all("prepare_refit_info", self._refit_info)
-
-    def _fault(self, replica: int) -> str | None:
-        name = os.environ.get(FAULT_ENV)
-        return name if name and replica == int(os.environ.get(FAULT_REPLICA_ENV, "0")) else None
-
-    def _check_fingerprints(self, fps: list[str], expected: str | None) -> str:
-        return check_fingerprints(fps, expected, who="replica")
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-        """Send full HF-named tensors to every replica (object store) and load them; the checked fingerprint."""
-        items = [(n, t.detach().to("cpu").contiguous()) for n, t in named_tensors]
-        expected = weight_fingerprint(items)
-        ref = ray.put(items)
-        fps = self._get(
-            [w.update_weights.remote(ref, self._fault(r)) for r, w in enumerate(self.workers)])
-        return self._check_fingerprints(fps, expected)
-
-    def update_weights_from_buckets(self, buckets: Iterable[object]) -> str:
-        """Every replica loads each bucket where the policy wrote it (the IPC buffers of the policy ranks on its
-        devices, or the object store); the checked fingerprint."""
-        digests: list[dict[str, str]] = [{} for _ in self.workers]
-        ended = False
-        for k, box in enumerate(buckets):
-            ended = getattr(buckets, "planned", None) == k + 1  # the last one: end_refit rides along
-            parts = self._get([w.load_bucket.remote(self._replica_box(box, r), self._fault(r), ended)
-                               for r, w in enumerate(self.workers)])
-            for r, part in enumerate(parts):
-                digests[r].update(part)
-        if not ended:
-            self._get([w.end_refit.remote() for w in self.workers])
-        return self._check_fingerprints([self._complete_fingerprint(d) for d in digests], None)
-
-    def _replica_box(self, box: object, replica: int) -> object:
-        """What replica `replica` loads of a bucket: of per-device buckets, those of the policy ranks on its own
-        slots (its workers' devices); any other box as it is."""
-        if not is_per_device(box):
-            return box
-        return slots_of(cast(PerDeviceBuckets, box), replica * self.slots_per_replica, self.slots_per_replica)
-
-    def _complete_fingerprint(self, digests: dict[str, str]) -> str:
-        missing = sorted(set(self._refit_info or {}) - set(digests))
-        if missing:
-            raise RuntimeError(f"refit did not carry {missing[:5]} (prepare_refit_info announced them)")
-        return fingerprint_of_digests(digests)
-
-    def init_collective_async(
-        self, master_addr: str, master_port: int, rank_offset: int, world_size: int, timeout_s: float = 300.0
-    ) -> list[ray.ObjectRef[object]]:
-        """Start joining the refit group (replica r's workers take ranks rank_offset + r * tp * pp + k)."""
-        return [
-            w.init_collective.remote(
-                master_addr, master_port, rank_offset + r * self.slots_per_replica, world_size, timeout_s
-            )
-            for r, w in enumerate(self.workers)
-        ]
-
-    @property
-    def engine_world_size(self) -> int:
-        """Processes that join the refit group."""
-        return self.num_replicas * self.slots_per_replica
-
-    def wait_collective_init(self, futures: list[ray.ObjectRef[object]]) -> None:
-        self._get(futures)
-
-    def init_collective(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> None:
-        """Join the refit group; blocks until the trainer's rank 0 joins too (from another process/thread)."""
-        self._get(self.init_collective_async(master_addr, master_port, rank_offset, world_size))
-
-    def update_weights_from_collective_async(self) -> list[ray.ObjectRef[str]]:
-        """Start receiving a broadcast; finish with `wait_collective_update(futures)`."""
-        return [w.update_weights_from_collective.remote(self._fault(r)) for r, w in enumerate(self.workers)]
-
-    def wait_collective_update(self, futures: list[ray.ObjectRef[str]], expected: str | None = None) -> str:
-        """Wait for a collective refit; replicas must agree (and match `expected`, the sender's, if given)."""
-        return self._check_fingerprints(self._get(futures), expected)
-
-    def update_weights_from_collective(self) -> str:
-        """Receive the trainer's broadcast (it must be sent concurrently) and load it; the common fingerprint."""
-        return self.wait_collective_update(self.update_weights_from_collective_async())
-
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the engines (when `graceful`; bounded) and kill the actors (idempotent)."""
-        self.group.shutdown("shutdown" if graceful else None)
+        self.group.shutdown(VllmEngineWorker.shutdown if graceful else None)
 
     def __del__(self) -> None:  # pragma: no cover - safety net
         try:

@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Coroutine, Iterator
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, TypeVar, cast
+from collections.abc import Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any, Concatenate, NotRequired, ParamSpec, TypedDict, TypeVar, cast
 
 import torch
 
 from rlpost.models.generation.outputs import EngineInfo, GeneratedBatch, GeneratedSample
 from rlpost.models.generation.sleep_state import SleepState
+from rlpost.models.generation.vllm_extension import RlpostWorkerExtension
 from rlpost.models.generation.vllm_lora import (
     ADAPTER_ID,
     ADAPTER_NAME,
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from rlpost.distributed.bucket_layout import RefitBucket
 
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 EXTENSION_CLS = "rlpost.models.generation.vllm_extension.RlpostWorkerExtension"
 
@@ -173,10 +176,14 @@ class VllmEngineWorker:
     def _run(self, coro: Coroutine[object, None, _T]) -> _T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def _rpc(self, method: str, *args: object) -> list[Any]:
+    def _rpc(self, method: Callable[Concatenate[RlpostWorkerExtension, _P], _R], *args: _P.args,
+             **kwargs: _P.kwargs) -> list[_R]:
+        """`method` of the worker extension (rlpost.models.generation.vllm_extension) on every worker of the
+        replica, by name (vLLM's collective_rpc); one result per worker."""
+        assert not kwargs, "collective_rpc passes positional arguments"
         if self.async_engine:
-            return self._run(self.engine.collective_rpc(method, args=args))
-        return self.engine.collective_rpc(method, args=args)
+            return self._run(self.engine.collective_rpc(method.__name__, args=args))
+        return self.engine.collective_rpc(method.__name__, args=args)
 
     def info(self) -> EngineInfo:
         """Tokenizer ids and where this replica runs."""
@@ -317,7 +324,7 @@ class VllmEngineWorker:
     # ------------------------------------------------------------------ refit
     def prepare_refit_info(self, info: dict[str, tuple[tuple[int, ...], str]] | None) -> None:
         """Store the expected (shape, dtype) per parameter in every engine worker."""
-        self._rpc("rlpost_set_refit_info", info)
+        self._rpc(RlpostWorkerExtension.rlpost_set_refit_info, info)
 
     def _before_refit(self) -> None:
         self.wake_up(["weights"])
@@ -329,7 +336,7 @@ class VllmEngineWorker:
         if self._lora_adapter is None:
             return
         out_dir = stage_dir(self.replica)
-        if not any(self._rpc("rlpost_stage_adapter", str(out_dir), self._lora_adapter)):
+        if not any(self._rpc(RlpostWorkerExtension.rlpost_stage_adapter, str(out_dir), self._lora_adapter)):
             return
         load = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(out_dir), load_inplace=True)
         added = self._run(self.engine.add_lora(load)) if self.async_engine else self.engine.llm_engine.add_lora(load)
@@ -348,11 +355,11 @@ class VllmEngineWorker:
         """Load full HF-named tensors in place; returns the fingerprint of what the model consumed."""
         self._before_refit()
         if self._in_process:
-            fps = self._rpc("rlpost_load", named, corrupt)
+            fps = self._rpc(RlpostWorkerExtension.rlpost_load, named, corrupt)
         else:
             from rlpost.models.generation.vllm_extension import pack_for_rpc
 
-            fps = self._rpc("rlpost_load_packed", pack_for_rpc(named), corrupt)
+            fps = self._rpc(RlpostWorkerExtension.rlpost_load_packed, pack_for_rpc(named), corrupt)
         return self._after_refit(fps)
 
     def load_bucket(self, box: RefitBucket, corrupt: str | None = None, last: bool = False) -> dict[str, str]:
@@ -375,11 +382,11 @@ class VllmEngineWorker:
         elif is_cuda_ipc(box):
             on_devices = [cast(CudaIpcBucket, box)]
         if on_devices is not None:
-            digests = self._rpc("rlpost_load_bucket_ipc", on_devices, corrupt)
+            digests = self._rpc(RlpostWorkerExtension.rlpost_load_bucket_ipc, on_devices, corrupt)
         elif self._in_process:
-            digests = self._rpc("rlpost_load_bucket", read_bucket(box), corrupt)
+            digests = self._rpc(RlpostWorkerExtension.rlpost_load_bucket, read_bucket(box), corrupt)
         else:
-            digests = self._rpc("rlpost_load_bucket_packed", pack_for_rpc(read_bucket(box)), corrupt)
+            digests = self._rpc(RlpostWorkerExtension.rlpost_load_bucket_packed, pack_for_rpc(read_bucket(box)), corrupt)
         if any(d != digests[0] for d in digests[1:]):
             raise RuntimeError(f"replica {self.replica}: its TP/PP workers loaded different weights")
         if last:
@@ -388,7 +395,7 @@ class VllmEngineWorker:
 
     def last_load_path(self) -> str:
         """How the last refit was written into the model: "writer" (rlpost's CPU writer) or "reload" (vLLM's)."""
-        paths = self._rpc("rlpost_load_path")
+        paths = self._rpc(RlpostWorkerExtension.rlpost_load_path)
         return ",".join(sorted(set(paths)))
 
     def end_refit(self) -> bool:
@@ -401,19 +408,19 @@ class VllmEngineWorker:
     def init_collective(self, host: str, port: int, rank_offset: int, world_size: int, timeout_s: float) -> list[int]:
         """Join the trainer's refit group; returns the ranks taken by this replica's workers."""
         backend = "nccl" if self.device == "cuda" else "gloo"
-        return self._rpc("rlpost_init_collective", host, port, rank_offset, world_size, backend, timeout_s)
+        return self._rpc(RlpostWorkerExtension.rlpost_init_collective, host, port, rank_offset, world_size, backend, timeout_s)
 
     def update_weights_from_collective(self, corrupt: str | None = None) -> str:
         """Receive the trainer's broadcast and load it; returns the fingerprint."""
         self._before_refit()
-        return self._after_refit(self._rpc("rlpost_update_from_collective", corrupt))
+        return self._after_refit(self._rpc(RlpostWorkerExtension.rlpost_update_from_collective, corrupt))
 
     def shutdown(self) -> bool:
         """Leave the refit group, stop the engine and remove the adapter it served."""
         if self._lora_adapter is not None:
             remove_stage(stage_dir(self.replica))
         try:
-            self._rpc("rlpost_close_collective")
+            self._rpc(RlpostWorkerExtension.rlpost_close_collective)
         except Exception:  # noqa: BLE001 - best effort
             pass
         if self.async_engine:

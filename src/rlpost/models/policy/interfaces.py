@@ -236,7 +236,8 @@ class PolicyWorker(Protocol):
 
     def stage_export(self, dtype: str, max_bytes: int, ipc: bool = False) -> StagedExport | None:
         """All ranks: prepare the export; rank 0 returns its buckets of at most `max_bytes` and fingerprint (and
-        the first bucket already out when it is the only one), the other ranks None."""
+        the first bucket already out when it is the only one); with `ipc` every rank does (each writes for the engine
+        on its device), else the other ranks return None."""
 
     def put_export_bucket(self, indices: list[int], ipc: bool = False, slot: int = 0) -> object:
         """Rank 0: one bucket into its IPC buffer number `slot` (a descriptor) or the object store ([its ref])."""

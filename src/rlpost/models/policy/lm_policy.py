@@ -8,7 +8,7 @@ already globally normalised, as in NeMo RL) and the rest averaged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +22,7 @@ from rlpost.distributed.worker_groups import ParallelDims, RayWorkerGroup
 from rlpost.losses.interface import LossFunction
 from rlpost.models.policy.interfaces import (
     ColocatablePolicyInterface,
-    StagedExport,
+    PolicyWorker,
     TrainResult,
     WeightBuckets,
     WorkerTrainResult,
@@ -116,7 +116,8 @@ class Policy(ColocatablePolicyInterface):
             raise ValueError(f"{data.size} rows cannot be split evenly over {dp} data-parallel ranks")
         return data.shard_by_batch_size(dp, batch_size=batch_size), None  # type: ignore[return-value]
 
-    def _logprob_call(self, method: str, key: str, data: BatchedDataDict) -> BatchedDataDict:
+    def _logprob_call(self, method: Callable[[Any, BatchedDataDict], BatchedDataDict], key: str,
+                      data: BatchedDataDict) -> BatchedDataDict:
         shards, order = self._shard(data, None, for_training=False)
         results = self.worker_group.run_sharded(method, shards)
         out = BatchedDataDict({key: torch.cat([r[key] for r in results], dim=0)})
@@ -124,28 +125,28 @@ class Policy(ColocatablePolicyInterface):
 
     # ---- PolicyInterface ----------------------------------------------------------------------
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        return self._logprob_call("get_logprobs", "logprobs", data)
+        return self._logprob_call(PolicyWorker.get_logprobs, "logprobs", data)
 
     def get_values(self, data: BatchedDataDict) -> BatchedDataDict:
         """A value model's values [B, S] (policy.value_head: PPO's critic), aligned like logprobs."""
-        return self._logprob_call("get_values", "values", data)
+        return self._logprob_call(PolicyWorker.get_values, "values", data)
 
     def get_topk_logits(self, data: BatchedDataDict, k: int | None) -> BatchedDataDict:
         """A teacher's top-k indices and logprobs [B, S, k] per position (rlpost.algorithms.teacher)."""
         shards, order = self._shard(data, None, for_training=False)
-        results = self.worker_group.run_sharded("get_topk_logits", shards, k)
+        results = self.worker_group.run_sharded(PolicyWorker.get_topk_logits, shards, k)
         out = BatchedDataDict({key: torch.cat([r[key] for r in results], dim=0)
                                for key in ("teacher_topk_indices", "teacher_topk_logprobs")})
         return out.restore_order(order) if order is not None else out
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        return self._logprob_call("get_reference_policy_logprobs", "reference_logprobs", data)
+        return self._logprob_call(PolicyWorker.get_reference_policy_logprobs, "reference_logprobs", data)
 
     def train(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None = None,
               eval_mode: bool = False) -> TrainResult:
         gbs = gbs or self.cfg.train_global_batch_size
         shards, _ = self._shard(data, gbs, for_training=True)
-        return _aggregate(self.worker_group.run_sharded("train", shards, loss_fn, gbs, eval_mode))
+        return _aggregate(self.worker_group.run_sharded(PolicyWorker.train, shards, loss_fn, gbs, eval_mode))
 
     def train_part(self, data: BatchedDataDict, loss_fn: LossFunction) -> None:
         """Send one part of the step's single global batch (whole groups) to be trained, without waiting: each
@@ -153,7 +154,7 @@ class Policy(ColocatablePolicyInterface):
         `finish_parts` steps the optimizer once every part is sent."""
         shards, _ = self._shard(data, data.size, for_training=True)
         index = len(self._parts) // self.worker_group.world_size
-        self._parts.extend(self.worker_group.submit_sharded("train_part", shards, loss_fn, index))
+        self._parts.extend(self.worker_group.submit_sharded(PolicyWorker.train_part, shards, loss_fn, index))
 
     def finish_parts(self, loss_fn: LossFunction) -> TrainResult:
         """After the last `train_part`: one optimizer step over every part, as `train` on the whole batch would
@@ -163,31 +164,31 @@ class Policy(ColocatablePolicyInterface):
             raise RuntimeError("finish_parts without a train_part before it")
         world = self.worker_group.world_size
         num_parts = len(pending) // world
-        futures = self.worker_group.call_async("finish_parts", loss_fn, num_parts)
+        futures = self.worker_group.call_async(PolicyWorker.finish_parts, loss_fn, num_parts)
         self.worker_group.get(pending, indices=list(range(world)) * num_parts)  # a failed part raises here, named
         return _aggregate(self.worker_group.collect_sharded(futures))
 
     def prepare_for_training(self) -> None:
-        self.worker_group.run_all("prepare_for_training")
+        self.worker_group.run_all(PolicyWorker.prepare_for_training)
 
     def prepare_for_lp_inference(self) -> None:
-        self.worker_group.run_all("prepare_for_lp_inference")
+        self.worker_group.run_all(PolicyWorker.prepare_for_lp_inference)
 
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None, hf_export: bool = True) -> None:
-        self.worker_group.run_all("save_checkpoint", weights_path, optimizer_path, hf_export)
+        self.worker_group.run_all(PolicyWorker.save_checkpoint, weights_path, optimizer_path, hf_export)
 
     def gpu_memory_metrics(self) -> dict[str, float]:
         """`logger.monitor_gpus`: each rank's CUDA memory (and utilisation when NVML is there) as gpu/rank<r>/<name>."""
-        per_rank = self.worker_group.run_all("gpu_memory_stats")
+        per_rank = self.worker_group.run_all(PolicyWorker.gpu_memory_stats)
         return {f"gpu/rank{r}/{k}": float(v) for r, stats in enumerate(per_rank) for k, v in stats.items()}
 
     def shutdown(self, graceful: bool = True) -> None:
-        self.worker_group.shutdown(graceful_method="shutdown" if graceful else None)
+        self.worker_group.shutdown(graceful_method=PolicyWorker.shutdown if graceful else None)
 
     # ---- refit -----------------------------------------------------------------------------
     def prepare_refit_info(self, dtype: str = "float32") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        info = self.worker_group.run_all("prepare_weights_for_export", dtype)[0]
-        self.worker_group.run_all("clear_export")
+        info = self.worker_group.run_all(PolicyWorker.prepare_weights_for_export, dtype)[0]
+        self.worker_group.run_all(PolicyWorker.clear_export)
         return info
 
     def export_weight_buckets(self, dtype: str, max_bucket_bytes: int = 256 * 2**20) -> WeightBuckets:
@@ -198,11 +199,11 @@ class Policy(ColocatablePolicyInterface):
 
     def init_refit_collective_async(self, host: str, port: int, world_size: int) -> list[ray.ObjectRef[bool]]:
         """Start rank 0 joining the refit group (it blocks until the engines join too)."""
-        return [w.init_refit_collective.remote(host, port, world_size) for w in self.worker_group.workers]
+        return self.worker_group.call_async(PolicyWorker.init_refit_collective, host, port, world_size)
 
     def broadcast_weights_collective_async(self, dtype: str) -> list[ray.ObjectRef[str]]:
         """Start the broadcast of full weights from rank 0 (engines must receive concurrently)."""
-        return [w.broadcast_weights_collective.remote(dtype) for w in self.worker_group.workers]
+        return self.worker_group.call_async(PolicyWorker.broadcast_weights_collective, dtype)
 
     def init_refit_collective(self, host: str, port: int, world_size: int) -> None:
         self.worker_group.get(self.init_refit_collective_async(host, port, world_size))
@@ -211,7 +212,7 @@ class Policy(ColocatablePolicyInterface):
         return str(self.worker_group.get(self.broadcast_weights_collective_async(dtype))[0])
 
     def stage_weights(self, dtype: str) -> str:
-        fingerprint: str = self.worker_group.run_all("stage_weights", dtype)[0]  # rank 0's
+        fingerprint: str = self.worker_group.run_all(PolicyWorker.stage_weights, dtype)[0]  # rank 0's
         return fingerprint
 
     def broadcast_staged_async(self) -> list[ray.ObjectRef[str]]:
@@ -223,18 +224,18 @@ class Policy(ColocatablePolicyInterface):
 
     def offload_before_refit(self) -> None:
         if self.device != "cpu":  # on CPU there is nothing to move (memory_phases): no round trip for nothing
-            self.worker_group.run_all("offload_before_refit")
+            self.worker_group.run_all(PolicyWorker.offload_before_refit)
 
     def offload_after_refit(self) -> None:
         if self.device != "cpu":
-            self.worker_group.run_all("offload_after_refit")
+            self.worker_group.run_all(PolicyWorker.offload_after_refit)
 
     # ---- test helpers ------------------------------------------------------------------------
     def full_weights(self) -> dict[str, torch.Tensor]:
-        return self.worker_group.run_all("full_weights")[0]
+        return self.worker_group.run_all(PolicyWorker.full_weights)[0]
 
     def state_fingerprints(self) -> list[dict[str, float]]:
-        return self.worker_group.run_all("state_fingerprint")
+        return self.worker_group.run_all(PolicyWorker.state_fingerprint)
 
 
 def _aggregate(results: list[WorkerTrainResult]) -> TrainResult:
@@ -280,29 +281,32 @@ class _ExportBuckets(WeightBuckets):
         return {"per_rank": parts} if self.per_device else parts[0]
 
     def __iter__(self) -> Iterator[object]:
-        staged: list[StagedExport] = self.group.run_all("stage_export", self.dtype, self.max_bytes, self.per_device)
+        staged = self.group.run_all(PolicyWorker.stage_export, self.dtype, self.max_bytes, self.per_device)
+        head = staged[0]
+        assert head is not None  # rank 0 always stages
         writers = self._writers()
-        plan = staged[0].plan
+        plan = head.plan
         self.planned = len(plan)
         try:
-            if staged[0].first is not None:  # already written, and the ranks cleared their export
-                yield self._box([s.first for s in staged[: len(writers)]])
+            if head.first is not None:  # already written, and the ranks cleared their export
+                yield self._box([s.first for s in staged[: len(writers)] if s is not None])
                 self._count = 1
             else:
                 # One bucket ahead: the ranks write bucket k + 1 (into their other IPC buffer) while the engines load
                 # bucket k. Resuming here means the consumer is done with bucket k - 1, whose buffer k + 1 reuses.
-                ahead = [w.put_export_bucket.remote(plan[0], self.per_device, 0) for w in writers]
+                ahead = [self.group.submit(i, PolicyWorker.put_export_bucket, plan[0], self.per_device, 0)
+                         for i in range(len(writers))]
                 for k in range(len(plan)):
                     box = self._box(self.group.get(ahead, indices=list(range(len(writers)))))
                     if k + 1 < len(plan):
-                        ahead = [w.put_export_bucket.remote(plan[k + 1], self.per_device, (k + 1) % 2)
-                                 for w in writers]
+                        ahead = [self.group.submit(i, PolicyWorker.put_export_bucket, plan[k + 1], self.per_device,
+                                                   (k + 1) % 2) for i in range(len(writers))]
                     yield box
                     self._count += 1
-            self._fp = staged[0].fingerprint
+            self._fp = head.fingerprint
         finally:
-            if staged[0].first is None:
-                self.group.run_all("clear_export")
+            if head.first is None:
+                self.group.run_all(PolicyWorker.clear_export)
 
     @property
     def fingerprint(self) -> str:
