@@ -2,7 +2,7 @@
 vocabulary): `topk_kl`, and `teacher_kl`, its token mean over a micro-batch, which on-policy distillation's loss
 (rlpost.losses.distillation) and GRPO's add-on term (loss_fn.distillation_kl_coef) use.
 
-The teacher's part of the batch (rlpost.algorithms.teacher) is aligned like a logprob: position t holds the
+The teacher's part of the batch (rlpost.algorithms.distillation) is aligned like a logprob: position t holds the
 distribution that emits token t, as `teacher_topk_indices` [B, S, k] and the teacher's full-vocabulary log-softmax at
 them, `teacher_topk_logprobs` [B, S, k]. Both distributions are taken on k + 1 outcomes: the k tokens, and "any other
 token" with the rest of each one's mass (1 - its sum over the k). Then

@@ -107,10 +107,11 @@ def test_save_consolidated_decides_the_hf_export(tmp_path: Path, consolidated: b
 
 
 def test_policy_facade_forwards_hf_export() -> None:
+    from rlpost.models.policy.interfaces import PolicyWorker
     from rlpost.models.policy.lm_policy import Policy
 
     calls: list[Any] = []
     p = Policy.__new__(Policy)
     p.worker_group = SimpleNamespace(run_all=lambda *a: calls.append(a) or [])  # type: ignore[attr-defined]
     p.save_checkpoint("w", "o", hf_export=False)
-    assert calls == [("save_checkpoint", "w", "o", False)]
+    assert calls == [(PolicyWorker.save_checkpoint, "w", "o", False)]

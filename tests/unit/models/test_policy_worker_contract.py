@@ -20,7 +20,7 @@ from rlpost.models.policy.interfaces import PolicyWorker
 from rlpost.models.policy.megatron_policy_worker import MegatronPolicyWorker
 
 CONTRACT = {name for name, v in vars(PolicyWorker).items() if inspect.isfunction(v) and not name.startswith("_")}
-CALLERS = ("run_all", "run_rank0", "run_sharded", "submit_sharded", "call_async", "_logprob_call")
+CALLERS = ("run_all", "run_rank0", "run_sharded", "submit_sharded", "call_async", "submit", "_logprob_call")
 
 
 def _params(fn: object) -> list[str]:
@@ -44,10 +44,9 @@ def test_the_facade_calls_only_contract_methods() -> None:
     called: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            first = node.args[0] if node.args else None
-            if node.func.attr in CALLERS and isinstance(first, ast.Attribute) and isinstance(first.value, ast.Name) \
-                    and first.value.id == "PolicyWorker":
-                called.add(first.attr)  # run_all(PolicyWorker.<method>, ...)
+            for arg in node.args[:2] if node.func.attr in CALLERS else []:  # submit(rank, PolicyWorker.<method>)
+                if isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "PolicyWorker":
+                    called.add(arg.attr)  # run_all(PolicyWorker.<method>, ...)
             if node.func.attr == "remote" and isinstance(node.func.value, ast.Attribute):
                 called.add(node.func.value.attr)  # w.<method>.remote(...)
             target = node.func.value

@@ -132,7 +132,7 @@ class Policy(ColocatablePolicyInterface):
         return self._logprob_call(PolicyWorker.get_values, "values", data)
 
     def get_topk_logits(self, data: BatchedDataDict, k: int | None) -> BatchedDataDict:
-        """A teacher's top-k indices and logprobs [B, S, k] per position (rlpost.algorithms.teacher)."""
+        """A teacher's top-k indices and logprobs [B, S, k] per position (rlpost.algorithms.distillation)."""
         shards, order = self._shard(data, None, for_training=False)
         results = self.worker_group.run_sharded(PolicyWorker.get_topk_logits, shards, k)
         out = BatchedDataDict({key: torch.cat([r[key] for r in results], dim=0)
