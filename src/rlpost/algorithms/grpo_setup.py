@@ -93,7 +93,10 @@ class GRPOComponents:
 
     def side(self, name: str) -> Policy:
         """The side group called `name` (KeyError when the run has none)."""
-        return next(s.group for s in self.sides if s.spec.name == name)
+        for s in self.sides:
+            if s.spec.name == name:
+                return s.group
+        raise KeyError(f"this run has no {name} worker group")
 
 
 def close_all(closers: list[Callable[[], object]]) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from rlpost.config.algorithms import ADDONS, algorithm
+from rlpost.config.algorithms import algorithm, set_addons
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -96,7 +96,4 @@ def unit_of(cfg: MasterConfig) -> RolloutUnit:
 def run_side_groups(cfg: MasterConfig) -> list[SideGroup]:
     """Every side group of the run: its algorithm's, then its add-ons'."""
     groups = unit_of(cfg).side_groups(cfg)
-    for name, addon in ADDONS.items():
-        if getattr(cfg, name) is not None:
-            groups.append(importlib.import_module(addon.unit).side_group(cfg))
-    return groups
+    return groups + [importlib.import_module(addon.unit).side_group(cfg) for addon in set_addons(cfg)]

@@ -14,13 +14,11 @@ from rlpost.models.generation import engine_group
 from rlpost.models.generation.engine_group import EngineActor
 from rlpost.models.generation.hf_generation import HFGenerationWorker
 from rlpost.models.generation.vllm_worker import VllmEngineWorker
+from tests.unit.models.contracts import params, protocol_methods
 
-CONTRACT = {name for name, v in vars(EngineActor).items() if inspect.isfunction(v) and not name.startswith("_")}
+CONTRACT = protocol_methods(EngineActor)
 
 
-def _params(fn: object) -> list[str]:
-    fn = inspect.unwrap(fn)  # type: ignore[arg-type]
-    return [p.name for p in inspect.signature(fn).parameters.values() if p.name != "_ray_trace_ctx"]
 
 
 @pytest.mark.parametrize("actor", [VllmEngineWorker, HFGenerationWorker], ids=lambda c: c.__name__)
@@ -29,7 +27,7 @@ def test_every_engine_actor_implements_the_contract(actor: type) -> None:
     for name in sorted(CONTRACT):
         impl = getattr(actor, name, None)
         assert callable(impl), f"{actor.__name__} has no {name}"
-        assert _params(impl) == _params(getattr(EngineActor, name)), f"{actor.__name__}.{name} signature"
+        assert params(impl) == params(getattr(EngineActor, name)), f"{actor.__name__}.{name} signature"
 
 
 def test_engine_group_calls_actors_only_through_the_contract() -> None:

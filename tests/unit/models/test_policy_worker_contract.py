@@ -18,15 +18,12 @@ from rlpost.models.policy.dtensor_policy_worker import DTensorPolicyWorker
 from rlpost.models.policy.dtensor_policy_worker_v2 import DTensorPolicyWorkerV2
 from rlpost.models.policy.interfaces import PolicyWorker
 from rlpost.models.policy.megatron_policy_worker import MegatronPolicyWorker
+from tests.unit.models.contracts import params, protocol_methods
 
-CONTRACT = {name for name, v in vars(PolicyWorker).items() if inspect.isfunction(v) and not name.startswith("_")}
+CONTRACT = protocol_methods(PolicyWorker)
 CALLERS = ("run_all", "run_rank0", "run_sharded", "submit_sharded", "call_async", "submit", "_logprob_call")
 
 
-def _params(fn: object) -> list[str]:
-    fn = inspect.unwrap(fn)  # type: ignore[arg-type]
-    # ray.remote on a class (earlier tests in the session) adds a tracing keyword to its methods in place
-    return [p.name for p in inspect.signature(fn).parameters.values() if p.name != "_ray_trace_ctx"]
 
 
 @pytest.mark.parametrize("worker", [DTensorPolicyWorker, DTensorPolicyWorkerV2, MegatronPolicyWorker],
@@ -36,7 +33,7 @@ def test_every_worker_family_implements_the_contract(worker: type) -> None:
     for name in sorted(CONTRACT):
         impl = getattr(worker, name, None)
         assert callable(impl), f"{worker.__name__} has no {name}"
-        assert _params(impl) == _params(getattr(PolicyWorker, name)), f"{worker.__name__}.{name} signature"
+        assert params(impl) == params(getattr(PolicyWorker, name)), f"{worker.__name__}.{name} signature"
 
 
 def test_the_facade_calls_only_contract_methods() -> None:
