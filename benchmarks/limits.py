@@ -7,9 +7,8 @@
 - bare alternating: the two above in turn in that one process (generation, training, generation, ...), each
   timed pair a step of a single-process trainer: above their sum by what each phase loses to the other's use of
   the caches;
-- bare write: the same engine, in-process, loading the model's weights in place the way a refit does (on one
-  CPU rank rlpost's CpuWeightWriter: copies, and a oneDNN re-pack of every linear layer), the part of a refit
-  no transport can avoid; and bare reload: the same through vLLM's own reload_weights, for comparison;
+- bare load: the same engine, in-process, loading the model's weights in place the way a refit does (vLLM's
+  reload_weights), the part of a refit no transport can avoid;
 - memcpy: copying the model's bytes once (the floor for moving a refit's bytes).
 
 Used by benchmarks.grpo and benchmarks.refit; `measure_limits(cfg)` returns seconds and GB/s. Generation and
@@ -83,20 +82,14 @@ def _engine_worker(cfg: Any) -> tuple[Any, Any, Any]:
 
 
 def _bare_loads(cfg: Any, worker: Any, repeats: int) -> dict[str, float]:
-    """Best wall times of `worker` loading the model's weights in place (its `update_weights`): `bare_write_s` as a
-    refit loads them, `bare_reload_s` through vLLM's reload_weights (the same for the HF engine)."""
-    from rlpost.models.generation.vllm_extension import WRITER_ENV
-
-    weights, loads = _model_weights(cfg), {}
-    for key, writer in (("bare_write_s", "1"), ("bare_reload_s", "0")):
-        os.environ[WRITER_ENV] = writer
-        loads[key] = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            worker.update_weights(weights)
-            loads[key] = min(loads[key], time.perf_counter() - t0)
-    os.environ.pop(WRITER_ENV)
-    return loads
+    """`bare_load_s`: the best wall time of `worker` loading the model's weights in place (its `update_weights`,
+    the engine's one loading path, as a refit uses it)."""
+    weights, best = _model_weights(cfg), float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        worker.update_weights(weights)
+        best = min(best, time.perf_counter() - t0)
+    return {"bare_load_s": best}
 
 
 def bare_loads(cfg: Any, repeats: int = 3) -> dict[str, float]:

@@ -57,7 +57,7 @@ ASYNC = {"date": "2025-01-02T03:04:06", "async_compare": {
     "sync": {"step_s": 0.12, "generation_s": 0.05, "training_s": 0.05, "step_over_sum": 1.2},
     "async": {"step_s": 0.066, "generation_s": 0.05, "training_s": 0.06, "step_over_max": 1.1}}}
 REFIT = {"date": "", "refit_s": {"median": 0.3}, "refit_gbps_median": 1.5,
-         "limits": {"bare_write_s": 0.25, "memcpy_gbps": 6.0}}
+         "limits": {"bare_load_s": 0.25, "memcpy_gbps": 6.0}}
 START = {"date": "", "first_step_median_s": 13.0, "bare_engine_median_s": 8.0, "ratio_median": 1.6}
 GENERATION = {"date": "", "engines": {"vllm_rlpost": {"tokens_per_s": 900.0}, "vllm_bare": {"tokens_per_s": 1000.0},
                                       "hf_rlpost": {"tokens_per_s": 300.0}, "hf_bare": {"tokens_per_s": 400.0}}}

@@ -14,7 +14,6 @@ pytestmark = pytest.mark.slow
 
 def test_a_bucketed_reload_is_exact_and_quiet(tiny_model_dir: Path) -> None:
     r, log = run_check("vllm_bucket_log_check.py", tiny_model_dir)
-    assert r["path"] == "reload"  # vLLM's reload_weights ran: the path that warns
     assert r["buckets"] == r["whole"] != r["base"]  # two buckets load what one load does, and it is not the base
     assert "WARNING" in log or "INFO" in log  # vLLM's own log reaches this output: its absence below means something
     assert "Failed to load weights" not in log

@@ -14,10 +14,8 @@ def main(model_dir: str) -> None:
     from vllm_scripts import cpu_engine  # this script's folder is on sys.path
 
     from rlpost.distributed.shm_buckets import ShmBucketWriter
-    from rlpost.models.generation.vllm_extension import WRITER_ENV
 
-    # every load through vLLM's reload_weights: the path that logs
-    worker, base, new = cpu_engine(model_dir, 8, 64, seed=5, env={WRITER_ENV: "0"})
+    worker, base, new = cpu_engine(model_dir, 8, 64, seed=5)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
 
     def generate() -> list[list[int]]:
@@ -33,7 +31,7 @@ def main(model_dir: str) -> None:
     worker.load_bucket(shm.write(rest), None, True)
     print("BUCKETS-END", flush=True)
     shm.close()
-    result: dict[str, object] = {"path": worker.last_load_path(), "buckets": generate()}
+    result: dict[str, object] = {"buckets": generate()}
     worker.update_weights(base)
     result["base"] = generate()
     worker.update_weights(new)

@@ -20,10 +20,10 @@ def run_check(script: str, model_dir: Path) -> tuple[dict[str, Any], str]:
     return json.loads(lines[-1].removeprefix("RESULT ")), proc.stdout + proc.stderr
 
 
-def cpu_engine(model_dir: str, max_new_tokens: int, max_model_len: int, seed: int,
-               env: dict[str, str] | None = None) -> tuple[Any, list[tuple[str, Any]], list[tuple[str, Any]]]:
+def cpu_engine(model_dir: str, max_new_tokens: int, max_model_len: int,
+               seed: int) -> tuple[Any, list[tuple[str, Any]], list[tuple[str, Any]]]:
     """Inside a check script: rlpost's vLLM-CPU engine worker on `model_dir` (the engine environment a run gives
-    it, plus `env`), the checkpoint's weights, and those weights plus seeded noise (a refit that changes outputs)."""
+    it), the checkpoint's weights, and those weights plus seeded noise (a refit that changes outputs)."""
     import torch
     from safetensors.torch import load_file
 
@@ -32,7 +32,7 @@ def cpu_engine(model_dir: str, max_new_tokens: int, max_model_len: int, seed: in
     from rlpost.models.generation.vllm_worker import VllmEngineWorker
 
     cfg = VllmConfig(max_new_tokens=max_new_tokens)
-    os.environ.update({**vg.engine_env(cfg.vllm_cfg, False), **(env or {})})
+    os.environ.update(vg.engine_env(cfg.vllm_cfg, False))
     cfg.vllm_cfg.kv_cache_space_gb = 0.125
     cfg.vllm_cfg.max_model_len = max_model_len
     worker = VllmEngineWorker(model_dir, vg.engine_kwargs(cfg, 0, False))

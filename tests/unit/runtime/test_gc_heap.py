@@ -1,5 +1,5 @@
 """rlpost.runtime.gc_heap: the collector paused over a block, what the block made frozen (or freed first), and the
-starts that use it (the driver's checks, a policy worker, the vLLM engine in test_vllm_cpu_writer) collect a few
+starts that use it (the driver's checks, a policy worker, a vLLM engine) collect a few
 times instead of hundreds."""
 
 from __future__ import annotations

@@ -5,9 +5,7 @@ process that owns the model (in the Ray actor itself with the in-process engine,
 process with AsyncLLM, in each TP worker with a multi-GPU engine) and are reached through
 `collective_rpc("<method>", args=...)`. This module must stay importable without Ray.
 
-Loading on one CPU engine rank goes through rlpost's CpuWeightWriter (in-place copies, and vLLM's own
-kernel dispatch for each rebuilt linear layer: far less work than `reload_weights`); anything it can't place,
-and every other engine, goes through vLLM's in-place `reload_weights(weights_iterator=...)`.
+Every engine, on every device, loads through one path: vLLM's in-place `reload_weights(weights_iterator=...)`.
 `model.load_weights` after start-up fails on CPU because the CPU kernels repack the linear weights. For the same reason
 the engine's own parameters can't be read back in checkpoint form (they are fused, e.g. qkv_proj,
 and repacked, showing shape (0,) on CPU), so the engine-side fingerprint is computed on the tensors
@@ -21,7 +19,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,13 +28,9 @@ from rlpost.models.fingerprint import FingerprintBuilder
 if TYPE_CHECKING:
     from rlpost.distributed.bucket_layout import CudaIpcBucket
     from rlpost.distributed.collective import StatelessGroup
-    from rlpost.models.generation.vllm_cpu_writer import CpuWeightWriter
 
 FAULT_ENV = "RLPOST_FAULT_CORRUPT_REFIT"
 """Test-only: name of a parameter to corrupt (add 1.0) inside the engine before it is loaded."""
-
-WRITER_ENV = "RLPOST_VLLM_CPU_WRITER"
-"""Set to 0 to load every refit through vLLM's reload_weights (the benchmark's and tests' comparison)."""
 
 RefitInfo = dict[str, tuple[tuple[int, ...], str]]
 """name -> (shape, dtype string), as prepared by prepare_refit_info."""
@@ -123,9 +117,6 @@ class RlpostWorkerExtension:
 
     _rlpost_refit_info: RefitInfo | None = None
     _rlpost_group: StatelessGroup | None = None
-    _rlpost_writer: CpuWeightWriter | Literal[False] | None = None
-    rlpost_last_path: str = ""
-    """How the last load was written: "writer" (CpuWeightWriter), "reload" (vLLM's reload_weights) or "adapter"."""
     _rlpost_adapter: dict[str, torch.Tensor] | None = None
     """A LoRA adapter refit (rlpost.models.generation.vllm_lora): the tensors received so far, kept until
     `rlpost_stage_adapter` writes them for vLLM; None when refits carry the model's weights."""
@@ -174,7 +165,6 @@ class RlpostWorkerExtension:
                 t = t.detach().clone().add_(1.0) if name == corrupt else t.detach().clone()
                 fp.add(name, t)
                 self._rlpost_adapter[name] = t
-            self.rlpost_last_path = "adapter"
             return fp
         names = {n for n, _ in named}
         # A tied model needs lm_head.weight in the stream, or vLLM keeps a stale head.
@@ -183,14 +173,6 @@ class RlpostWorkerExtension:
         fp = FingerprintBuilder()
         if corrupt:
             named = [(n, t.detach().clone().add_(1.0) if n == corrupt else t) for n, t in named]
-        writer = self._rlpost_cpu_writer()
-        plan = writer.plan(named) if writer is not None else None
-        if writer is not None and plan is not None:
-            fp.add_all(named)
-            writer.write(plan)
-            self.rlpost_last_path = "writer"
-            return fp
-
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in named:
                 fp.add(name, t)
@@ -198,7 +180,6 @@ class RlpostWorkerExtension:
 
         with quiet_reload():  # a bucket leaves most layers alone: vLLM would warn for each (RELOAD_NOISE)
             self.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
-        self.rlpost_last_path = "reload"
         consumed = set(fp.names)
         if consumed != {n for n, _ in named}:
             raise RuntimeError(f"vLLM did not consume {sorted({n for n, _ in named} - consumed)[:5]}")
@@ -220,22 +201,6 @@ class RlpostWorkerExtension:
             write_adapter(self._rlpost_adapter, adapter_config, Path(out_dir))
         self._rlpost_adapter = {}
         return True
-
-    def _rlpost_cpu_writer(self) -> CpuWeightWriter | None:
-        """The CpuWeightWriter of this worker's model, or None where it does not apply (see its `supported`)."""
-        if os.environ.get(WRITER_ENV, "1") == "0":
-            return None
-        if self._rlpost_writer is None:
-            from rlpost.models.generation.vllm_cpu_writer import CpuWeightWriter
-
-            runner = self.model_runner  # type: ignore[attr-defined]
-            self._rlpost_writer = (CpuWeightWriter(runner.model, runner.model_config.dtype)
-                                   if CpuWeightWriter.supported() else False)
-        return self._rlpost_writer or None
-
-    def rlpost_load_path(self) -> str:
-        """How the last load was written ("writer" or "reload"; "" before any)."""
-        return self.rlpost_last_path
 
     def rlpost_load_packed(self, records: list[RpcRecord], corrupt: str | None = None) -> str:
         """rlpost_load for tensors sent as pack_for_rpc records (engine core in another process)."""

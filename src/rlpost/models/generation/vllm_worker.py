@@ -393,11 +393,6 @@ class VllmEngineWorker:
             self.end_refit()
         return digests[0]
 
-    def last_load_path(self) -> str:
-        """How the last refit was written into the model: "writer" (rlpost's CPU writer) or "reload" (vLLM's)."""
-        paths = self._rpc(RlpostWorkerExtension.rlpost_load_path)
-        return ",".join(sorted(set(paths)))
-
     def end_refit(self) -> bool:
         """After the last bucket: the adapter served (an adapter refit); cached prefixes hold activations of the
         old weights."""
