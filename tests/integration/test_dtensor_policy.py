@@ -21,6 +21,7 @@ from rlpost.distributed.worker_groups import WorkerGroupError
 from rlpost.losses.clipped_pg import ClippedPGLossFn
 from rlpost.models.policy.interfaces import TrainResult
 from rlpost.models.policy.lm_policy import Policy
+from tests.integration.exported import exported_weights
 
 pytestmark = pytest.mark.slow
 
@@ -112,14 +113,14 @@ def test_dp2_equals_dp1_and_microbatch_split(ray_local: None, tiny_model_dir: Pa
     one = Built(policy_cfg(tiny_model_dir, "cluster.gpus_per_node=1", optimizer=SGD), 1)
     built.append(one)
     l1 = train_steps(one.policy, 2)
-    w1 = one.policy.full_weights()
+    w1 = exported_weights(one.policy)
     one.close()
     built.remove(one)
 
     two = Built(policy_cfg(tiny_model_dir, optimizer=SGD), 2)
     built.append(two)
     l2 = train_steps(two.policy, 2)
-    w2 = two.policy.full_weights()
+    w2 = exported_weights(two.policy)
     two.close()
     built.remove(two)
     assert l1 == pytest.approx(l2, abs=1e-5)
@@ -129,7 +130,7 @@ def test_dp2_equals_dp1_and_microbatch_split(ray_local: None, tiny_model_dir: Pa
                            optimizer=SGD), 1)
     built.append(mb1)
     train_steps(mb1.policy, 2)
-    assert max_diff(w1, mb1.policy.full_weights()) <= 1e-5
+    assert max_diff(w1, exported_weights(mb1.policy)) <= 1e-5
     # the update is real: weights moved
     from safetensors.torch import load_file
 
@@ -143,7 +144,7 @@ def test_tp2_equals_tp1(ray_local: None, tiny_model_dir: Path, built: list[Built
     built.append(one)
     lp1 = one.policy.get_logprobs(data)["logprobs"]
     train_steps(one.policy, 1)
-    w1 = one.policy.full_weights()
+    w1 = exported_weights(one.policy)
     one.close()
     built.remove(one)
 
@@ -152,7 +153,7 @@ def test_tp2_equals_tp1(ray_local: None, tiny_model_dir: Path, built: list[Built
     lp2 = tp.policy.get_logprobs(data)["logprobs"]
     assert torch.allclose(lp1, lp2, atol=1e-5)
     train_steps(tp.policy, 1)
-    assert max_diff(w1, tp.policy.full_weights()) <= 1e-5
+    assert max_diff(w1, exported_weights(tp.policy)) <= 1e-5
 
 
 def test_packing_dynamic_batching_and_activation_checkpointing_same_logprobs(
@@ -191,10 +192,9 @@ def test_save_load_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, b
     a.policy.save_checkpoint(str(tmp_path / "weights"), str(tmp_path / "optim"))
     data = make_batch(seed=11)
     lp_saved = a.policy.get_logprobs(data)["logprobs"]
-    fp_saved = a.policy.state_fingerprints()
     data["prev_logprobs"] = lp_saved
     a.policy.train(data, LOSS)
-    w_next = a.policy.full_weights()
+    w_next = exported_weights(a.policy)
     a.close()
     built.remove(a)
 
@@ -208,9 +208,8 @@ def test_save_load_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, b
     b = Built(cfg, 2, weights_path=str(tmp_path / "weights"), optimizer_path=str(tmp_path / "optim"))
     built.append(b)
     assert torch.equal(b.policy.get_logprobs(data)["logprobs"], lp_saved)
-    assert b.policy.state_fingerprints() == fp_saved
     b.policy.train(data, LOSS)
-    assert max_diff(w_next, b.policy.full_weights()) == 0.0
+    assert max_diff(w_next, exported_weights(b.policy)) == 0.0
 
 
 def test_killed_worker_is_named(ray_local: None, tiny_model_dir: Path, built: list[Built]) -> None:
@@ -238,14 +237,14 @@ def test_v2_logprobs_equal_v1(ray_local: None, tiny_model_dir: Path, built: list
     built.append(v1)
     lp1 = v1.policy.get_logprobs(data)["logprobs"]
     train_steps(v1.policy, 1)
-    w1 = v1.policy.full_weights()
+    w1 = exported_weights(v1.policy)
     v1.close()
     built.remove(v1)
     v2 = Built(policy_cfg(tiny_model_dir, "policy=dtensor_v2", *extra, optimizer=SGD), 2)
     built.append(v2)
     assert torch.allclose(lp1, v2.policy.get_logprobs(data)["logprobs"], atol=1e-5)
     train_steps(v2.policy, 1)
-    assert max_diff(w1, v2.policy.full_weights()) <= 1e-5
+    assert max_diff(w1, exported_weights(v2.policy)) <= 1e-5
 
 
 class _Sleeper:
@@ -305,7 +304,7 @@ def test_a_batch_trained_in_parts_equals_it_trained_whole(ray_local: None, tiny_
                 for a in range(0, B, 8):  # two parts of 8 rows: 4 per rank, one micro-batch each
                     b.policy.train_part(data.slice(a, a + 8), loss)
                 results[how].append(b.policy.finish_parts(loss))
-        weights[how] = b.policy.full_weights()
+        weights[how] = exported_weights(b.policy)
         b.close()
         built.remove(b)
     for whole, parts in zip(results["whole"], results["parts"], strict=True):
@@ -328,12 +327,12 @@ def test_finish_parts_without_parts_or_after_a_failed_part_raises(ray_local: Non
         b.policy.finish_parts(loss)
     bad = make_batch()
     del bad["advantages"]  # the loss cannot run on this part
-    before = b.policy.full_weights()
+    before = exported_weights(b.policy)
     b.policy.train_part(make_batch(), loss)
     b.policy.train_part(bad, loss)
     with pytest.raises(WorkerGroupError, match="policy rank 0 .*raised KeyError"):
         b.policy.finish_parts(loss)
-    assert max_diff(before, b.policy.full_weights()) == 0.0  # no optimizer step on a partial batch
+    assert max_diff(before, exported_weights(b.policy)) == 0.0  # no optimizer step on a partial batch
 
 
 def test_a_rank_builds_its_model_only_once_the_start_gate_opens(ray_local: None, tiny_model_dir: Path,

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.integration.exported import exported_weights
 from tests.integration.test_megatron_policy import (
     LOSS,
     MEGATRON_SGD,
@@ -46,7 +47,7 @@ def test_adapters_alone_train_tp2_equals_tp1_the_reference_is_the_base_and_a_che
     one = build(built, policy_cfg(tiny_model_dir, 1, *PEFT, *MEGATRON_SGD), 1)
     lp0 = one.policy.get_logprobs(data)["logprobs"]
     losses1 = train_steps(one, 3)
-    w1 = one.policy.full_weights()  # merged: W + alpha/r * B @ A under HF names
+    w1 = exported_weights(one.policy)  # merged: W + alpha/r * B @ A under HF names
     assert torch.equal(one.policy.get_reference_policy_logprobs(data)["reference_logprobs"], lp0)  # adapters off
     assert (one.policy.get_logprobs(data)["logprobs"] - lp0).abs().max() > 1e-3  # the adapters changed the policy
     moved = sorted(k for k in base if not torch.equal(w1[k], base[k]))
@@ -59,10 +60,10 @@ def test_adapters_alone_train_tp2_equals_tp1_the_reference_is_the_base_and_a_che
     losses2 = train_steps(tp, 2)
     assert losses2 == pytest.approx(losses1[:2], abs=1e-5)
     tp.policy.save_checkpoint(str(tmp_path / "weights"), str(tmp_path / "optim"))
-    w_saved = tp.policy.full_weights()
+    w_saved = exported_weights(tp.policy)
     losses2 += train_steps(tp, 1, first=2)
     assert losses2 == pytest.approx(losses1, abs=1e-5)
-    assert max_diff(w1, tp.policy.full_weights()) <= 1e-5
+    assert max_diff(w1, exported_weights(tp.policy)) <= 1e-5
     close(built, tp)
 
     # the checkpoint: the adapters of each TP rank and nothing of the base; the HF export is the merged model
@@ -89,4 +90,4 @@ def test_adapters_alone_train_tp2_equals_tp1_the_reference_is_the_base_and_a_che
                                       *MEGATRON_SGD), 2, weights_path=str(tmp_path / "weights"),
                     optimizer_path=str(tmp_path / "optim"))
     assert train_steps(resumed, 1, first=2) == pytest.approx(losses1[2:], abs=1e-6)
-    assert max_diff(w1, resumed.policy.full_weights()) <= 1e-5
+    assert max_diff(w1, exported_weights(resumed.policy)) <= 1e-5

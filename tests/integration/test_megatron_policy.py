@@ -28,6 +28,7 @@ from rlpost.distributed.worker_groups import WorkerGroupError
 from rlpost.losses.clipped_pg import ClippedPGLossFn
 from rlpost.models.policy.interfaces import TrainResult
 from rlpost.models.policy.lm_policy import Policy
+from tests.integration.exported import exported_weights
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +138,7 @@ def dtensor_reference(ray_local: None, tiny_model_dir: Path) -> dict[str, Any]:
         lp = b.policy.get_logprobs(data)["logprobs"]
         data["prev_logprobs"] = lp
         out = b.policy.train(data, LOSS)
-        return {"data": data, "logprobs": lp, "train": out, "weights": b.policy.full_weights()}
+        return {"data": data, "logprobs": lp, "train": out, "weights": exported_weights(b.policy)}
     finally:
         b.close()
 
@@ -156,7 +157,7 @@ def test_parity_with_dtensor(
     assert lp_err <= TOL, f"{layout}: logprobs differ from DTensor by {lp_err:.3g}"
 
     out = b.policy.train(data, LOSS)  # data carries the DTensor logprobs as prev_logprobs
-    w = b.policy.full_weights()
+    w = exported_weights(b.policy)
     print(f"\n[{layout}] logprob max|diff| {lp_err:.3g}")
     assert_same_step(layout, out, w, ref)
     assert out.all_mb_metrics.keys() == ref["train"].all_mb_metrics.keys()
@@ -187,7 +188,7 @@ def test_a_batch_trained_in_parts_equals_dtensor_trained_whole(
     for a in (0, 8):
         b.policy.train_part(data.slice(a, a + 8), LOSS)
     out = b.policy.finish_parts(LOSS)
-    assert_same_step(f"{layout} in parts", out, b.policy.full_weights(), ref)
+    assert_same_step(f"{layout} in parts", out, exported_weights(b.policy), ref)
     assert out.metrics.keys() == dt.metrics.keys()
     for k, v in dt.metrics.items():
         assert out.metrics[k] == pytest.approx(v, rel=TOL, abs=TOL), k
@@ -250,10 +251,9 @@ def test_checkpoint_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, 
     assert a.policy.train(first, LOSS).grad_norm > 1.0
     a.policy.save_checkpoint(str(tmp_path / "weights"), str(tmp_path / "optim"))
     lp_saved = a.policy.get_logprobs(later)["logprobs"]
-    fp_saved = a.policy.state_fingerprints()
     later["prev_logprobs"] = lp_saved
     a.policy.train(later, LOSS)
-    w_next = a.policy.full_weights()
+    w_next = exported_weights(a.policy)
     close(built, a)
 
     hf_dir = tmp_path / "weights" / "hf"
@@ -267,12 +267,11 @@ def test_checkpoint_resume_and_hf_export(ray_local: None, tiny_model_dir: Path, 
 
     b = build(built, cfg, 2, weights_path=str(tmp_path / "weights"), optimizer_path=str(tmp_path / "optim"))
     assert torch.equal(b.policy.get_logprobs(later)["logprobs"], lp_saved)
-    assert b.policy.state_fingerprints() == fp_saved
     # the reference is the initial HF model, not the checkpoint
     ref = b.policy.get_reference_policy_logprobs(later)["reference_logprobs"]
     assert float((ref - lp_initial).abs().max()) <= 1e-6
     b.policy.train(later, LOSS)
-    assert max_diff(w_next, b.policy.full_weights()) == 0.0
+    assert max_diff(w_next, exported_weights(b.policy)) == 0.0
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ non-colocated, with a TP=2 policy; a corrupted weight is caught by the fingerpri
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -239,10 +240,11 @@ def test_refit_in_small_buckets_never_passes_through_the_driver(
     policy = Policy(cluster, pcfg)
     engine = VllmGeneration(gcfg, cluster) if engine_kind == "vllm" else HFGeneration(gcfg, cluster)
     try:
-        engine.prepare_refit_info(policy.prepare_refit_info("float32"))
+        info = policy.prepare_refit_info("float32")
+        engine.prepare_refit_info(info)
         out0 = engine.generate(prompts())
         train_once(policy, out0)
-        model_bytes = sum(t.numel() * t.element_size() for t in policy.full_weights().values())
+        model_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in info.values())
         received: list[int] = []
         real_get = ray.get
 

@@ -467,25 +467,9 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         dtensor_checkpoint.save(self, weights_path, optimizer_path, self.cfg.model_name, hf_export=hf_export,
                                 lora_cfg=self.lora)
 
-    def state_fingerprint(self) -> dict[str, float]:
-        """Debug/test helper: sum of |w| and of optimizer state per rank (local shards)."""
-        self._onload(with_optimizer=True)
-        w = sum(float(_local(p).detach().double().abs().sum()) for p in self.model.parameters())
-        o = 0.0
-        if self.optimizer is not None:
-            for st in self.optimizer.state.values():
-                for v in st.values():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        o += float(_local(v).double().abs().sum())
-        return {"weights": w, "optimizer": o}
-
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """All ranks call; rank 0 gets the full fp32 state dict under the model's own names (tests, exports), with
-        LoRA the adapters merged in."""
-        return self._gathered_weights(every_rank=False)
-
     def _gathered_weights(self, every_rank: bool) -> dict[str, torch.Tensor]:
-        """`full_weights`, on every rank (each on its own device) when `every_rank`."""
+        """The full fp32 weights under the model's own names (LoRA merged in) on rank 0, or on every rank (each on
+        its own device) when `every_rank`."""
         self._onload()
         full = dtensor_checkpoint.full_state_dict(self.model, every_rank)
         return lora.merged(full, lora.scaling(self.lora)) if self.lora else full

@@ -230,13 +230,6 @@ class Policy(ColocatablePolicyInterface):
         if self.device != "cpu":
             self.worker_group.run_all(PolicyWorker.offload_after_refit)
 
-    # ---- test helpers ------------------------------------------------------------------------
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        return self.worker_group.run_all(PolicyWorker.full_weights)[0]
-
-    def state_fingerprints(self) -> list[dict[str, float]]:
-        return self.worker_group.run_all(PolicyWorker.state_fingerprint)
-
 
 def _aggregate(results: list[WorkerTrainResult]) -> TrainResult:
     """One training call's answer from every rank's: per-micro-batch metrics summed per rank (each is globally

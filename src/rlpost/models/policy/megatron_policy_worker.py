@@ -22,7 +22,7 @@ memory into a megatron GPTModel (`rlpost.models.megatron`).
   DDP's gradient buffers by the global counts, reduces them over DP and steps once (overlap_grad_reduce off).
 - Clipping: `megatron_cfg.optimizer.clip_grad` when > 0, else `policy.max_grad_norm` (None: none); on CPU rlpost
   clips the fp32 grads itself with megatron's rule (megatron's clip asserts CUDA tensor types).
-- Export / full_weights: TP all-gather + PP broadcast to full HF-named tensors (tied lm_head included) by DP
+- Export: TP all-gather + PP broadcast to full HF-named tensors (tied lm_head included) by DP
   replica 0; global rank 0 keeps them. Checkpoints: see `megatron_checkpoint` (DCP, same-layout restore, hf/).
 - Memory phases (GPU; no-ops on CPU, rlpost.models.megatron.offload): offload_before_refit (and
   prepare_for_lp_inference with offload_optimizer_for_logprob) moves the optimizer (its state and its fp32 main
@@ -569,22 +569,6 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
 
         self._restore_optimizer_state()
         megatron_checkpoint.save(self, weights_path, optimizer_path, hf_export=hf_export)
-
-    @_megatron_call
-    def state_fingerprint(self) -> dict[str, float]:
-        """Debug/test helper: sum of |w| over this rank's shard and of its optimizer state."""
-        from rlpost.models.policy.megatron_checkpoint import optimizer_state_tensors
-
-        w = sum(float(p.detach().double().abs().sum()) for p in self.gpt.parameters())
-        o = 0.0
-        if self.train_state is not None:
-            o = sum(float(v.double().abs().sum()) for _, _, v in optimizer_state_tensors(self.train_state.optimizer))
-        return {"weights": w, "optimizer": o}
-
-    @_megatron_call
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """All ranks call; rank 0 gets the full fp32 HF-named state dict (tests, exports)."""
-        return self.gather_full_weights(torch.float32)
 
     def shutdown(self) -> bool:
         self.close_export_buffers()
