@@ -29,11 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -64,45 +64,32 @@ ASYNC_TARGET = 1.1
 
 def run_steps(overrides: list[str]) -> tuple[Any, list[dict[str, float]], float, float, TreeUsage]:
     """(config, per-step metrics, setup seconds, wall seconds, the process tree's memory and CPU) of one training
-    run."""
-    from rlpost.algorithms.grpo import grpo_train, setup
+    run, run as `rlpost train` runs it (rlpost.runner) in a temporary run directory."""
     from rlpost.config.load import load_master_config
     from rlpost.config.schema.master import MasterConfig
-    from rlpost.runtime.timer import recording_spans
+    from rlpost.runner import run
+    from rlpost.runtime.ray_timeline import FILE_NAME
+    from rlpost.runtime.run_log import ENV_VAR, capture_driver_output
 
     _, cfg = load_master_config(overrides)
     if not isinstance(cfg, MasterConfig):
         raise SystemExit("benchmarks.grpo measures GRPO runs (algo=grpo)")
     steps: list[dict[str, float]] = []
     t0 = time.perf_counter()
-    spans_kept = recording_spans() if cfg.logger.ray_timeline else nullcontext(None)
-    with TreeUsage() as usage, tempfile.TemporaryDirectory() as run_dir, spans_kept as spans:
-        from rlpost.runtime.run_log import ENV_VAR, capture_driver_output
-
+    with TreeUsage() as usage, tempfile.TemporaryDirectory() as run_dir:
         capture_driver_output(Path(run_dir) / "train.log")  # as `rlpost train` does: workers write to the run's log
-        comps = setup(cfg, Path(run_dir))
-        t_setup = time.perf_counter() - t0
         try:
-            if cfg.grpo.async_grpo.enabled:
-                from rlpost.algorithms.async_grpo import async_grpo_train
-
-                async_grpo_train(comps, on_step=lambda step, m: steps.append(stamped(m)))
-            else:
-                grpo_train(comps, on_step=lambda step, m: steps.append(stamped(m)))
+            summary = run(cfg, Path(run_dir), on_step=lambda step, m: steps.append(stamped(m)))
         finally:
-            if spans is not None:  # before the actors go, with their events
-                from rlpost.runtime.ray_timeline import write_timeline
-
-                mode = ("_async" if cfg.grpo.async_grpo.enabled else "_sync") if SPLIT[0] in overrides else ""
-                timeline = RESULTS_DIR / f"bench_grpo_timeline{mode}.json"
-                timeline.parent.mkdir(exist_ok=True)
-                print(f"timeline: {write_timeline(timeline, spans)}", flush=True)
-            comps.close()
-            import ray
-
-            ray.shutdown()
             os.environ.pop(ENV_VAR, None)
-    return cfg, steps, t_setup, time.perf_counter() - t0, usage
+        timeline = Path(str(summary["metrics"])).parent / FILE_NAME
+        if timeline.is_file():  # logger.ray_timeline: kept beside the results
+            mode = ("_async" if cfg.grpo.async_grpo.enabled else "_sync") if SPLIT[0] in overrides else ""
+            kept = RESULTS_DIR / f"bench_grpo_timeline{mode}.json"
+            kept.parent.mkdir(exist_ok=True)
+            shutil.copyfile(timeline, kept)
+            print(f"timeline: {kept}", flush=True)
+    return cfg, steps, float(str(summary["setup_s"])), time.perf_counter() - t0, usage
 
 
 WALL = "bench/logged_at"

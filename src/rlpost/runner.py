@@ -267,15 +267,21 @@ def _supervised_job(cfg: SupervisedMasterConfig) -> Job[SupervisedMasterConfig, 
                result_line)
 
 
-def run(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path) -> dict[str, object]:
+StepObserver = Callable[[int, dict[str, float]], None]
+"""Called after each step with its number and metrics (what metrics.jsonl gets), on the driver's thread."""
+
+
+def run(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path,
+        on_step: StepObserver | None = None) -> dict[str, object]:
     """Train with the configured algorithm: setup -> its step loop -> summary, releasing everything at the end;
-    returns the summary (final metrics, where the outputs are)."""
+    returns the summary (final metrics, where the outputs are, the seconds setup took). `on_step` sees every
+    step's metrics as they are logged (benchmarks.grpo times the steps with it)."""
     if isinstance(cfg, SupervisedMasterConfig):
-        return _run(_supervised_job(cfg), cfg, run_dir)
-    return _run(_grpo_job(cfg), cfg, run_dir)
+        return _run(_supervised_job(cfg), cfg, run_dir, on_step)
+    return _run(_grpo_job(cfg), cfg, run_dir, on_step)
 
 
-def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path) -> dict[str, object]:
+def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path, observer: StepObserver | None) -> dict[str, object]:
     console = Console(stderr=True)
     t0 = time.perf_counter()
     last: dict[str, float] = {}
@@ -291,6 +297,7 @@ def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path) -> dict[str, object]:
     with StopOnSignal() as stop, _phase_spans(cfg) as spans:
         try:
             comps = job.setup(cfg, run_dir)
+            setup_s = time.perf_counter() - t0
             start = comps.save_state.total_steps
             if start:
                 say.info(f"resuming from step {start} ({comps.checkpointer.latest()})")
@@ -301,6 +308,8 @@ def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path) -> dict[str, object]:
                 task = progress.add_task("train", total=job.max_num_steps, completed=start, info="")
 
                 def on_step(step: int, m: dict[str, float]) -> None:
+                    if observer is not None:
+                        observer(step, m)
                     last.update(m)
                     progress.update(task, completed=step, info=job.progress(m))
                     stop.stop_after(step, job.max_num_steps, cfg.checkpointing, lambda: loop.save_now(step, m))
@@ -324,6 +333,7 @@ def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path) -> dict[str, object]:
         "steps": comps.save_state.total_steps,
         "complete": not out_of_time,
         **job.summary(last, comps),
+        "setup_s": setup_s,
         "wall_s": time.perf_counter() - t0,
         "metrics": str(comps.logger.dir / "metrics.jsonl"),
         "tensorboard": str(comps.logger.tb_dir),
