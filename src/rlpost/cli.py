@@ -14,9 +14,6 @@ from typing import TYPE_CHECKING, Any
 from rlpost import __version__
 from rlpost.command_checks import (
     _NO_JOB_FLAGS,
-    check_hydra_node,
-    check_hydra_overrides,
-    compose_hydra_node,
     preflight,
     split_hydra_argv,
 )
@@ -54,27 +51,18 @@ options:
 """
 
 def _plan(argv: list[str]) -> int:
-    from rlpost.config.errors import ConfigError
-    from rlpost.config.load import load_master_config, validation_off_note
-    from rlpost.config.lora_params import check_lora_modules
+    from rlpost.checks import PLAN
+    from rlpost.config.load import validation_off_note
     from rlpost.plan import print_plan
-    from rlpost.preflight import check_precision
-    from rlpost.runtime.build import check_targets, verify_targets
 
     if any(a in ("-h", "--help") for a in argv):
         print("usage: rlpost plan [hydra overrides]  (composes, validates and prints the derived numbers)")
         return 0
-    try:
-        check_hydra_overrides(argv)
-        cfg, master = load_master_config(argv)
-        check_hydra_node(compose_hydra_node(argv))
-        check_targets(master)
-        verify_targets(master)
-        check_precision(master)  # the backend's device checks (GPU-only options on a CPU run)
-        check_lora_modules(master)
-    except ConfigError as err:
-        report_config_error(err)
-        return 2
+    jobs: list[tuple[Any, Any]] = []
+    rc = preflight(argv, False, command=PLAN, jobs_out=jobs)
+    if rc:
+        return rc
+    cfg, master = jobs[0]
     if note := validation_off_note(cfg, argv):
         print(f"rlpost: warning: {note}", file=sys.stderr)  # console.warn would log it too: no log file here
     print_plan(master)

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from rlpost.config.errors import report_config_error
+
+if TYPE_CHECKING:
+    from rlpost.checks import AnyMaster, Command
 
 # Hydra flags that take a value, and flags after which no job runs.
 _VALUE_FLAGS = {
@@ -52,27 +55,31 @@ def _expand_sweeps(overrides: list[str]) -> list[list[str]]:
 
 
 def preflight(overrides: list[str], multirun: bool, flags: Sequence[str] = (),
-              hydra_nodes: list[dict[str, Any]] | None = None, launched: bool = False) -> int:
-    """Compose and validate every job before Hydra starts anything; print the first error, return 2 on error.
-    Each job's `hydra` node (unresolved) is appended to `hydra_nodes` when given. A `launched` job (rlpost launch,
-    checked where it is submitted) runs on a Ray cluster that does not exist yet, on nodes whose devices this host
-    may not have: its Ray head and device checks are left to the job's own pre-flight there."""
+              hydra_nodes: list[dict[str, Any]] | None = None, command: Command | None = None,
+              jobs_out: list[tuple[Any, AnyMaster]] | None = None) -> int:
+    """Compose and validate every job before Hydra starts anything, running `command`'s checks (rlpost.checks);
+    print the first error, return 2 on error. Each job's `hydra` node (unresolved) is appended to `hydra_nodes` and
+    its (composed config, master config) to `jobs_out` when given. `command`: rlpost.checks.TRAIN unless given. A
+    launched job (`rlpost.checks.LAUNCH`) runs on
+    a Ray cluster that does not exist yet, on nodes whose devices this host may not have: its Ray head and device
+    checks are left to the job's own pre-flight there."""
+    from rlpost.checks import TRAIN
     from rlpost.runtime.gc_heap import collect_and_freeze, paused_gc
 
     # No collections while the checks import torch and compose each job (1.0 s of them on the 2-core host); once
     # they pass, one that frees what composing the jobs dropped (10-13 MB a job), and the imports are frozen.
     with paused_gc(freeze=False):
-        rc = _preflight(overrides, multirun, flags, hydra_nodes, launched)
+        rc = _preflight(overrides, multirun, flags, hydra_nodes, command or TRAIN, jobs_out)
     if rc == 0:
         collect_and_freeze()
     return rc
 
 
 def _preflight(overrides: list[str], multirun: bool, flags: Sequence[str],
-               hydra_nodes: list[dict[str, Any]] | None, launched: bool) -> int:
+               hydra_nodes: list[dict[str, Any]] | None, command: Command,
+               jobs_out: list[tuple[Any, AnyMaster]] | None) -> int:
     from rlpost.config.errors import ConfigError
     from rlpost.config.load import translate_exception
-    from rlpost.runtime.build import check_targets, verify_targets
 
     try:
         check_flags(flags)
@@ -85,14 +92,14 @@ def _preflight(overrides: list[str], multirun: bool, flags: Sequence[str],
         report_config_error(translate_exception(exc))
         return 2
     from rlpost import failures
+    from rlpost.checks import run_checks
     from rlpost.config.load import compose_config, to_master_config
     from rlpost.data.datasets import DataError
-    from rlpost.preflight import preflight_checks
 
     for job in jobs:
         try:
             cfg = compose_config(job)
-            if not launched and (unreachable := ray_head_unreachable(cfg)) is not None:
+            if "host" in command.scopes and (unreachable := ray_head_unreachable(cfg)) is not None:
                 print(f"rlpost: error: {failures.describe(unreachable, None)}", file=sys.stderr)
                 return failures.exit_status(unreachable)
             master = to_master_config(cfg, job)
@@ -100,10 +107,11 @@ def _preflight(overrides: list[str], multirun: bool, flags: Sequence[str],
             check_hydra_node(node)
             if hydra_nodes is not None:
                 hydra_nodes.append(node)
-            check_targets(master)
-            verify_targets(master)
-            preflight_checks(master, device_checks=not launched)
-            check_output_dir(job, multirun)
+            run_checks(master, command=command)
+            if "outputs" in command.scopes:
+                check_output_dir(job, multirun)
+            if jobs_out is not None:
+                jobs_out.append((cfg, master))
         except ConfigError as err:
             report_config_error(err, job if multirun else None)
             return 2

@@ -1,10 +1,7 @@
-"""Checks that need the file system or an import, run by the driver after validation and before Ray.
-
-The schemas (`MasterConfig.__post_init__`) check a config on its own; `preflight_checks` checks it
-against the world: the model directory, the optimizer and scheduler classes and their arguments,
-the device a bf16 run would land on, the metric that ranks checkpoints, the output directories and
-the data files (read once; every bad row is named by file and line). A failure is a ConfigError
-(key, value, rule) or a DataError, never a traceback from a worker minutes later.
+"""The checks of a config against the world, run in `rlpost.checks.CHECKS`' order before Ray starts: the model
+directory, the optimizer and scheduler classes and their arguments, the device a bf16 run would land on, the local
+CPUs and the output directories. A failure is a ConfigError (key, value, rule), never a traceback from a worker
+minutes later.
 
 torch is imported inside the checks that need it (optimizer signatures, `cuda.is_available`).
 """
@@ -21,78 +18,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rlpost.config.algorithms import preflight as addon_preflight
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import model_dir_key, read_hf_config
-from rlpost.config.lora_params import check_lora_modules
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.policy import PytorchOptimizerConfig, SinglePytorchSchedulerConfig, parse_scheduler
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
-from rlpost.preflight_data import (
-    check_chat_template,
-    check_chat_template_value,
-    check_data,
-    check_prompt_files,
-    check_supervised_data,
-)
-from rlpost.runtime.build import check_target, check_target_kinds
+from rlpost.runtime.build import check_target
 from rlpost.runtime.cuda_driver import usable_device
 
 AnyMaster = MasterConfig | SupervisedMasterConfig
 """The master config of any algorithm."""
 
-# What a GRPO step logs (rlpost.algorithms.grpo: `validate` as validation/*, `_step_metrics` and the
-# rollout's reward counters as train/*), i.e. the names `checkpointing.metric_name` may rank by.
-VAL_METRICS: tuple[str, ...] = ("accuracy", "avg_length", "reward")
-TRAIN_STEP_METRICS: tuple[str, ...] = (
-    "reward",
-    "reward_timeouts",
-    "reward_errors",
-    "reward_unfinished",
-    "loss",
-    "grad_norm",
-    "lr",
-    "params_finite",
-    "mean_gen_length",
-    "mean_prompt_length",
-    "total_num_tokens",
-    "advantages/mean",
-    "advantages/max",
-    "advantages/min",
-    "num_too_long_prompts",
-    "truncated_fraction",
-    "filtered_reward",
-    "valid_response_tokens",
-)
-DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = (
-    "dynamic_sampling_num_discarded_valid_samples",
-    "dynamic_sampling_num_gen_batches",
-)
-# Metrics each built-in loss returns (rlpost.losses.clipped_pg), logged as train/<name>.
-LOSS_METRICS: dict[str, tuple[str, ...]] = {
-    "rlpost.losses.clipped_pg.ClippedPGLossFn": (
-        "loss",
-        "probs_ratio",
-        "probs_ratio_clamped",
-        "kl_penalty",
-        "token_mult_prob_error",
-        "gen_kl_error",
-        "policy_kl_error",
-        "js_divergence_error",
-        "sampling_importance_ratio",
-        "num_valid_samples",
-        "approx_entropy",
-    ),
-    "rlpost.losses.clipped_pg.NLLLoss": ("loss", "token_accuracy", "num_unmasked_tokens",
-                                                 "num_valid_samples"),
-    "rlpost.losses.preference.DPOLossFn": ("loss", "preference_loss", "sft_loss", "kl_to_reference",
-                                                      "accuracy", "rewards_chosen_mean", "rewards_rejected_mean",
-                                                      "reward_margin", "num_valid_samples"),
-    "rlpost.losses.preference.PreferenceLoss": ("loss", "accuracy", "rewards_chosen_mean",
-                                                           "rewards_rejected_mean", "reward_margin",
-                                                           "num_valid_samples"),
-}
 # Files that make a local HF tokenizer loadable (any one of them).
 TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer.json",
@@ -105,33 +42,6 @@ TOKENIZER_FILES: tuple[str, ...] = (
 WEIGHT_PATTERNS: tuple[str, ...] = ("*.safetensors", "*.bin")
 # Optimizer arguments that depend on the device; the CPU dry build leaves them out for a GPU run.
 DEVICE_KWARGS = frozenset({"fused", "foreach", "capturable"})
-
-
-def preflight_checks(master: AnyMaster, run_dir: Path | None = None, device_checks: bool = True) -> None:
-    """Raise ConfigError or DataError for anything that would fail after Ray starts. Loads no model. Without
-    `device_checks` (a job submitted to other nodes) what depends on this host's devices is not judged."""
-    check_model_dir(master)
-    check_hf_config_overrides(master)
-    check_vocab_shards(master)
-    check_lora_modules(master)
-    check_optimizer(master)
-    check_target_kinds(master)  # after the optimizer's own allow-list check, which imports nothing it refuses
-    if device_checks:
-        check_cuda_device(master)
-        check_precision(master)
-        check_gpu_only_keys(master)
-    check_local_cpus(master)
-    check_metric_name(master)
-    if isinstance(master, SupervisedMasterConfig):
-        check_output_dirs(master, run_dir)
-        check_chat_template_value(master)
-        check_supervised_data(master)
-        return
-    check_output_dirs(master, run_dir)
-    addon_preflight(master)
-    check_prompt_files(master)
-    check_chat_template(master)
-    check_data(master)
 
 
 def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
@@ -343,11 +253,14 @@ def _dry_build(opt: PytorchOptimizerConfig, scheduler: list[dict[str, Any]], dev
 # ---- precision on the device ------------------------------------------------------------------
 
 
-def check_precision(master: AnyMaster) -> None:
-    """bf16 / fp16 training needs a GPU; then the backend's own device checks (GPU-only options on CPU)."""
+def check_precision(master: AnyMaster, here: bool = True) -> None:
+    """bf16 / fp16 training needs a GPU; then the backend's own device checks (GPU-only options on CPU). A job that
+    runs elsewhere (`here` false) is judged only on the device its config names."""
     p = master.policy
     if p.precision == "float32" and not p.has_device_checks:
         return  # nothing depends on the device: do not import torch to find it
+    if not here and master.cluster.device == "auto":
+        return
     device = run_device(master)
     if device == "cpu" and p.precision != "float32":
         raise ConfigError(
@@ -440,51 +353,6 @@ def check_local_cpus(master: AnyMaster) -> None:
     raise ConfigError(key, getattr(cl, key.split(".")[1]),
                       f"the run reserves {need:g} CPUs ({shown}) but the local Ray cluster has {have:g} ({source})",
                       "lower cluster.worker_num_cpus or cluster.gpus_per_node, or set cluster.num_cpus")
-
-
-# ---- checkpoint metric ------------------------------------------------------------------------
-
-
-SUPERVISED_TRAIN_METRICS: tuple[str, ...] = ("grad_norm", "lr", "num_tokens", "params_finite")
-"""What an SFT / DPO / RM step logs besides its loss's metrics (train/<name>)."""
-SUPERVISED_VAL_DROPPED: tuple[str, ...] = ("num_valid_samples", "num_unmasked_tokens")
-"""Loss metrics validation does not log (counts, not means)."""
-
-
-def produced_metrics(master: AnyMaster) -> list[str] | None:
-    """'val:x' / 'train:x' names some step logs; None when a custom loss makes the train metrics unknown."""
-    loss = LOSS_METRICS.get(master.loss_fn._target_)
-    if loss is None:
-        return None
-    if isinstance(master, SupervisedMasterConfig):
-        val = [f"val:{m}" for m in loss if m not in SUPERVISED_VAL_DROPPED] if master.loop.val_period > 0 else []
-        return val + [f"train:{m}" for m in (*loss, *SUPERVISED_TRAIN_METRICS)]
-    val = [f"val:{m}" for m in VAL_METRICS] if master.grpo.val_period > 0 else []
-    train = list(TRAIN_STEP_METRICS) + [m for m in loss if m not in TRAIN_STEP_METRICS]
-    if master.grpo.use_dynamic_sampling:
-        train += DYNAMIC_SAMPLING_METRICS
-    return val + [f"train:{m}" for m in train]
-
-
-def check_metric_name(master: AnyMaster) -> None:
-    """checkpointing.metric_name must be a metric that a training step logs."""
-    ck = master.checkpointing
-    if not ck.enabled or not ck.metric_name:
-        return
-    valid = produced_metrics(master)
-    if valid is None or ck.metric_name in valid:
-        return
-    loop = master.loop if isinstance(master, SupervisedMasterConfig) else master.grpo
-    if ck.metric_name.startswith("val:") and loop.val_period == 0:
-        rule = "no step validates (val_period=0), so no 'val:' metric is logged"
-    else:
-        rule = "no training step logs this metric"
-    raise ConfigError(
-        "checkpointing.metric_name",
-        ck.metric_name,
-        f"{rule}; valid: {', '.join(valid)}",
-        _did_you_mean(ck.metric_name, valid),
-    )
 
 
 # ---- output directories -----------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The pre-flight's data checks: prompt and chat-template files, and every training / validation row read once
-(a bad row is named by file and line) before anything starts. `rlpost.preflight.preflight_checks` runs them."""
+(a bad row is named by file and line) before anything starts. `rlpost.checks.CHECKS` runs them."""
 
 from __future__ import annotations
 

@@ -108,20 +108,14 @@ def run_job(cfg: DictConfig) -> dict[str, object]:
     the traceback goes to train.log. In a sweep a failed job returns its record instead (see _failed).
     """
     from rlpost import failures
+    from rlpost.checks import JOB, TRAIN, run_checks
     from rlpost.config.errors import ConfigError, format_config_error
     from rlpost.config.load import to_master_config
-    from rlpost.preflight import check_output_dirs, preflight_checks
-    from rlpost.runtime.build import check_targets, verify_targets
 
     run_dir = _run_dir()
     try:
         master = to_master_config(cfg)
-        check_targets(master)
-        verify_targets(master)
-        if os.environ.get(PREFLIGHT_DONE):  # `rlpost train` checked every job; only the run dir is new here
-            check_output_dirs(master, run_dir)
-        else:
-            preflight_checks(master, run_dir)
+        run_checks(master, run_dir, JOB if os.environ.get(PREFLIGHT_DONE) else TRAIN)  # JOB: the command was checked
         locks = _lock_dirs(master, run_dir)
     except ConfigError as err:
         msg = format_config_error(err)

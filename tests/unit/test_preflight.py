@@ -1,4 +1,4 @@
-"""preflight_checks: what a run would hit after Ray starts is refused before, naming the key or file:line."""
+"""run_checks: what a run would hit after Ray starts is refused before, naming the key or file:line."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 import torch
 
+from rlpost.checks import run_checks
 from rlpost.config.errors import ConfigError
 from rlpost.config.load import load_master_config
 from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.metric_names import DYNAMIC_SAMPLING_METRICS, LOSS_METRICS, TRAIN_STEP_METRICS
 from rlpost.data.datasets import DataError
-from rlpost.preflight import DYNAMIC_SAMPLING_METRICS, LOSS_METRICS, TRAIN_STEP_METRICS, preflight_checks
 
 
 def master(*overrides: str) -> MasterConfig:
@@ -25,7 +26,7 @@ def master(*overrides: str) -> MasterConfig:
 
 def refused(m: MasterConfig, run_dir: Path | None = None) -> ConfigError:
     with pytest.raises(ConfigError) as e:
-        preflight_checks(m, run_dir)
+        run_checks(m, run_dir)
     return e.value
 
 
@@ -48,11 +49,11 @@ def model_dir(path: Path) -> Path:
 
 
 def test_default_config_passes(tmp_path: Path) -> None:
-    preflight_checks(master(), tmp_path)
+    run_checks(master(), tmp_path)
 
 
 def test_local_model_dir_passes(tmp_path: Path) -> None:
-    preflight_checks(master("model.tiny=null", f"model.path={model_dir(tmp_path / 'm')}"), tmp_path)
+    run_checks(master("model.tiny=null", f"model.path={model_dir(tmp_path / 'm')}"), tmp_path)
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -68,7 +69,7 @@ def test_dataset_smaller_than_one_step(tmp_path: Path) -> None:
 
 def test_dynamic_sampling_batch_counts(tmp_path: Path) -> None:
     train = jsonl(tmp_path / "t.jsonl", 20)
-    preflight_checks(math_data(train), tmp_path)  # 16 <= 20
+    run_checks(math_data(train), tmp_path)  # 16 <= 20
     err = refused(math_data(train, "grpo.use_dynamic_sampling=true", "grpo.batch_multiplier=1.5"))
     assert err.key == "grpo.num_prompts_per_step"
     assert "takes 24 prompts (16 x grpo.batch_multiplier=1.5, dynamic sampling)" in err.rule and "only 20 rows" in err.rule
@@ -84,11 +85,11 @@ def test_bad_train_and_val_rows_are_data_errors(tmp_path: Path) -> None:
     with train.open("a") as f:
         f.write('{"problem": "", "expected_answer": "1"}\n')
     with pytest.raises(DataError, match=f"{train}:21: 'problem' is empty"):
-        preflight_checks(math_data(train))
+        run_checks(math_data(train))
     good, val = jsonl(tmp_path / "good.jsonl", 20), tmp_path / "v.jsonl"
     val.write_text('{"problem": "a", "expected_answer": NaN}\n')
     with pytest.raises(DataError, match=f"{val}:1: 'expected_answer' is nan"):
-        preflight_checks(math_data(good, "grpo.val_period=5", f"data.val_data_paths=[{val}]"))
+        run_checks(math_data(good, "grpo.val_period=5", f"data.val_data_paths=[{val}]"))
 
 
 def test_prompt_file_without_placeholder(tmp_path: Path) -> None:
@@ -188,17 +189,23 @@ def test_megatron_gpu_only_option_on_cpu() -> None:
 
 
 def test_metric_name_no_step_logs() -> None:
-    err = refused(master("checkpointing.metric_name=val:acc"))
+    """A schema rule (beside checkpointing.metric_name): refused when the config is composed, so by `rlpost plan`."""
+    def rejected(*overrides: str) -> ConfigError:
+        with pytest.raises(ConfigError) as e:
+            master(*overrides)
+        return e.value
+
+    err = rejected("checkpointing.metric_name=val:acc")
     assert err.key == "checkpointing.metric_name" and "no training step logs this metric" in err.rule
     assert "val:accuracy, val:avg_length, val:reward, train:reward" in err.rule
     assert err.hint == "did you mean 'val:accuracy'?"
-    assert "train:num_unmasked_tokens" in refused(master("checkpointing.metric_name=train:kl_penalty", "loss=nll")).rule
-    preflight_checks(master("checkpointing.metric_name=train:kl_penalty"))
-    preflight_checks(master("checkpointing.metric_name=train:nonsense", "checkpointing.enabled=false"))
+    assert "train:num_unmasked_tokens" in rejected("checkpointing.metric_name=train:kl_penalty", "loss=nll").rule
+    run_checks(master("checkpointing.metric_name=train:kl_penalty"))
+    run_checks(master("checkpointing.metric_name=train:nonsense", "checkpointing.enabled=false"))
 
 
 def test_metric_names_match_what_a_step_logs() -> None:
-    """The lists in preflight follow grpo._step_metrics, rollouts.score and the built-in losses."""
+    """The lists in config.schema.metric_names follow grpo._step_metrics, rollouts.score and the built-in losses."""
     from rlpost.algorithms.grpo import _step_metrics
     from rlpost.algorithms.rollouts import score
     from rlpost.config.schema.loss import ClippedPGLossConfig
@@ -269,7 +276,7 @@ def test_a_directory_that_cannot_be_made_is_refused_even_where_os_access_says_ye
 
 
 def test_the_writable_probe_leaves_nothing_behind(tmp_path: Path) -> None:
-    preflight_checks(master(f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"), tmp_path / "run")
+    run_checks(master(f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"), tmp_path / "run")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -285,8 +292,8 @@ def test_what_the_workers_reserve_must_fit_the_local_cpus(monkeypatch: pytest.Mo
     err = refused(master("algo=sft", "cluster.gpus_per_node=16", "policy.train_global_batch_size=32",
                          "policy.train_micro_batch_size=2"))
     assert err.key == "cluster.gpus_per_node" and "reserves 4 CPUs (training workers: 16 x 0.25)" in err.rule
-    preflight_checks(master("cluster.worker_num_cpus=100", "cluster.num_cpus=200"))  # Ray advertises what it is told
-    preflight_checks(master("cluster=ray", "cluster.address=127.0.0.1:1", "cluster.gpus_per_node=1",
+    run_checks(master("cluster.worker_num_cpus=100", "cluster.num_cpus=200"))  # Ray advertises what it is told
+    run_checks(master("cluster=ray", "cluster.address=127.0.0.1:1", "cluster.gpus_per_node=1",
                             "cluster.worker_num_cpus=100"))  # another machine's cluster: Ray places it
 
 
@@ -374,7 +381,7 @@ def test_tp_must_divide_the_vocabulary(tmp_path: Path) -> None:
     assert err.key == "policy.dtensor_cfg.tensor_parallel_size" and "vocab_size (385" in err.rule
     (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_attention_heads": 2,
                                                 "num_key_value_heads": 2, "vocab_size": 384}))
-    preflight_checks(master(*overrides), tmp_path)
+    run_checks(master(*overrides), tmp_path)
 
 
 def _tiny_copy(tiny_model_dir: Path, dest: Path) -> Path:
@@ -402,7 +409,7 @@ def test_a_chat_template_that_cannot_render_is_named(tiny_model_dir: Path, tmp_p
 def test_default_template_needs_one_in_the_tokenizer(tiny_model_dir: Path, tmp_path: Path) -> None:
     d = _tiny_copy(tiny_model_dir, tmp_path / "m")
     good = ("model.tiny=null", f"model.path={d}", "policy.tokenizer.chat_template=default")
-    preflight_checks(master(*good), tmp_path / "run")  # the tiny tokenizer ships chat_template.jinja
+    run_checks(master(*good), tmp_path / "run")  # the tiny tokenizer ships chat_template.jinja
     (d / "chat_template.jinja").unlink()
     err = refused(master(*good))
     assert err.key == "policy.tokenizer.chat_template" and "has no chat template of its own" in err.rule
@@ -410,12 +417,12 @@ def test_default_template_needs_one_in_the_tokenizer(tiny_model_dir: Path, tmp_p
 
 def test_an_answer_math_verify_cannot_parse_is_named_by_file_and_line(tmp_path: Path) -> None:
     train = jsonl(tmp_path / "train.jsonl", 40)
-    preflight_checks(math_data(train), tmp_path / "run")
+    run_checks(math_data(train), tmp_path / "run")
     lines = train.read_text().splitlines()
     lines[6] = json.dumps({"problem": "what?", "expected_answer": "???"})
     train.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError, match=rf"{re.escape(str(train))}:7: expected_answer='\?\?\?': math-verify cannot parse"):
-        preflight_checks(math_data(train), tmp_path / "run")
+        run_checks(math_data(train), tmp_path / "run")
 
 
 # ---- over-length prompts (data.too_long) ------------------------------------------------------------
@@ -432,15 +439,15 @@ def test_data_too_long_is_applied_by_the_preflight_when_the_tokenizer_is_on_disk
                                                                                   tmp_path: Path) -> None:
     train = _long_rows(tmp_path / "train.jsonl", 20, (3, 7, 8, 9, 10))
     model = ("model=local", f"model.path={tiny_model_dir}", "data.max_input_seq_length=32")
-    preflight_checks(math_data(train, *model), tmp_path / "run")  # truncate (the default): counted at setup
+    run_checks(math_data(train, *model), tmp_path / "run")  # truncate (the default): counted at setup
     with pytest.raises(DataError) as e:
-        preflight_checks(math_data(train, *model, "data.too_long=error"), tmp_path / "run")
+        run_checks(math_data(train, *model, "data.too_long=error"), tmp_path / "run")
     assert str(e.value).startswith(f"{train}:3: the prompt is longer than data.max_input_seq_length=32 tokens")
     assert "(over it: 5 of 20 train prompts; data.too_long=error)" in str(e.value)
     err = refused(math_data(train, *model, "data.too_long=drop"), tmp_path / "run")
     assert err.key == "grpo.num_prompts_per_step"
     assert "only 15 rows left after data.too_long=drop leaves out 5 over-length prompts" in err.rule
-    preflight_checks(math_data(train, *model, "data.too_long=drop", "grpo.num_prompts_per_step=8",
+    run_checks(math_data(train, *model, "data.too_long=drop", "grpo.num_prompts_per_step=8",
                                "policy.train_global_batch_size=128"), tmp_path / "run")
 
 

@@ -14,7 +14,6 @@ from typing import Any
 
 from rlpost.config.algorithms import whole_batch_reason
 from rlpost.config.errors import ConfigError
-from rlpost.config.schema.grpo import AsyncGRPOConfig
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
@@ -181,7 +180,6 @@ def compute_layout(cfg: MasterConfig) -> Layout:
             f"must be divisible by train_micro_batch_size x data-parallel size "
             f"({p.train_micro_batch_size} x {dp} = {p.train_micro_batch_size * dp})",
         )
-    _check_async(cfg)
     chunk, reason = overlap_chunk(cfg, dp)
     if cfg.grpo.overlap_generation_and_training and not chunk:
         raise ConfigError("grpo.overlap_generation_and_training", True, f"does not apply: {reason}",
@@ -320,34 +318,3 @@ def prev_logprobs_pass(cfg: MasterConfig) -> str:
     if g.num_prompts_per_step * g.num_generations_per_prompt == cfg.policy.train_global_batch_size:
         return "one-step async" if g.async_grpo.enabled else "on-policy"
     return "computed"
-
-
-def _check_async(cfg: MasterConfig) -> None:
-    """Async GRPO trains on trajectories of older weights while the engine keeps generating: it needs its own
-    engine slots and importance-sampling correction."""
-    a = cfg.grpo.async_grpo
-    if not a.enabled:
-        defaults = AsyncGRPOConfig()
-        for name in ("max_trajectory_age_steps", "in_flight_weight_updates", "recompute_kv_cache_after_weight_updates"):
-            if getattr(a, name) != getattr(defaults, name):
-                raise ConfigError(f"grpo.async_grpo.{name}", getattr(a, name),
-                                  "is an option of async GRPO, which is off: it would have no effect",
-                                  "grpo.async_grpo.enabled=true")
-        return
-    key = "grpo.async_grpo.enabled"
-    if cfg.generation.colocated.enabled:
-        raise ConfigError(key, True, "async GRPO needs the engine on its own workers",
-                          "policy.generation.colocated.enabled=false with colocated.resources for the engine "
-                          "(e.g. cluster.gpus_per_node=2 policy.generation.colocated.resources.gpus_per_node=1)")
-    loss = cfg.loss_fn
-    if not isinstance(loss, ClippedPGLossConfig) or not loss.use_importance_sampling_correction:
-        raise ConfigError("loss_fn.use_importance_sampling_correction",
-                          getattr(loss, "use_importance_sampling_correction", None),
-                          "async GRPO trains on trajectories of older weights: importance-sampling correction "
-                          "must be on", "loss_fn.use_importance_sampling_correction=true")
-    if cfg.grpo.use_dynamic_sampling:
-        raise ConfigError("grpo.use_dynamic_sampling", True, "is not supported with async GRPO (as in NeMo RL)")
-    if cfg.grpo.async_grpo.in_flight_weight_updates and not cfg.generation.async_rollouts():
-        raise ConfigError("grpo.async_grpo.in_flight_weight_updates", True,
-                          "needs vLLM's async engine (it freezes requests in flight while the weights change)",
-                          "generation=vllm policy.generation.vllm_cfg.async_engine=true")

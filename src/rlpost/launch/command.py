@@ -71,9 +71,10 @@ def train_overrides(overrides: list[str], num_nodes: int | None) -> list[str]:
 
 def check(overrides: list[str], run_dir: Path) -> int:
     """The job's pre-flight on this host (the Ray head and the devices are judged on the nodes); 2 on bad input."""
+    from rlpost.checks import LAUNCH
     from rlpost.command_checks import preflight
 
-    return preflight([*overrides, "cluster.address=auto", f"hydra.run.dir={run_dir}"], False, launched=True)
+    return preflight([*overrides, "cluster.address=auto", f"hydra.run.dir={run_dir}"], False, command=LAUNCH)
 
 
 def _slurm(argv: list[str], train: list[str]) -> int:

@@ -90,15 +90,14 @@ def test_sft_packs_sequences_like_grpo() -> None:
 
 
 def test_checkpoint_metric_must_be_one_the_algorithm_logs() -> None:
-    from rlpost.preflight import preflight_checks
+    from rlpost.checks import run_checks
 
-    _, m = load_master_config(["algo=sft", "checkpointing.metric_name=val:accuracy"])
-    with pytest.raises(ConfigError) as err:
-        preflight_checks(m, None)
+    with pytest.raises(ConfigError) as err:  # a schema rule: refused as the config is composed
+        load_master_config(["algo=sft", "checkpointing.metric_name=val:accuracy"])
     assert err.value.key == "checkpointing.metric_name" and err.value.hint == "did you mean 'val:token_accuracy'?"
     for algo, name in (("sft", "val:loss"), ("dpo", "train:reward_margin"), ("rm", "val:accuracy")):
         _, m = load_master_config([f"algo={algo}", f"checkpointing.metric_name={name}"])
-        preflight_checks(m, None)
+        run_checks(m, None)
 
 
 def test_validation_needs_validation_rows() -> None:
@@ -152,15 +151,15 @@ def test_bad_ppo_combinations_name_the_key(overrides: list[str], key: str) -> No
 
 
 def test_distillation_composes_grpo_with_a_teacher(tmp_path: Path) -> None:
+    from rlpost.checks import run_checks
     from rlpost.config.schema.loss import ClippedPGLossConfig, DistillationLossConfig
-    from rlpost.preflight import preflight_checks
 
     _, m = load_master_config(["algo=distillation", f"distillation.teacher.model_path={tmp_path}"])
     assert isinstance(m, MasterConfig) and isinstance(m.loss_fn, DistillationLossConfig)
     assert m.distillation is not None and m.distillation.topk_logits_k == 64 and m.grpo.num_generations_per_prompt == 1
     assert "reverse KL over its top 64 tokens per position is the loss" in dict(plan_rows(m))["teacher"]
     with pytest.raises(ConfigError) as err:  # an empty directory: neither an HF model nor a checkpoint
-        preflight_checks(m, tmp_path / "run")
+        run_checks(m, tmp_path / "run")
     assert err.value.key == "distillation.teacher.model_path" and "config.json" in err.value.rule
     (tmp_path / "policy" / "weights" / "hf").mkdir(parents=True)
     (tmp_path / "policy" / "weights" / "hf" / "config.json").write_text("{}")

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from rlpost.checks import run_checks
 from rlpost.config.errors import ConfigError
 from rlpost.config.load import load_master_config
 from rlpost.config.schema.checkpoint import wall_budget_s
 from rlpost.config.schema.master import MasterConfig
-from rlpost.preflight import check_gpu_only_keys, preflight_checks
+from rlpost.preflight import check_gpu_only_keys
 
 
 def master(*overrides: str) -> MasterConfig:
@@ -26,7 +27,7 @@ def refused(*overrides: str) -> ConfigError:
 
 def preflight_refused(m: MasterConfig) -> ConfigError:
     with pytest.raises(ConfigError) as err:
-        preflight_checks(m, None)
+        run_checks(m, None)
     return err.value
 
 
@@ -163,7 +164,7 @@ def test_vllm_expert_parallelism_needs_a_gpu_and_a_moe_model() -> None:
 
 
 def test_hf_config_overrides_must_be_config_fields(tmp_path: Path) -> None:
-    preflight_checks(master("+policy.hf_config_overrides.rms_norm_eps=0.001"), tmp_path)
+    run_checks(master("+policy.hf_config_overrides.rms_norm_eps=0.001"), tmp_path)
     # transformers 5 keeps rope_theta inside rope_parameters: it would drop the key, vLLM would set it.
     err = preflight_refused(master("+policy.hf_config_overrides.rope_theta=1234.0"))
     assert err.key == "policy.hf_config_overrides.rope_theta" and "not a field of the qwen2 config" in err.rule

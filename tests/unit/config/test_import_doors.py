@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from rlpost.cli import check_hydra_node, compose_hydra_node, main
+from rlpost.cli import main
+from rlpost.command_checks import check_hydra_node, compose_hydra_node
 from rlpost.config.errors import ConfigError
 from rlpost.config.load import conf_dir, load_master_config
 from rlpost.runtime.build import _locate, _proven_in_source, check_target, resolve, verify_targets

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 
-from rlpost.config.errors import positive, require
+from rlpost.config.errors import ConfigError, positive, require
 
 
 @dataclass
@@ -60,6 +61,16 @@ class CheckpointingConfig:
                     "must be 'DD:HH:MM:SS' (hours < 24, minutes and seconds < 60) and more than 0 seconds")
             require(self.enabled, key, self.checkpoint_must_save_by,
                     "saving before the deadline needs checkpointing.enabled=true")
+
+
+    def check_metric(self, path: str, logged: list[str] | None) -> None:
+        """metric_name must be one of the metrics a training step `logged` (None: a custom loss, unknown)."""
+        if not self.enabled or not self.metric_name or logged is None or self.metric_name in logged:
+            return
+        close = difflib.get_close_matches(self.metric_name, logged, n=1)
+        raise ConfigError(f"{path}.metric_name", self.metric_name,
+                          f"no training step logs this metric; valid: {', '.join(logged)}",
+                          f"did you mean {close[0]!r}?" if close else None)
 
 
 def wall_budget_s(text: str) -> float | None:

@@ -25,6 +25,18 @@ class AsyncGRPOConfig:
     recompute_kv_cache_after_weight_updates: bool = False
     """With in-flight updates: drop the frozen requests' KV cache so it is recomputed with the new weights."""
 
+    def check(self, path: str) -> None:
+        positive(f"{path}.max_trajectory_age_steps", self.max_trajectory_age_steps)
+        require(not self.recompute_kv_cache_after_weight_updates or self.in_flight_weight_updates,
+                f"{path}.recompute_kv_cache_after_weight_updates", True,
+                "only applies to in-flight weight updates", "grpo.async_grpo.in_flight_weight_updates=true")
+        if not self.enabled:
+            for name in ("max_trajectory_age_steps", "in_flight_weight_updates",
+                         "recompute_kv_cache_after_weight_updates"):
+                require(getattr(self, name) == getattr(AsyncGRPOConfig, name), f"{path}.{name}", getattr(self, name),
+                        "is an option of async GRPO, which is off: it would have no effect",
+                        "grpo.async_grpo.enabled=true")
+
 
 @dataclass
 class RewardShapingConfig:
@@ -125,10 +137,7 @@ class GRPOConfig:
             positive(f"{path}.{name}", getattr(self, name))
         require(self.val_period >= 0, f"{path}.val_period", self.val_period, "must be >= 0")
         require(self.batch_multiplier >= 1.0, f"{path}.batch_multiplier", self.batch_multiplier, "must be >= 1")
-        positive(f"{path}.async_grpo.max_trajectory_age_steps", self.async_grpo.max_trajectory_age_steps)
-        require(not self.async_grpo.recompute_kv_cache_after_weight_updates or self.async_grpo.in_flight_weight_updates,
-                f"{path}.async_grpo.recompute_kv_cache_after_weight_updates", True,
-                "only applies to in-flight weight updates", "grpo.async_grpo.in_flight_weight_updates=true")
+        self.async_grpo.check(f"{path}.async_grpo")
         rs = self.reward_scaling
         require(rs.source_min < rs.source_max, f"{path}.reward_scaling.source_min", rs.source_min, "must be < source_max")
         sh = self.reward_shaping

@@ -15,6 +15,7 @@ from rlpost.config.schema.generation import GenerationConfig
 from rlpost.config.schema.grpo import GRPOConfig
 from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
+from rlpost.config.schema.metric_names import grpo_metrics
 from rlpost.config.schema.model import ModelConfig
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.config.schema.ppo import CriticConfig, PPOConfig
@@ -87,9 +88,34 @@ class MasterConfig:
             if block is not None and name != "grpo":
                 block.check(name)
         self._cross_checks()
+        self._async_checks()
         require(not self.policy.value_head, "policy.value_head", True,
                 "the policy is a causal LM; the value head is set on a critic's workers by algo=ppo")
         check_rollout(self)
+        self.checkpointing.check_metric("checkpointing", grpo_metrics(
+            self.loss_fn._target_, self.grpo.val_period > 0, self.grpo.use_dynamic_sampling))
+
+    def _async_checks(self) -> None:
+        """Async GRPO trains on trajectories of older weights while the engine keeps generating: it needs its own
+        engine slots and importance-sampling correction."""
+        if not self.grpo.async_grpo.enabled:
+            return
+        require(not self.generation.colocated.enabled, "grpo.async_grpo.enabled", True,
+                "async GRPO needs the engine on its own workers",
+                "policy.generation.colocated.enabled=false with colocated.resources for the engine "
+                "(e.g. cluster.gpus_per_node=2 policy.generation.colocated.resources.gpus_per_node=1)")
+        loss = self.loss_fn
+        correction = getattr(loss, "use_importance_sampling_correction", None)
+        require(isinstance(loss, ClippedPGLossConfig) and bool(correction),
+                "loss_fn.use_importance_sampling_correction", correction,
+                "async GRPO trains on trajectories of older weights: importance-sampling correction must be on",
+                "loss_fn.use_importance_sampling_correction=true")
+        require(not self.grpo.use_dynamic_sampling, "grpo.use_dynamic_sampling", True,
+                "is not supported with async GRPO (as in NeMo RL)")
+        require(not self.grpo.async_grpo.in_flight_weight_updates or self.generation.async_rollouts(),
+                "grpo.async_grpo.in_flight_weight_updates", True,
+                "needs vLLM's async engine (it freezes requests in flight while the weights change)",
+                "generation=vllm policy.generation.vllm_cfg.async_engine=true")
 
     def _cross_checks(self) -> None:
         p, g, gen = self.policy, self.grpo, self.generation

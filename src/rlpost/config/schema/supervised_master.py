@@ -12,6 +12,7 @@ from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.data import DatasetConfig
 from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.loss import DPOLossConfig, LossConfig, NLLLossConfig, PreferenceLossConfig
+from rlpost.config.schema.metric_names import supervised_metrics
 from rlpost.config.schema.model import ModelConfig
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.config.schema.supervised import (
@@ -114,6 +115,7 @@ class SupervisedMasterConfig:
             require(self.loop.val_period > 0, "checkpointing.metric_name", ck.metric_name,
                     f"a 'val:' metric needs validation during training ({a}.val_period > 0)",
                     "use checkpointing.metric_name=train:loss or null")
+        ck.check_metric("checkpointing", supervised_metrics(self.loss_fn._target_, self.loop.val_period > 0))
 
     def _check_pairs(self) -> None:
         """A pair's two rows must share a micro-batch: even batch sizes, no packing or dynamic batching."""
