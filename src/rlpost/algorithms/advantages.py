@@ -3,7 +3,7 @@
 `calculate_baseline_and_std_per_prompt` groups samples by prompt (identical prompt rows, or a [B] group id) and
 gives each the mean of its group's other valid rewards (leave-one-out) or of all of them, with the matching
 unbiased std; a group with one valid sample gets advantage 0. `compute_advantages` is A = r - b, divided by
-std + 1e-6 where std > 0 when normalising. `grpo_advantages`, `dr_grpo_advantages` (no std division) and
+std + 1e-6 where std > 0 when normalising. `grpo_advantages` and
 `rloo_advantages` (leave-one-out, no std) are the named variants. tests/unit/algorithms/test_advantages.py
 holds the exact formulas and the comparison with NeMo RL.
 """
@@ -106,13 +106,6 @@ def grpo_advantages(
     valid_mask = torch.ones_like(rewards) if valid_mask is None else valid_mask
     baseline, std = calculate_baseline_and_std_per_prompt(prompts, rewards, valid_mask, leave_one_out)
     return compute_advantages(rewards, baseline, std, normalize)
-
-
-def dr_grpo_advantages(
-    prompts: torch.Tensor, rewards: torch.Tensor, valid_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Dr. GRPO advantages [B]: r - group mean, no division by the std."""
-    return grpo_advantages(prompts, rewards, valid_mask, leave_one_out=False, normalize=False)
 
 
 def rloo_advantages(

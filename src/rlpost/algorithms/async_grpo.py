@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -65,7 +65,6 @@ from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
 from rlpost.algorithms.refit import collective_refit
 from rlpost.algorithms.replay_buffer import ReplayBuffer, Trajectories
 from rlpost.algorithms.rollouts import RolloutBatch
-from rlpost.config.schema.grpo import GRPOSaveState
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.models.policy.interfaces import TrainResult
 from rlpost.runtime.timer import Timer
@@ -312,15 +311,6 @@ def async_grpo_loop(components: GRPOComponents) -> Iterator[StepLoop]:
     finally:
         collector.close()
         ray.kill(buffer)
-
-
-def async_grpo_train(
-    components: GRPOComponents, on_step: Callable[[int, dict[str, float]], None] | None = None
-) -> GRPOSaveState:
-    """Run async GRPO until grpo.max_num_steps, the data runs out, or checkpoint_must_save_by; the save state."""
-    with async_grpo_loop(components) as loop:
-        loop.run(on_step)
-    return components.save_state
 
 
 def _next_batch(collector: Collector, min_version: int) -> Trajectories | None:

@@ -276,16 +276,6 @@ def supervised_loop(comps: SupervisedComponents) -> Iterator[StepLoop]:
         timeouts=[comps.policy], gpu_memory=comps.policy if cfg.logger.monitor_gpus else None))
 
 
-def supervised_train(comps: SupervisedComponents,
-                     on_step: Callable[[int, dict[str, float]], None] | None = None) -> SupervisedSaveState:
-    """Train until {algo}.max_num_steps or max_num_epochs (or, with checkpointing.checkpoint_must_save_by, until
-    the next step would pass the wall-clock budget: then it saves and returns); validate every val_period steps
-    and at the end; checkpoint every checkpointing.save_period steps and at the end."""
-    with supervised_loop(comps) as loop:
-        loop.run(on_step)
-    return comps.save_state
-
-
 def _train_step(comps: SupervisedComponents, rows: list[Row], timer: Timer) -> dict[str, float]:
     """One optimizer step on `rows`: the batch, what the loss reads besides it, the update; its metrics."""
     with timer.time("data_processing"):

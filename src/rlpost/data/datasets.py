@@ -12,13 +12,10 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlpost.config.schema.data import DataConfig
 from rlpost.data.rows import PromptRow
-
-if TYPE_CHECKING:
-    from datasets import Dataset
 
 PARQUET_MAGIC = b"PAR1"
 
@@ -186,10 +183,3 @@ def load_rows(cfg: DataConfig, split: str, with_source: bool = False) -> list[Pr
     for r in rows:
         r["env_name"] = cfg.env_name
     return rows
-
-
-def as_dataset(rows: list[PromptRow]) -> Dataset:
-    """The rows as a `datasets.Dataset` (for users who want its tooling)."""
-    from datasets import Dataset
-
-    return Dataset.from_list(rows)

@@ -77,8 +77,3 @@ def decode(records: Sequence[BucketRecord]) -> list[tuple[str, torch.Tensor]]:
             flat = torch.from_numpy(raw) if raw.size else torch.empty(0, dtype=torch.uint8)
             out.append((name, flat.view(getattr(torch, dtype)).reshape(shape)))
     return out
-
-
-def bucket_nbytes(records: Sequence[BucketRecord]) -> int:
-    """Bytes of tensor data in a bucket."""
-    return sum(int(r[3].nbytes) for r in records)

@@ -11,7 +11,6 @@ from rlpost.algorithms.advantages import (
     apply_overlong_reward_shaping,
     calculate_baseline_and_std_per_prompt,
     compute_advantages,
-    dr_grpo_advantages,
     grpo_advantages,
     rloo_advantages,
     scale_rewards,
@@ -88,7 +87,7 @@ def test_valid_mask() -> None:
 def test_variants() -> None:
     groups = torch.tensor([0, 0, 0])
     rewards = T(3.0, 0.0, 0.0)
-    close(dr_grpo_advantages(groups, rewards), [2.0, -1.0, -1.0])  # r - mean, no std
+    close(grpo_advantages(groups, rewards, leave_one_out=False, normalize=False), [2.0, -1.0, -1.0])  # Dr. GRPO
     close(rloo_advantages(groups, rewards), [3.0, -1.5, -1.5])  # r - mean of the others
     # GRPO default: LOO baseline / LOO std. sample 0: others [0, 0] -> std 0 -> not divided
     # samples 1, 2: others [3, 0] -> b = 1.5, std = sqrt(4.5)
