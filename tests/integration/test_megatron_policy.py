@@ -310,15 +310,19 @@ def test_unsupported_options_fail_clearly(
 )
 def test_config_checks_name_the_key(overrides: list[str], device: str, key: str, tmp_path: Path) -> None:
     """In-process: the worker's up-front checks (no Ray); the errors survive pickling with their key."""
-    from rlpost.models.policy.megatron_policy_worker import check_megatron_support
-
     workers = 2 if any("size=2" in o for o in overrides) else 1
     cfg = policy_cfg(tmp_path, workers, *overrides)
     with pytest.raises((ConfigError, NotImplementedError), match=re.escape(key)) as info:
-        check_megatron_support(cfg, device)
+        _worker_checks(cfg, device)
     assert key in str(pickle.loads(pickle.dumps(info.value)))  # Ray pickles it to the driver
     if key in ("policy.precision", "policy.megatron_cfg.optimizer.bf16", "policy.megatron_cfg.optimizer.fp16"):
-        check_megatron_support(cfg, device, init_optimizer=False)  # bf16 logprobs alone are fine
+        _worker_checks(cfg, device, init_optimizer=False)  # bf16 logprobs alone are fine
+
+
+def _worker_checks(cfg: PolicyConfig, device: str, init_optimizer: bool = True) -> None:
+    """What MegatronPolicyWorker.__init__ checks before it builds anything."""
+    cfg.check("policy")
+    cfg.check_device("policy", device, init_optimizer)
 
 
 @pytest.mark.parametrize(
@@ -339,10 +343,8 @@ def test_optimizer_defaults_follow_precision_device_and_dp(overrides: list[str],
     """Left null, megatron's mixed-precision flags follow policy.precision and the distributed optimizer is on with
     CUDA and DP > 1 (what the worker builds its optimizer from); a value the user set is kept. Such a config passes
     the worker's device checks."""
-    from rlpost.models.policy.megatron_policy_worker import check_megatron_support
-
     cfg = policy_cfg(tmp_path, dp, *overrides)
-    check_megatron_support(cfg, device)
+    _worker_checks(cfg, device)
     assert cfg.megatron_cfg is not None
     o = cfg.megatron_cfg.optimizer.resolved(cfg.precision, device, dp)
     assert (o.bf16, o.fp16, o.params_dtype, o.use_distributed_optimizer) == expected

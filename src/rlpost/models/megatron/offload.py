@@ -112,3 +112,50 @@ def move_optimizer_state(optimizer: MegatronOptimizer, device: torch.device | st
 
     for state, name, value in list(optimizer_state_tensors(optimizer)):
         state[name] = value.to(device, non_blocking=True)
+
+
+class HostOffload:
+    """What one Megatron rank has moved to pinned host memory, and the moves (CUDA only: no-ops on CPU). The
+    optimizer goes first (`offload_optimizer`: its state and the main parameters it owns), then the model
+    (`offload_model`: DDP's buffers and the loose parameters); each comes back on the next call that needs it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.optimizer_offloaded = False
+        self.model_offloaded = False
+        self._loose: list[torch.nn.Parameter] = []
+        self._main: list[torch.Tensor] = []
+        self._model_host: HostCopies = []
+        self._main_host: HostCopies = []
+
+    def attach(self, model: torch.nn.Module, optimizer: MegatronOptimizer | None) -> None:
+        """List what the moves take, while everything is on the device."""
+        if self.device.type == "cuda":
+            self._loose = loose_parameters(model)
+            self._main = optimizer_main_params(optimizer, model) if optimizer is not None else []
+
+    def offload_optimizer(self, optimizer: MegatronOptimizer | None) -> None:
+        if self.device.type == "cuda" and not self.optimizer_offloaded and optimizer is not None:
+            move_optimizer_state(optimizer, "cpu")
+            self._main_host = offload_storages(self._main)
+            self.optimizer_offloaded = True
+            torch.cuda.empty_cache()
+
+    def restore_optimizer(self, optimizer: MegatronOptimizer | None) -> None:
+        if self.optimizer_offloaded and optimizer is not None:  # offloaded only with an optimizer
+            move_optimizer_state(optimizer, self.device)
+            onload_storages(self._main_host)
+            self._main_host = []
+            self.optimizer_offloaded = False
+
+    def offload_model(self, model: torch.nn.Module) -> None:
+        if self.device.type == "cuda" and not self.model_offloaded:
+            self._model_host = offload_model(model, self._loose)
+            self.model_offloaded = True
+            torch.cuda.empty_cache()
+
+    def onload_model(self, model: torch.nn.Module) -> None:
+        if self.model_offloaded:
+            onload_model(model, self._model_host)
+            self._model_host = []
+            self.model_offloaded = False

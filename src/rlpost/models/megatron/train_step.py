@@ -390,3 +390,32 @@ class NoSchedulerStep:
 
     def step(self, increment: int) -> None:
         del increment
+
+
+def pad_sequences(data: BatchedDataDict, multiple: int) -> BatchedDataDict:
+    """Right-pad every [B, S, ...] tensor to a multiple of S (sequence parallelism); zeros are masked out."""
+    from rlpost.distributed.batched_data_dict import BatchedDataDict
+
+    seq = int(data["input_ids"].shape[1])
+    extra = (-seq) % multiple
+    if extra == 0:
+        return data
+    out = {
+        k: torch.nn.functional.pad(v.transpose(1, -1), (0, extra)).transpose(1, -1)
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq else v
+        for k, v in data.items()
+    }
+    return BatchedDataDict(out)
+
+
+def from_last_stage(recorded: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The micro-batches' metrics, which only the last pipeline stage recorded, on every stage."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return recorded
+    box = [recorded]
+    dist.broadcast_object_list(
+        box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+    )
+    return box[0]

@@ -62,6 +62,8 @@ from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.start_gate import StartGate
 from rlpost.losses.interface import LossFunction, VocabParallelArgs
+from rlpost.models.megatron.offload import HostOffload
+from rlpost.models.megatron.train_step import from_last_stage, pad_sequences
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
 from rlpost.models.policy.interfaces import WorkerTrainResult
 from rlpost.models.policy.train_parts import Parts, PartsLoss, TrainPartsMixin
@@ -70,29 +72,12 @@ from rlpost.runtime.gc_heap import import_frozen
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
 
-    from rlpost.models.megatron.offload import HostCopies
     from rlpost.models.megatron.train_step import MegatronTrainState
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
-
-class MegatronConfigError(ConfigError):
-    """A ConfigError that survives Ray's pickling (ConfigError's four-argument constructor does not)."""
-
-    def __reduce__(self) -> tuple[type[MegatronConfigError], tuple[str, object, str, str | None]]:
-        return (type(self), (self.key, self.value, self.rule, self.hint))
-
-
-def check_megatron_support(cfg: MegatronPolicyConfig, device_type: str, init_optimizer: bool = True) -> None:
-    """The config's own checks (validation runs them first; the worker repeats them for configs built in code),
-    as a MegatronConfigError that names the key and survives Ray's pickling."""
-    try:
-        cfg.check("policy")
-        cfg.check_device("policy", device_type, init_optimizer)
-    except ConfigError as err:
-        raise MegatronConfigError(err.key, err.value, err.rule, err.hint) from None
-
 
 def _megatron_call(fn: Callable[Concatenate[MegatronPolicyWorker, _P], _R]
                    ) -> Callable[Concatenate[MegatronPolicyWorker, _P], _R]:
@@ -104,7 +89,7 @@ def _megatron_call(fn: Callable[Concatenate[MegatronPolicyWorker, _P], _R]
         if self._init_error is not None:
             raise self._init_error
         if self.device.type != "cpu":
-            self._onload_model()
+            self._host.onload_model(self.model)
             return fn(self, *args, **kwargs)
         from rlpost.models.megatron.cpu_compat import cpu_compat
 
@@ -134,15 +119,11 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         self.device = torch.device(os.environ.get("RLPOST_DEVICE", "cpu"))
         self._init_error: BaseException | None = None
         self._export: list[tuple[str, torch.Tensor]] = []
-        self._offloaded = False
-        self._model_offloaded = False
-        self._loose_params: list[torch.nn.Parameter] = []
-        self._main_params: list[torch.Tensor] = []
-        self._model_host: HostCopies = []
-        self._main_host: HostCopies = []
+        self._host = HostOffload(self.device)
         self._init_parts()
         try:
-            check_megatron_support(cfg, self.device.type, init_optimizer)
+            cfg.check("policy")  # validation ran these; repeated for a config built in code
+            cfg.check_device("policy", self.device.type, init_optimizer)
         except (ConfigError, NotImplementedError) as exc:
             self._init_error = exc  # re-raised by every call (see the module docstring)
             return
@@ -217,12 +198,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
             self.model = self.train_state.model
         if weights_path:
             megatron_checkpoint.load(self, weights_path, optimizer_path)
-        if self.device.type == "cuda":  # what the memory phases move, listed while everything is on the GPU
-            from rlpost.models.megatron.offload import loose_parameters, optimizer_main_params
-
-            self._loose_params = loose_parameters(self.model)
-            if self.train_state is not None:
-                self._main_params = optimizer_main_params(self.train_state.optimizer, self.model)
+        self._host.attach(self.model, self._optimizer)  # what the memory phases move, listed while on the GPU
 
     # ---- small helpers -----------------------------------------------------------------
     def ping(self) -> int:
@@ -236,6 +212,10 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         from rlpost.models.megatron.export import unwrap_model
 
         return unwrap_model(self.model)
+
+    @property
+    def _optimizer(self) -> MegatronOptimizer | None:
+        return self.train_state.optimizer if self.train_state is not None else None
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This rank's shard: megatron names -> tensors aliasing the parameters (no TE _extra_state)."""
@@ -259,20 +239,6 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         assert m is not None
         return m.tensor_model_parallel_size if m.sequence_parallel else 1
 
-    @staticmethod
-    def _pad_seq(data: BatchedDataDict, multiple: int) -> BatchedDataDict:
-        """Right-pad every [B, S, ...] tensor to a multiple of S (sequence parallelism); zeros are masked out."""
-        seq = int(data["input_ids"].shape[1])
-        extra = (-seq) % multiple
-        if extra == 0:
-            return data
-        out = {
-            k: torch.nn.functional.pad(v.transpose(1, -1), (0, extra)).transpose(1, -1)
-            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq else v
-            for k, v in data.items()
-        }
-        return BatchedDataDict(out)
-
     def _empty_cache(self, level: int) -> None:
         m = self.cfg.megatron_cfg
         if self.device.type == "cuda" and m is not None and m.empty_unused_memory_level >= level:
@@ -286,7 +252,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
 
         ids = data["input_ids"]
         rows = int(ids.shape[0])
-        ids = self._pad_seq(BatchedDataDict(input_ids=ids), self._seq_multiple())["input_ids"]
+        ids = pad_sequences(BatchedDataDict(input_ids=ids), self._seq_multiple())["input_ids"]
         mbs = min(self.cfg.logprob_batch_size, rows)
         pad_rows = (-rows) % mbs if ps.get_pipeline_model_parallel_world_size() > 1 else 0
         if pad_rows:
@@ -372,7 +338,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
 
         if self.train_state is None:
             raise RuntimeError("the policy was built without an optimizer (init_optimizer=False)")
-        self._restore_optimizer_state()
+        self._host.restore_optimizer(self._optimizer)
         begin_accumulation(self.train_state)
 
     @_megatron_call
@@ -384,10 +350,10 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         recorded: list[dict[str, float]] = []
         mb_loss = functools.partial(normalised_loss, loss_fn, one, one, self._vp_kwargs(), recorded)
         micro = [mb.to(self.device) for mb in
-                 self._pad_seq(data, self._seq_multiple()).make_microbatch_iterator(self.cfg.train_micro_batch_size)]
+                 pad_sequences(data, self._seq_multiple()).make_microbatch_iterator(self.cfg.train_micro_batch_size)]
         loss = accumulate_part(self.train_state, micro, mb_loss, temperature=self.temperature, loss_input="logits")
         parts.loss += loss
-        parts.metrics += self._from_last_stage(recorded)
+        parts.metrics += from_last_stage(recorded)
         self._empty_cache(1)
 
     @_megatron_call
@@ -404,19 +370,6 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         return finish_result(parts.result(loss, grad_norm, metric_scales),
                              self.train_state.optimizer.param_groups[0]["lr"], self.model.parameters())
 
-    @staticmethod
-    def _from_last_stage(recorded: list[dict[str, float]]) -> list[dict[str, float]]:
-        """The micro-batches' metrics, which only the last pipeline stage recorded, on every stage."""
-        from megatron.core import parallel_state as ps
-
-        if ps.get_pipeline_model_parallel_world_size() == 1:
-            return recorded
-        box = [recorded]
-        dist.broadcast_object_list(
-            box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
-        )
-        return box[0]
-
     @_megatron_call
     def train(self, data: BatchedDataDict, loss_fn: LossFunction, gbs: int | None = None,
               eval_mode: bool = False) -> WorkerTrainResult:
@@ -427,7 +380,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
 
         if self.train_state is None:
             raise RuntimeError("the policy was built without an optimizer (init_optimizer=False)")
-        self._restore_optimizer_state()
+        self._host.restore_optimizer(self._optimizer)
         gbs = gbs or self.cfg.train_global_batch_size
         local_gbs = gbs // self.dp_size
         mbs = self.cfg.train_micro_batch_size
@@ -440,73 +393,37 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
 
         def step(gb: BatchedDataDict, gs: torch.Tensor, gt: torch.Tensor
                  ) -> tuple[float, float, list[dict[str, float]]]:
-            gb = self._pad_seq(gb, self._seq_multiple())
+            gb = pad_sequences(gb, self._seq_multiple())
             micro = [mb.to(self.device) for mb in gb.make_microbatch_iterator(mbs)]
             recorded: list[dict[str, float]] = []
             mb_loss = functools.partial(normalised_loss, loss_fn, gs, gt, vp, recorded)
             res = train_step(step_state, micro, mb_loss, temperature=self.temperature, loss_input="logits",
                              forward_only=eval_mode)
             self._empty_cache(1)
-            return res.loss, res.grad_norm, self._from_last_stage(recorded)
+            return res.loss, res.grad_norm, from_last_stage(recorded)
 
         result = train_global_batches(data, local_gbs, self.device, ps.get_data_parallel_group(), step)
         if not eval_mode:
             self.train_state.scheduler.step(increment=1)
         return finish_result(result, self.train_state.optimizer.param_groups[0]["lr"], self.model.parameters())
 
-    # ---- memory phases (GPU: optimizer, then the model, to / from pinned host memory; no-ops on CPU) ----------
-    def _offload_optimizer_state(self) -> None:
-        from rlpost.models.megatron.offload import move_optimizer_state, offload_storages
-
-        if self.device.type == "cuda" and not self._offloaded and self.train_state is not None:
-            move_optimizer_state(self.train_state.optimizer, "cpu")
-            self._main_host = offload_storages(self._main_params)
-            self._offloaded = True
-            torch.cuda.empty_cache()
-
-    def _restore_optimizer_state(self) -> None:
-        from rlpost.models.megatron.offload import move_optimizer_state, onload_storages
-
-        if self._offloaded and self.train_state is not None:  # offloaded only with an optimizer
-            move_optimizer_state(self.train_state.optimizer, self.device)
-            onload_storages(self._main_host)
-            self._main_host = []
-            self._offloaded = False
-
-    def _offload_model(self) -> None:
-        """Parameters and gradient buffers to the host (GPU; not while a batch is being trained in parts, whose
-        gradients live in the buffers)."""
-        from rlpost.models.megatron.offload import offload_model
-
-        if self.device.type == "cuda" and not self._model_offloaded and self._parts is None:
-            self._model_host = offload_model(self.model, self._loose_params)
-            self._model_offloaded = True
-            torch.cuda.empty_cache()
-
-    def _onload_model(self) -> None:
-        from rlpost.models.megatron.offload import onload_model
-
-        if self._model_offloaded:
-            onload_model(self.model, self._model_host)
-            self._model_host = []
-            self._model_offloaded = False
-
+    # ---- memory phases (GPU: optimizer, then the model, to / from pinned host memory: rlpost.models.megatron.offload)
     @_megatron_call
     def prepare_for_training(self) -> None:
-        self._restore_optimizer_state()
+        self._host.restore_optimizer(self._optimizer)
         self.model.train()
 
     @_megatron_call
     def prepare_for_lp_inference(self) -> None:
         self.model.eval()
         if self.cfg.offload_optimizer_for_logprob:
-            self._offload_optimizer_state()
+            self._host.offload_optimizer(self._optimizer)
 
     def offload_before_refit(self) -> None:
         """GPU: the optimizer goes to the host before the refit gathers the weights."""
         if self._init_error is not None:
             raise self._init_error
-        self._offload_optimizer_state()
+        self._host.offload_optimizer(self._optimizer)
 
     def offload_after_refit(self) -> None:
         """GPU, while a colocated engine generates: the refit's device buffers are freed, the optimizer and then the
@@ -514,8 +431,9 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         if self._init_error is not None:
             raise self._init_error
         self.release_device_buffers()
-        self._offload_optimizer_state()
-        self._offload_model()
+        self._host.offload_optimizer(self._optimizer)
+        if self._parts is None:  # a batch trained in parts keeps its gradients in the buffers
+            self._host.offload_model(self.model)
 
     def gpu_memory_stats(self) -> dict[str, float]:
         """logger.monitor_gpus: this rank's CUDA memory ({} on CPU)."""
@@ -567,7 +485,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None, hf_export: bool = True) -> None:
         from rlpost.models.policy import megatron_checkpoint
 
-        self._restore_optimizer_state()
+        self._host.restore_optimizer(self._optimizer)
         megatron_checkpoint.save(self, weights_path, optimizer_path, hf_export=hf_export)
 
     def shutdown(self) -> bool:
