@@ -20,6 +20,9 @@ pytestmark = pytest.mark.slow
 
 STEPS = 200
 """Long enough that the run is still going when Ray declares the killed node dead (the tiny steps take 0.3 s)."""
+RESUMED_STEPS = 15
+"""Where the resumed run stops, a few steps past the checkpoint it resumes from (a step budget may change on
+resume)."""
 
 
 def _rows(run: Path) -> list[dict]:
@@ -89,13 +92,14 @@ def test_grpo_spans_two_nodes_and_a_lost_node_ends_it_with_exit_3_then_it_resume
         nodes[1] = worker(address, "127.0.0.2", env, tmp_path / "ray-node2-again.log")
         wait_nodes(address, 2, env)
         again = subprocess.run([cli_runs.RLPOST, "launch", "ray", "--address", f"http://127.0.0.1:{dashboard}",
-                                "--run-dir", str(run), "--wait", "--", "train", *job],
+                                "--run-dir", str(run), "--wait", "--", "train", *job[:2],
+                                f"grpo.max_num_steps={RESUMED_STEPS}", *job[3:]],
                                env=env, capture_output=True, text=True, timeout=600)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
         assert "SUCCEEDED" in again.stdout, again.stdout
         assert "resuming from step" in (run / "train.log").read_text()
         steps = [r["step"] for r in _rows(run) if "train/reward" in r]
-        assert steps == list(range(1, STEPS + 1)), (done, steps)
+        assert done < RESUMED_STEPS and steps == list(range(1, RESUMED_STEPS + 1)), (done, steps)
     finally:
         for node in reversed(nodes):
             node.stop()
