@@ -281,7 +281,7 @@ def run(cfg: MasterConfig | SupervisedMasterConfig, run_dir: Path,
     return _run(_grpo_job(cfg), cfg, run_dir, on_step)
 
 
-def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path, observer: StepObserver | None) -> dict[str, object]:
+def _run(job: Job[_Cfg, _C], cfg: _Cfg, run_dir: Path, observer: StepObserver | None = None) -> dict[str, object]:
     console = Console(stderr=True)
     t0 = time.perf_counter()
     last: dict[str, float] = {}
