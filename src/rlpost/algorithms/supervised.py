@@ -55,7 +55,7 @@ Row = list[Tokenized]
 
 @dataclass
 class SupervisedComponents:
-    """What `supervised_train` runs on."""
+    """What `supervised_loop` runs on."""
 
     cfg: SupervisedMasterConfig
     run_dir: Path
