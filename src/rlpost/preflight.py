@@ -13,12 +13,12 @@ import importlib
 import inspect
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rlpost.config.errors import ConfigError
+from rlpost.config.errors import ConfigError, did_you_mean
 from rlpost.config.layout import model_dir_key, read_hf_config
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.master import MasterConfig
@@ -42,11 +42,6 @@ TOKENIZER_FILES: tuple[str, ...] = (
 WEIGHT_PATTERNS: tuple[str, ...] = ("*.safetensors", "*.bin")
 # Optimizer arguments that depend on the device; the CPU dry build leaves them out for a GPU run.
 DEVICE_KWARGS = frozenset({"fused", "foreach", "capturable"})
-
-
-def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"did you mean {match[0]!r}?" if match else None
 
 
 def run_device(master: AnyMaster) -> str:
@@ -132,7 +127,7 @@ def check_hf_config_overrides(master: AnyMaster) -> None:
         pass  # a model type transformers does not know (remote code): its config.json fields only
     for key, value in overrides.items():
         if key not in fields:
-            hint = _did_you_mean(key, sorted(f for f in fields if not f.startswith("_")))
+            hint = did_you_mean(key, sorted(f for f in fields if not f.startswith("_")))
             raise ConfigError(f"policy.hf_config_overrides.{key}", value,
                               f"is not a field of the {model_type or 'model'} config ({master.policy.model_name}); "
                               "transformers would ignore it while vLLM would set it", hint)
@@ -193,7 +188,7 @@ def _check_kwargs(cls: Callable[..., object], name: str, kwargs: Mapping[str, ob
         if k == passed_by_rlpost:
             raise ConfigError(f"{key}.{k}", v, f"is passed by rlpost, not set in the config ({name})")
         if k not in names:
-            hint = _did_you_mean(k, names)
+            hint = did_you_mean(k, names)
             hint = f"{hint + ' ' if hint else ''}{name} takes: {', '.join(names)}"
             raise ConfigError(f"{key}.{k}", v, f"is not an argument of {name}", hint)
     for p in named:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 
 class ConfigError(ValueError):
@@ -22,6 +23,12 @@ class ConfigError(ValueError):
     def __reduce__(self) -> tuple[type[ConfigError], tuple[str, object, str, str | None]]:
         # Picklable with its fields, so it survives the trip from a Ray worker to the driver.
         return (type(self), (self.key, self.value, self.rule, self.hint))
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
+    """The hint naming the choice closest to `word` ("did you mean 'x'?"), or None when none is close."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"did you mean {match[0]!r}?" if match else None
 
 
 def require(cond: bool, key: str, value: object, rule: str, hint: str | None = None) -> None:

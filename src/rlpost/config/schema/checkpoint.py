@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass
 
-from rlpost.config.errors import ConfigError, positive, require
+from rlpost.config.errors import ConfigError, did_you_mean, positive, require
 
 
 @dataclass
@@ -67,10 +66,9 @@ class CheckpointingConfig:
         """metric_name must be one of the metrics a training step `logged` (None: a custom loss, unknown)."""
         if not self.enabled or not self.metric_name or logged is None or self.metric_name in logged:
             return
-        close = difflib.get_close_matches(self.metric_name, logged, n=1)
         raise ConfigError(f"{path}.metric_name", self.metric_name,
                           f"no training step logs this metric; valid: {', '.join(logged)}",
-                          f"did you mean {close[0]!r}?" if close else None)
+                          did_you_mean(self.metric_name, logged))
 
 
 def wall_budget_s(text: str) -> float | None:
