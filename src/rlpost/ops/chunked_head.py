@@ -26,12 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlpost.ops.logprobs import _chunks
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """fp64 when any input is fp64, else fp32 (low-precision inputs are upcast)."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+from rlpost.ops.logprobs import _chunks, _compute_dtype
 
 
 class _HeadLogprobs(torch.autograd.Function):

@@ -32,9 +32,9 @@ def _chunks(length: int, chunk_size: int | None) -> list[tuple[int, int]]:
     return [(s, min(s + step, length)) for s in range(0, length, max(step, 1))]
 
 
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    """fp32, or fp64 when the logits are fp64 (low-precision logits are upcast)."""
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 when any input is fp64 (low-precision inputs are upcast)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 class _NextTokenLogprobs(torch.autograd.Function):

@@ -44,14 +44,12 @@ LOSS_METRICS: dict[str, tuple[str, ...]] = {
         "num_valid_samples",
         "approx_entropy",
     ),
-    "rlpost.losses.clipped_pg.NLLLoss": ("loss", "token_accuracy", "num_unmasked_tokens",
-                                                 "num_valid_samples"),
-    "rlpost.losses.preference.DPOLossFn": ("loss", "preference_loss", "sft_loss", "kl_to_reference",
-                                                      "accuracy", "rewards_chosen_mean", "rewards_rejected_mean",
-                                                      "reward_margin", "num_valid_samples"),
-    "rlpost.losses.preference.PreferenceLoss": ("loss", "accuracy", "rewards_chosen_mean",
-                                                           "rewards_rejected_mean", "reward_margin",
-                                                           "num_valid_samples"),
+    "rlpost.losses.clipped_pg.NLLLoss": ("loss", "token_accuracy", "num_unmasked_tokens", "num_valid_samples"),
+    "rlpost.losses.preference.DPOLossFn": ("loss", "preference_loss", "sft_loss", "kl_to_reference", "accuracy",
+                                           "rewards_chosen_mean", "rewards_rejected_mean", "reward_margin",
+                                           "num_valid_samples"),
+    "rlpost.losses.preference.PreferenceLoss": ("loss", "accuracy", "rewards_chosen_mean", "rewards_rejected_mean",
+                                                "reward_margin", "num_valid_samples"),
 }
 SUPERVISED_TRAIN_METRICS: tuple[str, ...] = ("grad_norm", "lr", "num_tokens", "params_finite")
 """What an SFT / DPO / RM step logs besides its loss's metrics (train/<name>)."""
