@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from benchmarks.harness import (
     RESULTS_DIR,
@@ -89,7 +89,7 @@ def run_steps(overrides: list[str]) -> tuple[Any, list[dict[str, float]], float,
             kept.parent.mkdir(exist_ok=True)
             shutil.copyfile(timeline, kept)
             print(f"timeline: {kept}", flush=True)
-    return cfg, steps, float(str(summary["setup_s"])), time.perf_counter() - t0, usage
+    return cfg, steps, cast(float, summary["setup_s"]), time.perf_counter() - t0, usage
 
 
 WALL = "bench/logged_at"

@@ -79,7 +79,9 @@ def _eval(argv: list[str]) -> int:
         print("usage: rlpost eval [hydra overrides]  (e.g. model.path=DIR | eval.checkpoint=RUN/checkpoints/step_N,"
               " data=..., eval.num_samples=8, eval.greedy=true)")
         return 0
-    rc = preflight(argv, False)
+    from rlpost.checks import EVAL
+
+    rc = preflight(argv, False, command=EVAL)
     if rc:
         return rc
     from rlpost.config.load import load_master_config

@@ -60,9 +60,8 @@ def preflight(overrides: list[str], multirun: bool, flags: Sequence[str] = (),
     """Compose and validate every job before Hydra starts anything, running `command`'s checks (rlpost.checks);
     print the first error, return 2 on error. Each job's `hydra` node (unresolved) is appended to `hydra_nodes` and
     its (composed config, master config) to `jobs_out` when given. `command`: rlpost.checks.TRAIN unless given. A
-    launched job (`rlpost.checks.LAUNCH`) runs on
-    a Ray cluster that does not exist yet, on nodes whose devices this host may not have: its Ray head and device
-    checks are left to the job's own pre-flight there."""
+    launched job (`rlpost.checks.LAUNCH`) runs on a Ray cluster that does not exist yet, on nodes whose devices this
+    host may not have: its Ray head and device checks are left to the job's own pre-flight there."""
     from rlpost.checks import TRAIN
     from rlpost.runtime.gc_heap import collect_and_freeze, paused_gc
 

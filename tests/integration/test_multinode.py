@@ -92,8 +92,9 @@ def test_grpo_spans_two_nodes_and_a_lost_node_ends_it_with_exit_3_then_it_resume
         nodes[1] = worker(address, "127.0.0.2", env, tmp_path / "ray-node2-again.log")
         wait_nodes(address, 2, env)
         again = subprocess.run([cli_runs.RLPOST, "launch", "ray", "--address", f"http://127.0.0.1:{dashboard}",
-                                "--run-dir", str(run), "--wait", "--", "train", *job[:2],
-                                f"grpo.max_num_steps={RESUMED_STEPS}", *job[3:]],
+                                "--run-dir", str(run), "--wait", "--", "train",
+                                *[o for o in job if not o.startswith("grpo.max_num_steps=")],
+                                f"grpo.max_num_steps={RESUMED_STEPS}"],
                                env=env, capture_output=True, text=True, timeout=600)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
         assert "SUCCEEDED" in again.stdout, again.stdout
