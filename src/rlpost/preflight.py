@@ -8,8 +8,6 @@ torch is imported inside the checks that need it (optimizer signatures, `cuda.is
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import inspect
 import os
 import warnings
@@ -24,7 +22,7 @@ from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.policy import PytorchOptimizerConfig, SinglePytorchSchedulerConfig, parse_scheduler
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
-from rlpost.runtime.build import check_target
+from rlpost.runtime.build import resolve
 from rlpost.runtime.cuda_driver import usable_device
 
 AnyMaster = MasterConfig | SupervisedMasterConfig
@@ -157,22 +155,6 @@ def check_vocab_shards(master: AnyMaster) -> None:
 # ---- optimizer and scheduler ------------------------------------------------------------------
 
 
-def _import(name: str, key: str) -> Any:
-    """The object at import path `name`, after the allow-list check; ConfigError with a hint if missing."""
-    check_target(key, name)  # before anything is imported
-    module_name, _, attr = name.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(key, name, f"cannot be imported ({exc})") from None
-    if not hasattr(module, attr):
-        public = [n for n in dir(module) if not n.startswith("_")]
-        match = difflib.get_close_matches(attr, public, n=1, cutoff=0.6)
-        hint = f"did you mean '{module_name}.{match[0]}'?" if match else None
-        raise ConfigError(key, name, f"cannot be imported: module {module_name!r} has no attribute {attr!r}", hint)
-    return getattr(module, attr)
-
-
 def _check_kwargs(cls: Callable[..., object], name: str, kwargs: Mapping[str, object], key: str,
                   passed_by_rlpost: str) -> None:
     """Every key of `kwargs` is an argument of `cls`, and none of its required arguments is missing."""
@@ -203,7 +185,7 @@ def check_optimizer(master: AnyMaster) -> None:
     opt = p.optimizer
     import torch
 
-    cls = _import(opt.name, "policy.optimizer.name")
+    cls = resolve(opt.name, "policy.optimizer.name")
     if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)):
         raise ConfigError("policy.optimizer.name", opt.name, "is not a torch.optim.Optimizer class")
     _check_kwargs(cls, opt.name, opt.kwargs, "policy.optimizer.kwargs", "params")
@@ -212,7 +194,7 @@ def check_optimizer(master: AnyMaster) -> None:
         if not isinstance(e, SinglePytorchSchedulerConfig):
             continue
         key = f"policy.scheduler[{i}]"
-        sched = _import(e.name, f"{key}.name")
+        sched = resolve(e.name, f"{key}.name")
         if not (inspect.isclass(sched) and issubclass(sched, torch.optim.lr_scheduler.LRScheduler)):
             raise ConfigError(f"{key}.name", e.name, "is not a torch.optim.lr_scheduler.LRScheduler class")
         _check_kwargs(sched, e.name, e.kwargs, f"{key}.kwargs", "optimizer")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 
 class ConfigError(ValueError):
@@ -25,9 +25,10 @@ class ConfigError(ValueError):
         return (type(self), (self.key, self.value, self.rule, self.hint))
 
 
-def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
-    """The hint naming the choice closest to `word` ("did you mean 'x'?"), or None when none is close."""
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The hint naming the choice closest to `word` ("did you mean 'x'?"), or None when none is as close as
+    `cutoff` (difflib's ratio)."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
     return f"did you mean {match[0]!r}?" if match else None
 
 
@@ -35,23 +36,6 @@ def require(cond: bool, key: str, value: object, rule: str, hint: str | None = N
     """Raise ConfigError(key, value, rule) unless `cond` holds."""
     if not cond:
         raise ConfigError(key, value, rule, hint)
-
-
-def one_of(key: str, value: object, allowed: Sequence[object]) -> None:
-    """Require `value` to be one of `allowed`."""
-    require(value in allowed, key, value, f"must be one of {list(allowed)}")
-
-
-def positive(key: str, value: float | int | None, allow_none: bool = False) -> None:
-    """Require `value` > 0 (or None when allowed)."""
-    if value is None and allow_none:
-        return
-    require(value is not None and value > 0, key, value, "must be > 0")
-
-
-def non_negative(key: str, value: float | int | None) -> None:
-    """Require `value` >= 0."""
-    require(value is not None and value >= 0, key, value, "must be >= 0")
 
 
 def format_config_error(err: ConfigError, job: list[str] | None = None) -> str:

@@ -7,7 +7,6 @@ pre-flight check and tests). `to_master_config` is shared with the @hydra.main t
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -18,7 +17,7 @@ from omegaconf import DictConfig, DictKeyType, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
 from rlpost.config.device_defaults import resolve_device_defaults
-from rlpost.config.errors import ConfigError
+from rlpost.config.errors import ConfigError, did_you_mean
 from rlpost.config.layout import layout_of
 from rlpost.config.removed_keys import removed_rule
 from rlpost.config.schema.master import MasterConfig
@@ -27,6 +26,8 @@ from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.config.store import register_configs
 
 CONFIG_NAME = "config"
+KEY_HINT_CUTOFF = 0.5
+"""How close a mistyped key or option must be to a real one to be suggested (difflib's ratio)."""
 
 
 def conf_dir() -> str:
@@ -50,11 +51,6 @@ def group_options(group: str) -> list[str]:
 def groups() -> list[str]:
     """Config groups in conf/."""
     return sorted(p.name for p in Path(conf_dir()).iterdir() if p.is_dir())
-
-
-def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
-    m = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
-    return f"did you mean '{m[0]}'?" if m else None
 
 
 def _schema_fields(node: object) -> list[str] | None:
@@ -106,7 +102,8 @@ def check_unknown_keys(node: object, path: str = "") -> None:
             if fields is not None and key not in fields:
                 if (rule := removed_rule(full)) is not None:
                     raise ConfigError(full, _raw(node, key), rule)
-                raise ConfigError(full, _raw(node, key), "unknown config key", _did_you_mean(str(key), fields))
+                raise ConfigError(full, _raw(node, key), "unknown config key",
+                                  did_you_mean(str(key), fields, KEY_HINT_CUTOFF))
             check_unknown_keys(node._get_node(key), full)
     elif isinstance(node, ListConfig):
         if node._is_none() or node._is_missing() or node._is_interpolation():
@@ -218,7 +215,8 @@ def translate_exception(exc: BaseException, cfg: DictConfig | None = None,
     if m:
         group, opt = m.group(1), m.group(2)
         opts = group_options(group.split("/")[-1]) if "/" in group else group_options(group)
-        return ConfigError(group, opt, f"unknown option of group '{group}'; options: {opts}", _did_you_mean(opt, opts))
+        return ConfigError(group, opt, f"unknown option of group '{group}'; options: {opts}",
+                           did_you_mean(opt, opts, KEY_HINT_CUTOFF))
     mm = re.search(r"Missing mandatory value: ([\w.]+)", text)
     if mm:
         return ConfigError(mm.group(1), "???", "a value is required here")
@@ -237,7 +235,8 @@ def translate_exception(exc: BaseException, cfg: DictConfig | None = None,
                 return ConfigError(key, _typed(overrides, key), rule)
             if km:
                 word = key.rsplit(".", 1)[-1]
-                hint = _did_you_mean(word, _key_candidates(cfg, key)) or _did_you_mean(word, _err_candidates(err))
+                hint = did_you_mean(word, _key_candidates(cfg, key), KEY_HINT_CUTOFF) or did_you_mean(
+                    word, _err_candidates(err), KEY_HINT_CUTOFF)
                 if key.endswith(".enabled") and ("dtensor_cfg" in key or "megatron_cfg" in key):
                     hint = "rlpost picks the backend with policy=dtensor|dtensor_v2|megatron"
                 return ConfigError(key, _typed(overrides, key), "unknown config key", hint)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from rlpost.config.errors import ConfigError, did_you_mean, positive, require
+from rlpost.config.errors import ConfigError, did_you_mean, require
+from rlpost.config.fields import POSITIVE, POSITIVE_OR_NONE, Block, checked
 
 
 @dataclass
-class CheckpointingConfig:
+class CheckpointingConfig(Block):
     """Periodic, atomic checkpoints and automatic resume."""
 
     enabled: bool = True
@@ -20,9 +21,9 @@ class CheckpointingConfig:
     """'val:<metric>' or 'train:<metric>' ranking checkpoints for keep_top_k; None = keep the newest."""
     higher_is_better: bool = True
     """Direction of metric_name."""
-    keep_top_k: int | None = 3
+    keep_top_k: int | None = checked(3, POSITIVE_OR_NONE)
     """Checkpoints kept (the latest is always kept too); None = keep all."""
-    save_period: int = 10
+    save_period: int = checked(10, POSITIVE)
     """Save every this many steps (and at the last step)."""
     checkpoint_must_save_by: str | None = None
     """Wall-clock budget 'DD:HH:MM:SS' from the run's start: when the next step (plus a save) would pass it,
@@ -37,8 +38,7 @@ class CheckpointingConfig:
     """On Ctrl-C / SIGTERM, finish the current step and save a checkpoint before exiting."""
 
     def check(self, path: str) -> None:
-        positive(f"{path}.save_period", self.save_period)
-        positive(f"{path}.keep_top_k", self.keep_top_k, allow_none=True)
+        super().check(path)
         require(
             self.model_save_format == "safetensors",
             f"{path}.model_save_format",

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from rlpost.config.errors import require
+from rlpost.config.fields import NON_NEGATIVE, checked
 from rlpost.config.schema.loss import ClippedPGLossConfig
 
 
@@ -19,9 +19,9 @@ class CISPOLossConfig(ClippedPGLossConfig):
     """Loss class."""
     ratio_clip_min: float = 1.0
     """The weight's lower bound is 1 - this; 1 = no lower bound (MiniMax-M1 set none)."""
-    ratio_clip_max: float = 4.0
+    ratio_clip_max: float = checked(4.0, NON_NEGATIVE)
     """The weight's upper bound is 1 + this (MiniMax-M1 tuned only this one)."""
-    reference_policy_kl_penalty: float = 0.0
+    reference_policy_kl_penalty: float = checked(0.0, NON_NEGATIVE)
     """KL coefficient beta; 0 skips the reference-model pass."""
 
     def check(self, path: str) -> None:
@@ -31,4 +31,4 @@ class CISPOLossConfig(ClippedPGLossConfig):
             require(getattr(self, key) in (None, False), f"{path}.{key}", getattr(self, key),
                     "is the clipped PPO surrogate's; CISPO clips the importance-sampling weight instead",
                     "use loss=token_level for it")
-        ClippedPGLossConfig.check(dataclasses.replace(self, ratio_clip_min=0.0), path)
+        super().check(path)

@@ -4,53 +4,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlpost.config.errors import one_of, positive, require
+from rlpost.config.errors import require
+from rlpost.config.fields import POSITIVE, POSITIVE_OR_NONE, Block, checked, options
 
 RAY_MIN_OBJECT_STORE_MB = 75
 """The smallest object store Ray starts with (ray._private.ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES)."""
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(Block):
     """Workers per node and Ray connection."""
 
-    gpus_per_node: int = 1
+    gpus_per_node: int = checked(1, POSITIVE)
     """Worker slots per node: GPUs, or CPU worker processes on a machine without GPUs."""
-    num_nodes: int = 1
+    num_nodes: int = checked(1, POSITIVE)
     """Nodes used."""
-    device: str = "auto"
+    device: str = checked("auto", options("auto", "cpu", "cuda"))
     """'auto' (cuda if available, else cpu), 'cpu' (gloo) or 'cuda' (nccl)."""
     address: str | None = None
     """Ray address to join ('auto' or host:port); None starts a local Ray cluster."""
-    num_cpus: float | None = None
+    num_cpus: float | None = checked(None, POSITIVE_OR_NONE)
     """CPUs a local Ray cluster advertises; None = all cores."""
-    object_store_memory_mb: int = 512
+    object_store_memory_mb: int = checked(512, POSITIVE)
     """Object store size of a local Ray cluster, in MiB (Ray starts none smaller than 75)."""
-    worker_num_cpus: float = 0.25
+    worker_num_cpus: float = checked(0.25, POSITIVE)
     """Ray num_cpus of one worker actor on CPU (fractional so colocated groups fit)."""
-    placement_timeout_s: float = 60.0
+    placement_timeout_s: float = checked(60.0, POSITIVE)
     """Fail with a clear message if the placement group is not ready by then."""
-    call_timeout_s: float = 900.0
+    call_timeout_s: float = checked(900.0, POSITIVE)
     """Bound on every remote call until the first step is measured (start-up, first step, compiles)."""
-    step_timeout_factor: float = 10.0
+    step_timeout_factor: float = checked(10.0, POSITIVE)
     """After each step, a call's bound becomes this times the slowest step so far (within
     min_call_timeout_s .. call_timeout_s), so a hung worker is noticed in minutes, not 15."""
-    min_call_timeout_s: float = 120.0
+    min_call_timeout_s: float = checked(120.0, POSITIVE)
     """Lower bound of the step-derived call bound."""
 
     def check(self, path: str) -> None:
-        positive(f"{path}.gpus_per_node", self.gpus_per_node)
-        positive(f"{path}.num_nodes", self.num_nodes)
-        one_of(f"{path}.device", self.device, ("auto", "cpu", "cuda"))
-        positive(f"{path}.num_cpus", self.num_cpus, allow_none=True)
-        positive(f"{path}.object_store_memory_mb", self.object_store_memory_mb)
+        super().check(path)
         if self.address is None:
             require(self.object_store_memory_mb >= RAY_MIN_OBJECT_STORE_MB, f"{path}.object_store_memory_mb",
                     self.object_store_memory_mb,
                     f"must be >= {RAY_MIN_OBJECT_STORE_MB}: Ray starts no object store smaller than "
                     f"{RAY_MIN_OBJECT_STORE_MB} MiB")
-        positive(f"{path}.worker_num_cpus", self.worker_num_cpus)
-        positive(f"{path}.placement_timeout_s", self.placement_timeout_s)
-        positive(f"{path}.call_timeout_s", self.call_timeout_s)
-        positive(f"{path}.step_timeout_factor", self.step_timeout_factor)
-        positive(f"{path}.min_call_timeout_s", self.min_call_timeout_s)

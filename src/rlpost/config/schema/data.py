@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlpost.config.errors import one_of, positive, require
+from rlpost.config.errors import require
+from rlpost.config.fields import POSITIVE, Block, checked, options
 
 TOO_LONG = ("truncate", "drop", "error")
 """What data.too_long may choose for an over-length prompt."""
@@ -13,41 +14,32 @@ SYNTHETIC_TASKS = ("next_letter", "copy_digit", "add_mod10", "arith_add1", "arit
 
 
 @dataclass
-class SyntheticTaskConfig:
+class SyntheticTaskConfig(Block):
     """A verifiable task generated in-process (no files, no downloads)."""
 
-    task: str = "copy_digit"
+    task: str = checked("copy_digit", options(*SYNTHETIC_TASKS))
     """'copy_digit' (repeat the digit), 'next_letter', 'add_mod10' (one-token answers, env=synthetic), or the
     arithmetic levels 'arith_add1' (single-digit addition), 'arith_add2' (two-digit), 'arith_mixed' (+, -, * on
     one and two digits) asking for a \\boxed{} answer (env=math); multi-turn: 'lookup' (env=lookup), 'guess_digit'
     (env=guess_game) and 'calc_mul' (env=calculator); see rlpost.data.synthetic_tasks."""
-    num_train: int = 4096
+    num_train: int = checked(4096, POSITIVE)
     """Training prompts generated."""
-    num_val: int = 64
+    num_val: int = checked(64, POSITIVE)
     """Validation prompts generated."""
     seed: int = 1234
     """Generator seed."""
 
-    def check(self, path: str) -> None:
-        one_of(f"{path}.task", self.task, SYNTHETIC_TASKS)
-        positive(f"{path}.num_train", self.num_train)
-        positive(f"{path}.num_val", self.num_val)
-
-
 @dataclass
-class DatasetConfig:
+class DatasetConfig(Block):
     """Base of every `data` option's schema: GRPO's prompts (DataConfig) or the rows of SFT / DPO / RM
     (rlpost.config.schema.supervised)."""
-
-    def check(self, path: str) -> None:
-        """Range checks; subclasses extend."""
 
 
 @dataclass
 class DataConfig(DatasetConfig):
     """Where GRPO's prompts come from and how they are turned into token ids (`data=synthetic|arith|...`)."""
 
-    dataset_name: str = "synthetic"
+    dataset_name: str = checked("synthetic", options("synthetic", "jsonl", "parquet"))
     """'synthetic' (generated), 'jsonl' or 'parquet' (local files through `datasets`)."""
     train_data_path: str | None = None
     """Local training file (jsonl / parquet)."""
@@ -65,9 +57,9 @@ class DataConfig(DatasetConfig):
     """Prompt template file with one '{}' for the problem; None = the problem as is."""
     system_prompt_file: str | None = None
     """System prompt file; None = no system message."""
-    max_input_seq_length: int = 256
+    max_input_seq_length: int = checked(256, POSITIVE)
     """Longest prompt in tokens; what happens to a longer one is data.too_long's choice."""
-    too_long: str = "truncate"
+    too_long: str = checked("truncate", options(*TOO_LONG))
     """A prompt over max_input_seq_length tokens, found when the rows are loaded: 'truncate' (cut to it and masked
     out of the loss, as NeMo RL does), 'drop' (left out of the data set) or 'error' (exit 2 naming its file:line)."""
     add_generation_prompt: bool = True
@@ -80,7 +72,7 @@ class DataConfig(DatasetConfig):
     """Dataloader worker processes: only 0 (rows are read once and tokenized in the driver, a few per step)."""
 
     def check(self, path: str) -> None:
-        one_of(f"{path}.dataset_name", self.dataset_name, ("synthetic", "jsonl", "parquet"))
+        super().check(path)
         if self.dataset_name == "synthetic":
             self.synthetic.check(f"{path}.synthetic")
         else:
@@ -90,8 +82,6 @@ class DataConfig(DatasetConfig):
                 self.train_data_path,
                 f"dataset_name={self.dataset_name} needs a local train_data_path",
             )
-        positive(f"{path}.max_input_seq_length", self.max_input_seq_length)
-        one_of(f"{path}.too_long", self.too_long, TOO_LONG)
         require(
             self.num_workers == 0,
             f"{path}.num_workers",

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlpost.config.errors import ConfigError, positive, require
+from rlpost.config.errors import ConfigError, require
+from rlpost.config.fields import POSITIVE_OR_NONE, Block, checked
 from rlpost.config.schema.side_group import check_placement
 
 CHECKPOINT_EXPORT = Path("policy") / "weights" / "hf"
@@ -14,7 +15,7 @@ CHECKPOINT_EXPORT = Path("policy") / "weights" / "hf"
 
 
 @dataclass
-class TeacherConfig:
+class TeacherConfig(Block):
     """A policy-like worker group that scores the student's tokens and never trains."""
 
     model_path: str = ""
@@ -23,9 +24,9 @@ class TeacherConfig:
     colocated: bool = True
     """Share the policy's workers' resources (one more actor on each of their bundles); false = bundles of its
     own, `num_workers` of them."""
-    num_workers: int | None = None
+    num_workers: int | None = checked(None, POSITIVE_OR_NONE)
     """Ranks of a teacher on its own resources; None = as many as the policy has."""
-    logprob_batch_size: int | None = None
+    logprob_batch_size: int | None = checked(None, POSITIVE_OR_NONE)
     """Samples per micro-batch of the teacher's scoring pass; None = the policy's logprob_batch_size."""
 
     def model_dir(self) -> Path | None:
@@ -50,22 +51,22 @@ class TeacherConfig:
                               "checkpoints need checkpointing.save_consolidated=true")
 
     def check(self, path: str) -> None:
+        super().check(path)
         require(bool(self.model_path), f"{path}.model_path", self.model_path,
                 "must name the teacher: a local HF model directory or an rlpost checkpoint (step_N)")
-        positive(f"{path}.logprob_batch_size", self.logprob_batch_size, allow_none=True)
         check_placement(path, self.colocated, self.num_workers)
 
 
 @dataclass
-class DistillationConfig:
+class DistillationConfig(Block):
     """On-policy distillation: the student generates, the teacher scores each of its tokens (NeMo RL's names)."""
 
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     """The teacher model and where it runs."""
-    topk_logits_k: int | None = 64
+    topk_logits_k: int | None = checked(64, POSITIVE_OR_NONE)
     """The teacher's top-k tokens per position that the KL is taken over (capped at the vocabulary); None = the
     whole vocabulary (the exact KL; [B, S, V] per step travels from the teacher)."""
 
     def check(self, path: str) -> None:
-        positive(f"{path}.topk_logits_k", self.topk_logits_k, allow_none=True)
+        super().check(path)
         self.teacher.check(f"{path}.teacher")

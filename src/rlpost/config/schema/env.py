@@ -4,58 +4,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlpost.config.errors import non_negative, one_of, positive, require
+from rlpost.config.errors import require
+from rlpost.config.fields import NON_NEGATIVE, POSITIVE, Block, checked, options, within
 
 
 @dataclass
-class EnvConfig:
+class EnvConfig(Block):
     """Base of every environment config."""
 
     _target_: str = "rlpost.environments.synthetic.SyntheticEnvironment"
     """Environment class."""
-    num_workers: int = 1
+    num_workers: int = checked(1, POSITIVE)
     """Verifier worker processes."""
-    timeout_s: float = 10.0
+    timeout_s: float = checked(10.0, POSITIVE)
     """A reward computation running longer is killed: reward 0 and a counted warning."""
-    batch_timeout_s: float = 300.0
+    batch_timeout_s: float = checked(300.0, POSITIVE)
     """Bound on scoring one batch: samples unfinished by then get reward 0 and count as timeouts."""
-    slow_warning_s: float = 30.0
+    slow_warning_s: float = checked(30.0, POSITIVE)
     """Scoring a batch for longer than this (or any timeout) prints one warning line for the step."""
-
-    def check(self, path: str) -> None:
-        self._check_workers(path)
-        positive(f"{path}.timeout_s", self.timeout_s)
-        positive(f"{path}.batch_timeout_s", self.batch_timeout_s)
-        positive(f"{path}.slow_warning_s", self.slow_warning_s)
-
-    def _check_workers(self, path: str) -> None:
-        positive(f"{path}.num_workers", self.num_workers)
-
 
 @dataclass
 class SyntheticEnvConfig(EnvConfig):
     """Exact-match verifier of the synthetic tasks."""
 
-    num_workers: int = 0
+    num_workers: int = checked(0, NON_NEGATIVE)
     """Verifier worker processes; 0 (the default here) compares in the driver: an exact match cannot hang, and a
     worker process costs a pipe round trip a batch for nothing. With 0, nothing can be killed, so
     timeout_s and batch_timeout_s must keep their defaults."""
     task: str = "${data.synthetic.task}"
     """Task whose answers are checked."""
-    format_reward: float = 0.1
+    format_reward: float = checked(0.1, within("[0, 1)"))
     """Reward for a well-formed but wrong answer (one symbol of the task's answer alphabet); 1.0 when correct."""
 
-    def _check_workers(self, path: str) -> None:
-        non_negative(f"{path}.num_workers", self.num_workers)
+    def check(self, path: str) -> None:
+        super().check(path)
         if self.num_workers == 0:
             rule = "num_workers=0 scores in the driver, where nothing can be killed: a timeout needs num_workers >= 1"
             require(self.timeout_s == EnvConfig.timeout_s, f"{path}.timeout_s", self.timeout_s, rule)
             require(self.batch_timeout_s == EnvConfig.batch_timeout_s, f"{path}.batch_timeout_s",
                     self.batch_timeout_s, rule)
-
-    def check(self, path: str) -> None:
-        super().check(path)
-        require(0.0 <= self.format_reward < 1.0, f"{path}.format_reward", self.format_reward, "must be in [0, 1)")
 
 
 @dataclass
@@ -64,17 +51,12 @@ class MathEnvConfig(EnvConfig):
 
     _target_: str = "rlpost.environments.math_environment.MathEnvironment"
     """Environment class."""
-    verifier_type: str = "math"
+    verifier_type: str = checked("math", options("math"))
     """'math' (math-verify equivalence)."""
-    math_verify_impl: str = "hf_math_verify"
+    math_verify_impl: str = checked("hf_math_verify", options("hf_math_verify"))
     """'hf_math_verify' (the math-verify package)."""
     stop_strings: list[str] | None = None
     """Strings that end a response."""
-
-    def check(self, path: str) -> None:
-        super().check(path)
-        one_of(f"{path}.verifier_type", self.verifier_type, ("math",))
-        one_of(f"{path}.math_verify_impl", self.math_verify_impl, ("hf_math_verify",))
 
 
 @dataclass
@@ -102,12 +84,8 @@ class GuessGameEnvConfig(EnvConfig):
 
     _target_: str = "rlpost.environments.guess_game.GuessGameEnvironment"
     """Environment class."""
-    max_guesses: int = "${grpo.max_rollout_turns}"  # type: ignore[assignment]
+    max_guesses: int = checked("${grpo.max_rollout_turns}", POSITIVE)  # type: ignore[assignment]
     """Guesses per episode (the episode's turns; by default grpo.max_rollout_turns)."""
-
-    def check(self, path: str) -> None:
-        super().check(path)
-        positive(f"{path}.max_guesses", self.max_guesses)
 
 
 @dataclass
@@ -122,15 +100,13 @@ class RewardModelEnvConfig(EnvConfig):
     chat_template: str | None = None
     """How the prompt was rendered when the reward model was trained (policy.tokenizer.chat_template of that run):
     null = the text as is, 'default' = the tokenizer's template, or a Jinja template."""
-    batch_size: int = 32
+    batch_size: int = checked(32, POSITIVE)
     """Sequences per forward of the scoring actor."""
-    num_cpus: float = 0.25
+    num_cpus: float = checked(0.25, POSITIVE)
     """Ray num_cpus of the scoring actor."""
 
     def check(self, path: str) -> None:
         super().check(path)
-        positive(f"{path}.batch_size", self.batch_size)
-        positive(f"{path}.num_cpus", self.num_cpus)
         require(self.num_workers == 1, f"{path}.num_workers", self.num_workers,
                 "the reward model scores in one Ray actor (batch_size sets its batches)")
         require(self.timeout_s == EnvConfig.timeout_s, f"{path}.timeout_s", self.timeout_s,

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlpost.config.errors import ConfigError, non_negative, one_of, positive, require
+from rlpost.config.errors import ConfigError, require
+from rlpost.config.fields import POSITIVE, POSITIVE_OR_NONE, Block, checked, options, within
 
 
 @dataclass
@@ -40,18 +41,18 @@ ENGINE_BACKENDS: dict[str, str] = {
 
 
 @dataclass
-class GenerationConfig:
+class GenerationConfig(Block):
     """What every rollout engine honours (NeMo RL GenerationConfig)."""
 
     _target_: str = "rlpost.models.generation.vllm_generation.VllmGeneration"
     """Engine class, built by rlpost.runtime.build."""
     backend: str = "vllm"
     """Engine name, for logs and `_should_use_async_rollouts`: 'vllm' or 'hf'; must name the engine `_target_` builds."""
-    max_new_tokens: int = 512
+    max_new_tokens: int = checked(512, POSITIVE)
     """Most tokens generated per sample."""
-    temperature: float = 1.0
+    temperature: float = checked(1.0, POSITIVE)
     """Sampling temperature; training and logprob passes divide logits by it too."""
-    top_p: float = 1.0
+    top_p: float = checked(1.0, within("(0, 1]"))
     """Nucleus sampling threshold (1.0 = off)."""
     top_k: int | None = None
     """Top-k sampling (None = off)."""
@@ -65,6 +66,7 @@ class GenerationConfig:
     """Colocation with the training workers."""
 
     def check(self, path: str) -> None:
+        super().check(path)
         require(
             self.backend != "megatron",
             f"{path}.backend",
@@ -72,7 +74,7 @@ class GenerationConfig:
             "rlpost has no Megatron generation engine (the policy workers do not generate)",
             "use generation=vllm or generation=hf",
         )
-        one_of(f"{path}.backend", self.backend, tuple(sorted(set(ENGINE_BACKENDS.values()))))
+        options(*sorted(set(ENGINE_BACKENDS.values())))(f"{path}.backend", self.backend)
         built = ENGINE_BACKENDS.get(self._target_)
         require(
             built is None or built == self.backend,
@@ -81,9 +83,6 @@ class GenerationConfig:
             f"disagrees with {path}._target_={self._target_}, which builds the {built!r} engine",
             "choose the engine with generation=vllm|hf; backend follows it",
         )
-        positive(f"{path}.max_new_tokens", self.max_new_tokens)
-        positive(f"{path}.temperature", self.temperature)
-        require(0.0 < self.top_p <= 1.0, f"{path}.top_p", self.top_p, "must be in (0, 1]")
         require(
             self.top_k is None or self.top_k > 0 or self.top_k == -1,
             f"{path}.top_k",
@@ -122,31 +121,31 @@ class GenerationConfig:
 
 
 @dataclass
-class VllmSpecificArgs:
+class VllmSpecificArgs(Block):
     """vLLM engine arguments (NeMo RL VllmSpecificArgs)."""
 
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = checked(1, POSITIVE)
     """Tensor-parallel size of each engine replica."""
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: int = checked(1, POSITIVE)
     """Pipeline-parallel size of each engine replica."""
-    expert_parallel_size: int = 1
+    expert_parallel_size: int = checked(1, POSITIVE)
     """Expert-parallel size of each engine replica: 1, or tensor_parallel_size (vLLM's enable_expert_parallel
     shards the experts over the replica's TP ranks); GPU only, MoE models only."""
-    gpu_memory_utilization: float = 0.6
+    gpu_memory_utilization: float = checked(0.6, within("(0, 1]"))
     """Share of GPU memory vLLM may take (GPU only)."""
     max_model_len: int | None = None
     """Context length; None = policy.max_total_sequence_length."""
     async_engine: bool = False
     """Use vLLM's AsyncLLM engine (per-sample coroutines; still on-policy)."""
-    precision: str = "float32"
+    precision: str = checked("float32", options("float32", "bfloat16", "float16"))
     """Engine dtype: 'float32', 'bfloat16' or 'float16'."""
     enforce_eager: bool | None = True
     """Disable CUDA graphs / compilation (required on CPU); None (conf/'s default) = eager on CPU, CUDA graphs on CUDA,
     decided with the run's device (rlpost.config.device_defaults). On the CPU it also runs eagerly what vLLM's sampler
     would compile (TORCHDYNAMO_DISABLE=1 in the engine), keeping that compile off the path to the first step."""
-    load_format: str = "auto"
+    load_format: str = checked("auto", options("auto", "dummy", "safetensors"))
     """'auto' loads the checkpoint; 'dummy' leaves random weights for the first refit to fill."""
-    kv_cache_space_gb: float | None = None
+    kv_cache_space_gb: float | None = checked(None, POSITIVE_OR_NONE)
     """CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE). None = sized from the model: room for
     max_num_seqs (256) sequences of max_model_len tokens, at least 1/64 GiB and at most 1 GiB (a small model
     needs a few MiB, and a fixed size would hold RAM it never uses)."""
@@ -154,8 +153,7 @@ class VllmSpecificArgs:
     """Engine sampling seed."""
 
     def check(self, path: str) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
-            positive(f"{path}.{name}", getattr(self, name))
+        super().check(path)
         require(
             self.expert_parallel_size in (1, self.tensor_parallel_size),
             f"{path}.expert_parallel_size",
@@ -163,15 +161,6 @@ class VllmSpecificArgs:
             f"must be 1 or tensor_parallel_size ({self.tensor_parallel_size}): vLLM's expert parallelism spans the "
             "tensor-parallel ranks of one replica",
         )
-        require(
-            0.0 < self.gpu_memory_utilization <= 1.0,
-            f"{path}.gpu_memory_utilization",
-            self.gpu_memory_utilization,
-            "must be in (0, 1]",
-        )
-        one_of(f"{path}.precision", self.precision, ("float32", "bfloat16", "float16"))
-        one_of(f"{path}.load_format", self.load_format, ("auto", "dummy", "safetensors"))
-        positive(f"{path}.kv_cache_space_gb", self.kv_cache_space_gb, allow_none=True)
 
 
 VLLM_RLPOST_KWARGS: dict[str, str] = {
@@ -250,16 +239,10 @@ class HFGenerationConfig(GenerationConfig):
     """Engine class."""
     backend: str = "hf"
     """Engine name."""
-    generation_batch_size: int = 32
+    generation_batch_size: int = checked(32, POSITIVE)
     """Prompts per `generate` call."""
-    precision: str = "float32"
+    precision: str = checked("float32", options("float32", "bfloat16", "float16"))
     """Engine dtype: 'float32', 'bfloat16' or 'float16'."""
-
-    def check(self, path: str) -> None:
-        super().check(path)
-        positive(f"{path}.generation_batch_size", self.generation_batch_size)
-        one_of(f"{path}.precision", self.precision, ("float32", "bfloat16", "float16"))
-        non_negative(f"{path}.max_new_tokens", self.max_new_tokens)
 
     def weight_dtype(self) -> str:
         return self.precision

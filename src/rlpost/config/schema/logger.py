@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlpost.config.errors import require
+from rlpost.config.fields import NON_NEGATIVE, Block, checked
 
 
 @dataclass
@@ -48,7 +49,7 @@ class MlflowConfig:
 
 
 @dataclass
-class LoggerConfig:
+class LoggerConfig(Block):
     """Where metrics go."""
 
     log_dir: str | None = None
@@ -87,6 +88,7 @@ class LoggerConfig:
     """MLflow options."""
 
     def check(self, path: str) -> None:
+        super().check(path)
         require(
             not self.swanlab_enabled,
             f"{path}.swanlab_enabled",
@@ -101,14 +103,5 @@ class LoggerConfig:
 class GRPOLoggerConfig(LoggerConfig):
     """LoggerConfig plus GRPO's sample printing."""
 
-    num_val_samples_to_print: int = 0
+    num_val_samples_to_print: int = checked(0, NON_NEGATIVE)
     """Validation samples printed to the console at each validation, one line each: prompt -> response (reward)."""
-
-    def check(self, path: str) -> None:
-        super().check(path)
-        require(
-            self.num_val_samples_to_print >= 0,
-            f"{path}.num_val_samples_to_print",
-            self.num_val_samples_to_print,
-            "must be >= 0",
-        )

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from rlpost.config.errors import positive, require
+from rlpost.config.errors import require
+from rlpost.config.fields import POSITIVE, check_fields, checked, within
 
 REFIT_MODES = ("merged", "adapter")
 """`refit`: the adapters merged into the engine's weights, or served as a vLLM LoRA adapter."""
@@ -35,11 +36,11 @@ class LoRAConfig:
     """Linear layers never adapted, by the last part of their name (applies to match_all_linear too)."""
     match_all_linear: bool = True
     """Adapt every linear layer of the decoder (not the output head); target_modules adds nothing then."""
-    dim: int = 8
+    dim: int = checked(8, POSITIVE)
     """The adapters' rank r."""
-    alpha: int = 32
+    alpha: int = checked(32, POSITIVE)
     """Scale numerator: the update is alpha / dim * B @ A."""
-    dropout: float = 0.0
+    dropout: float = checked(0.0, within("[0, 1)"))
     """Dropout on the adapter's input during training (0: none)."""
     refit: str = "merged"
     """How the rollout engine gets each new policy version. merged: W + alpha/dim * B @ A written into the engine's
@@ -66,9 +67,7 @@ class LoRAConfig:
     def check(self, path: str) -> None:
         if not self.enabled:
             return
-        positive(f"{path}.dim", self.dim)
-        positive(f"{path}.alpha", self.alpha)
-        require(0.0 <= self.dropout < 1.0, f"{path}.dropout", self.dropout, "must be in [0, 1)")
+        check_fields(self, path)
         require(self.match_all_linear or bool(self.target_modules), f"{path}.target_modules", self.target_modules,
                 "must name at least one linear layer when match_all_linear is false")
         require(self.refit in REFIT_MODES, f"{path}.refit", self.refit, f"must be one of {', '.join(REFIT_MODES)}")

@@ -4,35 +4,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlpost.config.errors import ConfigError, non_negative, one_of, positive, require
+from rlpost.config.errors import ConfigError, require
+from rlpost.config.fields import NON_NEGATIVE, POSITIVE, Block, checked, options, within
 
 
 @dataclass
-class LossConfig:
+class LossConfig(Block):
     """Base of every loss config: the loss class to build."""
 
     _target_: str = "rlpost.losses.clipped_pg.ClippedPGLossFn"
     """Loss class, built by rlpost.runtime.build with this config."""
-
-    def check(self, path: str) -> None:
-        """Range checks; subclasses extend."""
 
 
 @dataclass
 class ClippedPGLossConfig(LossConfig):
     """PPO-style clipped policy-gradient loss with KL penalty (NeMo RL ClippedPGLossConfig)."""
 
-    reference_policy_kl_penalty: float = 0.01
+    reference_policy_kl_penalty: float = checked(0.01, NON_NEGATIVE)
     """KL coefficient beta; 0 skips the reference-model pass."""
-    reference_policy_kl_type: str = "k3"
+    reference_policy_kl_type: str = checked("k3", options("k1", "k2", "k3"))
     """KL estimator: 'k1', 'k2' or 'k3' (Schulman 2020)."""
-    kl_input_clamp_value: float = 20.0
+    kl_input_clamp_value: float = checked(20.0, POSITIVE)
     """Clamp on log(pi_ref/pi) before the estimator."""
-    kl_output_clamp_value: float = 10.0
+    kl_output_clamp_value: float = checked(10.0, POSITIVE)
     """Clamp on the per-token KL value."""
-    ratio_clip_min: float = 0.2
+    ratio_clip_min: float = checked(0.2, within("[0, 1)"))
     """epsilon_low: the ratio is clipped below at 1 - ratio_clip_min."""
-    ratio_clip_max: float = 0.2
+    ratio_clip_max: float = checked(0.2, NON_NEGATIVE)
     """epsilon_high: the ratio is clipped above at 1 + ratio_clip_max (DAPO clip-higher when larger)."""
     ratio_clip_c: float | None = None
     """Dual-clip constant c > 1 for negative advantages; None = off."""
@@ -51,22 +49,16 @@ class ClippedPGLossConfig(LossConfig):
     force_on_policy_ratio: bool = False
     """rho = exp(lp - sg(lp)) = 1 and no prev-logprobs forward pass. Automatic (and exact) when the
     rollout batch is one optimizer step; set it to force the approximation with several steps."""
-    distillation_kl_coef: float = 0.0
+    distillation_kl_coef: float = checked(0.0, NON_NEGATIVE)
     """Add this times the reverse KL to a teacher on its top-k tokens (rlpost.losses.distillation) to the
     loss; needs a teacher (`distillation=teacher distillation.teacher.model_path=...`). 0 = none."""
 
     def check(self, path: str) -> None:
-        non_negative(f"{path}.distillation_kl_coef", self.distillation_kl_coef)
-        non_negative(f"{path}.reference_policy_kl_penalty", self.reference_policy_kl_penalty)
-        one_of(f"{path}.reference_policy_kl_type", self.reference_policy_kl_type, ("k1", "k2", "k3"))
-        positive(f"{path}.kl_input_clamp_value", self.kl_input_clamp_value)
-        positive(f"{path}.kl_output_clamp_value", self.kl_output_clamp_value)
-        require(0 <= self.ratio_clip_min < 1, f"{path}.ratio_clip_min", self.ratio_clip_min, "must be in [0, 1)")
-        non_negative(f"{path}.ratio_clip_max", self.ratio_clip_max)
+        super().check(path)
         if self.ratio_clip_c is not None:
             require(self.ratio_clip_c > 1, f"{path}.ratio_clip_c", self.ratio_clip_c, "dual clip needs c > 1")
         if self.truncated_importance_sampling_ratio is not None:
-            positive(f"{path}.truncated_importance_sampling_ratio", self.truncated_importance_sampling_ratio)
+            POSITIVE(f"{path}.truncated_importance_sampling_ratio", self.truncated_importance_sampling_ratio)
             require(
                 self.use_importance_sampling_correction,
                 f"{path}.truncated_importance_sampling_ratio",
@@ -95,15 +87,10 @@ class DistillationLossConfig(LossConfig):
 
     _target_: str = "rlpost.losses.distillation.DistillationLossFn"
     """Loss class."""
-    kl_type: str = "reverse"
+    kl_type: str = checked("reverse", options("reverse", "forward", "mixed"))
     """'reverse' (KL(student || teacher), on-policy distillation's), 'forward' or 'mixed'."""
-    mixed_kl_weight: float = 0.5
+    mixed_kl_weight: float = checked(0.5, within("[0, 1]"))
     """With kl_type=mixed: the forward KL's weight (the reverse KL's is 1 - this)."""
-
-    def check(self, path: str) -> None:
-        one_of(f"{path}.kl_type", self.kl_type, ("reverse", "forward", "mixed"))
-        require(0.0 <= self.mixed_kl_weight <= 1.0, f"{path}.mixed_kl_weight", self.mixed_kl_weight,
-                "must be in [0, 1]")
 
 
 @dataclass
@@ -121,11 +108,11 @@ class DPOLossConfig(LossConfig):
 
     _target_: str = "rlpost.losses.preference.DPOLossFn"
     """Loss class."""
-    reference_policy_kl_penalty: float = 0.05
+    reference_policy_kl_penalty: float = checked(0.05, POSITIVE)
     """beta: the strength of the implicit KL to the reference policy."""
-    preference_loss_weight: float = 1.0
+    preference_loss_weight: float = checked(1.0, NON_NEGATIVE)
     """w_p: weight of the preference term."""
-    sft_loss_weight: float = 0.0
+    sft_loss_weight: float = checked(0.0, NON_NEGATIVE)
     """w_s: weight of the NLL of the chosen responses."""
     preference_average_log_probs: bool = False
     """Implicit reward from the mean instead of the sum of the response's token log-ratios."""
@@ -133,9 +120,7 @@ class DPOLossConfig(LossConfig):
     """SFT term from the mean instead of the sum of the chosen response's token logprobs."""
 
     def check(self, path: str) -> None:
-        positive(f"{path}.reference_policy_kl_penalty", self.reference_policy_kl_penalty)
-        non_negative(f"{path}.preference_loss_weight", self.preference_loss_weight)
-        non_negative(f"{path}.sft_loss_weight", self.sft_loss_weight)
+        super().check(path)
         require(self.preference_loss_weight + self.sft_loss_weight > 0, f"{path}.preference_loss_weight",
                 self.preference_loss_weight, "preference_loss_weight and sft_loss_weight cannot both be 0")
 

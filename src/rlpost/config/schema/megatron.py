@@ -6,18 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from rlpost.config.errors import ConfigError, one_of, positive, require, safe_env_vars
+from rlpost.config.errors import ConfigError, require, safe_env_vars
+from rlpost.config.fields import NON_NEGATIVE, POSITIVE, Block, checked, options
 from rlpost.config.schema.lora import LoRAConfig
 from rlpost.config.schema.policy import PolicyConfig, PytorchOptimizerConfig
 
 
 @dataclass
-class MegatronOptimizerConfig:
+class MegatronOptimizerConfig(Block):
     """Megatron-Core optimizer (`megatron.core.optimizer.OptimizerConfig`)."""
 
-    optimizer: str = "adam"
+    optimizer: str = checked("adam", options("adam", "sgd"))
     """'adam' or 'sgd'."""
-    lr: float = 5.0e-6
+    lr: float = checked(5.0e-6, POSITIVE)
     """Peak learning rate."""
     min_lr: float = 5.0e-7
     """Learning rate floor of the decay schedule."""
@@ -27,7 +28,7 @@ class MegatronOptimizerConfig:
     """bf16 mixed-precision optimizer with fp32 main params (GPU only); None: on when policy.precision is bfloat16."""
     fp16: bool | None = None
     """fp16 mixed-precision optimizer with loss scaling (GPU only); None: on when policy.precision is float16."""
-    params_dtype: str | None = None
+    params_dtype: str | None = checked(None, options("float32", "bfloat16", "float16", allow_none=True))
     """dtype of the model parameters as built; None: policy.precision."""
     adam_beta1: float = 0.9
     """Adam beta1."""
@@ -42,7 +43,7 @@ class MegatronOptimizerConfig:
     data-parallel rank."""
     use_precision_aware_optimizer: bool = False
     """Keep optimizer states in lower precision (GPU only)."""
-    clip_grad: float = 0.0
+    clip_grad: float = checked(0.0, NON_NEGATIVE)
     """Global grad-norm clip; 0 disables (clipping is GPU only in megatron-core 0.16)."""
     optimizer_cpu_offload: bool = False
     """Offload the optimizer to CPU (HybridDeviceOptimizer; GPU only)."""
@@ -50,13 +51,9 @@ class MegatronOptimizerConfig:
     """Share of the optimizer offloaded when optimizer_cpu_offload is on."""
 
     def check(self, path: str) -> None:
-        one_of(f"{path}.optimizer", self.optimizer, ("adam", "sgd"))
-        positive(f"{path}.lr", self.lr)
+        super().check(path)
         require(self.min_lr <= self.lr, f"{path}.min_lr", self.min_lr, "must be <= lr")
         require(not (self.bf16 and self.fp16), f"{path}.bf16", self.bf16, "bf16 and fp16 are exclusive")
-        if self.params_dtype is not None:
-            one_of(f"{path}.params_dtype", self.params_dtype, ("float32", "bfloat16", "float16"))
-        require(self.clip_grad >= 0, f"{path}.clip_grad", self.clip_grad, "must be >= 0")
 
     def resolved(self, precision: str, device: str, data_parallel_size: int) -> MegatronOptimizerConfig:
         """This config with every field left None made concrete for the run: bf16 / fp16 follow `precision`
@@ -73,36 +70,27 @@ class MegatronOptimizerConfig:
 
 
 @dataclass
-class MegatronSchedulerConfig:
+class MegatronSchedulerConfig(Block):
     """Megatron-Core OptimizerParamScheduler."""
 
     start_weight_decay: float = 0.01
     """Weight decay at the first step."""
     end_weight_decay: float = 0.01
     """Weight decay at the last step."""
-    weight_decay_incr_style: str = "constant"
+    weight_decay_incr_style: str = checked("constant", options("constant", "linear", "cosine"))
     """'constant', 'linear' or 'cosine'."""
-    lr_decay_style: str = "constant"
+    lr_decay_style: str = checked("constant", options("constant", "linear", "cosine", "inverse-square-root", "WSD"))
     """'constant', 'linear', 'cosine' or 'inverse-square-root'."""
     lr_decay_iters: int | None = None
     """Steps over which lr decays; None = the training steps."""
-    lr_warmup_iters: int = 0
+    lr_warmup_iters: int = checked(0, NON_NEGATIVE)
     """Linear warm-up steps."""
     lr_warmup_init: float = 0.0
     """Learning rate at the first warm-up step."""
 
-    def check(self, path: str) -> None:
-        one_of(f"{path}.weight_decay_incr_style", self.weight_decay_incr_style, ("constant", "linear", "cosine"))
-        one_of(
-            f"{path}.lr_decay_style",
-            self.lr_decay_style,
-            ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
-        )
-        require(self.lr_warmup_iters >= 0, f"{path}.lr_warmup_iters", self.lr_warmup_iters, "must be >= 0")
-
 
 @dataclass
-class MegatronDDPConfig:
+class MegatronDDPConfig(Block):
     """Megatron-Core DistributedDataParallel wrapper."""
 
     grad_reduce_in_fp32: bool = True
@@ -113,48 +101,42 @@ class MegatronDDPConfig:
     """Overlap the parameter all-gather with forward (distributed optimizer)."""
     use_custom_fsdp: bool = False
     """Megatron's own FSDP (GPU only)."""
-    data_parallel_sharding_strategy: str = "no_shard"
+    data_parallel_sharding_strategy: str = checked("no_shard",
+                                                   options("no_shard", "optim", "optim_grads", "optim_grads_params"))
     """'no_shard', 'optim', 'optim_grads' or 'optim_grads_params'."""
-
-    def check(self, path: str) -> None:
-        one_of(
-            f"{path}.data_parallel_sharding_strategy",
-            self.data_parallel_sharding_strategy,
-            ("no_shard", "optim", "optim_grads", "optim_grads_params"),
-        )
 
 
 @dataclass
-class MegatronConfig:
+class MegatronConfig(Block):
     """Parallelism and memory knobs of the Megatron-Core worker."""
 
     env_vars: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for each worker process."""
-    empty_unused_memory_level: int = 0
+    empty_unused_memory_level: int = checked(0, options(0, 1, 2))
     """0: never, 1: after each step, 2: also after each micro-batch, empty the allocator cache."""
     activation_checkpointing: bool = False
     """Full uniform recompute of every layer."""
     converter_type: str = "auto"
     """HF architecture to convert from ('Qwen2ForCausalLM', 'LlamaForCausalLM', or 'auto' from config.json)."""
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = checked(1, POSITIVE)
     """Tensor-parallel size."""
-    pipeline_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = checked(1, POSITIVE)
     """Pipeline-parallel size."""
     num_layers_in_first_pipeline_stage: int | None = None
     """Layers on the first stage (uneven pipelines)."""
     num_layers_in_last_pipeline_stage: int | None = None
     """Layers on the last stage (uneven pipelines)."""
-    context_parallel_size: int = 1
+    context_parallel_size: int = checked(1, POSITIVE)
     """Context-parallel size (requires sequence packing)."""
-    pipeline_dtype: str = "float32"
+    pipeline_dtype: str = checked("float32", options("float32", "bfloat16", "float16"))
     """dtype of the tensors passed between pipeline stages."""
     sequence_parallel: bool = False
     """Shard norm/dropout activations over the TP group (requires TP > 1)."""
     freeze_moe_router: bool = True
     """Do not train MoE routers (their parameters get requires_grad=False; a dense model has none)."""
-    expert_tensor_parallel_size: int = 1
+    expert_tensor_parallel_size: int = checked(1, POSITIVE)
     """Tensor-parallel size inside experts."""
-    expert_model_parallel_size: int = 1
+    expert_model_parallel_size: int = checked(1, POSITIVE)
     """Expert-parallel size."""
     defer_fp32_logits: bool = False
     """Cast logits to fp32 lazily: not implemented (logits reach the chunked logprob pass in fp32), must stay false."""
@@ -175,6 +157,7 @@ class MegatronConfig:
     names linear_qkv, linear_proj, linear_fc1, linear_fc2; rlpost.models.megatron.lora)."""
 
     def check(self, path: str) -> None:
+        super().check(path)
         safe_env_vars(f"{path}.env_vars", self.env_vars)
         self.peft.check(f"{path}.peft")
         if self.peft.enabled:
@@ -184,16 +167,6 @@ class MegatronConfig:
                     f"set {path}.sequence_parallel=false")
             require(self.expert_model_parallel_size == 1, key, True,
                     "LoRA on Megatron adapts the dense decoder linears, not experts (expert_model_parallel_size > 1)")
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_tensor_parallel_size",
-            "expert_model_parallel_size",
-        ):
-            positive(f"{path}.{name}", getattr(self, name))
-        one_of(f"{path}.empty_unused_memory_level", self.empty_unused_memory_level, (0, 1, 2))
-        one_of(f"{path}.pipeline_dtype", self.pipeline_dtype, ("float32", "bfloat16", "float16"))
         require(
             not self.sequence_parallel or self.tensor_model_parallel_size > 1,
             f"{path}.sequence_parallel",

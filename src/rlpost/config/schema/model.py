@@ -7,27 +7,28 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rlpost.config.errors import ConfigError, one_of, positive, require
+from rlpost.config.errors import ConfigError, require
+from rlpost.config.fields import POSITIVE, Block, checked, options
 
 TINY_BUILDER_VERSION = 1
 TINY_MARKER = "rlpost_tiny.json"
 
 
 @dataclass
-class TinyModelConfig:
+class TinyModelConfig(Block):
     """A deterministic random-init model + byte-level BPE tokenizer built locally on first use."""
 
-    architecture: str = "qwen2"
+    architecture: str = checked("qwen2", options("qwen2", "llama"))
     """'qwen2' or 'llama'."""
-    hidden_size: int = 64
+    hidden_size: int = checked(64, POSITIVE)
     """Model width."""
-    num_layers: int = 2
+    num_layers: int = checked(2, POSITIVE)
     """Decoder layers."""
-    num_attention_heads: int = 2
+    num_attention_heads: int = checked(2, POSITIVE)
     """Attention heads (head_dim = hidden_size / heads must be >= 32 for vLLM-CPU)."""
-    num_key_value_heads: int = 2
+    num_key_value_heads: int = checked(2, POSITIVE)
     """KV heads (GQA when fewer than the attention heads; TP must divide them)."""
-    intermediate_size: int = 128
+    intermediate_size: int = checked(128, POSITIVE)
     """MLP width."""
     vocab_size: int = 384
     """BPE vocabulary size (the model's embedding is padded to a multiple of 64)."""
@@ -39,9 +40,7 @@ class TinyModelConfig:
     """Weight-init seed."""
 
     def check(self, path: str) -> None:
-        one_of(f"{path}.architecture", self.architecture, ("qwen2", "llama"))
-        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            positive(f"{path}.{name}", getattr(self, name))
+        super().check(path)
         require(
             self.hidden_size % self.num_attention_heads == 0,
             f"{path}.num_attention_heads",

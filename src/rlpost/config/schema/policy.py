@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from rlpost.config.errors import one_of, positive, require, safe_env_vars
+from rlpost.config.errors import require, safe_env_vars
+from rlpost.config.fields import POSITIVE, POSITIVE_OR_NONE, Block, check_fields, checked, options
 from rlpost.config.schema.generation import GenerationConfig
 from rlpost.config.schema.lora import LoRAConfig
 
@@ -103,7 +104,7 @@ def parse_scheduler(path: str, entries: list[dict[str, Any]]
 
 
 @dataclass
-class DTensorConfig:
+class DTensorConfig(Block):
     """FSDP2 + DTensor tensor-parallel worker knobs."""
 
     env_vars: dict[str, str] = field(default_factory=dict)
@@ -114,13 +115,13 @@ class DTensorConfig:
     """Shard norm activations over the TP group (requires tensor_parallel_size > 1)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = checked(1, POSITIVE)
     """Tensor-parallel size."""
-    context_parallel_size: int = 1
+    context_parallel_size: int = checked(1, POSITIVE)
     """Context-parallel size (not with sequence packing)."""
     custom_parallel_plan: str | None = None
     """Import path of a TP plan (dict or callable) replacing the built-in per-architecture plan."""
-    clear_cache_every_n_steps: int | None = None
+    clear_cache_every_n_steps: int | None = checked(None, POSITIVE_OR_NONE)
     """Empty the CUDA allocator cache every N training micro-batches (GPU only); None = never."""
     lora_cfg: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters (peft): only they train; the reference is the base with them off."""
@@ -128,9 +129,7 @@ class DTensorConfig:
     def check(self, path: str) -> None:
         safe_env_vars(f"{path}.env_vars", self.env_vars)
         self.lora_cfg.check(f"{path}.lora_cfg")
-        positive(f"{path}.clear_cache_every_n_steps", self.clear_cache_every_n_steps, allow_none=True)
-        positive(f"{path}.tensor_parallel_size", self.tensor_parallel_size)
-        positive(f"{path}.context_parallel_size", self.context_parallel_size)
+        super().check(path)
         require(
             not self.sequence_parallel or self.tensor_parallel_size > 1,
             f"{path}.sequence_parallel",
@@ -157,21 +156,18 @@ class SequencePackingConfig:
 
     enabled: bool = False
     """Turn packing on."""
-    train_mb_tokens: int = 2048
+    train_mb_tokens: int = checked(2048, POSITIVE)
     """Token budget of one packed training micro-batch."""
-    logprob_mb_tokens: int = 2048
+    logprob_mb_tokens: int = checked(2048, POSITIVE)
     """Token budget of one packed logprob micro-batch."""
-    algorithm: str = "modified_first_fit_decreasing"
+    algorithm: str = checked("modified_first_fit_decreasing", options(*PACKING_ALGORITHMS))
     """Bin-packing algorithm."""
-    sequence_length_round: int = 64
+    sequence_length_round: int = checked(64, POSITIVE)
     """Pad each packed row to a multiple of this."""
 
     def check(self, path: str) -> None:
         if self.enabled:
-            positive(f"{path}.train_mb_tokens", self.train_mb_tokens)
-            positive(f"{path}.logprob_mb_tokens", self.logprob_mb_tokens)
-            one_of(f"{path}.algorithm", self.algorithm, PACKING_ALGORITHMS)
-            positive(f"{path}.sequence_length_round", self.sequence_length_round)
+            check_fields(self, path)
 
 
 @dataclass
@@ -180,36 +176,30 @@ class DynamicBatchingConfig:
 
     enabled: bool = False
     """Turn dynamic batching on."""
-    train_mb_tokens: int = 2048
+    train_mb_tokens: int = checked(2048, POSITIVE)
     """Token budget of one training micro-batch."""
-    logprob_mb_tokens: int = 2048
+    logprob_mb_tokens: int = checked(2048, POSITIVE)
     """Token budget of one logprob micro-batch."""
-    sequence_length_round: int = 64
+    sequence_length_round: int = checked(64, POSITIVE)
     """Each micro-batch is trimmed to its longest sequence rounded up to this."""
 
     def check(self, path: str) -> None:
         if self.enabled:
-            positive(f"{path}.train_mb_tokens", self.train_mb_tokens)
-            positive(f"{path}.logprob_mb_tokens", self.logprob_mb_tokens)
-            positive(f"{path}.sequence_length_round", self.sequence_length_round)
+            check_fields(self, path)
 
 
 @dataclass
-class RewardModelConfig:
+class RewardModelConfig(Block):
     """Use the policy worker as a reward model instead of a causal LM."""
 
     enabled: bool = False
     """The worker builds a sequence-classification model (one score per sequence) instead of a causal LM.
     Set by algo=rm; the DTensor workers serve it, the others refuse it."""
-    reward_model_type: str = "bradley_terry"
+    reward_model_type: str = checked("bradley_terry", options("bradley_terry"))
     """Only 'bradley_terry' (HF AutoModelForSequenceClassification, num_labels=1, trained on preference pairs)."""
 
-    def check(self, path: str) -> None:
-        one_of(f"{path}.reward_model_type", self.reward_model_type, ("bradley_terry",))
-
-
 @dataclass
-class PolicyConfig:
+class PolicyConfig(Block):
     """The trained policy: model, batch sizes, backend, optimizer and its rollout engine."""
 
     _target_: str = "rlpost.models.policy.dtensor_policy_worker.DTensorPolicyWorker"
@@ -218,18 +208,18 @@ class PolicyConfig:
     """Local HF checkpoint directory (default: the `model` group's)."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     """Tokenizer."""
-    train_global_batch_size: int = 32
+    train_global_batch_size: int = checked(32, POSITIVE)
     """Samples per optimizer step, over all data-parallel ranks."""
-    train_micro_batch_size: int = 4
+    train_micro_batch_size: int = checked(4, POSITIVE)
     """Samples per forward/backward micro-batch on one data-parallel rank."""
-    logprob_batch_size: int = 4
+    logprob_batch_size: int = checked(4, POSITIVE)
     """Samples per micro-batch of the logprob (previous / reference) passes."""
-    logprob_chunk_size: int | None = None
+    logprob_chunk_size: int | None = checked(None, POSITIVE_OR_NONE)
     """Compute logprobs in chunks of this many positions (bounds fp32 logit memory)."""
     generation: GenerationConfig | None = None
     """Rollout engine (`generation=vllm|hf`, chosen by algo=grpo); None for the algorithms that do not generate
     (algo=sft|dpo|rm)."""
-    generation_batch_size: int = 32
+    generation_batch_size: int = checked(32, POSITIVE)
     """Prompts per `generate` call of the HF engine (generation=hf fills policy.generation.generation_batch_size
     from it); vLLM schedules whole batches itself, so with generation=vllm only the default is accepted."""
     precision: str = "float32"
@@ -247,11 +237,11 @@ class PolicyConfig:
     """Dynamic batching (exclusive with sequence packing)."""
     sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
     """Sequence packing (exclusive with dynamic batching)."""
-    make_sequence_length_divisible_by: int = 1
+    make_sequence_length_divisible_by: int = checked(1, POSITIVE)
     """Pad sequence length to a multiple of this (TP / SP requirement)."""
-    max_total_sequence_length: int = 512
+    max_total_sequence_length: int = checked(512, POSITIVE)
     """Prompt + response cap; also vLLM's max_model_len by default."""
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = checked(1.0, POSITIVE_OR_NONE)
     """Gradient-norm clip (DTensor); None = no clipping."""
     refit_buffer_size_gb: float | None = None
     """Bound on the colocated refit's transfer buffers (GiB; None = 0.25). A model that fits goes in one bucket;
@@ -276,14 +266,7 @@ class PolicyConfig:
             "choose one with policy=dtensor|dtensor_v2|megatron",
         )
         require(bool(self.model_name), f"{path}.model_name", self.model_name, "must name a local model directory")
-        positive(f"{path}.train_global_batch_size", self.train_global_batch_size)
-        positive(f"{path}.train_micro_batch_size", self.train_micro_batch_size)
-        positive(f"{path}.logprob_batch_size", self.logprob_batch_size)
-        positive(f"{path}.logprob_chunk_size", self.logprob_chunk_size, allow_none=True)
-        positive(f"{path}.generation_batch_size", self.generation_batch_size)
-        positive(f"{path}.make_sequence_length_divisible_by", self.make_sequence_length_divisible_by)
-        positive(f"{path}.max_total_sequence_length", self.max_total_sequence_length)
-        positive(f"{path}.max_grad_norm", self.max_grad_norm, allow_none=True)
+        super().check(path)
         require(self.precision in PRECISIONS, f"{path}.precision", self.precision,
                 f"must be one of {list(PRECISIONS)} or 'auto' (bfloat16 on CUDA, float32 on CPU)")
         require(

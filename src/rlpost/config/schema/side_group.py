@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlpost.config.errors import positive, require
+from rlpost.config.errors import require
 
 if TYPE_CHECKING:
     from rlpost.config.schema.master import MasterConfig
 
 
 def check_placement(path: str, colocated: bool, num_workers: int | None) -> None:
-    """A worker group beside the policy: `num_workers` > 0, and only for one of its own."""
-    positive(f"{path}.num_workers", num_workers, allow_none=True)
+    """A worker group beside the policy: `num_workers` only for one of its own."""
     if colocated:
         require(num_workers is None, f"{path}.num_workers", num_workers,
                 "a colocated group runs on the policy's workers' bundles",

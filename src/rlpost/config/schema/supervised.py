@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from rlpost.config.errors import non_negative, one_of, positive, require
+from rlpost.config.errors import require
+from rlpost.config.fields import NON_NEGATIVE, POSITIVE, Block, check_fields, checked, options
 from rlpost.config.schema.data import DatasetConfig
 
 SFT_TASKS = ("copy_digit", "next_letter", "memorise", "calc_tool")
@@ -19,31 +20,23 @@ PREFERENCE_TASKS = ("copy_digit", "next_letter")
 
 
 @dataclass
-class SupervisedLoopConfig:
+class SupervisedLoopConfig(Block):
     """The loop shared by SFT, DPO and reward-model training (NeMo RL's SFTConfig / DPOConfig fields)."""
 
-    max_num_epochs: int = 1
+    max_num_epochs: int = checked(1, POSITIVE)
     """Stop after this many passes over the training rows."""
-    max_num_steps: int = 100
+    max_num_steps: int = checked(100, POSITIVE)
     """Stop after this many optimizer steps (one step = policy.train_global_batch_size rows)."""
-    val_period: int = 10
+    val_period: int = checked(10, NON_NEGATIVE)
     """Validate every this many steps and at the last step; 0 = never."""
-    val_batches: int = 4
+    val_batches: int = checked(4, NON_NEGATIVE)
     """Validation batches per validation (each val_global_batch_size rows); 0 = every validation row."""
-    val_global_batch_size: int = 32
+    val_global_batch_size: int = checked(32, POSITIVE)
     """Rows per validation batch (split into micro-batches of policy.train_micro_batch_size)."""
     val_at_start: bool = False
     """Validate the starting weights before step 1."""
     seed: int = 42
     """Seed of Python and torch in the driver."""
-
-    def check(self, path: str) -> None:
-        positive(f"{path}.max_num_epochs", self.max_num_epochs)
-        positive(f"{path}.max_num_steps", self.max_num_steps)
-        non_negative(f"{path}.val_period", self.val_period)
-        non_negative(f"{path}.val_batches", self.val_batches)
-        positive(f"{path}.val_global_batch_size", self.val_global_batch_size)
-
 
 @dataclass
 class SFTConfig(SupervisedLoopConfig):
@@ -69,24 +62,23 @@ class SupervisedTaskConfig:
     task: str = "copy_digit"
     """SFT: 'copy_digit', 'next_letter', 'memorise' or 'calc_tool'; preference data: 'copy_digit' or
     'next_letter'."""
-    num_train: int = 2048
+    num_train: int = checked(2048, POSITIVE)
     """Training rows generated."""
-    num_val: int = 64
+    num_val: int = checked(64, POSITIVE)
     """Validation rows generated."""
     seed: int = 1234
     """Generator seed."""
 
     def check(self, path: str, tasks: tuple[str, ...]) -> None:
-        one_of(f"{path}.task", self.task, tasks)
-        positive(f"{path}.num_train", self.num_train)
-        positive(f"{path}.num_val", self.num_val)
+        options(*tasks)(f"{path}.task", self.task)
+        check_fields(self, path)
 
 
 @dataclass
 class SupervisedDataConfig(DatasetConfig):
     """Rows read from local files or generated; what both SFT and preference data share."""
 
-    dataset_name: str = "synthetic"
+    dataset_name: str = checked("synthetic", options("synthetic", "jsonl", "parquet"))
     """'synthetic' (generated), 'jsonl' or 'parquet' (local files)."""
     train_data_path: str | None = None
     """Local training file."""
@@ -108,7 +100,7 @@ class SupervisedDataConfig(DatasetConfig):
     """The generated tasks this data option offers."""
 
     def check(self, path: str) -> None:
-        one_of(f"{path}.dataset_name", self.dataset_name, ("synthetic", "jsonl", "parquet"))
+        super().check(path)
         if self.dataset_name == "synthetic":
             self.synthetic.check(f"{path}.synthetic", self.TASKS)
         else:
