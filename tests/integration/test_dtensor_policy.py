@@ -117,7 +117,8 @@ def test_dp2_equals_dp1_and_microbatch_split(ray_local: None, tiny_model_dir: Pa
     one.close()
     built.remove(one)
 
-    two = Built(policy_cfg(tiny_model_dir, optimizer=SGD), 2)
+    # FSDP2 over two ranks, the output layer read 5 tokens at a time (rlpost.ops.chunked_head.HeadLogits)
+    two = Built(policy_cfg(tiny_model_dir, "policy.logprob_chunk_size=5", optimizer=SGD), 2)
     built.append(two)
     l2 = train_steps(two.policy, 2)
     w2 = exported_weights(two.policy)
@@ -148,7 +149,8 @@ def test_tp2_equals_tp1(ray_local: None, tiny_model_dir: Path, built: list[Built
     one.close()
     built.remove(one)
 
-    tp = Built(policy_cfg(tiny_model_dir, "policy.dtensor_cfg.tensor_parallel_size=2", optimizer=SGD), 2)
+    tp = Built(policy_cfg(tiny_model_dir, "policy.dtensor_cfg.tensor_parallel_size=2", "policy.logprob_chunk_size=7",
+                          optimizer=SGD), 2)  # the vocabulary-sharded output layer, 7 tokens at a time
     built.append(tp)
     lp2 = tp.policy.get_logprobs(data)["logprobs"]
     assert torch.allclose(lp1, lp2, atol=1e-5)

@@ -23,6 +23,7 @@ from rlpost.config.errors import ConfigError
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig, NLLLossConfig
 from rlpost.losses.interface import LossType
 from rlpost.losses.teacher_kl import teacher_kl
+from rlpost.ops.chunked_head import HeadLogits
 from rlpost.ops.logprobs import next_token_logprobs
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ def _coerce_config(cfg: object, cls: type[_CfgT]) -> _CfgT:
 
 
 def _slice_inputs(
-    next_token_logits: torch.Tensor,
+    next_token_logits: torch.Tensor | HeadLogits,
     data: BatchedDataDict,
     vocab_parallel_group: dist.ProcessGroup | None,
     vocab_parallel_rank: int | None,
@@ -165,6 +166,12 @@ class ClippedPGLossFn:
         """True when the KL penalty needs the reference model's logprobs."""
         return self.reference_policy_kl_penalty != 0.0
 
+    @property
+    def chunked_logits(self) -> bool:
+        """The logits are read through their logprobs only (HeadLogits will do), unless a distillation teacher's
+        top-k KL reads every one of them."""
+        return not self.distillation_kl_coef
+
     TOKEN_MEAN_METRICS = frozenset({"probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error",
                                     "policy_kl_error", "js_divergence_error", "sampling_importance_ratio",
                                     "approx_entropy", "kl_to_teacher", "teacher_topk_mass", "student_topk_mass"})
@@ -217,7 +224,7 @@ class ClippedPGLossFn:
 
     def __call__(
         self,
-        next_token_logits: torch.Tensor,
+        next_token_logits: torch.Tensor | HeadLogits,
         data: BatchedDataDict,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
@@ -277,7 +284,8 @@ class ClippedPGLossFn:
         loss = actor_loss + kl
         teacher: dict[str, float] = {}
         if self.distillation_kl_coef:
-            to_teacher, teacher = teacher_kl(next_token_logits, data, mask, gvt)
+            whole = next_token_logits if isinstance(next_token_logits, torch.Tensor) else next_token_logits.materialize()
+            to_teacher, teacher = teacher_kl(whole, data, mask, gvt)
             loss = loss + self.distillation_kl_coef * to_teacher
 
         with torch.no_grad():
@@ -333,6 +341,7 @@ class NLLLoss:
     loss_type = LossType.TOKEN_LEVEL
     needs_prev_logprobs = False
     needs_reference_logprobs = False
+    chunked_logits = True
 
     def __init__(self, cfg: LossConfigLike | None = None) -> None:
         self.cfg: NLLLossConfig = NLLLossConfig() if cfg is None else _coerce_config(cfg, NLLLossConfig)
@@ -340,7 +349,7 @@ class NLLLoss:
 
     def __call__(
         self,
-        next_token_logits: torch.Tensor,
+        next_token_logits: torch.Tensor | HeadLogits,
         data: BatchedDataDict,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
@@ -361,12 +370,16 @@ class NLLLoss:
         }
 
 
-def _is_argmax(logits: torch.Tensor, target_lp: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _is_argmax(logits: torch.Tensor | HeadLogits, target_lp: torch.Tensor, group: dist.ProcessGroup | None
+               ) -> torch.Tensor:
     """[B, S-1] bool: the target token has the highest logit (greedy decoding would emit it).
 
     logits [B, S-1, V] (or this rank's vocabulary slice under tensor parallelism); target_lp the target's
     logprob. The target's logit is target_lp + logsumexp, compared with the (global) max logit.
     """
+    if not isinstance(logits, torch.Tensor):
+        top, lse = logits.max_and_logsumexp()
+        return target_lp.to(lse.dtype) + lse >= top - 1e-4
     logits = logits.detach().float()
     top = logits.max(dim=-1).values  # [B, S-1]
     if group is not None:

@@ -43,6 +43,9 @@ class LossFunction(Protocol):
     """The loop computes prev_logprobs (the pre-update policy's) only when the loss reads them."""
     needs_reference_logprobs: bool
     """The loop runs the reference model only when the loss reads reference_policy_logprobs."""
+    # Optional, read with getattr: `chunked_logits: bool`. True when the loss reads its logits only through
+    # rlpost.ops.logprobs.next_token_logprobs (and slices of them): the worker may then hand it HeadLogits, the output
+    # layer read a chunk of tokens at a time, so the whole [B, S, V] logits never exist. Absent: real logits.
 
     def __call__(
         self,
@@ -57,7 +60,8 @@ class LossFunction(Protocol):
 
         Args:
             next_token_logits: [B, S, V] logits of the model on `data["input_ids"]` (already divided by the
-                sampling temperature); logits at position t predict token t + 1.
+                sampling temperature); logits at position t predict token t + 1. rlpost.ops.chunked_head.HeadLogits for a loss
+                with `chunked_logits` set.
             data: the micro-batch: per-token tensors [B, S] aligned with input_ids (position 0 holds 0),
                 `token_mask` [B, S], `sample_mask` [B], and whatever the loss needs (advantages, logprobs, ...).
             global_valid_seqs: scalar, number of valid sequences (sum of sample_mask) over the whole global

@@ -20,6 +20,7 @@ from rlpost.losses.interface import LossFunction, LossType
 
 if TYPE_CHECKING:
     from rlpost.distributed.batched_data_dict import BatchedDataDict
+    from rlpost.ops.chunked_head import HeadLogits
 
 
 class SequencePackingLossWrapper:
@@ -35,10 +36,11 @@ class SequencePackingLossWrapper:
         self.cu_seqlens_q = cu_seqlens_q  # [N+1] cumulative real lengths
         self.cu_seqlens_q_padded = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded  # [N+1]
         self.loss_type: LossType = loss_fn.loss_type
+        self.chunked_logits: bool = getattr(loss_fn, "chunked_logits", False)
 
     def __call__(
         self,
-        next_token_logits: torch.Tensor,  # [1, T, V] (V may be a vocab-parallel shard)
+        next_token_logits: torch.Tensor | HeadLogits,  # [1, T, V] (V may be a vocab-parallel shard)
         data: BatchedDataDict,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
@@ -56,11 +58,12 @@ class SequencePackingLossWrapper:
             start = int(self.cu_seqlens_q_padded[i])
             logits_i = next_token_logits[:, start : start + length]  # [1, L, V]
             data_i = data.slice(i, i + 1).trim_seq(length, full_len)  # rows [1, L]
-            loss_i, metrics_i = self.loss_fn(logits_i, data_i, global_valid_seqs, global_valid_toks,
-                                             vocab_parallel_rank, vocab_parallel_group)
+            loss_i, metrics_i = self.loss_fn(logits_i, data_i, global_valid_seqs,  # type: ignore[arg-type]
+                                             global_valid_toks, vocab_parallel_rank, vocab_parallel_group)
             total = loss_i if total is None else total + loss_i
             for k, v in metrics_i.items():
                 metrics[k] = metrics.get(k, 0.0) + v
         if total is None:
-            total = next_token_logits.sum() * 0.0
+            total = next_token_logits.sum() * 0.0 if isinstance(next_token_logits, torch.Tensor) else \
+                next_token_logits.zero()
         return total, metrics

@@ -27,6 +27,7 @@ from rlpost.losses.interface import LossType
 
 if TYPE_CHECKING:
     from rlpost.distributed.batched_data_dict import BatchedDataDict
+    from rlpost.ops.chunked_head import HeadLogits
 
 
 def _pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +59,7 @@ class DPOLossFn:
     loss_type = LossType.SEQUENCE_LEVEL
     needs_prev_logprobs = False
     needs_reference_logprobs = True
+    chunked_logits = True
 
     def __init__(self, cfg: LossConfigLike | None = None) -> None:
         self.cfg: DPOLossConfig = DPOLossConfig() if cfg is None else _coerce_config(cfg, DPOLossConfig)
@@ -65,7 +67,7 @@ class DPOLossFn:
 
     def __call__(
         self,
-        next_token_logits: torch.Tensor,
+        next_token_logits: torch.Tensor | HeadLogits,
         data: BatchedDataDict,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,

@@ -21,6 +21,7 @@ of fp32 logits, and as much again for their gradient. Values and gradients equal
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,13 +48,12 @@ class _HeadLogprobs(torch.autograd.Function):
         v_local = weight.shape[0]
         owned = (target >= vocab_start) & (target < vocab_start + v_local)  # [N]
         local_target = torch.where(owned, target - vocab_start, torch.zeros_like(target))  # [N]
-        w = weight.to(dtype)
         out = torch.empty(target.shape, dtype=dtype, device=hidden.device)  # [N]
         lse_all = torch.empty_like(out)  # [N]
-        for s, e in _chunks(target.shape[0], chunk_size):
-            x = hidden[s:e].to(dtype) @ w.T  # [c, V_local]
-            if temperature != 1.0:
-                x.div_(temperature)
+        chunks = _chunks(target.shape[0], chunk_size)
+        x = hidden  # placeholder until the first chunk
+        for s, e in chunks:
+            x = _logits(hidden[s:e], weight, temperature, dtype)  # [c, V_local]
             m = x.max(dim=-1).values  # [c]
             if group is not None:
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -64,33 +64,38 @@ class _HeadLogprobs(torch.autograd.Function):
                 dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=group)
             lse_all[s:e] = m + torch.log(sumexp)
             out[s:e] = picked - lse_all[s:e]
-        ctx.save_for_backward(hidden, weight, local_target, owned, lse_all)
+        # One chunk is the whole logits anyway: keep them rather than compute them again in backward.
+        kept = x if len(chunks) == 1 else None
+        ctx.save_for_backward(hidden, weight, local_target, owned, lse_all, kept)
         ctx.chunk_size, ctx.temperature, ctx.group = chunk_size, temperature, group
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, local_target, owned, lse_all = ctx.saved_tensors
+        hidden, weight, local_target, owned, lse_all, kept = ctx.saved_tensors
         dtype = lse_all.dtype
-        w = weight.to(dtype)
         g_all = grad_out.to(dtype)  # [N]
-        grad_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device)  # [N, H]
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)  # [N, H]
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)  # [V_local, H]
         for s, e in _chunks(local_target.shape[0], ctx.chunk_size):
-            h = hidden[s:e].to(dtype)  # [c, H]
-            x = h @ w.T  # [c, V_local]
-            if ctx.temperature != 1.0:
-                x.div_(ctx.temperature)
+            x = kept if kept is not None else _logits(hidden[s:e], weight, ctx.temperature, dtype)  # [c, V_local]
             g = g_all[s:e]  # [c]
             dx = x.sub_(lse_all[s:e].unsqueeze(-1)).exp_().mul_((-g).unsqueeze(-1))  # -g * softmax, in place
             dx.scatter_add_(-1, local_target[s:e].unsqueeze(-1), (g * owned[s:e]).unsqueeze(-1))
             if ctx.temperature != 1.0:
                 dx.div_(ctx.temperature)
-            grad_hidden[s:e] = dx @ w
-            grad_weight.addmm_(dx.T, h)
+            dx_mm = dx.to(hidden.dtype)  # the matmuls run in the layer's dtype (bf16 under mixed precision)
+            grad_hidden[s:e] = dx_mm @ weight.to(hidden.dtype)
+            grad_weight.addmm_(dx_mm.T.to(dtype), hidden[s:e].to(dtype))
         if ctx.group is not None:
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """hidden @ weight.T / temperature [c, V_local], multiplied in the hidden states' dtype, returned in `dtype`."""
+    x = (hidden @ weight.to(hidden.dtype).T).to(dtype)
+    return x.div_(temperature) if temperature != 1.0 else x
 
 
 def head_logprobs(
@@ -112,3 +117,74 @@ def head_logprobs(
     out: torch.Tensor = _HeadLogprobs.apply(hidden, weight, target.long(), chunk_size, float(temperature),
                                             vocab_start, group)
     return out
+
+
+@dataclass(frozen=True)
+class HeadLogits:
+    """The logits [B, S, V_local] = hidden @ weight.T / temperature of a micro-batch, never made whole: each reader
+    (a loss's logprobs, the token-accuracy metric) goes through them `chunk_size` tokens at a time. `weight` is this
+    rank's rows [vocab_start, vocab_start + V_local) of the output layer (the whole of it without a group).
+
+    Slicing the batch and sequence dimensions (`logits[:, :-1]`, a packed row's sequence) slices the hidden states;
+    `materialize()` makes the whole logits for a reader that needs every one of them."""
+
+    hidden: torch.Tensor
+    """[B, S, H] final hidden states (the output layer's input)."""
+    weight: torch.Tensor
+    """[V_local, H] the output layer's weight (this rank's vocabulary slice)."""
+    temperature: float
+    """The sampling temperature the logits are divided by."""
+    chunk_size: int | None
+    """Tokens per chunk (None: all at once)."""
+    vocab_start: int = 0
+    """The first vocabulary id of `weight`'s rows."""
+    group: dist.ProcessGroup | None = None
+    """The group the vocabulary is sharded over (None: the whole vocabulary is here)."""
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.hidden.shape[:2], self.weight.shape[0]))
+
+    def __getitem__(self, key: tuple[slice, ...] | slice) -> HeadLogits:
+        keys = key if isinstance(key, tuple) else (key,)
+        if len(keys) > 2 or not all(isinstance(k, slice) for k in keys):
+            raise IndexError(f"HeadLogits slices the batch and sequence dimensions only, not {key!r}")
+        return replace(self, hidden=self.hidden[keys])
+
+    def next_token_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S] log p(input_ids[:, t] | tokens < t) from position t - 1's logits; position 0 holds 0 (the
+        convention of rlpost.ops.logprobs)."""
+        b, s, h = self.hidden.shape
+        if input_ids.shape[:2] != (b, s):
+            raise ValueError(f"logits [{b}, {s}, V] and input_ids {tuple(input_ids.shape)} disagree on [B, S]")
+        lp = head_logprobs(self.hidden[:, :-1].reshape(-1, h), self.weight, input_ids[:, 1:].reshape(-1),
+                           self.chunk_size, self.temperature, self.vocab_start, self.group).view(b, s - 1)
+        return torch.cat([lp.new_zeros(b, 1), lp], dim=1)
+
+    @torch.no_grad()
+    def max_and_logsumexp(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, S] the largest logit, [B, S] the logsumexp) over the whole vocabulary, chunk by chunk, in fp32."""
+        b, s, h = self.hidden.shape
+        flat = self.hidden.reshape(-1, h)
+        dtype = _compute_dtype(self.hidden, self.weight)
+        top = torch.empty(flat.shape[0], dtype=dtype, device=flat.device)
+        lse = torch.empty_like(top)
+        for lo, hi in _chunks(flat.shape[0], self.chunk_size):
+            x = _logits(flat[lo:hi], self.weight, self.temperature, dtype)  # [c, V_local]
+            m = x.max(dim=-1).values
+            if self.group is not None:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+            total = torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)
+            if self.group is not None:
+                dist.all_reduce(total, group=self.group)
+            top[lo:hi], lse[lo:hi] = m, m + torch.log(total)
+        return top.view(b, s), lse.view(b, s)
+
+    def materialize(self) -> torch.Tensor:
+        """The whole logits [B, S, V_local] in fp32 (for a reader of every logit, e.g. a teacher's top-k KL)."""
+        dtype = _compute_dtype(self.hidden, self.weight)
+        return (self.hidden @ self.weight.to(self.hidden.dtype).T).to(dtype) / self.temperature
+
+    def zero(self) -> torch.Tensor:
+        """A zero scalar in the autograd graph of the hidden states (an empty micro-batch's loss)."""
+        return self.hidden.sum() * 0.0

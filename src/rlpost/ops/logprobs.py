@@ -20,10 +20,17 @@ makes as few passes over the [B, S, V] logits as it can.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+
+class LazyLogits(Protocol):
+    """Logits that compute their own next-token logprobs (rlpost.ops.chunked_head.HeadLogits, the output layer read
+    a chunk of tokens at a time)."""
+
+    def next_token_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 def _chunks(length: int, chunk_size: int | None) -> list[tuple[int, int]]:
@@ -148,7 +155,7 @@ def vocab_parallel_logprobs(
 
 
 def next_token_logprobs(
-    logits: torch.Tensor,
+    logits: torch.Tensor | LazyLogits,
     input_ids: torch.Tensor,
     vocab_parallel_group: dist.ProcessGroup | None = None,
     vocab_parallel_rank: int | None = None,
@@ -157,8 +164,10 @@ def next_token_logprobs(
     """Dispatch used by the losses: full-vocabulary logits, or TP-sharded ones when a group is given.
 
     With a group, rank r owns the equal slice [r * V_local, (r + 1) * V_local) (Megatron's vocab split);
-    vocab_parallel_rank defaults to the caller's rank in the group.
+    vocab_parallel_rank defaults to the caller's rank in the group. LazyLogits carry their own group and chunk size.
     """
+    if not isinstance(logits, torch.Tensor):
+        return logits.next_token_logprobs(input_ids)
     if vocab_parallel_group is None:
         return logprobs_from_logits(logits, input_ids, chunk_size)
     rank = dist.get_rank(vocab_parallel_group) if vocab_parallel_rank is None else vocab_parallel_rank

@@ -31,6 +31,7 @@ from rlpost.distributed.collective_device import all_reduce
 from rlpost.distributed.start_gate import StartGate
 from rlpost.losses.interface import LossFunction, VocabParallelArgs
 from rlpost.models.dtensor import lora
+from rlpost.models.dtensor.output_head import head_logits, output_layer
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
 from rlpost.models.policy.interfaces import WorkerTrainResult
@@ -38,6 +39,7 @@ from rlpost.models.policy.memory_phases import OffloadState, cuda_memory_stats
 from rlpost.models.policy.optim import build_optimizer, build_scheduler
 from rlpost.models.policy.train_parts import Parts, PartsLoss, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
+from rlpost.ops.chunked_head import HeadLogits
 from rlpost.runtime.gc_heap import import_frozen
 
 if TYPE_CHECKING:
@@ -140,28 +142,39 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         else:
             yield from data.make_microbatch_iterator(mbs)
 
+    def _model_inputs(self, mb: BatchedDataDict | PackedMicroBatch
+                      ) -> tuple[dict[str, object], BatchedDataDict, PackedSequences | None]:
+        """The model's keyword arguments for a micro-batch ([1, T] packed or [B, S]), its rows, the packing."""
+        if isinstance(mb, PackedMicroBatch):
+            pk = mb.packed
+            return ({"input_ids": pk.input_ids.to(self.device), "position_ids": pk.position_ids.to(self.device),
+                     "attention_mask": pk.attention_mask(torch.float32).to(self.device), "use_cache": False},
+                    mb.data, pk)
+        # use_cache=False: a scoring pass has no use for the KV cache HF models otherwise build
+        return {"input_ids": mb["input_ids"].to(self.device), "use_cache": False}, mb, None
+
     def _forward_logits(self, mb: BatchedDataDict | PackedMicroBatch
                         ) -> tuple[torch.Tensor, BatchedDataDict, PackedSequences | None]:
         """Logits / temperature for a micro-batch: ([1, T, V] packed or [B, S, V]), its rows, the packing."""
-        if isinstance(mb, PackedMicroBatch):
-            pk = mb.packed
-            mask = pk.attention_mask(torch.float32).to(self.device)
-            out = self.model(
-                input_ids=pk.input_ids.to(self.device),
-                position_ids=pk.position_ids.to(self.device),
-                attention_mask=mask,
-                use_cache=False,
-            )
-            rows = mb.data
-        else:  # use_cache=False: a scoring pass has no use for the KV cache HF models otherwise build
-            out = self.model(input_ids=mb["input_ids"].to(self.device), use_cache=False)
-            rows, pk = mb, None
-        logits = out.logits
+        inputs, rows, pk = self._model_inputs(mb)
+        logits = self.model(**inputs).logits
         if isinstance(logits, DTensor):
             logits = logits.to_local()  # [.., V / TP]: sharded over the vocabulary
         logits = logits.float()
         # nothing downstream writes into the logits, so at temperature 1 they are used as they are (no copy)
         return (logits / self.temperature if self.temperature != 1.0 else logits), rows, pk
+
+    def _forward_chunked(self, mb: BatchedDataDict | PackedMicroBatch
+                         ) -> tuple[torch.Tensor | HeadLogits, BatchedDataDict, PackedSequences | None]:
+        """`_forward_logits`, except that a causal LM's logits come as HeadLogits, read a chunk of tokens at a time
+        (rlpost.models.dtensor.output_head)."""
+        head = output_layer(self.model)
+        if head is None:
+            return self._forward_logits(mb)
+        inputs, rows, pk = self._model_inputs(mb)
+        tp_group = self.tp_group if self.tp_size > 1 else None
+        return (head_logits(self.model, head, inputs, self.temperature, self.cfg.logprob_chunk_size, tp_group),
+                rows, pk)
 
     def _vp_kwargs(self) -> VocabParallelArgs:
         if self.tp_size == 1:
@@ -178,7 +191,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         full_len = int(data["input_ids"].shape[1])
         outs: list[torch.Tensor] = []
         for mb in self._microbatches(data, self.cfg.logprob_batch_size):
-            logits, rows, pk = self._forward_logits(mb)
+            logits, rows, pk = self._forward_chunked(mb)
             if isinstance(mb, PackedMicroBatch):
                 pk = mb.packed
                 ids = pk.input_ids.to(self.device)
@@ -354,14 +367,15 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
     def _micro_loss(self, mb: BatchedDataDict | PackedMicroBatch, loss_fn: LossFunction, gs: torch.Tensor,
                     gt: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss (zero for a padding micro-batch) and metrics of one micro-batch, packed or not."""
-        logits, rows, pk = self._forward_logits(mb)
+        chunked = getattr(loss_fn, "chunked_logits", False)
+        logits, rows, pk = self._forward_chunked(mb) if chunked else self._forward_logits(mb)
         rows = rows.to(self.device)
         fn: LossFunction | SequencePackingLossWrapper = loss_fn
         if pk is not None:
             from rlpost.losses.packed import SequencePackingLossWrapper
 
             fn = SequencePackingLossWrapper(loss_fn, pk.cu_seqlens, pk.cu_seqlens_padded)
-        loss, metrics = fn(logits, rows, gs, gt, **self._vp_kwargs())
+        loss, metrics = fn(logits, rows, gs, gt, **self._vp_kwargs())  # type: ignore[arg-type]  # HeadLogits if chunked
         if mb.is_padding or rows.is_padding:
             loss = loss * 0.0
         return loss, metrics
