@@ -215,7 +215,10 @@ class PolicyConfig(Block):
     logprob_batch_size: int = checked(4, POSITIVE)
     """Samples per micro-batch of the logprob (previous / reference) passes."""
     logprob_chunk_size: int | None = checked(None, POSITIVE_OR_NONE)
-    """Compute logprobs in chunks of this many positions (bounds fp32 logit memory)."""
+    """DTensor: tokens per chunk of the output layer, which the loss and the logprob passes read from the final hidden
+    states a chunk at a time, so the whole [tokens, vocabulary] logits never exist (rlpost.ops.chunked_head); None =
+    as many as 256 MiB of fp32 logits hold (1,365 tokens at a 49k vocabulary). Megatron: positions per chunk of its
+    vocab-parallel log-softmax."""
     generation: GenerationConfig | None = None
     """Rollout engine (`generation=vllm|hf`, chosen by algo=grpo); None for the algorithms that do not generate
     (algo=sft|dpo|rm)."""
