@@ -54,15 +54,16 @@ class _HeadLogprobs(torch.autograd.Function):
         x = hidden  # placeholder until the first chunk
         for s, e in chunks:
             x = _logits(hidden[s:e], weight, temperature, dtype)  # [c, V_local]
-            m = x.max(dim=-1).values  # [c]
-            if group is not None:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            sumexp = torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)  # [c]
             picked = x.gather(-1, local_target[s:e].unsqueeze(-1)).squeeze(-1) * owned[s:e]  # [c]
-            if group is not None:
+            if group is None:
+                lse_all[s:e] = torch.logsumexp(x, dim=-1)  # fused: one pass over the chunk
+            else:
+                m = x.max(dim=-1).values  # [c]
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+                sumexp = torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)  # [c]
                 dist.all_reduce(sumexp, op=dist.ReduceOp.SUM, group=group)
                 dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=group)
-            lse_all[s:e] = m + torch.log(sumexp)
+                lse_all[s:e] = m + torch.log(sumexp)
             out[s:e] = picked - lse_all[s:e]
         # One chunk is the whole logits anyway: keep them rather than compute them again in backward.
         kept = x if len(chunks) == 1 else None

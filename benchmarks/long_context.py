@@ -1,0 +1,151 @@
+"""Long sequences on the DTensor policy: one SFT training step, then one logprob pass, on one row of T tokens, the output
+layer read in chunks (rlpost.ops.chunked_head.HeadLogits) against the whole [T, V] logits, with and without activation
+checkpointing; the worker's peak memory and time.
+
+    make smollm2 && .venv/bin/python -m benchmarks.long_context --tokens 1024 2048 4096 8192
+    .venv/bin/python -m benchmarks.long_context --tokens 1024 4096 --heads chunked --ac on
+    .venv/bin/python -m benchmarks.long_context --tokens 256 512 model=tiny      # the tiny model, a quick look
+
+Each (tokens, head, checkpointing) runs in a child process of its own holding one real DTensorPolicyWorker (world
+size 1, gloo, one torch thread, as a run's worker): its memory is that process's RSS, sampled every 50 ms, its peak
+during the step beside its level before it (the model, its gradients and the optimizer state). "whole" is the loss
+asking for real logits (a loss without `chunked_logits`), as every loss did before the output layer was chunked.
+Extra arguments are Hydra overrides (default: model=smollm2_135m). Results: results/bench_long_context.json, the
+latest run per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from benchmarks.harness import RESULTS_DIR, host, now, run_key, save_latest
+
+RESULTS = RESULTS_DIR / "bench_long_context.json"
+GIB = 2**30
+
+
+class _PeakRSS:
+    """This process's peak RSS between entering and leaving, sampled every `sample_s`."""
+
+    def __init__(self, sample_s: float = 0.05) -> None:
+        import psutil
+
+        self._proc, self.sample_s = psutil.Process(), sample_s
+        self.start = self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.sample_s):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __enter__(self) -> _PeakRSS:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(timeout=2)
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def _child(tokens: int, head: str, ac: bool, overrides: list[str]) -> dict[str, Any]:
+    """One worker, one row of `tokens` tokens: a logprob pass, then a training step. Runs in its own process."""
+    import torch
+
+    from rlpost.config.load import load_master_config
+    from rlpost.distributed.batched_data_dict import BatchedDataDict
+    from rlpost.distributed.ports import free_port
+    from rlpost.losses.clipped_pg import NLLLoss
+    from rlpost.models.policy.dtensor_policy_worker import DTensorPolicyWorker
+    from rlpost.models.tiny import ensure_tiny_model
+    from rlpost.ops.logprobs import next_token_logprobs
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")),
+                      RLPOST_DEVICE="cpu")
+    _, cfg = load_master_config(["algo=sft", "cluster.gpus_per_node=1", "cluster.device=cpu",
+                                 f"policy.max_total_sequence_length={tokens}", "policy.train_global_batch_size=1",
+                                 "policy.train_micro_batch_size=1", "policy.logprob_batch_size=1",
+                                 f"policy.dtensor_cfg.activation_checkpointing={str(ac).lower()}", *overrides])
+    if cfg.model.tiny is not None:
+        ensure_tiny_model(cfg.model.tiny, cfg.model.path)
+    worker = DTensorPolicyWorker(cfg.policy, init_reference_model=False)
+    vocab = int(worker.model.config.vocab_size)
+    ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    data = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([tokens]), token_mask=torch.ones(1, tokens),
+                           sample_mask=torch.ones(1))
+
+    class WholeLogits(NLLLoss):
+        chunked_logits = False  # the model's own lm_head: the whole [T, V] logits, and their gradient
+
+    loss = NLLLoss() if head == "chunked" else WholeLogits()
+    out: dict[str, Any] = {"tokens": tokens, "head": head, "activation_checkpointing": ac, "vocab": vocab}
+    worker.train(data, loss)  # the first step builds the optimizer state: measured on the second
+    with _PeakRSS() as mem:
+        t0 = time.perf_counter()
+        result = worker.train(data, loss)
+        out["train_s"] = time.perf_counter() - t0
+    out["train_peak_gib"], out["train_added_gib"] = mem.peak / GIB, (mem.peak - mem.start) / GIB
+    with _PeakRSS() as mem:  # after the training steps, as in a run (the prev-logprobs pass of the next step)
+        t0 = time.perf_counter()
+        if head == "chunked":
+            worker.get_logprobs(data)
+        else:
+            with torch.no_grad():
+                next_token_logprobs(worker._forward_logits(data)[0], ids)
+        out["logprob_s"] = time.perf_counter() - t0
+    out["logprob_peak_gib"], out["logprob_added_gib"] = mem.peak / GIB, (mem.peak - mem.start) / GIB
+    out["loss"] = float(result["loss"])
+    out["tokens_per_s"] = tokens / out["train_s"]
+    return out
+
+
+def _run_child(tokens: int, head: str, ac: bool, overrides: list[str], timeout_s: float) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "benchmarks.long_context", "--child", str(tokens), head, "on" if ac else "off",
+            *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--heads", nargs="+", choices=["chunked", "whole"], default=["chunked", "whole"])
+    p.add_argument("--ac", nargs="+", choices=["on", "off"], default=["on", "off"])
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="bound on one child")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--child", nargs=3, metavar=("TOKENS", "HEAD", "AC"), help=argparse.SUPPRESS)
+    args, overrides = p.parse_known_args(argv)
+    overrides = overrides or ["model=smollm2_135m"]
+    if args.child:
+        tokens, head, ac = args.child
+        print(json.dumps(_child(int(tokens), head, ac == "on", overrides)), flush=True)
+        return 0
+    args.overrides = overrides
+    rows = []
+    for tokens in args.tokens:
+        for ac in args.ac:
+            for head in args.heads:
+                r = _run_child(tokens, head, ac == "on", overrides, args.timeout_s)
+                rows.append(r)
+                print(f"{tokens:6d} tokens  {head:7s}  checkpointing {ac:3s}  train {r['train_s']:7.1f}s "
+                      f"peak {r['train_peak_gib']:.2f} GiB (+{r['train_added_gib']:.2f})  logprobs {r['logprob_s']:6.1f}s "
+                      f"peak {r['logprob_peak_gib']:.2f} GiB (+{r['logprob_added_gib']:.2f})", flush=True)
+    save_latest(args.out, run_key(args), {"at": now(), "host": host(), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
