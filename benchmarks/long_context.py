@@ -61,6 +61,7 @@ def _child(tokens: int, head: str, ac: bool, overrides: list[str]) -> dict[str, 
     import torch
 
     from rlpost.config.load import load_master_config
+    from rlpost.config.schema.policy import DTensorPolicyConfig
     from rlpost.distributed.batched_data_dict import BatchedDataDict
     from rlpost.distributed.ports import free_port
     from rlpost.losses.clipped_pg import NLLLoss
@@ -76,8 +77,9 @@ def _child(tokens: int, head: str, ac: bool, overrides: list[str]) -> dict[str, 
                                  f"policy.dtensor_cfg.activation_checkpointing={str(ac).lower()}", *overrides])
     if cfg.model.tiny is not None:
         ensure_tiny_model(cfg.model.tiny, cfg.model.path)
+    assert isinstance(cfg.policy, DTensorPolicyConfig), "benchmarks.long_context measures the DTensor policy"
     worker = DTensorPolicyWorker(cfg.policy, init_reference_model=False)
-    vocab = int(worker.model.config.vocab_size)
+    vocab = int(worker.model.config.vocab_size)  # type: ignore[union-attr,arg-type]
     ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
     data = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([tokens]), token_mask=torch.ones(1, tokens),
                            sample_mask=torch.ones(1))

@@ -57,8 +57,9 @@ MEGATRON_SGD = [
 ]
 LAYOUTS = {
     "tp1_dp2": [],
-    "tp2": ["policy.megatron_cfg.tensor_model_parallel_size=2"],
-    "pp2": ["policy.megatron_cfg.pipeline_model_parallel_size=2"],
+    # the output layer read 5 tokens at a time (rlpost.models.megatron.output_head), its vocabulary sharded and padded
+    "tp2": ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.logprob_chunk_size=5"],
+    "pp2": ["policy.megatron_cfg.pipeline_model_parallel_size=2", "policy.logprob_chunk_size=5"],
 }
 
 

@@ -29,6 +29,16 @@ import torch.distributed as dist
 
 from rlpost.ops.logprobs import _chunks, _compute_dtype
 
+LOGITS_CHUNK_BYTES = 256 * 2**20
+"""The fp32 logits one chunk of tokens may take when policy.logprob_chunk_size is unset: 1,365 tokens at SmolLM2's
+49k vocabulary, 441 at Qwen2.5's 152k, a whole micro-batch of the tiny model's 384 (one chunk: the logits are kept
+for the backward, as the unchunked path does, instead of computed again)."""
+
+
+def chunk_tokens(chunk_size: int | None, vocab_rows: int) -> int:
+    """Tokens per chunk: `chunk_size` when set, else as many as LOGITS_CHUNK_BYTES of fp32 logits hold."""
+    return chunk_size if chunk_size else max(1, LOGITS_CHUNK_BYTES // (4 * vocab_rows))
+
 
 class _HeadLogprobs(torch.autograd.Function):
     """logprob[n] = (hidden[n] @ weight.T / T)[target[n]] - logsumexp over the whole vocabulary."""
@@ -43,6 +53,7 @@ class _HeadLogprobs(torch.autograd.Function):
         temperature: float,
         vocab_start: int,
         group: dist.ProcessGroup | None,
+        valid_rows: int,
     ) -> torch.Tensor:
         dtype = _compute_dtype(hidden, weight)
         v_local = weight.shape[0]
@@ -53,7 +64,7 @@ class _HeadLogprobs(torch.autograd.Function):
         chunks = _chunks(target.shape[0], chunk_size)
         x = hidden  # placeholder until the first chunk
         for s, e in chunks:
-            x = _logits(hidden[s:e], weight, temperature, dtype)  # [c, V_local]
+            x = _logits(hidden[s:e], weight, temperature, dtype, valid_rows)  # [c, V_local]
             picked = x.gather(-1, local_target[s:e].unsqueeze(-1)).squeeze(-1) * owned[s:e]  # [c]
             if group is None:
                 lse_all[s:e] = torch.logsumexp(x, dim=-1)  # fused: one pass over the chunk
@@ -68,7 +79,7 @@ class _HeadLogprobs(torch.autograd.Function):
         # One chunk is the whole logits anyway: keep them rather than compute them again in backward.
         kept = x if len(chunks) == 1 else None
         ctx.save_for_backward(hidden, weight, local_target, owned, lse_all, kept)
-        ctx.chunk_size, ctx.temperature, ctx.group = chunk_size, temperature, group
+        ctx.chunk_size, ctx.temperature, ctx.group, ctx.valid_rows = chunk_size, temperature, group, valid_rows
         return out
 
     @staticmethod
@@ -79,7 +90,7 @@ class _HeadLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)  # [N, H]
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)  # [V_local, H]
         for s, e in _chunks(local_target.shape[0], ctx.chunk_size):
-            x = kept if kept is not None else _logits(hidden[s:e], weight, ctx.temperature, dtype)  # [c, V_local]
+            x = kept if kept is not None else _logits(hidden[s:e], weight, ctx.temperature, dtype, ctx.valid_rows)
             g = g_all[s:e]  # [c]
             dx = x.sub_(lse_all[s:e].unsqueeze(-1)).exp_().mul_((-g).unsqueeze(-1))  # -g * softmax, in place
             dx.scatter_add_(-1, local_target[s:e].unsqueeze(-1), (g * owned[s:e]).unsqueeze(-1))
@@ -90,13 +101,20 @@ class _HeadLogprobs(torch.autograd.Function):
             grad_weight.addmm_(dx_mm.T.to(dtype), hidden[s:e].to(dtype))
         if ctx.group is not None:
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    """hidden @ weight.T / temperature [c, V_local], multiplied in the hidden states' dtype, returned in `dtype`."""
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype,
+            valid_rows: int) -> torch.Tensor:
+    """hidden @ weight.T / temperature [c, V_local], multiplied in the hidden states' dtype, returned in `dtype`; the
+    columns from `valid_rows` on (a padded vocabulary's padding) at the dtype's minimum: no probability mass, and a
+    slice of padding alone stays finite."""
     x = (hidden @ weight.to(hidden.dtype).T).to(dtype)
-    return x.div_(temperature) if temperature != 1.0 else x
+    if temperature != 1.0:
+        x.div_(temperature)
+    if valid_rows < x.shape[-1]:
+        x[:, max(valid_rows, 0):] = torch.finfo(dtype).min
+    return x
 
 
 def head_logprobs(
@@ -107,16 +125,19 @@ def head_logprobs(
     temperature: float = 1.0,
     vocab_start: int = 0,
     group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """log p(target[n] | hidden[n]) [N] through the output layer `weight` [V_local, H] (rows vocab_start onward of
     the vocabulary; the whole of it without a group), `chunk_size` tokens at a time (None: all at once). Every rank
-    of `group` passes the same hidden states and targets and gets the same result."""
+    of `group` passes the same hidden states and targets and gets the same result. `vocab_size`: the real
+    vocabulary when the layer's is padded (ids from it on are never predicted); None: every row is real."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be [N, H] and [V, H]")
     if target.shape != hidden.shape[:1]:
         raise ValueError(f"target {tuple(target.shape)} must be [N] for hidden {tuple(hidden.shape)}")
+    valid = weight.shape[0] if vocab_size is None else vocab_size - vocab_start
     out: torch.Tensor = _HeadLogprobs.apply(hidden, weight, target.long(), chunk_size, float(temperature),
-                                            vocab_start, group)
+                                            vocab_start, group, valid)
     return out
 
 
@@ -141,6 +162,12 @@ class HeadLogits:
     """The first vocabulary id of `weight`'s rows."""
     group: dist.ProcessGroup | None = None
     """The group the vocabulary is sharded over (None: the whole vocabulary is here)."""
+    vocab_size: int | None = None
+    """The real vocabulary of a padded output layer (Megatron pads it): ids from it on get no probability."""
+
+    @property
+    def _valid_rows(self) -> int:
+        return self.weight.shape[0] if self.vocab_size is None else self.vocab_size - self.vocab_start
 
     @property
     def shape(self) -> torch.Size:
@@ -159,7 +186,8 @@ class HeadLogits:
         if input_ids.shape[:2] != (b, s):
             raise ValueError(f"logits [{b}, {s}, V] and input_ids {tuple(input_ids.shape)} disagree on [B, S]")
         lp = head_logprobs(self.hidden[:, :-1].reshape(-1, h), self.weight, input_ids[:, 1:].reshape(-1),
-                           self.chunk_size, self.temperature, self.vocab_start, self.group).view(b, s - 1)
+                           self.chunk_size, self.temperature, self.vocab_start, self.group,
+                           self.vocab_size).view(b, s - 1)
         return torch.cat([lp.new_zeros(b, 1), lp], dim=1)
 
     @torch.no_grad()
@@ -171,7 +199,7 @@ class HeadLogits:
         top = torch.empty(flat.shape[0], dtype=dtype, device=flat.device)
         lse = torch.empty_like(top)
         for lo, hi in _chunks(flat.shape[0], self.chunk_size):
-            x = _logits(flat[lo:hi], self.weight, self.temperature, dtype)  # [c, V_local]
+            x = _logits(flat[lo:hi], self.weight, self.temperature, dtype, self._valid_rows)  # [c, V_local]
             m = x.max(dim=-1).values
             if self.group is not None:
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
@@ -183,8 +211,10 @@ class HeadLogits:
 
     def materialize(self) -> torch.Tensor:
         """The whole logits [B, S, V_local] in fp32 (for a reader of every logit, e.g. a teacher's top-k KL)."""
-        dtype = _compute_dtype(self.hidden, self.weight)
-        return (self.hidden @ self.weight.to(self.hidden.dtype).T).to(dtype) / self.temperature
+        b, s, h = self.hidden.shape
+        x = _logits(self.hidden.reshape(-1, h), self.weight, self.temperature,
+                    _compute_dtype(self.hidden, self.weight), self._valid_rows)
+        return x.view(b, s, -1)
 
     def zero(self) -> torch.Tensor:
         """A zero scalar in the autograd graph of the hidden states (an empty micro-batch's loss)."""

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from rlpost.losses.clipped_pg import NLLLoss
-from rlpost.models.dtensor.output_head import LOGITS_CHUNK_BYTES, chunk_tokens, head_logits, output_layer
+from rlpost.models.dtensor.output_head import head_logits, output_layer
+from rlpost.ops.chunked_head import LOGITS_CHUNK_BYTES, chunk_tokens
 from rlpost.ops.logprobs import next_token_logprobs
 
 

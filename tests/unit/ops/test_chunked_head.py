@@ -118,3 +118,19 @@ def test_a_vocabulary_sharded_over_two_ranks_equals_it_whole() -> None:
         torch.testing.assert_close(r_lp, lp, rtol=1e-12, atol=1e-12)  # every rank: the whole vocabulary's logprobs
         torch.testing.assert_close(r_gh, gh, rtol=1e-12, atol=1e-12)  # all-reduced over the ranks' slices
         torch.testing.assert_close(r_gw, gw[:half] if rank == 0 else gw[half:], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_a_padded_vocabulary_predicts_only_its_real_ids(chunk: int | None) -> None:
+    hidden, weight, target, upstream = _inputs(torch.float64)
+    real = V - 11  # the last 11 rows are padding (Megatron pads its vocabulary): never predicted, no gradient
+    target = target % real
+    lp = head_logprobs(hidden, weight, target, chunk, 0.7, vocab_size=real)
+    gh, gw = torch.autograd.grad((lp * upstream).sum(), (hidden, weight))
+    want = _whole(hidden, weight[:real].detach().requires_grad_(), target, upstream, 0.7)
+    torch.testing.assert_close(lp.detach(), want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gh, torch.autograd.grad(
+        (torch.log_softmax(hidden @ weight[:real].T / 0.7, -1).gather(-1, target[:, None])[:, 0] * upstream).sum(),
+        hidden)[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gw[:real], want[2], rtol=1e-12, atol=1e-12)
+    assert torch.all(gw[real:] == 0)

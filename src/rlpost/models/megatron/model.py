@@ -271,15 +271,21 @@ def forward_logprobs(
     tp_group defaults to megatron's TP group; PP uses megatron's pipeline groups. micro_batch_size (default: the
     whole batch) splits the batch for the schedule; chunk_size bounds the positions per log-softmax chunk.
     """
+    from rlpost.models.megatron.output_head import head_logits, passthrough, reads_in_chunks
+
     check_right_padded(attention_mask)
     group = resolve_tp_group(tp_group)
     start, end, vocab = vocab_shard_range(model, group)
+    chunked = reads_in_chunks(model)
 
     def collect(out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if chunked:  # `out` is the final hidden states: the output layer read a chunk of tokens at a time
+            return head_logits(model, out, temperature, chunk_size, start, vocab, group).next_token_logprobs(ids)
         logits = scale_and_mask_logits(out, temperature, start, vocab)
         return vocab_parallel_logprobs(logits, ids, start, end, group, chunk_size).float()
 
-    return forward_collect(model, input_ids, collect, (), micro_batch_size=micro_batch_size)
+    with passthrough(model, active=chunked):
+        return forward_collect(model, input_ids, collect, (), micro_batch_size=micro_batch_size)
 
 
 def forward_collect(

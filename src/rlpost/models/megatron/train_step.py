@@ -33,6 +33,8 @@ from rlpost.distributed.collective_device import all_reduce_floats
 from rlpost.models.megatron.cpu_compat import is_cpu_compat_active
 from rlpost.models.megatron.export import unwrap_model
 from rlpost.models.megatron.model import resolve_tp_group, scale_and_mask_logits, vocab_shard_range
+from rlpost.models.megatron.output_head import head_logits, passthrough
+from rlpost.ops.chunked_head import HeadLogits
 from rlpost.ops.logprobs import vocab_parallel_logprobs
 
 if TYPE_CHECKING:
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 LossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 """megatron schedule's loss_func: output -> (loss, token count, metrics to report)."""
 
-MicrobatchLoss = Callable[[torch.Tensor, Mapping[str, Any]], tuple[torch.Tensor, Mapping[str, float]]]
+MicrobatchLoss = Callable[[Any, Mapping[str, Any]], tuple[torch.Tensor, Mapping[str, float]]]
 """loss_fn(logits_or_logprobs, microbatch) -> (globally normalised scalar loss, metrics of python floats)."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -239,7 +241,7 @@ def _forward_backward(
     microbatches: Sequence[Mapping[str, Any]],
     loss_fn: MicrobatchLoss,
     temperature: float,
-    loss_input: Literal["logits", "logprobs"],
+    loss_input: Literal["logits", "logprobs", "head"],
     chunk_size: int | None,
     forward_only: bool,
 ) -> tuple[float, dict[str, float]]:
@@ -259,12 +261,13 @@ def _forward_backward(
         output = mdl(ids, None, None)
 
         def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-            logits = scale_and_mask_logits(out, temperature, start, vocab)
-            x = (
-                logits
-                if loss_input == "logits"
-                else vocab_parallel_logprobs(logits, ids, start, end, group, chunk_size)
-            )
+            x: torch.Tensor | HeadLogits
+            if loss_input == "head":  # `out` is the final hidden states (output_head.passthrough)
+                x = head_logits(ddp, out, temperature, chunk_size, start, vocab, group)
+            else:
+                logits = scale_and_mask_logits(out, temperature, start, vocab)
+                x = logits if loss_input == "logits" else vocab_parallel_logprobs(logits, ids, start, end, group,
+                                                                                  chunk_size)
             loss, metrics = loss_fn(x, mb)
             for k, v in metrics.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
@@ -273,15 +276,16 @@ def _forward_backward(
         return output, loss_func
 
     first = microbatches[0]["input_ids"]
-    results = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(microbatches),
-        model=[ddp],
-        num_microbatches=len(microbatches),
-        seq_length=int(first.shape[1]),
-        micro_batch_size=int(first.shape[0]),
-        forward_only=forward_only,
-    )
+    with passthrough(ddp, active=loss_input == "head"):
+        results = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches),
+            model=[ddp],
+            num_microbatches=len(microbatches),
+            seq_length=int(first.shape[1]),
+            micro_batch_size=int(first.shape[0]),
+            forward_only=forward_only,
+        )
     return (float(sum(float(r["loss"]) for r in results)) if results else 0.0), metric_sums
 
 
@@ -301,7 +305,7 @@ def train_step(
     loss_fn: MicrobatchLoss,
     *,
     temperature: float = 1.0,
-    loss_input: Literal["logits", "logprobs"] = "logits",
+    loss_input: Literal["logits", "logprobs", "head"] = "logits",
     chunk_size: int | None = None,
     forward_only: bool = False,
 ) -> TrainStepResult:
@@ -312,7 +316,9 @@ def train_step(
     whatever loss_fn reads. loss_fn gets, per micro-batch on the last stage, either this TP rank's logits
     [mbs, S, V_local] (loss_input="logits"; divided by the temperature, padded vocab columns at the dtype minimum;
     rank r holds the vocab slice [r * V_local, (r + 1) * V_local)) or the next-token logprobs [mbs, S]
-    (loss_input="logprobs"; fp32, position 0 = 0), and must return a loss already normalised by the global batch.
+    (loss_input="logprobs"; fp32, position 0 = 0) or HeadLogits (loss_input="head": the output layer read
+    `chunk_size` tokens at a time, rlpost.models.megatron.output_head), and must return a loss already normalised by
+    the global batch.
     """
     ddp, optimizer = state.model, state.optimizer
     run = functools.partial(_forward_backward, state, microbatches, loss_fn, temperature, loss_input, chunk_size,
@@ -351,7 +357,8 @@ def accumulate_part(
     loss_fn: MicrobatchLoss,
     *,
     temperature: float = 1.0,
-    loss_input: Literal["logits", "logprobs"] = "logits",
+    loss_input: Literal["logits", "logprobs", "head"] = "logits",
+    chunk_size: int | None = None,
 ) -> float:
     """Forward/backward over one part's micro-batches into DDP's gradient buffers, left unfinalised (no
     data-parallel reduce, no optimizer step: `step_accumulated` does both once for every part); this rank's summed
@@ -360,7 +367,7 @@ def accumulate_part(
     finalize, config.finalize_model_grads_func = config.finalize_model_grads_func, None
     try:
         state.model.train()
-        loss, _ = _forward_backward(state, microbatches, loss_fn, temperature, loss_input, None, False)
+        loss, _ = _forward_backward(state, microbatches, loss_fn, temperature, loss_input, chunk_size, False)
     finally:
         config.finalize_model_grads_func = finalize
     return loss

@@ -63,6 +63,7 @@ from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.start_gate import StartGate
 from rlpost.losses.interface import LossFunction, VocabParallelArgs
 from rlpost.models.megatron.offload import HostOffload
+from rlpost.models.megatron.output_head import loss_input
 from rlpost.models.megatron.train_step import from_last_stage, pad_sequences
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
 from rlpost.models.policy.interfaces import WorkerTrainResult
@@ -250,8 +251,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         under pipeline parallelism, the extra rows to drop afterwards) and the micro-batch size."""
         from megatron.core import parallel_state as ps
 
-        ids = data["input_ids"]
-        rows = int(ids.shape[0])
+        ids, rows = data["input_ids"], int(data["input_ids"].shape[0])
         ids = pad_sequences(BatchedDataDict(input_ids=ids), self._seq_multiple())["input_ids"]
         mbs = min(self.cfg.logprob_batch_size, rows)
         pad_rows = (-rows) % mbs if ps.get_pipeline_model_parallel_world_size() > 1 else 0
@@ -351,7 +351,8 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         mb_loss = functools.partial(normalised_loss, loss_fn, one, one, self._vp_kwargs(), recorded)
         micro = [mb.to(self.device) for mb in
                  pad_sequences(data, self._seq_multiple()).make_microbatch_iterator(self.cfg.train_micro_batch_size)]
-        loss = accumulate_part(self.train_state, micro, mb_loss, temperature=self.temperature, loss_input="logits")
+        loss = accumulate_part(self.train_state, micro, mb_loss, temperature=self.temperature,
+                               loss_input=loss_input(loss_fn, self.model), chunk_size=self.cfg.logprob_chunk_size)
         parts.loss += loss
         parts.metrics += from_last_stage(recorded)
         self._empty_cache(1)
@@ -397,8 +398,8 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
             micro = [mb.to(self.device) for mb in gb.make_microbatch_iterator(mbs)]
             recorded: list[dict[str, float]] = []
             mb_loss = functools.partial(normalised_loss, loss_fn, gs, gt, vp, recorded)
-            res = train_step(step_state, micro, mb_loss, temperature=self.temperature, loss_input="logits",
-                             forward_only=eval_mode)
+            res = train_step(step_state, micro, mb_loss, temperature=self.temperature, forward_only=eval_mode,
+                             loss_input=loss_input(loss_fn, self.model), chunk_size=self.cfg.logprob_chunk_size)
             self._empty_cache(1)
             return res.loss, res.grad_norm, from_last_stage(recorded)
 
