@@ -209,6 +209,25 @@ class HeadLogits:
             top[lo:hi], lse[lo:hi] = m, m + torch.log(total)
         return top.view(b, s), lse.view(b, s)
 
+    @torch.no_grad()
+    def topk_logprobs(self, k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, S, k] token ids, [B, S, k] their log-probabilities over the whole vocabulary) of the k likeliest
+        tokens at each position, likeliest first (k None: every token), a chunk of tokens at a time. The vocabulary
+        must be whole here (no group): a teacher scores at tensor-parallel size 1."""
+        if self.group is not None:
+            raise ValueError("top-k logprobs need the whole vocabulary on one rank (tensor-parallel size 1)")
+        b, s, h = self.hidden.shape
+        flat = self.hidden.reshape(-1, h)
+        dtype = _compute_dtype(self.hidden, self.weight)
+        kk = self._valid_rows if k is None else min(k, self._valid_rows)
+        idx = torch.empty(flat.shape[0], kk, dtype=torch.long, device=flat.device)
+        vals = torch.empty(flat.shape[0], kk, dtype=dtype, device=flat.device)
+        for lo, hi in _chunks(flat.shape[0], self.chunk_size):
+            x = _logits(flat[lo:hi], self.weight, self.temperature, dtype, self._valid_rows)  # [c, V]
+            top = x.topk(kk, dim=-1)
+            idx[lo:hi], vals[lo:hi] = top.indices, top.values - torch.logsumexp(x, dim=-1, keepdim=True)
+        return idx.view(b, s, kk), vals.view(b, s, kk)
+
     def materialize(self) -> torch.Tensor:
         """The whole logits [B, S, V_local] in fp32 (for a reader of every logit, e.g. a teacher's top-k KL)."""
         b, s, h = self.hidden.shape

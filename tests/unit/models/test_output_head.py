@@ -93,3 +93,17 @@ def test_the_default_chunk_bounds_a_chunks_logits() -> None:
     assert chunk_tokens(64, 49152) == 64
     assert chunk_tokens(None, 49152) * 49152 * 4 <= LOGITS_CHUNK_BYTES < (chunk_tokens(None, 49152) + 1) * 49152 * 4
     assert chunk_tokens(None, 384) >= 4096  # the tiny model: a whole micro-batch in one chunk
+
+
+@pytest.mark.parametrize("k", [5, None])
+def test_a_teachers_top_k_read_in_chunks_equals_the_whole_log_softmax(tiny_model_dir: Path, k: int | None) -> None:
+    model = _model(tiny_model_dir)
+    head = output_layer(model)
+    assert head is not None
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
+        want = lp.topk(lp.shape[-1] if k is None else k, dim=-1)
+        idx, vals = head_logits(model, head, {"input_ids": ids}, 1.0, 4, None).topk_logprobs(k)
+    torch.testing.assert_close(vals, want.values, rtol=1e-6, atol=1e-6)
+    assert torch.equal(idx, want.indices)

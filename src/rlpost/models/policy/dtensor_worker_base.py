@@ -245,13 +245,16 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         for mb in self._microbatches(data, self.cfg.logprob_batch_size):
             if isinstance(mb, PackedMicroBatch):
                 raise ValueError("a teacher scores unpacked micro-batches (its block turns packing off)")
-            logits, rows, _ = self._forward_logits(mb)
-            lp = torch.log_softmax(logits, dim=-1)  # [B, S, V]
-            top = lp.topk(lp.shape[-1] if k is None else min(k, lp.shape[-1]), dim=-1)
-            pad = (0, 0, 1, full_len - lp.shape[1])  # one position at the front (the shift), the rest at the end
+            logits, rows, _ = self._forward_chunked(mb)
+            if isinstance(logits, HeadLogits):
+                indices, values = logits.topk_logprobs(k)  # [B, S, k] each, a chunk of tokens at a time
+            else:
+                lp = torch.log_softmax(logits, dim=-1)  # [B, S, V]
+                indices, values = lp.topk(lp.shape[-1] if k is None else min(k, lp.shape[-1]), dim=-1)
+            pad = (0, 0, 1, full_len - values.shape[1])  # one position at the front (the shift), the rest at the end
             if not mb.is_padding and not rows.is_padding:
-                idx_out.append(torch.nn.functional.pad(top.indices[:, :-1], pad).cpu())
-                lp_out.append(torch.nn.functional.pad(top.values[:, :-1], pad).cpu())
+                idx_out.append(torch.nn.functional.pad(indices[:, :-1], pad).cpu())
+                lp_out.append(torch.nn.functional.pad(values[:, :-1].float(), pad).cpu())
         return BatchedDataDict(teacher_topk_indices=torch.cat(idx_out), teacher_topk_logprobs=torch.cat(lp_out))
 
     @torch.no_grad()
