@@ -11,6 +11,7 @@ from rlpost.config.layout import (
     IPC_BUFFERS,
     REFIT_TRANSPORTS,
     Layout,
+    chunk_tokens,
     fsdp_wrapping,
     layout_of,
     prev_logprobs_pass,
@@ -62,6 +63,7 @@ def supervised_plan_rows(cfg: SupervisedMasterConfig) -> list[tuple[str, str]]:
         ("training layout", f"DP={cfg.dp} ({cfg.cluster.num_nodes * cfg.cluster.gpus_per_node} workers), "
                             f"micro-batch {p.train_micro_batch_size}"),
         ("reference policy", reference),
+        ("long sequences", _long_sequences(cfg)),
         ("batching", "sequence packing" if p.sequence_packing.enabled else
          "dynamic batching" if p.dynamic_batching.enabled else "fixed micro-batches"),
         ("steps", f"max {loop.max_num_steps} steps / {loop.max_num_epochs} epoch(s); " + (
@@ -107,6 +109,7 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
         ),
         ("training layout", f"DP={lay.dp} TP={lay.tp} PP={lay.pp} CP={lay.cp} ({lay.train_world} workers)"
                             + (f"; {fsdp}" if (fsdp := fsdp_wrapping(cfg, lay.train_world)) else "")),
+        ("long sequences", _long_sequences(cfg)),
         ("engine layout", f"{lay.gen_replicas} replica(s) x TP*PP={lay.gen_tp} ({lay.gen_world} workers)"),
         ("placement", placement),
         *([("start-up", STARTUP_COLOCATED)] if lay.colocated else []),
@@ -117,6 +120,23 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
         ("generation and training", _overlap(cfg)),
         ("steps", f"max {g.max_num_steps} steps / {g.max_num_epochs} epoch(s); validate every {g.val_period}"),
     ]
+
+
+def _long_sequences(cfg: MasterConfig | SupervisedMasterConfig) -> str:
+    """How the training step bounds a long sequence's memory: the output layer in chunks, activation checkpointing."""
+    p = cfg.policy
+    backend = getattr(p, "dtensor_cfg", None) or getattr(p, "megatron_cfg", None)
+    checkpointing = "on" if getattr(backend, "activation_checkpointing", False) else "off"
+    vocab = (model_shape(cfg) or {}).get("vocab_size")
+    if getattr(backend, "sequence_parallel", False):
+        head = "the output layer makes the whole logits (sequence parallelism)"
+    elif isinstance(vocab, int):
+        rows = -(-vocab // p.parallel_sizes()["tp"])
+        head = (f"the output layer read in chunks of up to {chunk_tokens(p.logprob_chunk_size, rows):,} tokens "
+                "(policy.logprob_chunk_size), never the whole tokens x vocabulary logits")
+    else:
+        head = "the output layer read in chunks of policy.logprob_chunk_size tokens"
+    return f"{head}; activation checkpointing {checkpointing}"
 
 
 STARTUP_COLOCATED = "engine first, asleep, then the policy"

@@ -281,6 +281,17 @@ def overlap_chunk(cfg: MasterConfig, dp: int) -> tuple[int, str]:
     return (0, why) if why else (chunk, "")
 
 
+LOGITS_CHUNK_BYTES = 256 * 2**20
+"""The fp32 logits one chunk of tokens may take when policy.logprob_chunk_size is unset: 1,365 tokens at SmolLM2's
+49k vocabulary, 441 at Qwen2.5's 152k, a whole micro-batch of the tiny model's 384 (one chunk: the logits are kept
+for the backward, as the unchunked path does, instead of computed again)."""
+
+
+def chunk_tokens(chunk_size: int | None, vocab_rows: int) -> int:
+    """Tokens per chunk: `chunk_size` when set, else as many as LOGITS_CHUNK_BYTES of fp32 logits hold."""
+    return chunk_size if chunk_size else max(1, LOGITS_CHUNK_BYTES // (4 * vocab_rows))
+
+
 def fsdp_needed(dp_size: int, tp_size: int, precision: str, cpu_offload: bool) -> bool:
     """Whether a DTensor policy wraps its model in FSDP2. With one rank in fp32 and no CPU offload FSDP2 would
     all-gather and reduce-scatter a single shard, copying every parameter and gradient per micro-batch for

@@ -29,16 +29,6 @@ import torch.distributed as dist
 
 from rlpost.ops.logprobs import _chunks, _compute_dtype
 
-LOGITS_CHUNK_BYTES = 256 * 2**20
-"""The fp32 logits one chunk of tokens may take when policy.logprob_chunk_size is unset: 1,365 tokens at SmolLM2's
-49k vocabulary, 441 at Qwen2.5's 152k, a whole micro-batch of the tiny model's 384 (one chunk: the logits are kept
-for the backward, as the unchunked path does, instead of computed again)."""
-
-
-def chunk_tokens(chunk_size: int | None, vocab_rows: int) -> int:
-    """Tokens per chunk: `chunk_size` when set, else as many as LOGITS_CHUNK_BYTES of fp32 logits hold."""
-    return chunk_size if chunk_size else max(1, LOGITS_CHUNK_BYTES // (4 * vocab_rows))
-
 
 class _HeadLogprobs(torch.autograd.Function):
     """logprob[n] = (hidden[n] @ weight.T / T)[target[n]] - logsumexp over the whole vocabulary."""

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from rlpost.config.layout import LOGITS_CHUNK_BYTES, chunk_tokens
 from rlpost.losses.clipped_pg import NLLLoss
 from rlpost.models.dtensor.output_head import head_logits, output_layer
-from rlpost.ops.chunked_head import LOGITS_CHUNK_BYTES, chunk_tokens
 from rlpost.ops.logprobs import next_token_logprobs
 
 
@@ -107,3 +107,19 @@ def test_a_teachers_top_k_read_in_chunks_equals_the_whole_log_softmax(tiny_model
         idx, vals = head_logits(model, head, {"input_ids": ids}, 1.0, 4, None).topk_logprobs(k)
     torch.testing.assert_close(vals, want.values, rtol=1e-6, atol=1e-6)
     assert torch.equal(idx, want.indices)
+
+
+@pytest.mark.parametrize("overrides, shown", [
+    (["policy.logprob_chunk_size=512", "policy.dtensor_cfg.activation_checkpointing=true"],
+     "chunks of up to 512 tokens (policy.logprob_chunk_size), never the whole tokens x vocabulary logits; "
+     "activation checkpointing on"),
+    (["algo=sft", "model.tiny.vocab_size=49152"], f"chunks of up to {LOGITS_CHUNK_BYTES // (4 * 49152):,} tokens"),
+    (["policy=megatron", "cluster.gpus_per_node=2", "policy.megatron_cfg.tensor_model_parallel_size=2",
+      "policy.megatron_cfg.sequence_parallel=true"], "the whole logits (sequence parallelism)"),
+])
+def test_the_plan_says_how_long_sequences_are_bounded(overrides: list[str], shown: str) -> None:
+    from rlpost.config.load import load_master_config
+    from rlpost.plan import plan_rows
+
+    _, master = load_master_config(overrides)
+    assert shown in dict(plan_rows(master))["long sequences"]

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from rlpost.ops.chunked_head import HeadLogits, chunk_tokens
+from rlpost.config.layout import chunk_tokens
+from rlpost.ops.chunked_head import HeadLogits
 
 
 def output_layer(model: nn.Module) -> nn.Linear | None:

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.distributed as dist
 
+from rlpost.config.layout import chunk_tokens
 from rlpost.models.megatron.export import unwrap_model
-from rlpost.ops.chunked_head import HeadLogits, chunk_tokens
+from rlpost.ops.chunked_head import HeadLogits
 
 if TYPE_CHECKING:
     from rlpost.losses.interface import LossFunction
