@@ -95,7 +95,7 @@ def _sharded_rank(rank: int, port: int, queue: Any) -> None:
         local = weight.detach()[start:end].clone().requires_grad_()
         lp = head_logprobs(hidden, local, target, 4, 0.7, vocab_start=start, group=dist.group.WORLD)
         gh, gw = torch.autograd.grad((lp * upstream).sum(), (hidden, local))
-        queue.put((rank, lp.detach(), gh, gw))
+        queue.put((rank, lp.detach().numpy(), gh.numpy(), gw.numpy()))  # by value: a tensor is shared by a handle
     finally:
         dist.destroy_process_group()
 
@@ -109,7 +109,7 @@ def test_a_vocabulary_sharded_over_two_ranks_equals_it_whole() -> None:
     procs = [ctx.Process(target=_sharded_rank, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict((r, rest) for r, *rest in (queue.get(timeout=120) for _ in procs))
+    got = {r: [torch.from_numpy(a) for a in rest] for r, *rest in (queue.get(timeout=120) for _ in procs)}
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
