@@ -21,9 +21,8 @@ TENSOR_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "red
 MODEL_TENSORS = {
     "distributed/collective_device.py": "the helper itself",
     "ops/logprobs.py": "max / sum-exp / picked logit of the logits, on the logits' device",
-    "ops/chunked_head.py": "max / sum-exp / picked logit of each chunk's logits and the hidden states' gradient, "
-                           "on the hidden states' device",
-    "losses/clipped_pg.py": "max / sum-exp of the logits (vocabulary-parallel argmax), on the logits' device",
+    "ops/chunked_head.py": "picked logit of each chunk's logits and the hidden states' gradient, on the hidden "
+                           "states' device",
     "models/megatron/export.py": "the model's parameter shards and empty_like buffers of them",
     "models/megatron/model.py": "the model's forward output, or an empty buffer on the model's device",
 }

@@ -24,7 +24,7 @@ from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig, NLLLossCo
 from rlpost.losses.interface import LossType
 from rlpost.losses.teacher_kl import teacher_kl
 from rlpost.ops.chunked_head import HeadLogits
-from rlpost.ops.logprobs import next_token_logprobs
+from rlpost.ops.logprobs import next_token_logprobs, vocab_max_and_logsumexp
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -377,15 +377,8 @@ def _is_argmax(logits: torch.Tensor | HeadLogits, target_lp: torch.Tensor, group
     logits [B, S-1, V] (or this rank's vocabulary slice under tensor parallelism); target_lp the target's
     logprob. The target's logit is target_lp + logsumexp, compared with the (global) max logit.
     """
-    if not isinstance(logits, torch.Tensor):
+    if isinstance(logits, torch.Tensor):
+        top, lse = vocab_max_and_logsumexp(logits.detach().float(), group)  # [B, S-1] each
+    else:
         top, lse = logits.max_and_logsumexp()
-        return target_lp.to(lse.dtype) + lse >= top - 1e-4
-    logits = logits.detach().float()
-    top = logits.max(dim=-1).values  # [B, S-1]
-    if group is not None:
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    total = torch.exp(logits - top.unsqueeze(-1)).sum(-1)  # [B, S-1]
-    if group is not None:
-        dist.all_reduce(total, group=group)
-    target_logit = target_lp.float() + top + torch.log(total)
-    return target_logit >= top - 1e-4
+    return target_lp.to(lse.dtype) + lse >= top - 1e-4

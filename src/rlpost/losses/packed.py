@@ -36,7 +36,6 @@ class SequencePackingLossWrapper:
         self.cu_seqlens_q = cu_seqlens_q  # [N+1] cumulative real lengths
         self.cu_seqlens_q_padded = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded  # [N+1]
         self.loss_type: LossType = loss_fn.loss_type
-        self.chunked_logits: bool = getattr(loss_fn, "chunked_logits", False)
 
     def __call__(
         self,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlpost.ops.logprobs import _chunks, _compute_dtype
+from rlpost.ops.logprobs import _chunks, _compute_dtype, vocab_max_and_logsumexp
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -52,22 +52,18 @@ class _HeadLogprobs(torch.autograd.Function):
         out = torch.empty(target.shape, dtype=dtype, device=hidden.device)  # [N]
         lse_all = torch.empty_like(out)  # [N]
         chunks = _chunks(target.shape[0], chunk_size)
-        x = hidden  # placeholder until the first chunk
+        kept: torch.Tensor | None = None
         for s, e in chunks:
             x = _logits(hidden[s:e], weight, temperature, dtype, valid_rows)  # [c, V_local]
             picked = x.gather(-1, local_target[s:e].unsqueeze(-1)).squeeze(-1) * owned[s:e]  # [c]
             if group is None:
                 lse_all[s:e] = torch.logsumexp(x, dim=-1)  # fused: one pass over the chunk
             else:
-                m = x.max(dim=-1).values  # [c]
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-                sumexp = torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)  # [c]
-                dist.all_reduce(sumexp, op=dist.ReduceOp.SUM, group=group)
+                lse_all[s:e] = vocab_max_and_logsumexp(x, group)[1]
                 dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=group)
-                lse_all[s:e] = m + torch.log(sumexp)
             out[s:e] = picked - lse_all[s:e]
-        # One chunk is the whole logits anyway: keep them rather than compute them again in backward.
-        kept = x if len(chunks) == 1 else None
+            if len(chunks) == 1:
+                kept = x  # one chunk is the whole logits anyway: kept, not computed again in backward
         ctx.save_for_backward(hidden, weight, local_target, owned, lse_all, kept)
         ctx.chunk_size, ctx.temperature, ctx.group, ctx.valid_rows = chunk_size, temperature, group, valid_rows
         return out
@@ -92,6 +88,11 @@ class _HeadLogprobs(torch.autograd.Function):
         if ctx.group is not None:
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
+
+
+def _valid_rows(weight: torch.Tensor, vocab_start: int, vocab_size: int | None) -> int:
+    """How many of `weight`'s rows (ids from vocab_start) are real tokens: all of them, or those below vocab_size."""
+    return weight.shape[0] if vocab_size is None else vocab_size - vocab_start
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype,
@@ -125,7 +126,7 @@ def head_logprobs(
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be [N, H] and [V, H]")
     if target.shape != hidden.shape[:1]:
         raise ValueError(f"target {tuple(target.shape)} must be [N] for hidden {tuple(hidden.shape)}")
-    valid = weight.shape[0] if vocab_size is None else vocab_size - vocab_start
+    valid = _valid_rows(weight, vocab_start, vocab_size)
     out: torch.Tensor = _HeadLogprobs.apply(hidden, weight, target.long(), chunk_size, float(temperature),
                                             vocab_start, group, valid)
     return out
@@ -157,7 +158,7 @@ class HeadLogits:
 
     @property
     def _valid_rows(self) -> int:
-        return self.weight.shape[0] if self.vocab_size is None else self.vocab_size - self.vocab_start
+        return _valid_rows(self.weight, self.vocab_start, self.vocab_size)
 
     @property
     def shape(self) -> torch.Size:
@@ -190,13 +191,7 @@ class HeadLogits:
         lse = torch.empty_like(top)
         for lo, hi in _chunks(flat.shape[0], self.chunk_size):
             x = _logits(flat[lo:hi], self.weight, self.temperature, dtype, self._valid_rows)  # [c, V_local]
-            m = x.max(dim=-1).values
-            if self.group is not None:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
-            total = torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)
-            if self.group is not None:
-                dist.all_reduce(total, group=self.group)
-            top[lo:hi], lse[lo:hi] = m, m + torch.log(total)
+            top[lo:hi], lse[lo:hi] = vocab_max_and_logsumexp(x, self.group)
         return top.view(b, s), lse.view(b, s)
 
     @torch.no_grad()

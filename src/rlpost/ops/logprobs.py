@@ -44,6 +44,18 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def vocab_max_and_logsumexp(x: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the largest entry, the logsumexp) of x's last dimension, [...] each, over the whole vocabulary: x holds this
+    rank's slice of it and the max (MAX) and the sum of exponentials (SUM) are all-reduced over `group`."""
+    m = x.max(dim=-1).values
+    if group is not None:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    sumexp = torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)
+    if group is not None:
+        dist.all_reduce(sumexp, op=dist.ReduceOp.SUM, group=group)
+    return m, m + torch.log(sumexp)
+
+
 class _NextTokenLogprobs(torch.autograd.Function):
     """logprob[b, t] = x[b, t, target[b, t] - vocab_start] - logsumexp_over_all_ranks(x[b, t, :])."""
 
@@ -72,16 +84,11 @@ class _NextTokenLogprobs(torch.autograd.Function):
         local_target = torch.where(owned, target - vocab_start, torch.zeros_like(target))  # [B, T]
         for s, e in _chunks(target.shape[1], chunk_size):
             x = logits[:, s:e].to(dtype)  # [B, c, V_local]
-            m = x.max(dim=-1).values  # [B, c]
-            if distributed:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            sumexp = torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)  # [B, c]
+            _, lse = vocab_max_and_logsumexp(x, group)  # [B, c]
             picked = x.gather(-1, local_target[:, s:e].unsqueeze(-1)).squeeze(-1)  # [B, c]
             picked = picked * owned[:, s:e]
             if distributed:
-                dist.all_reduce(sumexp, op=dist.ReduceOp.SUM, group=group)
                 dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=group)
-            lse = m + torch.log(sumexp)  # [B, c]
             lse_all[:, s:e] = lse
             out[:, s:e] = picked - lse
         ctx.save_for_backward(logits, local_target, owned, lse_all)
