@@ -158,6 +158,33 @@ def test_tp2_equals_tp1(ray_local: None, tiny_model_dir: Path, built: list[Built
     assert max_diff(w1, exported_weights(tp.policy)) <= 1e-5
 
 
+def test_cp2_equals_cp1(ray_local: None, tiny_model_dir: Path, built: list[Built]) -> None:
+    """Context parallelism (rlpost.models.dtensor.context_parallel): two ranks split each sequence, 19 tokens so the
+    second slice is padded, activation checkpointing recomputing through the key/value gathers; logprobs, the loss and
+    the updated weights equal one rank's."""
+    data = make_batch(seed=9)
+    data = BatchedDataDict({k: v[:, :S - 1] if v.dim() == 2 else v for k, v in data.items()})
+    data["input_lengths"] = data["input_lengths"].clamp(max=S - 1)
+
+    def run(b: Built) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
+        built.append(b)
+        lp = b.policy.get_logprobs(data)["logprobs"]
+        step = BatchedDataDict(dict(data.items()))
+        step["prev_logprobs"] = lp
+        loss = b.policy.train(step, LOSS).loss
+        w = exported_weights(b.policy)
+        b.close()
+        built.remove(b)
+        return lp, loss, w
+
+    lp1, loss1, w1 = run(Built(policy_cfg(tiny_model_dir, "cluster.gpus_per_node=1", optimizer=SGD), 1))
+    lp2, loss2, w2 = run(Built(policy_cfg(tiny_model_dir, "policy.dtensor_cfg.context_parallel_size=2",
+                                          "policy.dtensor_cfg.activation_checkpointing=true", optimizer=SGD), 2))
+    assert torch.allclose(lp1, lp2, atol=1e-5)
+    assert loss1 == pytest.approx(loss2, abs=1e-5)
+    assert max_diff(w1, w2) <= 1e-5
+
+
 def test_packing_dynamic_batching_and_activation_checkpointing_same_logprobs(
     ray_local: None, tiny_model_dir: Path, built: list[Built]
 ) -> None:

@@ -54,8 +54,10 @@ BAD = [
       "grpo.use_dynamic_sampling=true"], "grpo.use_dynamic_sampling", "not supported with async GRPO"),
     (["grpo.async_grpo.max_trajectory_age_steps=0"], "grpo.async_grpo.max_trajectory_age_steps", "must be > 0"),
     (["grpo.max_rollout_turns=0"], "grpo.max_rollout_turns", "must be > 0"),
-    (["policy.dtensor_cfg.context_parallel_size=2", "cluster.gpus_per_node=2"],
-     "policy.dtensor_cfg.context_parallel_size", "not implemented"),
+    (["policy.dtensor_cfg.context_parallel_size=2", "cluster.gpus_per_node=2", "policy.sequence_packing.enabled=true"],
+     "policy.dtensor_cfg.context_parallel_size", "does not work with sequence packing"),
+    (["policy.dtensor_cfg.context_parallel_size=2", "cluster.gpus_per_node=2", "policy=dtensor_v2"],
+     "policy.dtensor_cfg.context_parallel_size", "runs on policy=dtensor"),
     (["logger.swanlab_enabled=true"], "logger.swanlab_enabled", "not bundled"),
     (["logger.wandb.mode=sometimes"], "logger.wandb.mode", "online, offline, disabled or null"),
     (["checkpointing.metric_name=accuracy"], "checkpointing.metric_name", "'val:' or 'train:'"),
@@ -136,7 +138,7 @@ def test_plan_rejects_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plan_reports_what_the_megatron_worker_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
     # device-independent (validation) and CPU-only (the backend's device check) limits, both before any worker
     assert main(["plan", "policy=megatron", "policy.megatron_cfg.context_parallel_size=2"]) == 2
-    assert "policy.megatron_cfg.context_parallel_size=2: context parallelism is not implemented" in capsys.readouterr().err
+    assert "policy.megatron_cfg.context_parallel_size=2: the Megatron policy worker does not split sequences" in capsys.readouterr().err
     assert main(["plan", "policy=megatron", "cluster.device=cpu", "policy.megatron_cfg.activation_checkpointing=true"]) == 2
     assert "policy.megatron_cfg.activation_checkpointing=True: activation recompute" in capsys.readouterr().err
 

@@ -226,8 +226,6 @@ class MegatronPolicyConfig(PolicyConfig):
              "dynamic batching"),
             (f"{path}.sequence_packing.enabled", self.sequence_packing.enabled, self.sequence_packing.enabled,
              "sequence packing"),
-            (f"{path}.megatron_cfg.context_parallel_size", m.context_parallel_size, m.context_parallel_size > 1,
-             "context parallelism"),
             (f"{path}.megatron_cfg.expert_model_parallel_size", m.expert_model_parallel_size,
              m.expert_model_parallel_size > 1, "expert parallelism"),
             (f"{path}.megatron_cfg.expert_tensor_parallel_size", m.expert_tensor_parallel_size,
@@ -235,6 +233,10 @@ class MegatronPolicyConfig(PolicyConfig):
         ]
         for key, value, on, what in unsupported:
             require(not on, key, value, f"{what} is not implemented by the Megatron policy worker", "turn it off")
+        require(m.context_parallel_size == 1, f"{path}.megatron_cfg.context_parallel_size", m.context_parallel_size,
+                "the Megatron policy worker does not split sequences: megatron-core's local attention has no context "
+                "parallelism (transformer-engine's only)",
+                "use policy=dtensor with policy.dtensor_cfg.context_parallel_size")
         require(not self.scheduler, f"{path}.scheduler", self.scheduler,
                 "the Megatron worker schedules the lr with megatron_cfg.scheduler; torch schedulers are not used",
                 "leave policy.scheduler empty with policy=megatron")

@@ -118,7 +118,8 @@ class DTensorConfig(Block):
     tensor_parallel_size: int = checked(1, POSITIVE)
     """Tensor-parallel size."""
     context_parallel_size: int = checked(1, POSITIVE)
-    """Context-parallel size (not with sequence packing)."""
+    """Ranks that split each sequence (rlpost.models.dtensor.context_parallel: keys and values gathered per layer);
+    policy=dtensor, unpacked micro-batches, a causal LM."""
     custom_parallel_plan: str | None = None
     """Import path of a TP plan (dict or callable) replacing the built-in per-architecture plan."""
     clear_cache_every_n_steps: int | None = checked(None, POSITIVE_OR_NONE)
@@ -141,12 +142,6 @@ class DTensorConfig(Block):
             f"{path}.sequence_parallel",
             self.sequence_parallel,
             "sequence parallelism is not implemented for the DTensor workers yet",
-        )
-        require(
-            self.context_parallel_size == 1,
-            f"{path}.context_parallel_size",
-            self.context_parallel_size,
-            "context parallelism is not implemented for the DTensor workers yet",
         )
 
 
@@ -383,13 +378,16 @@ class DTensorPolicyConfig(PolicyConfig):
             require(self.dtensor_cfg.tensor_parallel_size == 1 or not self._target_.endswith("V2"), key, True,
                     "dtensor_v2 loads a tensor-parallel model already sharded by transformers, before adapters can "
                     "be added", "use policy=dtensor for LoRA with tensor parallelism")
-        if self.dtensor_cfg.context_parallel_size > 1:
-            require(
-                not self.sequence_packing.enabled,
-                f"{path}.dtensor_cfg.context_parallel_size",
-                self.dtensor_cfg.context_parallel_size,
-                "DTensor context parallelism does not work with sequence packing",
-            )
+        cp = self.dtensor_cfg.context_parallel_size
+        if cp > 1:
+            key = f"{path}.dtensor_cfg.context_parallel_size"
+            require(not self.sequence_packing.enabled, key, cp,
+                    "DTensor context parallelism does not work with sequence packing",
+                    f"set {path}.sequence_packing.enabled=false")
+            require(not self._target_.endswith("V2"), key, cp, "context parallelism runs on policy=dtensor",
+                    "use policy=dtensor")
+            require(not self.reward_model_cfg.enabled, key, cp,
+                    "a reward model scores each sequence's last token, which context parallelism splits away")
 
     def parallel_sizes(self) -> dict[str, int]:
         d = self.dtensor_cfg

@@ -115,11 +115,15 @@ def parallelize(
     cpu_offload: bool = False,
     custom_plan: str | None = None,
 ) -> nn.Module:
-    """TP -> AC -> FSDP2 on a 2-D ('dp', 'tp') mesh (FSDP2 only where `rlpost.config.layout.fsdp_needed`)."""
+    """TP -> AC -> FSDP2 on a ('dp', 'tp') or ('dp', 'cp', 'tp') mesh (FSDP2 only where
+    `rlpost.config.layout.fsdp_needed`): the parameters are sharded over the data- and context-parallel ranks
+    together, which hold the same parameters and see different tokens."""
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], custom_plan)
     if activation_checkpointing:
         apply_ac(model)
-    if fsdp_needed(mesh["dp"].size(), mesh["tp"].size(), precision, cpu_offload):
-        apply_fsdp(model, mesh["dp"], DTYPES[precision], cpu_offload)
+    names = mesh.mesh_dim_names or ()
+    shard_mesh = mesh["dp", "cp"]._flatten("dp_cp") if "cp" in names else mesh["dp"]
+    if fsdp_needed(shard_mesh.size(), mesh["tp"].size(), precision, cpu_offload):
+        apply_fsdp(model, shard_mesh, DTYPES[precision], cpu_offload)
     return model

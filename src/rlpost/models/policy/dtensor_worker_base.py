@@ -30,7 +30,8 @@ from rlpost.distributed.batched_data_dict import BatchedDataDict, PackedMicroBat
 from rlpost.distributed.collective_device import all_reduce
 from rlpost.distributed.start_gate import StartGate
 from rlpost.losses.interface import LossFunction, VocabParallelArgs
-from rlpost.models.dtensor import lora
+from rlpost.models.dtensor import context_parallel, lora
+from rlpost.models.dtensor.context_parallel import ContextParallel
 from rlpost.models.dtensor.output_head import head_logits, output_layer
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
@@ -87,16 +88,21 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
                 world_size=self.world_size,
             )
         tp = cfg.dtensor_cfg.tensor_parallel_size
-        self.dp_size = self.world_size // tp
-        self.mesh: DeviceMesh = init_device_mesh(
-            self.device.type, (self.dp_size, tp), mesh_dim_names=(self.DP_DIM, "tp")
-        )
+        cp = cfg.dtensor_cfg.context_parallel_size
+        self.dp_size = self.world_size // (tp * cp)
+        # ('dp', 'cp', 'tp') with context parallelism (rlpost.models.dtensor.context_parallel), else ('dp', 'tp')
+        shape, names = ((self.dp_size, cp, tp), (self.DP_DIM, "cp", "tp")) if cp > 1 else \
+            ((self.dp_size, tp), (self.DP_DIM, "tp"))
+        self.mesh: DeviceMesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         self.tp_size = tp
+        self.cp = ContextParallel(self.mesh["cp"].get_group()) if cp > 1 else None
         self._dp_group: dist.ProcessGroup | None = None
         self.temperature = float(cfg.generation.temperature) if cfg.generation is not None else 1.0
         self.lora: LoRAConfig | None = cfg.dtensor_cfg.lora_cfg if cfg.dtensor_cfg.lora_cfg.enabled else None
         torch.manual_seed(1234)
         self.model = self._build_model()
+        if self.cp is not None:
+            context_parallel.enable(self.model, self.cp)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         if init_optimizer and cfg.optimizer is not None:
@@ -151,7 +157,9 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
                      "attention_mask": pk.attention_mask(torch.float32).to(self.device), "use_cache": False},
                     mb.data, pk)
         # use_cache=False: a scoring pass has no use for the KV cache HF models otherwise build
-        return {"input_ids": mb["input_ids"].to(self.device), "use_cache": False}, mb, None
+        ids = mb["input_ids"].to(self.device)
+        inputs: dict[str, object] = {"input_ids": ids} if self.cp is None else dict(self.cp.inputs(ids))
+        return {**inputs, "use_cache": False}, mb, None
 
     def _forward_logits(self, mb: BatchedDataDict | PackedMicroBatch
                         ) -> tuple[torch.Tensor, BatchedDataDict, PackedSequences | None]:
