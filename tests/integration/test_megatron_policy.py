@@ -59,7 +59,9 @@ LAYOUTS = {
     "tp1_dp2": [],
     # the output layer read 5 tokens at a time (rlpost.models.megatron.output_head), its vocabulary sharded and padded
     "tp2": ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.logprob_chunk_size=5"],
-    "pp2": ["policy.megatron_cfg.pipeline_model_parallel_size=2", "policy.logprob_chunk_size=5"],
+    # each stage's layers recomputed in backward (rlpost.models.megatron.model.checkpoint_layers)
+    "pp2": ["policy.megatron_cfg.pipeline_model_parallel_size=2", "policy.logprob_chunk_size=5",
+            "policy.megatron_cfg.activation_checkpointing=true"],
 }
 
 
@@ -297,7 +299,6 @@ def test_unsupported_options_fail_clearly(
     [
         (["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true"], "cpu",
          "policy.megatron_cfg.sequence_parallel"),
-        (["policy.megatron_cfg.activation_checkpointing=true"], "cpu", "policy.megatron_cfg.activation_checkpointing"),
         (["policy.precision=bfloat16"], "cpu", "policy.precision"),
         (["policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp=true"], "cpu",
          "policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp"),
@@ -306,7 +307,7 @@ def test_unsupported_options_fail_clearly(
         (["policy.precision=float32", "policy.megatron_cfg.optimizer.fp16=true"], "cuda",
          "policy.megatron_cfg.optimizer.fp16"),
     ],
-    ids=["sequence_parallel", "activation_checkpointing", "bf16_training", "megatron_fsdp", "bf16_flag",
+    ids=["sequence_parallel", "bf16_training", "megatron_fsdp", "bf16_flag",
          "fp16_flag"],
 )
 def test_config_checks_name_the_key(overrides: list[str], device: str, key: str, tmp_path: Path) -> None:

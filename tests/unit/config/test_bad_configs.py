@@ -139,8 +139,9 @@ def test_plan_reports_what_the_megatron_worker_cannot_run(capsys: pytest.Capture
     # device-independent (validation) and CPU-only (the backend's device check) limits, both before any worker
     assert main(["plan", "policy=megatron", "policy.megatron_cfg.context_parallel_size=2"]) == 2
     assert "policy.megatron_cfg.context_parallel_size=2: the Megatron policy worker does not split sequences" in capsys.readouterr().err
-    assert main(["plan", "policy=megatron", "cluster.device=cpu", "policy.megatron_cfg.activation_checkpointing=true"]) == 2
-    assert "policy.megatron_cfg.activation_checkpointing=True: activation recompute" in capsys.readouterr().err
+    fsdp = "policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp"
+    assert main(["plan", "policy=megatron", "cluster.device=cpu", f"{fsdp}=true"]) == 2
+    assert f"{fsdp}=True: megatron FSDP is GPU-only" in capsys.readouterr().err
 
 
 def test_plan_of_the_default_job_imports_nothing_heavy() -> None:

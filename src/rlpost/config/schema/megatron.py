@@ -115,7 +115,7 @@ class MegatronConfig(Block):
     empty_unused_memory_level: int = checked(0, options(0, 1, 2))
     """0: never, 1: after each step, 2: also after each micro-batch, empty the allocator cache."""
     activation_checkpointing: bool = False
-    """Full uniform recompute of every layer."""
+    """Recompute each decoder layer in backward (rlpost.models.megatron.model.checkpoint_layers)."""
     converter_type: str = "auto"
     """HF architecture to convert from ('Qwen2ForCausalLM', 'LlamaForCausalLM', or 'auto' from config.json)."""
     tensor_model_parallel_size: int = checked(1, POSITIVE)
@@ -280,8 +280,6 @@ class MegatronPolicyConfig(PolicyConfig):
                  m.distributed_data_parallel_config.use_custom_fsdp, "megatron FSDP"),
                 (f"{path}.megatron_cfg.sequence_parallel", m.sequence_parallel,
                  "sequence parallelism (the local layer spec's torch norms reject it)"),
-                (f"{path}.megatron_cfg.activation_checkpointing", m.activation_checkpointing,
-                 "activation recompute (megatron saves CUDA RNG states)"),
                 (f"{path}.precision", self.precision if init_optimizer and self.precision != "float32" else None,
                  "training in bf16/fp16 (megatron's mixed-precision optimizer)"),
             ]

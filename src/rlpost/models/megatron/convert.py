@@ -227,8 +227,6 @@ def transformer_config_from_hf(
         # The post-batch_isend_irecv torch.cuda.synchronize() guards CUDA streams; gloo requests are waited on.
         batch_p2p_sync=on_gpu,
     )
-    if megatron_cfg.activation_checkpointing:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     extra = {k: v for k, v in megatron_cfg.extra.items() if k != VOCAB_DIVISOR_KEY}
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
     unknown = sorted(set(extra) - known)

@@ -12,7 +12,9 @@ grad-norm buffers, token counters) and calls `.cuda()`. On a CPU-only torch each
 3. `seed_model_parallel_rng` uses megatron's public
    `initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)` instead of
    `model_parallel_cuda_manual_seed` (which needs `torch.cuda.get_rng_state`); the tracker's `fork()` is then a
-   no-op, so dropout must be 0 (the converted configs set it to 0).
+   no-op, so dropout must be 0 (the converted configs set it to 0);
+4. `recompute_context()` puts the mode back for a layer that activation checkpointing recomputes: the backward
+   that recomputes it is a torch call, run by the mode's handler with the mode off.
 
 It is active only when turned on explicitly (`enable_cpu_compat()` / `cpu_compat()`), by a worker that has no
 CUDA device; `enable_cpu_compat()` refuses (returns False, changes nothing) when CUDA is available, so it is never
@@ -152,6 +154,11 @@ def disable_cpu_compat() -> None:
         if _STATE.saved_current_device is not None:
             torch.cuda.current_device = _STATE.saved_current_device
             _STATE.saved_current_device = None
+
+
+def recompute_context() -> contextlib.AbstractContextManager[object]:
+    """The mode again, while the layer is on (else nothing): the context a recomputed forward runs in."""
+    return _CudaToCpuMode() if is_cpu_compat_active() else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -19,6 +19,8 @@ is rejected.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -201,9 +203,27 @@ def build_gpt_model(
     if load_weights:
         assert hf_state_dict is not None
         load_hf_weights(model, hf_config, hf_state_dict, megatron_cfg)
+    if megatron_cfg.activation_checkpointing:
+        checkpoint_layers(model)
     if precision != "float32":
         return Float16Module(config, model)
     return model
+
+
+def checkpoint_layers(model: GPTModel) -> None:
+    """Recompute each decoder layer of this stage in backward: torch's non-reentrant checkpoint around the layer's
+    forward, as the DTensor workers do, on every device. megatron-core's own recompute (`recompute_granularity`)
+    saves and restores CUDA RNG states, which a CPU does not have; the layers here run without dropout, so the
+    recomputed forward is the same either way. The module tree and its parameter names are left as they are."""
+    from torch.utils.checkpoint import checkpoint
+
+    from rlpost.models.megatron.cpu_compat import recompute_context
+
+    def contexts() -> tuple[contextlib.AbstractContextManager[object], contextlib.AbstractContextManager[object]]:
+        return contextlib.nullcontext(), recompute_context()  # on CPU the recompute needs the compatibility layer
+
+    for layer in model.decoder.layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False, context_fn=contexts)
 
 
 def vocab_shard_range(model: torch.nn.Module, tp_group: dist.ProcessGroup | None) -> tuple[int, int, int]:
