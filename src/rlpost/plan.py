@@ -123,7 +123,8 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
 
 
 def _long_sequences(cfg: MasterConfig | SupervisedMasterConfig) -> str:
-    """How the training step bounds a long sequence's memory: the output layer in chunks, activation checkpointing."""
+    """How the training step bounds a long sequence's memory: the output layer in chunks, activation checkpointing,
+    context parallelism."""
     p = cfg.policy
     backend = getattr(p, "dtensor_cfg", None) or getattr(p, "megatron_cfg", None)
     checkpointing = "on" if getattr(backend, "activation_checkpointing", False) else "off"
@@ -136,7 +137,9 @@ def _long_sequences(cfg: MasterConfig | SupervisedMasterConfig) -> str:
                 "(policy.logprob_chunk_size), never the whole tokens x vocabulary logits")
     else:
         head = "the output layer read in chunks of policy.logprob_chunk_size tokens"
-    return f"{head}; activation checkpointing {checkpointing}"
+    cp = p.parallel_sizes()["cp"]
+    split = f"; each sequence split over {cp} context-parallel ranks" if cp > 1 else ""
+    return f"{head}; activation checkpointing {checkpointing}{split}"
 
 
 STARTUP_COLOCATED = "engine first, asleep, then the policy"

@@ -13,6 +13,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
 TIMING = ("timing/", "performance/", "resources/")
+AC = "policy.dtensor_cfg.activation_checkpointing=true"
+"""Activation checkpointing on: an algorithm's test run trains through layers recomputed in backward."""
 """Metric prefixes that measure the machine, not the run: left out where two runs are compared."""
 
 

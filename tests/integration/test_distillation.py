@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cli_runs import RLPOST, env, metrics, train
+from tests.integration.cli_runs import AC, RLPOST, env, metrics, train
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,8 @@ def test_the_student_learns_the_task_from_the_teacher(teacher: tuple[Path, float
     checkpoint, teacher_accuracy = teacher
     assert teacher_accuracy >= 0.8
     run = tmp_path / "student"
-    train(run, cache, "algo=distillation", f"distillation.teacher.model_path={checkpoint}", "checkpointing=disabled")
+    train(run, cache, "algo=distillation", f"distillation.teacher.model_path={checkpoint}", "checkpointing=disabled",
+          AC)
     lines = metrics(run)
     kl = [m["train/kl_to_teacher"] for m in lines]
     assert sum(kl[-5:]) / 5 < 0.1 * sum(kl[:5]) / 5, kl

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cli_runs import metrics, train
+from tests.integration.cli_runs import AC, metrics, train
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def test_critic_warmup_on_workers_of_its_own(cache: Path, tmp_path: Path) -> Non
     run = tmp_path / "warmup"
     train(run, cache, "algo=ppo", "ppo.critic_warmup_steps=2", "grpo.max_num_steps=3", "critic.colocated=false",
           "checkpointing=disabled", "grpo.val_period=0", "ppo.whiten_advantages=false", "ppo.gamma=0.9",
-          "ppo.lam=0.5", "ppo.value_clip=null")
+          "ppo.lam=0.5", "ppo.value_clip=null", AC)
     lines = metrics(run)
     assert [m["train/policy_trained"] for m in lines] == [0.0, 0.0, 1.0]
     assert [m["train/grad_norm"] == 0.0 for m in lines] == [True, True, False]
@@ -65,7 +65,7 @@ def test_critic_warmup_on_workers_of_its_own(cache: Path, tmp_path: Path) -> Non
 def test_a_megatron_critic_is_trained_checkpointed_and_resumed(cache: Path, tmp_path: Path) -> None:
     run = tmp_path / "megatron"
     short = ["algo=ppo", "policy=megatron", "grpo.val_period=0", "checkpointing.metric_name=null",
-             "checkpointing.save_period=3"]
+             "checkpointing.save_period=3", "policy.megatron_cfg.activation_checkpointing=true"]
     train(run, cache, *short, "grpo.max_num_steps=3")
     assert any((run / "checkpoints" / "step_3" / "critic" / "weights").iterdir())
     out = train(run, cache, *short, "grpo.max_num_steps=4")

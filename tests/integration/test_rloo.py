@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cli_runs import metrics, train
+from tests.integration.cli_runs import AC, metrics, train
 
 pytestmark = pytest.mark.slow
 
 
 def test_rloo_learns_the_default_task(cache: Path, tmp_path: Path) -> None:
     run = tmp_path / "rloo"
-    out = train(run, cache, "algo=rloo", "grpo.max_num_steps=45", "grpo.val_period=0", "checkpointing=disabled")
+    out = train(run, cache, "algo=rloo", "grpo.max_num_steps=45", "grpo.val_period=0", "checkpointing=disabled", AC)
     assert "RLOO" in out.stderr + out.stdout  # the progress bar's label
     lines = metrics(run)
     rewards = [m["train/reward"] for m in lines]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.fault_table import Record
-from tests.integration.cli_runs import RLPOST, TIMING, env, kill_9_after_checkpoint, metrics, train
+from tests.integration.cli_runs import AC, RLPOST, TIMING, env, kill_9_after_checkpoint, metrics, train
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def test_sft_held_out_loss_falls(cache: Path, tmp_path: Path) -> None:
     """The default `rlpost train algo=sft` (copy_digit) with a reduced budget: the loss on held-out rows falls
     and greedy decoding of the held-out answers becomes right."""
     run = tmp_path / "sft"
-    out = train(run, cache, "algo=sft", "sft.max_num_steps=20", "checkpointing=disabled")
+    out = train(run, cache, "algo=sft", "sft.max_num_steps=20", "checkpointing=disabled", AC)
     val = validations(run)
     assert [m["step"] for m in val] == [0, 10, 20]
     assert val[-1]["validation/loss"] < 0.5 * val[0]["validation/loss"], val
@@ -65,7 +65,7 @@ def test_sft_memorises_a_mapping_and_the_export_reproduces_it(cache: Path, tmp_p
 
 def test_dpo_learns_the_preference_with_a_finite_kl(cache: Path, tmp_path: Path) -> None:
     run = tmp_path / "dpo"
-    train(run, cache, "algo=dpo", "dpo.max_num_steps=30", "checkpointing=disabled")
+    train(run, cache, "algo=dpo", "dpo.max_num_steps=30", "checkpointing=disabled", AC)
     val = validations(run)
     assert val[0]["validation/accuracy"] == 0.0 and val[0]["validation/kl_to_reference"] == pytest.approx(0.0)
     assert val[-1]["validation/accuracy"] > 0.9, val
@@ -84,7 +84,7 @@ def test_reward_model_ranks_pairs_and_serves_as_a_grpo_environment(cache: Path, 
     from rlpost.data.supervised_rows import load_supervised_rows
 
     run = tmp_path / "rm"
-    train(run, cache, "algo=rm", "checkpointing.save_period=1000")
+    train(run, cache, "algo=rm", "checkpointing.save_period=1000", AC)
     assert validations(run)[-1]["validation/accuracy"] > 0.9
     hf = _hf(run, 120)
     model = AutoModelForSequenceClassification.from_pretrained(hf).eval()

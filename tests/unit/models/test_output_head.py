@@ -116,6 +116,10 @@ def test_a_teachers_top_k_read_in_chunks_equals_the_whole_log_softmax(tiny_model
     (["algo=sft", "model.tiny.vocab_size=49152"], f"chunks of up to {LOGITS_CHUNK_BYTES // (4 * 49152):,} tokens"),
     (["policy=megatron", "cluster.gpus_per_node=2", "policy.megatron_cfg.tensor_model_parallel_size=2",
       "policy.megatron_cfg.sequence_parallel=true"], "the whole logits (sequence parallelism)"),
+    (["algo=dpo", "policy=megatron", "policy.megatron_cfg.activation_checkpointing=true"],
+     "activation checkpointing on"),
+    (["cluster.gpus_per_node=2", "policy.dtensor_cfg.context_parallel_size=2"],
+     "each sequence split over 2 context-parallel ranks"),
 ])
 def test_the_plan_says_how_long_sequences_are_bounded(overrides: list[str], shown: str) -> None:
     from rlpost.config.load import load_master_config
