@@ -166,11 +166,8 @@ class ClippedPGLossFn:
         """True when the KL penalty needs the reference model's logprobs."""
         return self.reference_policy_kl_penalty != 0.0
 
-    @property
-    def chunked_logits(self) -> bool:
-        """The logits are read through their logprobs only (HeadLogits will do), unless a distillation teacher's
-        top-k KL reads every one of them."""
-        return not self.distillation_kl_coef
+    chunked_logits = True
+    """The logits are read through logprobs only, the teacher's top-k KL included: HeadLogits will do."""
 
     TOKEN_MEAN_METRICS = frozenset({"probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error",
                                     "policy_kl_error", "js_divergence_error", "sampling_importance_ratio",
@@ -284,8 +281,7 @@ class ClippedPGLossFn:
         loss = actor_loss + kl
         teacher: dict[str, float] = {}
         if self.distillation_kl_coef:
-            whole = next_token_logits if isinstance(next_token_logits, torch.Tensor) else next_token_logits.materialize()
-            to_teacher, teacher = teacher_kl(whole, data, mask, gvt)
+            to_teacher, teacher = teacher_kl(next_token_logits, data, mask, gvt)
             loss = loss + self.distillation_kl_coef * to_teacher
 
         with torch.no_grad():

@@ -11,6 +11,7 @@ from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.losses.clipped_pg import LossConfigLike, _coerce_config
 from rlpost.losses.interface import LossType
 from rlpost.losses.teacher_kl import teacher_kl
+from rlpost.ops.chunked_head import HeadLogits
 
 _EPS = 1e-8
 
@@ -21,6 +22,8 @@ class DistillationLossFn:
     loss_type = LossType.TOKEN_LEVEL
     needs_prev_logprobs = False
     needs_reference_logprobs = False
+    chunked_logits = True
+    """The student's logprobs at the teacher's top-k are read a chunk of tokens at a time (HeadLogits)."""
     TOKEN_MEAN_METRICS = frozenset({"kl_to_teacher", "teacher_topk_mass", "student_topk_mass"})
 
     def __init__(self, cfg: LossConfigLike | None = None) -> None:
@@ -34,7 +37,7 @@ class DistillationLossFn:
 
     def __call__(
         self,
-        next_token_logits: torch.Tensor,
+        next_token_logits: torch.Tensor | HeadLogits,
         data: BatchedDataDict,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
@@ -45,6 +48,8 @@ class DistillationLossFn:
         if vocab_parallel_group is not None:
             raise ValueError("the distillation loss needs whole-vocabulary logits (no vocab-parallel shards)")
         mask = data["token_mask"][:, 1:].float() * data["sample_mask"].float()[:, None]
-        loss, metrics = teacher_kl(next_token_logits, data, mask.to(next_token_logits.device), global_valid_toks,
+        device = next_token_logits.hidden.device if isinstance(next_token_logits, HeadLogits) else \
+            next_token_logits.device
+        loss, metrics = teacher_kl(next_token_logits, data, mask.to(device), global_valid_toks,
                                    self.cfg.kl_type, self.cfg.mixed_kl_weight)
         return loss, {"loss": float(loss), **metrics, "num_valid_samples": float(data["sample_mask"].sum())}

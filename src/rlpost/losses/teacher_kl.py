@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from rlpost.distributed.batched_data_dict import BatchedDataDict
+from rlpost.ops.chunked_head import HeadLogits
 
 _EPS = 1e-8
 _REST_FLOOR = 1e-12
@@ -25,13 +26,17 @@ _REST_FLOOR = 1e-12
 KL_TYPES = ("reverse", "forward", "mixed")
 
 
-def topk_kl(student_logits: torch.Tensor, indices: torch.Tensor, teacher_logprobs: torch.Tensor,
+def topk_kl(student_logits: torch.Tensor | HeadLogits, indices: torch.Tensor, teacher_logprobs: torch.Tensor,
             kl_type: str = "reverse", mixed_kl_weight: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token KL [B, T], the student's probability mass on the teacher's top-k [B, T]) for student logits
-    [B, T, V] and the teacher's top-k indices / logprobs [B, T, k] (see the module docstring)."""
-    dtype = torch.promote_types(student_logits.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
-    s_full = torch.log_softmax(student_logits.to(dtype), dim=-1)  # [B, T, V]
-    s = torch.gather(s_full, -1, indices.long())  # [B, T, k]
+    [B, T, V] (or the output layer read in chunks, rlpost.ops.chunked_head.HeadLogits) and the teacher's top-k
+    indices / logprobs [B, T, k] (see the module docstring)."""
+    if isinstance(student_logits, HeadLogits):
+        s = student_logits.logprobs_at(indices.long())  # [B, T, k], never the whole [B, T, V]
+    else:
+        dtype = torch.promote_types(student_logits.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
+        s = torch.gather(torch.log_softmax(student_logits.to(dtype), dim=-1), -1, indices.long())  # [B, T, k]
+    dtype = s.dtype
     t = teacher_logprobs.to(dtype)
     s_mass = s.exp().sum(-1)  # [B, T]
 
@@ -53,7 +58,7 @@ def topk_kl(student_logits: torch.Tensor, indices: torch.Tensor, teacher_logprob
     return kl, s_mass
 
 
-def teacher_kl(student_logits: torch.Tensor, data: BatchedDataDict, mask: torch.Tensor, global_valid_toks: torch.Tensor,
+def teacher_kl(student_logits: torch.Tensor | HeadLogits, data: BatchedDataDict, mask: torch.Tensor, global_valid_toks: torch.Tensor,
                kl_type: str = "reverse", mixed_kl_weight: float = 0.5) -> tuple[torch.Tensor, dict[str, float]]:
     """The token mean over the global batch of the KL to the teacher on `mask` [B, S-1] (student logits [B, S, V]
     predict token t + 1 at t), and its metrics (each a share of the global mean: they sum over micro-batches)."""

@@ -31,14 +31,14 @@ from rlpost.ops.logprobs import _chunks, _compute_dtype, vocab_max_and_logsumexp
 
 
 class _HeadLogprobs(torch.autograd.Function):
-    """logprob[n] = (hidden[n] @ weight.T / T)[target[n]] - logsumexp over the whole vocabulary."""
+    """logprob[n, j] = (hidden[n] @ weight.T / T)[target[n, j]] - logsumexp over the whole vocabulary."""
 
     @staticmethod
     def forward(
         ctx: Any,
         hidden: torch.Tensor,  # [N, H]
         weight: torch.Tensor,  # [V_local, H]
-        target: torch.Tensor,  # [N] global token ids
+        target: torch.Tensor,  # [N, k] global token ids
         chunk_size: int | None,
         temperature: float,
         vocab_start: int,
@@ -47,21 +47,21 @@ class _HeadLogprobs(torch.autograd.Function):
     ) -> torch.Tensor:
         dtype = _compute_dtype(hidden, weight)
         v_local = weight.shape[0]
-        owned = (target >= vocab_start) & (target < vocab_start + v_local)  # [N]
-        local_target = torch.where(owned, target - vocab_start, torch.zeros_like(target))  # [N]
-        out = torch.empty(target.shape, dtype=dtype, device=hidden.device)  # [N]
-        lse_all = torch.empty_like(out)  # [N]
+        owned = (target >= vocab_start) & (target < vocab_start + v_local)  # [N, k]
+        local_target = torch.where(owned, target - vocab_start, torch.zeros_like(target))  # [N, k]
+        out = torch.empty(target.shape, dtype=dtype, device=hidden.device)  # [N, k]
+        lse_all = torch.empty(target.shape[:1], dtype=dtype, device=hidden.device)  # [N]
         chunks = _chunks(target.shape[0], chunk_size)
         kept: torch.Tensor | None = None
         for s, e in chunks:
             x = _logits(hidden[s:e], weight, temperature, dtype, valid_rows)  # [c, V_local]
-            picked = x.gather(-1, local_target[s:e].unsqueeze(-1)).squeeze(-1) * owned[s:e]  # [c]
+            picked = x.gather(-1, local_target[s:e]) * owned[s:e]  # [c, k]
             if group is None:
                 lse_all[s:e] = torch.logsumexp(x, dim=-1)  # fused: one pass over the chunk
             else:
                 lse_all[s:e] = vocab_max_and_logsumexp(x, group)[1]
                 dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=group)
-            out[s:e] = picked - lse_all[s:e]
+            out[s:e] = picked - lse_all[s:e].unsqueeze(-1)
             if len(chunks) == 1:
                 kept = x  # one chunk is the whole logits anyway: kept, not computed again in backward
         ctx.save_for_backward(hidden, weight, local_target, owned, lse_all, kept)
@@ -72,14 +72,14 @@ class _HeadLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, local_target, owned, lse_all, kept = ctx.saved_tensors
         dtype = lse_all.dtype
-        g_all = grad_out.to(dtype)  # [N]
+        g_all = grad_out.to(dtype)  # [N, k]
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)  # [N, H]
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)  # [V_local, H]
         for s, e in _chunks(local_target.shape[0], ctx.chunk_size):
             x = kept if kept is not None else _logits(hidden[s:e], weight, ctx.temperature, dtype, ctx.valid_rows)
-            g = g_all[s:e]  # [c]
-            dx = x.sub_(lse_all[s:e].unsqueeze(-1)).exp_().mul_((-g).unsqueeze(-1))  # -g * softmax, in place
-            dx.scatter_add_(-1, local_target[s:e].unsqueeze(-1), (g * owned[s:e]).unsqueeze(-1))
+            g = g_all[s:e]  # [c, k]
+            dx = x.sub_(lse_all[s:e].unsqueeze(-1)).exp_().mul_(-g.sum(-1, keepdim=True))  # -sum(g) * softmax
+            dx.scatter_add_(-1, local_target[s:e], g * owned[s:e])
             if ctx.temperature != 1.0:
                 dx.div_(ctx.temperature)
             dx_mm = dx.to(hidden.dtype)  # the matmuls run in the layer's dtype (bf16 under mixed precision)
@@ -119,17 +119,19 @@ def head_logprobs(
     vocab_size: int | None = None,
 ) -> torch.Tensor:
     """log p(target[n] | hidden[n]) [N] through the output layer `weight` [V_local, H] (rows vocab_start onward of
-    the vocabulary; the whole of it without a group), `chunk_size` tokens at a time (None: all at once). Every rank
-    of `group` passes the same hidden states and targets and gets the same result. `vocab_size`: the real
-    vocabulary when the layer's is padded (ids from it on are never predicted); None: every row is real."""
+    the vocabulary; the whole of it without a group), `chunk_size` tokens at a time (None: all at once); with
+    targets [N, k], the log-probability of each of k ids per token [N, k]. Every rank of `group` passes the same
+    hidden states and targets and gets the same result. `vocab_size`: the real vocabulary when the layer's is padded
+    (ids from it on are never predicted); None: every row is real."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be [N, H] and [V, H]")
-    if target.shape != hidden.shape[:1]:
-        raise ValueError(f"target {tuple(target.shape)} must be [N] for hidden {tuple(hidden.shape)}")
+    if target.shape[:1] != hidden.shape[:1] or target.dim() > 2:
+        raise ValueError(f"target {tuple(target.shape)} must be [N] or [N, k] for hidden {tuple(hidden.shape)}")
     valid = _valid_rows(weight, vocab_start, vocab_size)
-    out: torch.Tensor = _HeadLogprobs.apply(hidden, weight, target.long(), chunk_size, float(temperature),
+    targets = target.long().reshape(target.shape[0], -1)  # [N, k]
+    out: torch.Tensor = _HeadLogprobs.apply(hidden, weight, targets, chunk_size, float(temperature),
                                             vocab_start, group, valid)
-    return out
+    return out.view(target.shape)
 
 
 @dataclass(frozen=True)
@@ -138,8 +140,7 @@ class HeadLogits:
     (a loss's logprobs, the token-accuracy metric) goes through them `chunk_size` tokens at a time. `weight` is this
     rank's rows [vocab_start, vocab_start + V_local) of the output layer (the whole of it without a group).
 
-    Slicing the batch and sequence dimensions (`logits[:, :-1]`, a packed row's sequence) slices the hidden states;
-    `materialize()` makes the whole logits for a reader that needs every one of them."""
+    Slicing the batch and sequence dimensions (`logits[:, :-1]`, a packed row's sequence) slices the hidden states."""
 
     hidden: torch.Tensor
     """[B, S, H] final hidden states (the output layer's input)."""
@@ -181,6 +182,15 @@ class HeadLogits:
                            self.vocab_size).view(b, s - 1)
         return torch.cat([lp.new_zeros(b, 1), lp], dim=1)
 
+    def logprobs_at(self, indices: torch.Tensor) -> torch.Tensor:
+        """[B, S, k] log-probabilities of the ids `indices` [B, S, k] at each position (a teacher's top-k under the
+        student, rlpost.losses.teacher_kl), differentiable, a chunk of tokens at a time."""
+        b, s, h = self.hidden.shape
+        if indices.shape[:2] != (b, s) or indices.dim() != 3:
+            raise ValueError(f"logits [{b}, {s}, V] and indices {tuple(indices.shape)} disagree on [B, S, k]")
+        return head_logprobs(self.hidden.reshape(-1, h), self.weight, indices.reshape(b * s, -1), self.chunk_size,
+                             self.temperature, self.vocab_start, self.group, self.vocab_size).view(indices.shape)
+
     @torch.no_grad()
     def max_and_logsumexp(self) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, S] the largest logit, [B, S] the logsumexp) over the whole vocabulary, chunk by chunk, in fp32."""
@@ -212,13 +222,6 @@ class HeadLogits:
             top = x.topk(kk, dim=-1)
             idx[lo:hi], vals[lo:hi] = top.indices, top.values - torch.logsumexp(x, dim=-1, keepdim=True)
         return idx.view(b, s, kk), vals.view(b, s, kk)
-
-    def materialize(self) -> torch.Tensor:
-        """The whole logits [B, S, V_local] in fp32 (for a reader of every logit, e.g. a teacher's top-k KL)."""
-        b, s, h = self.hidden.shape
-        x = _logits(self.hidden.reshape(-1, h), self.weight, self.temperature,
-                    _compute_dtype(self.hidden, self.weight), self._valid_rows)
-        return x.view(b, s, -1)
 
     def zero(self) -> torch.Tensor:
         """A zero scalar in the autograd graph of the hidden states (an empty micro-batch's loss)."""

@@ -98,3 +98,24 @@ def test_grpo_loss_adds_the_teacher_kl_times_its_coefficient() -> None:
     kl, _ = DistillationLossFn()(logits, data, torch.tensor(3.0), n)
     assert float(added - plain) == pytest.approx(0.25 * float(kl), abs=1e-6)
     assert metrics["kl_to_teacher"] == pytest.approx(float(kl), abs=1e-6)
+
+
+@pytest.mark.parametrize("kl_type", ["reverse", "forward", "mixed"])
+def test_the_kl_through_the_chunked_output_layer_equals_the_whole_logits(kl_type: str) -> None:
+    """The student's side read a few tokens at a time (HeadLogits.logprobs_at): the KL, the student's top-k mass
+    and the gradients of the hidden states and the output layer equal those of the whole logits."""
+    from rlpost.ops.chunked_head import HeadLogits
+
+    g = torch.Generator().manual_seed(4)
+    b, t, h, v, k = 2, 7, 6, 23, 5
+    hidden = torch.randn(b, t, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
+    _, indices, teacher_lp = _teacher(b, t, v, k, seed=5)
+    whole_kl, whole_mass = topk_kl(hidden @ weight.T / 0.8, indices, teacher_lp, kl_type, 0.3)
+    want = torch.autograd.grad(whole_kl.sum(), (hidden, weight))
+    chunked_kl, chunked_mass = topk_kl(HeadLogits(hidden, weight, 0.8, 3), indices, teacher_lp, kl_type, 0.3)
+    got = torch.autograd.grad(chunked_kl.sum(), (hidden, weight))
+    torch.testing.assert_close(chunked_kl, whole_kl, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(chunked_mass, whole_mass, rtol=1e-12, atol=1e-12)
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-10)

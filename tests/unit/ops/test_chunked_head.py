@@ -134,3 +134,18 @@ def test_a_padded_vocabulary_predicts_only_its_real_ids(chunk: int | None) -> No
         hidden)[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gw[:real], want[2], rtol=1e-12, atol=1e-12)
     assert torch.all(gw[real:] == 0)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_k_targets_per_token_equal_the_whole_log_softmax(chunk: int | None) -> None:
+    """[N, k] targets (a teacher's top-k under the student): each one's logprob and the gradients."""
+    hidden, weight, _, _ = _inputs(torch.float64)
+    g = torch.Generator().manual_seed(1)
+    targets = torch.stack([torch.randperm(V, generator=g)[:3] for _ in range(N)])  # [N, 3], distinct per token
+    upstream = torch.randn(N, 3, generator=g, dtype=torch.float64)
+    whole = torch.log_softmax(hidden @ weight.T / 0.7, dim=-1).gather(-1, targets)
+    want = (whole.detach(), *torch.autograd.grad((whole * upstream).sum(), (hidden, weight)))
+    lp = head_logprobs(hidden, weight, targets, chunk, 0.7)
+    got = (lp.detach(), *torch.autograd.grad((lp * upstream).sum(), (hidden, weight)))
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a, w, rtol=1e-12, atol=1e-12)
