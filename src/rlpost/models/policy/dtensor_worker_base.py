@@ -41,6 +41,7 @@ from rlpost.models.policy.optim import build_optimizer, build_scheduler
 from rlpost.models.policy.train_parts import Parts, PartsLoss, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
 from rlpost.ops.chunked_head import HeadLogits
+from rlpost.runtime import host_malloc
 from rlpost.runtime.gc_heap import import_frozen
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         # The heavy imports first, with the collector paused and their objects frozen (rlpost.runtime.gc_heap): the
         # model classes, and torch's compiler stack that the optimizer's first param group imports.
         import_frozen("torch._dynamo", "transformers.models.auto.modeling_auto")
+        if host_malloc.wanted(cfg.max_total_sequence_length):  # freed activations leave the process
+            host_malloc.map_large_buffers()
         if start_after is not None:  # colocated engines start, and sleep, before this rank touches the device
             start_after.wait()
         self.cfg = cfg

@@ -69,6 +69,7 @@ from rlpost.models.policy.global_batches import finish_result, train_global_batc
 from rlpost.models.policy.interfaces import WorkerTrainResult
 from rlpost.models.policy.train_parts import Parts, PartsLoss, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
+from rlpost.runtime import host_malloc
 from rlpost.runtime.gc_heap import import_frozen
 
 if TYPE_CHECKING:
@@ -136,6 +137,8 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
     ) -> None:
         # megatron-core's import (a large heap) with the collector paused, then frozen (rlpost.runtime.gc_heap)
         import_frozen("megatron.core.models.gpt.gpt_model", "megatron.core.optimizer", "megatron.core.distributed")
+        if host_malloc.wanted(self.cfg.max_total_sequence_length):  # freed activations leave the process
+            host_malloc.map_large_buffers()
         from megatron.core import parallel_state as ps
 
         from rlpost.models.megatron.cpu_compat import seed_model_parallel_rng
