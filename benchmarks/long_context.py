@@ -1,14 +1,16 @@
 """Long sequences on the DTensor policy: one SFT training step, then one logprob pass, on one row of T tokens, the output
 layer read in chunks (rlpost.ops.chunked_head.HeadLogits) against the whole [T, V] logits, with and without activation
-checkpointing; the worker's peak memory and time.
+checkpointing, on one rank or split over `--cp` context-parallel ranks; the worker's peak memory and time.
 
     make smollm2 && .venv/bin/python -m benchmarks.long_context --tokens 1024 2048 4096 8192
     .venv/bin/python -m benchmarks.long_context --tokens 1024 4096 --heads chunked --ac on
+    .venv/bin/python -m benchmarks.long_context --tokens 4096 --heads chunked --ac on --cp 1 2   # context parallelism
     .venv/bin/python -m benchmarks.long_context --tokens 256 512 model=tiny      # the tiny model, a quick look
 
-Each (tokens, head, checkpointing) runs in a child process of its own holding one real DTensorPolicyWorker (world
-size 1, gloo, one torch thread, as a run's worker): its memory is that process's RSS, sampled every 50 ms, its peak
-during the step beside its level before it (the model, its gradients and the optimizer state). "whole" is the loss
+Each (tokens, head, checkpointing, cp) runs in child processes of its own, one per rank, each holding one real
+DTensorPolicyWorker (gloo, one torch thread, as a run's worker): a rank's memory is its process's RSS, sampled every
+50 ms, its peak during the step beside its level before it (the model, its gradients and the optimizer state); a row
+reports the largest rank. "whole" is the loss
 asking for real logits (a loss without `chunked_logits`), as every loss did before the output layer was chunked.
 Extra arguments are Hydra overrides (default: model=smollm2_135m). Results: results/bench_long_context.json, the
 latest run per configuration.
@@ -56,8 +58,9 @@ class _PeakRSS:
         self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
-def _child(tokens: int, head: str, ac: bool, overrides: list[str]) -> dict[str, Any]:
-    """One worker, one row of `tokens` tokens: a logprob pass, then a training step. Runs in its own process."""
+def _child(tokens: int, head: str, ac: bool, cp: int, overrides: list[str]) -> dict[str, Any]:
+    """One worker (rank RANK of `cp`), one row of `tokens` tokens: two training steps, then a logprob pass. Runs in
+    its own process."""
     import torch
 
     from rlpost.config.load import load_master_config
@@ -69,9 +72,10 @@ def _child(tokens: int, head: str, ac: bool, overrides: list[str]) -> dict[str, 
     from rlpost.models.tiny import ensure_tiny_model
     from rlpost.ops.logprobs import next_token_logprobs
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")),
-                      RLPOST_DEVICE="cpu")
-    _, cfg = load_master_config(["algo=sft", "cluster.gpus_per_node=1", "cluster.device=cpu",
+    os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
+    os.environ.update(WORLD_SIZE=str(cp), MASTER_ADDR="127.0.0.1", RLPOST_DEVICE="cpu")
+    _, cfg = load_master_config(["algo=sft", f"cluster.gpus_per_node={cp}", "cluster.device=cpu",
+                                 f"policy.dtensor_cfg.context_parallel_size={cp}",
                                  f"policy.max_total_sequence_length={tokens}", "policy.train_global_batch_size=1",
                                  "policy.train_micro_batch_size=1", "policy.logprob_batch_size=1",
                                  f"policy.dtensor_cfg.activation_checkpointing={str(ac).lower()}", *overrides])
@@ -88,7 +92,7 @@ def _child(tokens: int, head: str, ac: bool, overrides: list[str]) -> dict[str, 
         chunked_logits = False  # the model's own lm_head: the whole [T, V] logits, and their gradient
 
     loss = NLLLoss() if head == "chunked" else WholeLogits()
-    out: dict[str, Any] = {"tokens": tokens, "head": head, "activation_checkpointing": ac, "vocab": vocab}
+    out: dict[str, Any] = {"tokens": tokens, "head": head, "activation_checkpointing": ac, "cp": cp, "vocab": vocab}
     worker.train(data, loss)  # the first step builds the optimizer state: measured on the second
     with _PeakRSS() as mem:
         t0 = time.perf_counter()
@@ -109,15 +113,24 @@ def _child(tokens: int, head: str, ac: bool, overrides: list[str]) -> dict[str, 
     return out
 
 
-def _run_child(tokens: int, head: str, ac: bool, overrides: list[str], timeout_s: float) -> dict[str, Any]:
+def _run_child(tokens: int, head: str, ac: bool, cp: int, overrides: list[str], timeout_s: float) -> dict[str, Any]:
+    """The `cp` ranks of one configuration, each in its own process; the row of the rank with the largest peak."""
+    from rlpost.distributed.ports import free_port
+
     argv = [sys.executable, "-m", "benchmarks.long_context", "--child", str(tokens), head, "on" if ac else "off",
-            *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(lines[-1])
+            str(cp), *overrides]
+    port = str(free_port("127.0.0.1"))
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "MASTER_PORT": port})
+             for rank in range(cp)]
+    rows = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        lines = [line for line in stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{stderr[-3000:]}")
+        rows.append(json.loads(lines[-1]))
+    result: dict[str, Any] = max(rows, key=lambda r: r["train_peak_gib"])
     return result
 
 
@@ -126,25 +139,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--heads", nargs="+", choices=["chunked", "whole"], default=["chunked", "whole"])
     p.add_argument("--ac", nargs="+", choices=["on", "off"], default=["on", "off"])
+    p.add_argument("--cp", type=int, nargs="+", default=[1], help="context-parallel ranks splitting the row")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="bound on one child")
     p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--child", nargs=3, metavar=("TOKENS", "HEAD", "AC"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=4, metavar=("TOKENS", "HEAD", "AC", "CP"), help=argparse.SUPPRESS)
     args, overrides = p.parse_known_args(argv)
     overrides = overrides or ["model=smollm2_135m"]
     if args.child:
-        tokens, head, ac = args.child
-        print(json.dumps(_child(int(tokens), head, ac == "on", overrides)), flush=True)
+        tokens, head, ac, cp = args.child
+        print(json.dumps(_child(int(tokens), head, ac == "on", int(cp), overrides)), flush=True)
         return 0
     args.overrides = overrides
     rows = []
     for tokens in args.tokens:
         for ac in args.ac:
             for head in args.heads:
-                r = _run_child(tokens, head, ac == "on", overrides, args.timeout_s)
-                rows.append(r)
-                print(f"{tokens:6d} tokens  {head:7s}  checkpointing {ac:3s}  train {r['train_s']:7.1f}s "
-                      f"peak {r['train_peak_gib']:.2f} GiB (+{r['train_added_gib']:.2f})  logprobs {r['logprob_s']:6.1f}s "
-                      f"peak {r['logprob_peak_gib']:.2f} GiB (+{r['logprob_added_gib']:.2f})", flush=True)
+                for cp in args.cp:
+                    r = _run_child(tokens, head, ac == "on", cp, overrides, args.timeout_s)
+                    rows.append(r)
+                    print(f"{tokens:6d} tokens  {head:7s}  checkpointing {ac:3s}  cp {cp}  train {r['train_s']:7.1f}s "
+                          f"peak {r['train_peak_gib']:.2f} GiB (+{r['train_added_gib']:.2f})  logprobs "
+                          f"{r['logprob_s']:6.1f}s peak {r['logprob_peak_gib']:.2f} GiB (+{r['logprob_added_gib']:.2f})",
+                          flush=True)
     save_latest(args.out, run_key(args), {"at": now(), "host": host(), "rows": rows})
     return 0
 
