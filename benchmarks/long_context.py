@@ -10,8 +10,8 @@ checkpointing, on one rank or split over `--cp` context-parallel ranks; the work
 Each (tokens, head, checkpointing, cp) runs in child processes of its own, one per rank, each holding one real
 DTensorPolicyWorker (gloo, one torch thread, as a run's worker): a rank's memory is its process's RSS, sampled every
 50 ms, its peak during the step beside its level before it (the model, its gradients and the optimizer state); a row
-reports the largest rank. "whole" is the loss
-asking for real logits (a loss without `chunked_logits`), as every loss did before the output layer was chunked.
+reports the largest rank. "whole" is the loss asking for real logits (a loss without `chunked_logits`): the [T, V]
+logits and their gradient.
 Extra arguments are Hydra overrides (default: model=smollm2_135m). Results: results/bench_long_context.json, the
 latest run per configuration.
 """
