@@ -48,8 +48,6 @@ class DistillationLossFn:
         if vocab_parallel_group is not None:
             raise ValueError("the distillation loss needs whole-vocabulary logits (no vocab-parallel shards)")
         mask = data["token_mask"][:, 1:].float() * data["sample_mask"].float()[:, None]
-        device = next_token_logits.hidden.device if isinstance(next_token_logits, HeadLogits) else \
-            next_token_logits.device
-        loss, metrics = teacher_kl(next_token_logits, data, mask.to(device), global_valid_toks,
+        loss, metrics = teacher_kl(next_token_logits, data, mask.to(next_token_logits.device), global_valid_toks,
                                    self.cfg.kl_type, self.cfg.mixed_kl_weight)
         return loss, {"loss": float(loss), **metrics, "num_valid_samples": float(data["sample_mask"].sum())}

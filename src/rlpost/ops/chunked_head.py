@@ -162,6 +162,11 @@ class HeadLogits:
         return _valid_rows(self.weight, self.vocab_start, self.vocab_size)
 
     @property
+    def device(self) -> torch.device:
+        """Where the logits would be: the hidden states' device."""
+        return self.hidden.device
+
+    @property
     def shape(self) -> torch.Size:
         return torch.Size((*self.hidden.shape[:2], self.weight.shape[0]))
 

@@ -77,8 +77,7 @@ class ContextParallel:
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
         out = nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=causal_lower_right(local, end), dropout_p=dropout if module.training else 0.0,
-            scale=scaling,
+            query, key, value, attn_mask=causal_lower_right(local, end), dropout_p=dropout, scale=scaling,
         )
         return out.transpose(1, 2).contiguous(), None
 

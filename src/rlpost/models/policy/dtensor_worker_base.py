@@ -31,7 +31,6 @@ from rlpost.distributed.collective_device import all_reduce
 from rlpost.distributed.start_gate import StartGate
 from rlpost.losses.interface import LossFunction, VocabParallelArgs
 from rlpost.models.dtensor import context_parallel, lora
-from rlpost.models.dtensor.context_parallel import ContextParallel
 from rlpost.models.dtensor.output_head import head_logits, output_layer
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
@@ -98,7 +97,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
             ((self.dp_size, tp), (self.DP_DIM, "tp"))
         self.mesh: DeviceMesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         self.tp_size = tp
-        self.cp = ContextParallel(self.mesh["cp"].get_group()) if cp > 1 else None
+        self.cp = context_parallel.ContextParallel(self.mesh["cp"].get_group()) if cp > 1 else None
         self._dp_group: dist.ProcessGroup | None = None
         self.temperature = float(cfg.generation.temperature) if cfg.generation is not None else 1.0
         self.lora: LoRAConfig | None = cfg.dtensor_cfg.lora_cfg if cfg.dtensor_cfg.lora_cfg.enabled else None
