@@ -27,6 +27,7 @@ from rlpost.config.algorithms import preflight as addon_preflight
 from rlpost.config.lora_params import check_lora_modules
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
+from rlpost.memory_plan import check_memory
 from rlpost.preflight import (
     check_cuda_device,
     check_gpu_only_keys,
@@ -112,6 +113,7 @@ CHECKS: tuple[Check, ...] = (
     Check("config", lambda master, command, run_dir: check_precision(master, command.here)),
     Check("host", _master_only(check_gpu_only_keys)),
     Check("host", _master_only(check_local_cpus)),
+    Check("host", _master_only(check_memory)),
     Check("outputs", lambda master, command, run_dir: check_output_dirs(master, run_dir)),
     Check("files", _data),
 )

@@ -56,8 +56,11 @@ def _plan(argv: list[str]) -> int:
     from rlpost.plan import print_plan
 
     if any(a in ("-h", "--help") for a in argv):
-        print("usage: rlpost plan [hydra overrides]  (composes, validates and prints the derived numbers)")
+        print("usage: rlpost plan [--json] [hydra overrides]  (composes, validates and prints the derived numbers "
+              "and the memory plan; --json: one JSON object)")
         return 0
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
     jobs: list[tuple[Any, Any]] = []
     rc = preflight(argv, False, command=PLAN, jobs_out=jobs)
     if rc:
@@ -65,7 +68,14 @@ def _plan(argv: list[str]) -> int:
     cfg, master = jobs[0]
     if note := validation_off_note(cfg, argv):
         print(f"rlpost: warning: {note}", file=sys.stderr)  # console.warn would log it too: no log file here
-    print_plan(master)
+    if as_json:
+        import json
+
+        from rlpost.plan import plan_json
+
+        print(json.dumps(plan_json(master), indent=1))
+    else:
+        print_plan(master)
     return 0
 
 

@@ -19,7 +19,9 @@ from rlpost.config.layout import (
 from rlpost.config.lora_params import describe as describe_parameters
 from rlpost.config.lora_params import is_megatron, model_shape, parameter_counts
 from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.policy import PolicyConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
+from rlpost.memory_plan import memory_json, memory_rows
 
 _PREV_PASS = {
     "on-policy": "skipped: one optimizer step per rollout batch, so the ratio is exactly 1",
@@ -64,12 +66,33 @@ def supervised_plan_rows(cfg: SupervisedMasterConfig) -> list[tuple[str, str]]:
                             f"micro-batch {p.train_micro_batch_size}"),
         ("reference policy", reference),
         ("long sequences", _long_sequences(cfg)),
-        ("batching", "sequence packing" if p.sequence_packing.enabled else
-         "dynamic batching" if p.dynamic_batching.enabled else "fixed micro-batches"),
+        ("batching", _batching(p)),
         ("steps", f"max {loop.max_num_steps} steps / {loop.max_num_epochs} epoch(s); " + (
             f"validate every {loop.val_period} ({loop.val_global_batch_size} sequences a batch)" if loop.val_period
             else "no validation during training")),
     ]
+
+
+def _batching(p: PolicyConfig) -> str:
+    """How the policy cuts its micro-batches."""
+    if p.sequence_packing.enabled:
+        return f"sequence packing ({p.sequence_packing.train_mb_tokens:,} tokens per training micro-batch)"
+    d = p.dynamic_batching
+    if d.enabled:
+        return (f"dynamic: micro-batches of at most {d.train_mb_tokens:,} tokens (training) / "
+                f"{d.logprob_mb_tokens:,} (logprobs), longest rows first")
+    return f"fixed micro-batches of {p.train_micro_batch_size} rows"
+
+
+def _micro_batches(p: PolicyConfig, fixed: int) -> str:
+    """The GRPO plan's micro-batch row: `fixed` micro-batches of train_micro_batch_size rows per DP rank, or, with
+    dynamic batching, at most that many (each holds at least as many rows as a fixed one)."""
+    if p.dynamic_batching.enabled:
+        return (f"at most {fixed} per DP rank: dynamic batching, up to {p.dynamic_batching.train_mb_tokens:,} tokens "
+                "each, the longest rows first")
+    if p.sequence_packing.enabled:
+        return f"packed to {p.sequence_packing.train_mb_tokens:,} tokens each (sequence packing)"
+    return f"{fixed} per DP rank (micro-batch {p.train_micro_batch_size})"
 
 
 def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str]]:
@@ -88,7 +111,6 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
             f"generation on {lay.gen_nodes} node(s) x {lay.gen_workers_per_node}"
         )
     )
-    mbs = p.train_micro_batch_size
     return [
         ("model", str(p.model_name)),
         ("policy backend", backend),
@@ -103,10 +125,7 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
         ("prompts per step", str(lay.prompts_per_step)),
         ("completions per step", f"{lay.completions_per_step} ({g.num_prompts_per_step} x {g.num_generations_per_prompt})"),
         ("optimizer steps per GRPO step", f"{lay.optimizer_steps_per_grpo_step} (global batch {p.train_global_batch_size})"),
-        (
-            "micro-batches per optimizer step",
-            f"{lay.micro_batches_per_optimizer_step} per DP rank (micro-batch {mbs})",
-        ),
+        ("micro-batches per optimizer step", _micro_batches(p, lay.micro_batches_per_optimizer_step)),
         ("training layout", f"DP={lay.dp} TP={lay.tp} PP={lay.pp} CP={lay.cp} ({lay.train_world} workers)"
                             + (f"; {fsdp}" if (fsdp := fsdp_wrapping(cfg, lay.train_world)) else "")),
         ("long sequences", _long_sequences(cfg)),
@@ -183,13 +202,18 @@ def _nodes(lay: Layout) -> str:
 
 
 def print_plan(cfg: MasterConfig | SupervisedMasterConfig, console: Console | None = None) -> None:
-    """Render the plan as a table."""
+    """Render the plan as a table: what the run will do, then its memory (rlpost.memory_plan)."""
     table = Table(title="rlpost plan", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
-    for label, value in plan_rows(cfg):
+    for label, value in plan_rows(cfg) + memory_rows(cfg):
         table.add_row(label, value)
     (console or Console()).print(table)
+
+
+def plan_json(cfg: MasterConfig | SupervisedMasterConfig) -> dict[str, object]:
+    """The plan as one JSON object (`rlpost plan --json`, a run's plan.json): its rows by label, and `memory`."""
+    return {"algo": cfg.algo, "rows": dict(plan_rows(cfg)), "memory": memory_json(cfg)}
 
 
 def _rollouts(cfg: MasterConfig) -> str:

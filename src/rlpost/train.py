@@ -8,6 +8,7 @@ instead of ending the sweep: the next job runs. Ctrl-C / SIGTERM still stop the 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -159,7 +160,7 @@ def _lock_dirs(master: AnyMaster, run_dir: Path) -> list[RunLock]:
 def _run_locked(cfg: DictConfig, master: AnyMaster, run_dir: Path) -> dict[str, object]:
     from rlpost import failures
     from rlpost.config.load import task_overrides, validation_off_note
-    from rlpost.plan import print_plan
+    from rlpost.plan import plan_json, print_plan
     from rlpost.runtime import console as say
     from rlpost.runtime.run_log import capture_driver_output
 
@@ -167,6 +168,7 @@ def _run_locked(cfg: DictConfig, master: AnyMaster, run_dir: Path) -> dict[str, 
     if note := validation_off_note(cfg, task_overrides()):
         say.warn(note)
     (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(master), resolve=True))
+    (run_dir / "plan.json").write_text(json.dumps(plan_json(master), indent=1) + "\n")
     print_plan(master)
     from rlpost.runner import run
     from rlpost.runtime.run_status import write_status

@@ -110,15 +110,21 @@ def test_logprobs_match_plain_transformers(ray_local: None, tiny_model_dir: Path
 
 
 def test_dp2_equals_dp1_and_microbatch_split(ray_local: None, tiny_model_dir: Path, built: list[Built]) -> None:
-    one = Built(policy_cfg(tiny_model_dir, "cluster.gpus_per_node=1", optimizer=SGD), 1)
+    """One rank with fixed micro-batches of 4 rows, two ranks with the default dynamic batching (micro-batches cut to
+    a token budget, longest rows first), and one rank with micro-batches of one row: the same losses and weights."""
+    one = Built(policy_cfg(tiny_model_dir, "cluster.gpus_per_node=1", "policy.dynamic_batching.enabled=false",
+                           optimizer=SGD), 1)
     built.append(one)
     l1 = train_steps(one.policy, 2)
     w1 = exported_weights(one.policy)
     one.close()
     built.remove(one)
 
-    # FSDP2 over two ranks, the output layer read 5 tokens at a time (rlpost.ops.chunked_head.HeadLogits)
-    two = Built(policy_cfg(tiny_model_dir, "policy.logprob_chunk_size=5", optimizer=SGD), 2)
+    # FSDP2 over two ranks, the output layer read 5 tokens at a time (rlpost.ops.chunked_head.HeadLogits),
+    # micro-batches of at most 48 tokens (2 to 6 rows, each micro-batch trimmed to its longest row)
+    two = Built(policy_cfg(tiny_model_dir, "policy.logprob_chunk_size=5", "policy.dynamic_batching.train_mb_tokens=48",
+                           "policy.dynamic_batching.sequence_length_round=1", optimizer=SGD), 2)
+    assert two.policy.cfg.dynamic_batching.enabled
     built.append(two)
     l2 = train_steps(two.policy, 2)
     w2 = exported_weights(two.policy)
@@ -189,7 +195,7 @@ def test_packing_dynamic_batching_and_activation_checkpointing_same_logprobs(
     ray_local: None, tiny_model_dir: Path, built: list[Built]
 ) -> None:
     data = make_batch(seed=7)
-    plain = Built(policy_cfg(tiny_model_dir), 2)
+    plain = Built(policy_cfg(tiny_model_dir, "policy.dynamic_batching.enabled=false"), 2)
     built.append(plain)
     lp = plain.policy.get_logprobs(data)["logprobs"]
     plain.close()
@@ -199,7 +205,7 @@ def test_packing_dynamic_batching_and_activation_checkpointing_same_logprobs(
          "policy.sequence_packing.sequence_length_round=1"],
         ["policy.dynamic_batching.enabled=true", "policy.dynamic_batching.logprob_mb_tokens=64",
          "policy.dynamic_batching.sequence_length_round=4"],
-        ["policy.dtensor_cfg.activation_checkpointing=true"],
+        ["policy.dynamic_batching.enabled=false", "policy.dtensor_cfg.activation_checkpointing=true"],
     ):
         other = Built(policy_cfg(tiny_model_dir, *extra), 2)
         built.append(other)

@@ -1,11 +1,13 @@
 """Resource metrics of a step (`logger.resource_metrics`), sampled on the driver, logged under resources/:
 
-- `resources/<actor>/cpu_percent`, `resources/<actor>/rss_gib`: each live Ray actor of this job (policy ranks,
+- `resources/<actor>/cpu_percent`, `resources/<actor>/rss_gib`, `resources/<actor>/peak_rss_gib` (the peak resident
+  set so far, Linux's VmHWM, summed over the actor's processes): each live Ray actor of this job (policy ranks,
   engine replicas, a critic, a teacher, a reward model's scorer, ...), its process and the processes it started;
   CPU % is over the time since the previous sample (since the process started, at the first), 100 = one core busy.
   An actor is named after its Ray actor name without the group's unique suffix (`policy-0`, `vllm-0`), else its
   class.
-- `resources/<actor>/gpu_memory_gib` and `resources/gpu<i>/{utilization_pct,memory_used_gib}` where NVML answers
+- `resources/<actor>/gpu_memory_gib`, `resources/<actor>/peak_gpu_gib` (the largest sampled so far) and
+  `resources/gpu<i>/{utilization_pct,memory_used_gib}` where NVML answers
   (nvidia-ml-py): a process's device memory and each device's load, as NeMo RL's `logger.monitor_gpus` shows them;
   another node's devices are `resources/node_<ip>/gpu<i>/...`.
 - `resources/driver/{cpu_percent,rss_gib}`: the driver process itself (not its children: a local Ray's processes).
@@ -73,13 +75,14 @@ class _ProcessTree:
             return [self.proc]
 
     def sample(self) -> dict[str, float] | None:
-        cpu = rss = 0.0
+        cpu = rss = peak = 0.0
         for p in self._members():
             try:
                 with p.oneshot():
                     t = p.cpu_times()
                     cpu += t.user + t.system + t.children_user + t.children_system
                     rss += p.memory_info().rss
+                peak += peak_rss(p.pid)
             except psutil.Error:
                 if p is self.proc:
                     return None  # the actor's process is gone
@@ -90,7 +93,19 @@ class _ProcessTree:
         else:
             pct = 100.0 * (cpu - self.last_cpu) / max(now - self.last_wall, 1e-6)
         self.last_cpu, self.last_wall = cpu, now
-        return {"cpu_percent": max(pct, 0.0), "rss_gib": rss / GIB}
+        return {"cpu_percent": max(pct, 0.0), "rss_gib": rss / GIB, "peak_rss_gib": max(peak, rss) / GIB}
+
+
+def peak_rss(pid: int) -> float:
+    """The process's peak resident set so far in bytes (Linux's VmHWM), 0 where the kernel does not say."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 class _Nvml:
@@ -165,6 +180,8 @@ class NodeSampler:
 
     def __init__(self) -> None:
         self._trees: dict[int, _ProcessTree] = {}
+        self._gpu_peaks: dict[int, float] = {}
+        """pid -> the largest device memory sampled of it (NVML reports only the current use)."""
         self._nvml = _Nvml()
 
     def _tree(self, pid: int) -> _ProcessTree | None:
@@ -189,12 +206,15 @@ class NodeSampler:
             out.update({f"resources/{label}/{k}": v for k, v in got.items()})
             if pid in gpu_mem:
                 out[f"resources/{label}/gpu_memory_gib"] = gpu_mem[pid]
+                peak = max(self._gpu_peaks.get(pid, 0.0), gpu_mem[pid])
+                self._gpu_peaks[pid] = out[f"resources/{label}/peak_gpu_gib"] = peak
         for label, pid in (extra_pids or {}).items():
             if pid in gpu_mem:
                 out[f"resources/{label}/gpu_memory_gib"] = gpu_mem[pid]
         out.update({k.replace("resources/gpu", devices, 1): v for k, v in self._nvml.devices().items()})
         live = set(actors.values())
         self._trees = {pid: t for pid, t in self._trees.items() if pid in live}
+        self._gpu_peaks = {pid: v for pid, v in self._gpu_peaks.items() if pid in live}
         return out
 
 

@@ -78,3 +78,19 @@ def test_nvml_reads_each_gpus_memory_and_load() -> None:
     assert after["resources/gpu0/memory_used_gib"] - before["resources/gpu0/memory_used_gib"] > 0.4, (before, after)
     assert 0.0 <= after["resources/gpu0/utilization_pct"] <= 100.0
     del held
+
+
+def test_the_peak_resident_set_outlives_the_memory_that_made_it() -> None:
+    """peak_rss_gib is the process's high-water mark: 300 MiB touched and freed still count after."""
+    code = ("import sys, time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); del b; "
+            "print('freed', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "freed"
+        got = _ProcessTree(psutil.Process(proc.pid)).sample()
+        assert got is not None
+        assert got["rss_gib"] < 0.2, got  # the pages went back
+        assert got["peak_rss_gib"] > 0.29, got
+    finally:
+        proc.kill()
+        proc.wait()

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlpost.config.algorithms import distillation, grpo, ppo, rloo
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema import supervised_master
+
+if TYPE_CHECKING:
+    from rlpost.config.memory.workers import Worker
 
 
 class Run(Protocol):
@@ -33,6 +36,10 @@ def _no_rules(master: Any) -> None:
 
 
 def _no_rows(master: Any, train_world: int) -> Rows:
+    return []
+
+
+def _no_memory(master: Any, device: str, train_world: int) -> list[Worker]:
     return []
 
 
@@ -59,6 +66,13 @@ class Algorithm:
     """Why its step needs the whole batch before training (no overlapped generation); None: it does not."""
     master: type | None = None
     """The master config class of an algorithm that does not roll out."""
+    memory: Callable[[Any, str, int], list[Worker]] = _no_memory
+    """(master, device, training workers) -> its worker groups beside the policy and the engine, for the memory plan
+    (rlpost.config.memory)."""
+    token_batches: bool = False
+    """Its losses are normalised over the global batch and a row may go to any micro-batch, so micro-batches cut to
+    a token budget train the same step: `policy.dynamic_batching.enabled: null` turns on (DTensor). False for DPO and
+    RM (a pair shares a micro-batch) and PPO (its critic's micro-batches follow the policy's)."""
 
 
 @dataclass(frozen=True)
@@ -75,17 +89,21 @@ class AddOn:
     """master -> None: its checks of local files (the pre-flight's), when set."""
     unit: str
     """The module whose `side_group(cfg)` builds its worker group (rlpost.algorithms.units)."""
+    memory: Callable[[Any, str, int], list[Worker]] = _no_memory
+    """(master, device, training workers) -> its worker group, for the memory plan."""
 
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
-    Algorithm("grpo", "GRPO", "rlpost.algorithms.grpo_unit", ("grpo",), rules=grpo.group_rules),
+    Algorithm("grpo", "GRPO", "rlpost.algorithms.grpo_unit", ("grpo",), rules=grpo.group_rules, token_batches=True),
     Algorithm("ppo", "PPO", "rlpost.algorithms.ppo", ("grpo", "ppo", "critic"), rules=ppo.ppo_rules,
-              plan_rows=ppo.plan_rows, whole_batch="PPO's advantages need the critic's values of the whole batch "
+              plan_rows=ppo.plan_rows, memory=ppo.memory, whole_batch="PPO's advantages need the critic's values of the whole batch "
                                                    "(algo=ppo)"),
-    Algorithm("distillation", "Distil", "rlpost.algorithms.distillation", ("grpo", "distillation")),
-    Algorithm("rloo", "RLOO", "rlpost.algorithms.rloo", ("grpo",), rules=rloo.rloo_rules, plan_rows=rloo.plan_rows),
+    Algorithm("distillation", "Distil", "rlpost.algorithms.distillation", ("grpo", "distillation"),
+              token_batches=True),
+    Algorithm("rloo", "RLOO", "rlpost.algorithms.rloo", ("grpo",), rules=rloo.rloo_rules, plan_rows=rloo.plan_rows,
+              token_batches=True),
     Algorithm("sft", "SFT", "rlpost.algorithms.supervised", ("sft",), rollout=False,
-              master=supervised_master.SFTMasterConfig),
+              master=supervised_master.SFTMasterConfig, token_batches=True),
     Algorithm("dpo", "DPO", "rlpost.algorithms.supervised", ("dpo",), rollout=False,
               master=supervised_master.DPOMasterConfig),
     Algorithm("rm", "RM", "rlpost.algorithms.supervised", ("rm",), rollout=False,
@@ -96,7 +114,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
 ADDONS: dict[str, AddOn] = {
     "distillation": AddOn(distillation.teacher_rules, distillation.plan_rows,
                           "the distillation teacher scores the whole batch before training",
-                          distillation.preflight, "rlpost.algorithms.distillation"),
+                          distillation.preflight, "rlpost.algorithms.distillation", distillation.memory),
 }
 """Blocks any rollout algorithm may take, by name."""
 
@@ -146,6 +164,12 @@ def rollout_plan_rows(master: Run, train_world: int) -> Rows:
     """The plan rows of the algorithm and its add-ons."""
     rows = algorithm(master.algo).plan_rows(master, train_world)
     return rows + [row for addon in set_addons(master) for row in addon.plan_rows(master, train_world)]
+
+
+def side_memory(master: Run, device: str, train_world: int) -> list[Worker]:
+    """The worker groups of the algorithm and its add-ons beside the policy and the engine, for the memory plan."""
+    groups = algorithm(master.algo).memory(master, device, train_world)
+    return groups + [w for addon in set_addons(master) for w in addon.memory(master, device, train_world)]
 
 
 def preflight(master: Run) -> None:

@@ -3,10 +3,15 @@ code: rlpost.algorithms.distillation)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rlpost.config.errors import require
 from rlpost.config.schema.loss import ClippedPGLossConfig, DistillationLossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.side_group import side_group_rules, where
+
+if TYPE_CHECKING:
+    from rlpost.config.memory.workers import Worker
 
 
 def teacher_rules(master: MasterConfig) -> None:
@@ -41,3 +46,20 @@ def preflight(master: MasterConfig) -> None:
     """The teacher's model directory exists and holds a model."""
     assert master.distillation is not None
     master.distillation.teacher.check_model_dir("distillation.teacher")
+
+
+def memory(master: MasterConfig, device: str, train_world: int) -> list[Worker]:
+    """The teacher's workers for the memory plan: its model's weights and scoring passes, no optimizer."""
+    from rlpost.config.memory.shape import read_shape
+    from rlpost.config.memory.workers import policy_worker
+
+    assert master.distillation is not None
+    t = master.distillation.teacher
+    model = t.model_dir()
+    shape = read_shape(str(model), "distillation.teacher.model_path") if model is not None else None
+    if shape is None:
+        return []
+    worker = policy_worker(master.policy, shape, device, t.num_workers or train_world, group="teacher",
+                           trains=False, lora=False)
+    worker.shares_device_with = "policy" if t.colocated else None
+    return [worker]

@@ -3,10 +3,15 @@ rlpost.algorithms.ppo)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rlpost.config.errors import require
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.side_group import side_group_rules, where
+
+if TYPE_CHECKING:
+    from rlpost.config.memory.workers import Worker
 
 
 def ppo_rules(master: MasterConfig) -> None:
@@ -33,3 +38,21 @@ def plan_rows(master: MasterConfig, train_world: int) -> list[tuple[str, str]]:
         ("advantages", f"GAE (gamma {p.gamma}, lambda {p.lam}) on the reward at the last response token{kl}"
                        + ("; whitened over the step's batch" if p.whiten_advantages else "")),
     ]
+
+
+def memory(master: MasterConfig, device: str, train_world: int) -> list[Worker]:
+    """The critic's workers for the memory plan: the policy's block on its model, trained in full."""
+    from rlpost.config.lora_params import model_shape
+    from rlpost.config.memory.shape import ModelShape, read_shape
+    from rlpost.config.memory.workers import policy_worker
+
+    c = master.critic
+    assert c is not None
+    hf = model_shape(master)
+    shape = read_shape(c.model_name, "critic.model_name") if c.model_name else (
+        ModelShape.from_hf(hf) if hf is not None else None)
+    if shape is None:
+        return []
+    worker = policy_worker(master.policy, shape, device, c.num_workers or train_world, group="critic", lora=False)
+    worker.shares_device_with = "policy" if c.colocated else None
+    return [worker]

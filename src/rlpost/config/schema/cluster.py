@@ -38,6 +38,11 @@ class ClusterConfig(Block):
     min_call_timeout_s .. call_timeout_s), so a hung worker is noticed in minutes, not 15."""
     min_call_timeout_s: float = checked(120.0, POSITIVE)
     """Lower bound of the step-derived call bound."""
+    gpu_memory_gb: float | None = checked(None, POSITIVE_OR_NONE)
+    """Memory of one GPU in GiB for the memory plan (rlpost.config.memory); None: NVML's, or the RAM on a CPU run.
+    Plans for a GPU this machine lacks: `rlpost plan cluster.device=cuda cluster.gpu_memory_gb=80`."""
+    skip_memory_check: bool = False
+    """Start a run the memory plan says cannot fit (the pre-flight refuses it otherwise)."""
 
     def check(self, path: str) -> None:
         super().check(path)

@@ -167,16 +167,30 @@ class SequencePackingConfig:
 
 @dataclass
 class DynamicBatchingConfig:
-    """Sort by length and bucket micro-batches to a token budget."""
+    """Micro-batches cut to a token budget: each data-parallel rank's rows sorted longest first (so the step's peak
+    comes at its first micro-batch) and grouped while rows x longest row stays within the budget, each micro-batch
+    trimmed to its own longest row. The losses are normalised over the global batch, so the step is the same as
+    with fixed micro-batches (tests/unit/losses/test_global_normalization.py)."""
 
-    enabled: bool = False
-    """Turn dynamic batching on."""
-    train_mb_tokens: int = checked(2048, POSITIVE)
-    """Token budget of one training micro-batch."""
-    logprob_mb_tokens: int = checked(2048, POSITIVE)
-    """Token budget of one logprob micro-batch."""
+    enabled: bool | None = None
+    """True / False; None: on wherever it trains the same steps as fixed micro-batches and the backend has it: the
+    DTensor workers under algo=grpo|rloo|distillation|sft without sequence packing (rlpost.config.algorithms:
+    `token_batches`). The plan's `batching` row says which."""
+    train_mb_tokens: int | None = checked(None, POSITIVE_OR_NONE)
+    """Token budget of one training micro-batch; None: max_total_sequence_length x train_micro_batch_size, the most
+    a fixed micro-batch holds (NeMo RL's default), so no micro-batch is larger than a fixed one can be."""
+    logprob_mb_tokens: int | None = checked(None, POSITIVE_OR_NONE)
+    """Token budget of one logprob micro-batch; None: max_total_sequence_length x logprob_batch_size."""
     sequence_length_round: int = checked(64, POSITIVE)
-    """Each micro-batch is trimmed to its longest sequence rounded up to this."""
+    """Each micro-batch is trimmed to its longest sequence rounded up to this (at most the batch's width)."""
+
+    def tokens(self, training: bool) -> int:
+        """The token budget of a training or a logprob micro-batch (set once the config is composed:
+        PolicyConfig.resolve_batching)."""
+        value = self.train_mb_tokens if training else self.logprob_mb_tokens
+        if value is None:
+            raise ValueError("the dynamic-batching budgets are set by PolicyConfig.resolve_batching")
+        return value
 
     def check(self, path: str) -> None:
         if self.enabled:
@@ -299,6 +313,18 @@ class PolicyConfig(Block):
         require(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0, f"{path}.optimizer.kwargs.lr",
                 lr, "must be a finite number > 0")
 
+    def resolve_batching(self, token_batches: bool) -> None:
+        """Make `dynamic_batching` concrete (run once on the composed config, before it is checked): `enabled: None`
+        becomes on where `token_batches` (the algorithm's losses allow it), the backend batches by tokens and
+        sequence packing is off; a budget left None becomes the most tokens a fixed micro-batch holds."""
+        d, longest = self.dynamic_batching, self.max_total_sequence_length
+        if d.enabled is None:
+            d.enabled = token_batches and self.batches_by_tokens and not self.sequence_packing.enabled
+        if d.train_mb_tokens is None:
+            d.train_mb_tokens = longest * self.train_micro_batch_size
+        if d.logprob_mb_tokens is None:
+            d.logprob_mb_tokens = longest * self.logprob_batch_size
+
     def _check_generation_batch_size(self, path: str) -> None:
         """The policy-level batch is the HF engine's; no other engine reads it."""
         key = f"{path}.generation_batch_size"
@@ -330,6 +356,8 @@ class PolicyConfig(Block):
     """The backend pads the vocabulary to a multiple of TP itself (else TP must divide it)."""
     has_device_checks: ClassVar[bool] = False
     """`check_device` checks something (else the pre-flight need not resolve the device, which imports torch)."""
+    batches_by_tokens: ClassVar[bool] = False
+    """The backend runs dynamic batching (micro-batches of varying rows and lengths)."""
 
     def parallel_sizes(self) -> dict[str, int]:
         """TP, PP and CP of the backend (DP is derived from the world size)."""
@@ -367,6 +395,8 @@ class DTensorPolicyConfig(PolicyConfig):
     """The DTensor workers build HF sequence classifiers for algo=rm."""
     serves_value_model: ClassVar[bool] = True
     """The DTensor workers build HF token classifiers: PPO's critic."""
+    batches_by_tokens: ClassVar[bool] = True
+    """The DTensor workers take micro-batches of any shape."""
 
     def check(self, path: str) -> None:
         super().check(path)

@@ -83,6 +83,7 @@ def narrow(root: RootConfig) -> MasterConfig | SupervisedMasterConfig:
     for name in algo.blocks:
         if getattr(root, name) is None:
             raise ConfigError(name, None, f"algo={algo.name} needs this block", f"keep algo={algo.name}'s defaults")
+    root.policy.resolve_batching(algo.token_batches)
     if algo.rollout:
         if not isinstance(root.data, DataConfig):
             raise ConfigError("data", type(root.data).__name__, f"algo={algo.name} reads prompts with answers",

@@ -106,7 +106,7 @@ class Policy(ColocatablePolicyInterface):
             return list(planned[0]), planned[1]
         if c.dynamic_batching.enabled:
             dynamic = DynamicBatchingArgs(
-                max_tokens_per_microbatch=c.dynamic_batching.train_mb_tokens if for_training else c.dynamic_batching.logprob_mb_tokens,
+                max_tokens_per_microbatch=c.dynamic_batching.tokens(for_training),
                 sequence_length_round=c.dynamic_batching.sequence_length_round,
             )
             planned = data.shard_by_batch_size(dp, batch_size=batch_size, dynamic_batching_args=dynamic)

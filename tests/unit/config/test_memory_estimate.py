@@ -1,0 +1,133 @@
+"""The memory plan's formulas on published cases, worked by hand here, and its verdict, fix and JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlpost.config.load import load_master_config
+from rlpost.config.memory.estimate import estimate, first_fix
+from rlpost.config.memory.shape import ModelShape
+from rlpost.config.memory.workers import GIB
+from rlpost.memory_plan import check_memory, memory_json
+
+QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+             "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+             "vocab_size": 152064, "max_position_embeddings": 32768, "tie_word_embeddings": False}
+"""Qwen2.5-7B's config.json (the fields the plan reads)."""
+QWEN25_1_5B = {**QWEN25_7B, "hidden_size": 1536, "intermediate_size": 8960, "num_attention_heads": 12,
+               "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
+SMOLLM2_135M = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
+
+
+def config_only(tmp_path: Path, hf: dict) -> Path:
+    """A model directory holding only config.json."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(hf))
+    return d
+
+
+def on_gpus(model: Path, gpus: int, gib: float, *extra: str) -> list[str]:
+    return ["model=local", f"model.path={model}", "cluster.device=cuda", f"cluster.gpus_per_node={gpus}",
+            f"cluster.gpu_memory_gb={gib}", *extra]
+
+
+def test_published_parameter_counts() -> None:
+    # Qwen2.5-7B: 7.62B; Qwen2.5-1.5B: 1.54B; SmolLM2-135M: 134,515,008 (their model cards, HF's num_parameters())
+    assert ModelShape.from_hf(QWEN25_7B).params == 7_615_616_512
+    assert ModelShape.from_hf(QWEN25_1_5B).params == 1_543_714_304
+    assert ModelShape.from_hf(SMOLLM2_135M).params == 134_515_008
+    # a KV-cache token of SmolLM2 in fp32: keys and values, 30 layers x 3 heads x 64 = 46,080 bytes
+    assert ModelShape.from_hf(SMOLLM2_135M).kv_bytes_per_token("float32") == 2 * 30 * 192 * 4
+
+
+def test_a_7b_model_in_bf16_adamw_under_fsdp_over_8_gpus(tmp_path: Path) -> None:
+    """Mixed-precision AdamW keeps 16 bytes per parameter (fp32 weights, gradients and two moments), sharded 8 ways;
+    activations with checkpointing: each layer's input, one layer recomputed, the final norm's input and output."""
+    model = config_only(tmp_path, QWEN25_7B)
+    _, cfg = load_master_config(on_gpus(model, 8, 80, "policy.max_total_sequence_length=4096",
+                                        "policy.train_micro_batch_size=1", "policy.logprob_batch_size=1",
+                                        "policy.dynamic_batching.enabled=false",
+                                        "policy.dtensor_cfg.activation_checkpointing=true"))
+    assert cfg.policy.precision == "bfloat16"
+    est = estimate(cfg)
+    assert est is not None
+    policy = next(w for w in est.workers if w.group == "policy")
+    train = policy.phases["training"].device
+    states = train["weights"] + train["gradients"] + train["optimizer state"]
+    assert states == pytest.approx(16 * 7_615_616_512 / 8)  # 14.18 GiB a GPU
+    h, layers, tokens = 3584, 28, 4096
+    one_layer = (5 * h + 3 * 3584 + 3 * 512 + 4 * 18944) * tokens * 2  # bf16
+    assert train["activations"] == pytest.approx(layers * h * tokens * 2 + one_layer + 2 * h * tokens * 2)
+    assert train["gathered layers"] == pytest.approx(2 * 2 * policy_layer_params())  # two bf16 layers in flight
+    # the output layer: 441 tokens of fp32 logits (256 MiB worth) x 3 (logits, log-softmax, gradient)
+    assert train["output layer chunk"] == pytest.approx(3 * 441 * 152064 * 4)
+    # the colocated engine takes gpu_memory_utilization of the GPU while it generates: 0.6 x 80 GiB
+    engine = next(w for w in est.workers if w.group == "engine")
+    awake = engine.phases["generation"].device
+    assert awake["weights"] == pytest.approx(2 * 7_615_616_512)
+    assert awake["weights"] + awake["KV cache and activations"] == pytest.approx(0.6 * 80 * GIB)
+    # asleep it holds its weights in host memory; the policy's state is offloaded while the engine generates
+    assert engine.phases["training"].host["weights"] == awake["weights"]
+    assert "optimizer state" in policy.phases["generation"].host
+    assert est.fits is True and est.device_gib == 80
+
+
+def policy_layer_params() -> int:
+    h, i, kv = 3584, 18944, 512
+    return h * h * 2 + 2 * h * kv + 3 * h * i + (h + 2 * kv) + 2 * h  # q, o; k, v; MLP; q/k/v biases; two norms
+
+
+def test_what_does_not_fit_names_the_change_that_does(tmp_path: Path) -> None:
+    """Qwen2.5-1.5B trained in full on one 24 GiB GPU: 16 bytes a parameter is 23 GiB before activations; offloading
+    the optimizer and gradients to the host (FSDP2's CPU offload) is the first change that fits."""
+    model = config_only(tmp_path, QWEN25_1_5B)
+    _, cfg = load_master_config(on_gpus(model, 1, 24))
+    est = estimate(cfg)
+    assert est is not None and est.fits is False and est.peak_gib > 24
+    fix = first_fix(cfg)
+    assert fix is not None
+    override, changed = fix
+    assert override == "policy.dtensor_cfg.cpu_offload=true"
+    assert changed.fits and changed.peak_gib <= 24
+    with pytest.raises(Exception, match=r"cluster\.skip_memory_check.*with policy\.dtensor_cfg\.cpu_offload=true"):
+        check_memory(cfg)
+    _, skip = load_master_config(on_gpus(model, 1, 24, "cluster.skip_memory_check=true"))
+    check_memory(skip)  # told to start anyway
+    out = memory_json(cfg)
+    assert out["fits"] is False and out["fix"]["override"] == override
+
+
+def test_lora_keeps_no_reference_copy_and_trains_only_the_adapters(tmp_path: Path) -> None:
+    model = config_only(tmp_path, QWEN25_1_5B)
+    kl = "loss_fn.reference_policy_kl_penalty=0.01"  # the KL term reads the reference policy
+    full = estimate(load_master_config(on_gpus(model, 1, 80, kl))[1])
+    lora = estimate(load_master_config(on_gpus(model, 1, 80, kl, "policy.dtensor_cfg.lora_cfg.enabled=true"))[1])
+    assert full is not None and lora is not None
+    p_full = next(w for w in full.workers if w.group == "policy").phases["training"]
+    p_lora = next(w for w in lora.workers if w.group == "policy").phases["training"]
+    assert "reference weights" in p_full.host and "reference weights" not in p_lora.host
+    assert p_lora.device["optimizer state"] < p_full.device["optimizer state"] / 100
+
+
+def test_plan_json_from_a_directory_holding_only_a_7b_config(tmp_path: Path) -> None:
+    model = config_only(tmp_path, QWEN25_7B)
+    out = subprocess.run([sys.executable, "-m", "rlpost.cli", "plan", "--json",
+                          *on_gpus(model, 8, 80, "policy.max_total_sequence_length=2048",
+                                  "policy.train_micro_batch_size=4")],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    memory = plan["memory"]
+    assert memory["device_gib"] == 80 and isinstance(memory["fits"], bool)
+    groups = [(w["group"], w["rank"], w["device"]) for w in memory["workers"]]
+    assert [g for g in groups if g[0] == "policy"] == [("policy", r, "cuda") for r in range(8)]
+    assert any(g[0] == "engine" for g in groups)
+    assert all(w["estimate_gib"] == pytest.approx(sum(w["items"].values()), abs=0.01) for w in memory["workers"])
+    assert plan["rows"]["parameters"].startswith("7,615,616,512")
