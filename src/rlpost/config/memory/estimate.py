@@ -42,7 +42,7 @@ class Estimate:
     peak_items: dict[str, float]
     """What makes that peak, GiB by item, largest first."""
     host_gib: float
-    """Host memory of the busiest node besides its devices (offloaded and CPU-kept state, refit buffers); on CPU it
+    """Host memory of the busiest node besides its devices (offloaded and CPU-kept state); on CPU it
     is part of the peak."""
 
     @property
@@ -130,16 +130,26 @@ def estimate(cfg: Config) -> Estimate | None:
                                      colocated_engine=engine is not None and engine.shares_device_with is not None))
         if engine is not None:
             workers.append(engine)
+            if device == "cpu" and layout_of(cfg).refit == "ipc":
+                _add_refit_buffer(workers, cfg, shape)
         from rlpost.config.algorithms import side_memory
 
         workers += side_memory(cfg, device, world)
-        refit = min(BYTES.get(cfg.generation.weight_dtype(), 4) * shape.params,
-                    (cfg.policy.refit_buffer_size_gb or 0.25) * GIB)
     else:
         workers.append(policy_worker(cfg.policy, shape, device, world, reference=cfg.algo == "dpo"))
-        refit = 0.0
-    workers.append(driver_worker(device, refit / 2))
+    workers.append(driver_worker())
     return _lay_out(device, dev_gib, workers, cfg.cluster.num_nodes)
+
+
+def _add_refit_buffer(workers: list[Worker], cfg: MasterConfig, shape: ModelShape) -> None:
+    """The colocated refit's shared-memory buffer on CPU: the policy rank writes each bucket into it and the engine
+    worker beside it maps it, so it is resident in both (kept from one refit to the next). On a GPU the buffer is a
+    transient CUDA allocation during the refit, below the phases' peaks."""
+    bucket = min(BYTES.get(cfg.generation.weight_dtype(), 4) * shape.params, (cfg.policy.refit_buffer_size_gb or 0.25)
+                 * GIB)
+    for w in workers:
+        for usage in w.phases.values():
+            usage.device["refit buffer"] = bucket
 
 
 def _lay_out(device: str, dev_gib: float | None, workers: list[Worker], nodes: int) -> Estimate:

@@ -180,7 +180,7 @@ def engine_worker(shape: ModelShape, precision: str, tp: int, workers: int, devi
     return Worker("engine", workers, device, phases, shares_device_with="policy" if colocated else None)
 
 
-def driver_worker(device: str, refit_bucket: float) -> Worker:
-    """The driver: the process, and the colocated refit's shared-memory slots (two buckets)."""
-    usage = Usage({"runtime": RUNTIME[("cpu", "driver")]}, {"refit buffers (/dev/shm)": 2 * refit_bucket})
+def driver_worker() -> Worker:
+    """The driver process (it holds no model: batches and metrics only)."""
+    usage = Usage({"runtime": RUNTIME[("cpu", "driver")]})
     return Worker("driver", 1, "cpu", {"training": usage, "generation": usage})
