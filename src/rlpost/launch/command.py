@@ -174,6 +174,10 @@ def launch(argv: list[str]) -> int:
         return 0 if argv else 2
     kinds = {"slurm": _slurm, "ray": _ray, "kuberay": _kuberay}
     kind = kinds.get(argv[0])
+    own = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+    if kind is not None and any(a in ("-h", "--help") for a in own):
+        print(USAGE)
+        return 0
     try:
         if kind is None:
             raise ConfigError("rlpost launch", argv[0], f"must be one of {sorted(kinds)}")

@@ -45,13 +45,29 @@ def default_output(paths: list[Path]) -> Path:
     return paths[0] / REPORT_FILE if len(paths) == 1 else Path(REPORT_FILE)
 
 
+def check_output(out: Path, paths: list[Path]) -> None:
+    """ReportInputError when writing the page to `out` would replace what a run wrote: a file inside one of the run
+    or sweep directories other than its page, or a directory."""
+    from rlpost.report.runs import ReportInputError
+
+    if out.is_dir():
+        raise ReportInputError(out, f"-o is a directory; name the page's file (e.g. {out / REPORT_FILE})")
+    if out.exists() and out.name != REPORT_FILE:
+        where = out.resolve()
+        for path in paths:
+            if where.is_relative_to(path.resolve()):
+                raise ReportInputError(out, f"-o would write over a file of the run in {path}; the page goes to "
+                                            f"{path / REPORT_FILE} or a file outside the run")
+
+
 def write_report(paths: list[Path], output: Path | None = None) -> Path:
     """Write the page for `paths`; returns where. ReportInputError for a path that is not a run or sweep dir."""
     from rlpost.report.html import render
     from rlpost.report.runs import load_runs
 
-    runs, sweeps = load_runs(paths)
     out = output or default_output(paths)
+    check_output(out, paths)
+    runs, sweeps = load_runs(paths)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(render(runs, sweeps), encoding="utf-8")

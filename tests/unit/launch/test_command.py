@@ -109,3 +109,12 @@ def test_the_kuberay_manifest_runs_the_job_on_head_and_workers(capsys: pytest.Ca
     container = workers["template"]["spec"]["containers"][0]
     assert container["image"] == "reg/rlpost:1" and container["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert KubeRayJob("a", "i", [], 0, 1, 0, "1Gi", "p").manifest().count("workerGroupSpecs: []") == 1
+
+
+@pytest.mark.parametrize("argv", [["slurm", "--help"], ["ray", "-h"], ["kuberay", "--help", "--", "train"],
+                                  ["slurm", "--nodes=2", "--help", "--", "train", "a=1"]])
+def test_each_launcher_prints_its_usage_on_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert launch(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: rlpost launch slurm") and f"rlpost launch {argv[0]}" in out
+

@@ -127,3 +127,17 @@ def test_a_sweep_job_that_failed_before_its_first_step_is_in_the_table(tmp_path:
     page = render(runs, sweeps)
     assert "failed (exit 4): rlpost: error: out of memory" in page
     assert "<td>3e-3</td>" in page
+
+
+def test_the_page_never_writes_over_what_the_run_wrote(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    make_run(run, [], rows())
+    metrics = (run / "metrics.jsonl").read_text()
+    assert cli.main(["report", str(run), "-o", str(run / "metrics.jsonl")]) == 2
+    assert "would write over a file of the run" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == metrics  # untouched
+    assert cli.main(["report", str(run), "-o", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert cli.main(["report", str(run)]) == 0 and (run / REPORT_FILE).is_file()
+    assert cli.main(["report", str(run)]) == 0  # its own page is replaced
+    assert cli.main(["report", str(run), "-o", str(tmp_path / "elsewhere.html")]) == 0
