@@ -4,6 +4,7 @@ the cluster. Bad input exits 2 before anything is submitted; a submission the cl
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -77,11 +78,24 @@ def check(overrides: list[str], run_dir: Path) -> int:
     return preflight([*overrides, "cluster.address=auto", f"hydra.run.dir={run_dir}"], False, command=LAUNCH)
 
 
+K8S_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?([KMGTPE]i?|k|m)?")
+"""A Kubernetes resource quantity (64Gi, 512M, 1e9 is not accepted)."""
+
+
+def _run_dir(value: str | None) -> Path:
+    """The run directory of `--run-dir` (absolute), or the default; an empty value is refused."""
+    if value is None:
+        return default_run_dir()
+    if not value.strip():
+        raise ConfigError("--run-dir", value, "must name a directory", "leave it out for outputs/<date>/<time>")
+    return Path(value).absolute()
+
+
 def _slurm(argv: list[str], train: list[str]) -> int:
     from rlpost.launch import slurm
 
     p = argparse.ArgumentParser(prog="rlpost launch slurm", add_help=False, allow_abbrev=False)
-    p.add_argument("--run-dir", type=Path, default=None)
+    p.add_argument("--run-dir", default=None)
     p.add_argument("--max-requeues", type=int, default=3)
     p.add_argument("--nodes-timeout-s", type=float, default=300.0)
     p.add_argument("--dry-run", action="store_true")
@@ -89,7 +103,9 @@ def _slurm(argv: list[str], train: list[str]) -> int:
     ours, sbatch_args = p.parse_known_args(argv)
     if ours.max_requeues < 0:
         raise ConfigError("--max-requeues", ours.max_requeues, "must be >= 0")
-    run_dir = (ours.run_dir or default_run_dir()).absolute()
+    if not ours.nodes_timeout_s > 0:
+        raise ConfigError("--nodes-timeout-s", ours.nodes_timeout_s, "must be > 0 (seconds the nodes have to join)")
+    run_dir = _run_dir(ours.run_dir)
     overrides = train_overrides(train, slurm.node_count(sbatch_args))
     if rc := check(overrides, run_dir):
         return rc
@@ -115,7 +131,7 @@ def _ray(argv: list[str], train: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="rlpost launch ray", add_help=False, allow_abbrev=False)
     p.add_argument("--address", required=True)
-    p.add_argument("--run-dir", type=Path, default=None)
+    p.add_argument("--run-dir", default=None)
     p.add_argument("--working-dir", type=Path, default=None)
     p.add_argument("--rlpost-bin", default="rlpost")
     p.add_argument("--dry-run", action="store_true")
@@ -125,7 +141,7 @@ def _ray(argv: list[str], train: list[str]) -> int:
         raise ConfigError("rlpost launch ray", " ".join(unknown), "unknown option(s)", USAGE.splitlines()[1])
     if ours.working_dir is not None and not ours.working_dir.is_dir():
         raise ConfigError("--working-dir", str(ours.working_dir), "is not a directory")
-    run_dir = (ours.run_dir or default_run_dir()).absolute()
+    run_dir = _run_dir(ours.run_dir)
     overrides = train_overrides(train, None)
     if rc := check(overrides, run_dir):
         return rc
@@ -153,8 +169,11 @@ def _kuberay(argv: list[str], train: list[str]) -> int:
     ours, unknown = p.parse_known_args(argv)
     if unknown:
         raise ConfigError("rlpost launch kuberay", " ".join(unknown), "unknown option(s)", USAGE.splitlines()[3])
-    if ours.workers < 0:
-        raise ConfigError("--workers", ours.workers, "must be >= 0")
+    for flag, value, least in (("--workers", ours.workers, 0), ("--cpus", ours.cpus, 1), ("--gpus", ours.gpus, 0)):
+        if value < least:
+            raise ConfigError(flag, value, f"must be >= {least}")
+    if not K8S_QUANTITY.fullmatch(ours.memory):
+        raise ConfigError("--memory", ours.memory, "must be a Kubernetes memory quantity", "e.g. 64Gi or 512Mi")
     overrides = train_overrides(train, ours.workers + 1)
     if ours.gpus and not any(o.startswith("cluster.gpus_per_node=") for o in overrides):
         overrides.append(f"cluster.gpus_per_node={ours.gpus}")

@@ -118,3 +118,18 @@ def test_each_launcher_prints_its_usage_on_help(argv: list[str], capsys: pytest.
     out = capsys.readouterr().out
     assert out.startswith("usage: rlpost launch slurm") and f"rlpost launch {argv[0]}" in out
 
+
+
+@pytest.mark.parametrize(("argv", "key"), [
+    (["slurm", "--nodes-timeout-s=-5", "--", "train"], "--nodes-timeout-s"),
+    (["slurm", "--run-dir=", "--", "train"], "--run-dir"),
+    (["ray", "--address", "http://h:8265", "--run-dir", " ", "--", "train"], "--run-dir"),
+    (["kuberay", "--image", "i", "--pvc", "p", "--gpus", "-2", "--", "train"], "--gpus"),
+    (["kuberay", "--image", "i", "--pvc", "p", "--cpus", "0", "--", "train"], "--cpus"),
+    (["kuberay", "--image", "i", "--pvc", "p", "--memory", "lots", "--", "train"], "--memory"),
+])
+def test_launcher_numbers_and_paths_are_checked_before_anything(argv: list[str], key: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert launch(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlpost: config error: {key}=") and err.count("\n") <= 2, err
