@@ -29,8 +29,8 @@ examples:
   rlpost launch ray --address http://head:8265 --wait -- train cluster.num_nodes=2 cluster.gpus_per_node=1
 """
 
-_SET_BY_LAUNCH = ("cluster.address", "hydra.run.dir", "cluster.num_nodes")
-"""Keys the launcher sets (cluster.num_nodes only where the scheduler's node count gives it: Slurm, KubeRay)."""
+_SET_BY_LAUNCH = ("cluster.address", "hydra.run.dir")
+"""Keys the launcher sets itself."""
 
 
 def default_run_dir() -> Path:
@@ -51,23 +51,30 @@ def split_train(argv: list[str]) -> tuple[list[str], list[str]]:
     return ours, rest[1:]
 
 
-def train_overrides(overrides: list[str], num_nodes: int | None) -> list[str]:
-    """The overrides the job runs with: cluster=ray (joining the launched cluster) and the node count. Keys the
+def train_overrides(overrides: list[str], num_nodes: int | None, gpus_per_node: int | None = None) -> list[str]:
+    """The overrides the job runs with: cluster=ray (joining the launched cluster), and the cluster's shape where the
+    scheduler's options give it (the one source of both: a config key that says otherwise is refused). Keys the
     launcher sets itself and sweeps are refused."""
+    shape = {"cluster.num_nodes": (num_nodes, "the scheduler's node count (sbatch --nodes, --workers + 1)"),
+             "cluster.gpus_per_node": (gpus_per_node, "sbatch --gpus-per-node")}
     for o in overrides:
         if o in ("-m", "--multirun"):
             raise ConfigError("-m", o, "rlpost launch runs one job",
                               "sweep on Slurm with `rlpost train -m hydra/launcher=submitit_slurm ...`")
         key, _, value = o.partition("=")
         key = key.lstrip("+~")
-        if key in _SET_BY_LAUNCH and (key != "cluster.num_nodes" or num_nodes is not None):
-            raise ConfigError(key, value, "is set by rlpost launch", "use --run-dir for the run directory and the "
-                              "scheduler's node count (sbatch --nodes, --workers) for the nodes")
+        if key in _SET_BY_LAUNCH:
+            raise ConfigError(key, value, "is set by rlpost launch", "use --run-dir for the run directory")
+        if key in shape and shape[key][0] is not None and value != str(shape[key][0]):
+            raise ConfigError(key, value, f"contradicts {shape[key][1]}, which asks for {shape[key][0]}",
+                              "give it once: the launcher sets the key from the scheduler's option")
         if key == "cluster" and value != "ray":
             raise ConfigError("cluster", value, "a launched run joins the Ray cluster its launcher starts",
                               "leave `cluster` out (cluster=ray)")
-    nodes = [f"cluster.num_nodes={num_nodes}"] if num_nodes is not None else []
-    return ["cluster=ray", *[o for o in overrides if o.partition("=")[0] != "cluster"], *nodes]
+    given = [f"{key}={value}" for key, (value, _) in shape.items() if value is not None]
+    kept = [o for o in overrides if o.partition("=")[0] != "cluster" and o.partition("=")[0].lstrip("+~") not in
+            {k for k, (v, _) in shape.items() if v is not None}]
+    return ["cluster=ray", *kept, *given]
 
 
 def check(overrides: list[str], run_dir: Path) -> int:
@@ -106,7 +113,7 @@ def _slurm(argv: list[str], train: list[str]) -> int:
     if not ours.nodes_timeout_s > 0:
         raise ConfigError("--nodes-timeout-s", ours.nodes_timeout_s, "must be > 0 (seconds the nodes have to join)")
     run_dir = _run_dir(ours.run_dir)
-    overrides = train_overrides(train, slurm.node_count(sbatch_args))
+    overrides = train_overrides(train, slurm.node_count(sbatch_args), slurm.gpus_per_node(sbatch_args))
     if rc := check(overrides, run_dir):
         return rc
     job = slurm.SlurmJob(overrides, sbatch_args, run_dir, ours.max_requeues, nodes_timeout_s=ours.nodes_timeout_s,
@@ -174,9 +181,7 @@ def _kuberay(argv: list[str], train: list[str]) -> int:
             raise ConfigError(flag, value, f"must be >= {least}")
     if not K8S_QUANTITY.fullmatch(ours.memory):
         raise ConfigError("--memory", ours.memory, "must be a Kubernetes memory quantity", "e.g. 64Gi or 512Mi")
-    overrides = train_overrides(train, ours.workers + 1)
-    if ours.gpus and not any(o.startswith("cluster.gpus_per_node=") for o in overrides):
-        overrides.append(f"cluster.gpus_per_node={ours.gpus}")
+    overrides = train_overrides(train, ours.workers + 1, ours.gpus or None)
     if rc := check(overrides, Path("/tmp") / ours.name):
         return rc
     job = KubeRayJob(ours.name, ours.image, overrides, ours.workers, ours.cpus, ours.gpus, ours.memory, ours.pvc)

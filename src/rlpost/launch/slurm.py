@@ -54,12 +54,33 @@ def node_count(sbatch_args: list[str]) -> int:
             value = arg[2:]
     if value is None:
         return 1
-    if not value.isdigit() or int(value) < 1:
-        from rlpost.config.errors import ConfigError
+    from rlpost.config.errors import ConfigError
 
+    if value.isdigit() and int(value) < 1:
+        raise ConfigError("--nodes", value, "must be >= 1")
+    if not value.isdigit():
         raise ConfigError("--nodes", value, "must be a fixed number of nodes (not a range): the run's "
                           "cluster.num_nodes is set from it")
     return int(value)
+
+
+def gpus_per_node(sbatch_args: list[str]) -> int | None:
+    """The GPUs per node asked of sbatch (--gpus-per-node=[type:]N), None when not given."""
+    value = None
+    for i, arg in enumerate(sbatch_args):
+        if arg == "--gpus-per-node":
+            value = sbatch_args[i + 1] if i + 1 < len(sbatch_args) else ""
+        elif arg.startswith("--gpus-per-node="):
+            value = arg.split("=", 1)[1]
+    if value is None:
+        return None
+    count = value.rsplit(":", 1)[-1]
+    if not count.isdigit() or int(count) < 1:
+        from rlpost.config.errors import ConfigError
+
+        raise ConfigError("--gpus-per-node", value, "must be a GPU count >= 1 ([type:]N): the run's "
+                          "cluster.gpus_per_node is set from it")
+    return int(count)
 
 
 def render(job: SlurmJob) -> str:

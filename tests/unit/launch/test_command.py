@@ -24,6 +24,26 @@ def test_the_train_args_follow_a_double_dash() -> None:
         split_train(["--", "plan"])
 
 
+def test_the_scheduler_options_set_the_cluster_shape_and_a_contradiction_is_refused() -> None:
+    """One source of truth: sbatch --nodes / --gpus-per-node set cluster.num_nodes / gpus_per_node; the same value
+    given again is accepted, another is refused naming both."""
+    assert train_overrides(["x=1"], 2, 8) == ["cluster=ray", "x=1", "cluster.num_nodes=2", "cluster.gpus_per_node=8"]
+    assert train_overrides(["cluster.gpus_per_node=8", "cluster.num_nodes=2"], 2, 8) == [
+        "cluster=ray", "cluster.num_nodes=2", "cluster.gpus_per_node=8"]
+    for given, key in (("cluster.num_nodes=4", "cluster.num_nodes"), ("cluster.gpus_per_node=4",
+                                                                      "cluster.gpus_per_node")):
+        with pytest.raises(ConfigError, match="contradicts") as err:
+            train_overrides([given], 2, 8)
+        assert err.value.key == key
+    assert slurm.gpus_per_node(["--gpus-per-node=a100:8"]) == 8
+    assert slurm.gpus_per_node(["--gpus-per-node", "4", "--nodes=2"]) == 4
+    assert slurm.gpus_per_node(["--nodes=2"]) is None
+    with pytest.raises(ConfigError, match="--gpus-per-node"):
+        slurm.gpus_per_node(["--gpus-per-node=0"])
+    with pytest.raises(ConfigError, match=">= 1"):
+        slurm.node_count(["--nodes=0"])
+
+
 def test_the_job_joins_the_launched_ray_cluster_on_the_asked_nodes() -> None:
     assert train_overrides(["grpo.max_num_steps=3"], 2) == ["cluster=ray", "grpo.max_num_steps=3",
                                                             "cluster.num_nodes=2"]
@@ -34,7 +54,6 @@ def test_the_job_joins_the_launched_ray_cluster_on_the_asked_nodes() -> None:
 @pytest.mark.parametrize("override, key", [
     ("cluster.address=10.0.0.1:6379", "cluster.address"),
     ("hydra.run.dir=/tmp/x", "hydra.run.dir"),
-    ("cluster.num_nodes=4", "cluster.num_nodes"),
     ("cluster=local", "cluster"),
     ("-m", "-m"),
 ])
