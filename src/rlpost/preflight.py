@@ -72,6 +72,8 @@ def check_model_dir(master: AnyMaster) -> None:
     built_later = master.model.tiny is not None and path == master.model.path
     if not built_later:
         _check_model_files(key, path, master.model.prepare)
+    elif not Path(path).expanduser().is_dir():  # built on first use, inside model.cache_dir
+        check_writable_dir("model.cache_dir", Path(master.model.cache_dir).expanduser())
     tok = str(master.policy.tokenizer.name)
     if master.model.tiny is not None and tok == master.model.path:
         return
@@ -319,6 +321,11 @@ def check_local_cpus(master: AnyMaster) -> None:
     if cl.num_nodes > 1:
         raise ConfigError("cluster.num_nodes", cl.num_nodes, "a local Ray cluster (cluster.address=null) is one node",
                           "join a running multi-node cluster with cluster=ray")
+    ram_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    if cl.object_store_memory_mb > ram_mb // 2:
+        raise ConfigError("cluster.object_store_memory_mb", cl.object_store_memory_mb,
+                          f"a local Ray cluster's object store lives in this machine's RAM ({ram_mb:,} MiB): at most "
+                          f"half of it ({ram_mb // 2:,} MiB)")
     have = float(cl.num_cpus) if cl.num_cpus is not None else float(os.cpu_count() or 1)
     source = "cluster.num_cpus" if cl.num_cpus is not None else "os.cpu_count(), as cluster.num_cpus=null gives Ray"
     parts = cpu_reservations(master)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rlpost.checks import run_checks
+from rlpost.command_checks import preflight
 from rlpost.config.errors import ConfigError
 from rlpost.config.load import load_master_config
 from rlpost.config.schema.master import MasterConfig
@@ -467,3 +468,16 @@ def test_setup_loads_the_prompts_as_data_too_long_says_with_one_warning(tiny_mod
         warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
         assert warnings == [f"rlpost: warning: 2 training and 0 validation prompts are longer than "
                             f"data.max_input_seq_length=32 tokens; {what} (data.too_long={policy})"]
+
+
+@pytest.mark.parametrize(("override", "key", "rule"), [
+    ("cluster.object_store_memory_mb=99999999", "cluster.object_store_memory_mb", "at most half of it"),
+    ("model.cache_dir=/proc/cache", "model.cache_dir", "cannot be created"),
+])
+def test_what_ray_or_the_model_build_would_fail_on_is_refused_first(override: str, key: str, rule: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Caught before start-up, not by Ray's start (an object store larger than the machine) or by the tiny model's
+    build (a cache directory that cannot be made)."""
+    assert preflight([override], False) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlpost: config error: {key}=") and rule in err, err

@@ -42,6 +42,7 @@ class Rule:
 POSITIVE = Rule(lambda v: v > 0, "must be > 0")
 POSITIVE_OR_NONE = Rule(lambda v: v > 0, "must be > 0", allow_none=True)
 NON_NEGATIVE = Rule(lambda v: v >= 0, "must be >= 0")
+SEED = Rule(lambda v: 0 <= v < 2**32, "must be a seed in [0, 2**32 - 1] (what numpy, torch and vLLM all take)")
 
 
 def options(*allowed: object, allow_none: bool = False) -> Rule:

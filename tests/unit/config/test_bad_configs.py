@@ -16,6 +16,9 @@ SPLIT = ["cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
          "policy.generation.colocated.resources.gpus_per_node=1"]
 
 BAD = [
+    (["grpo.seed=99999999999999999999"], "grpo.seed", "[0, 2**32 - 1]"),
+    (["policy.generation.vllm_cfg.seed=-1"], "policy.generation.vllm_cfg.seed", "[0, 2**32 - 1]"),
+    (["algo=sft", "sft.seed=-1"], "sft.seed", "[0, 2**32 - 1]"),
     (["policy=megatorn"], "policy", "did you mean 'megatron'"),
     (["generation=vlm"], "generation", "did you mean 'vllm'"),
     (["grpo.num_prompts_per_step=abc"], "grpo.num_prompts_per_step", "type Integer"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlpost.config.errors import require
-from rlpost.config.fields import POSITIVE, Block, checked, options
+from rlpost.config.fields import POSITIVE, SEED, Block, checked, options
 
 TOO_LONG = ("truncate", "drop", "error")
 """What data.too_long may choose for an over-length prompt."""
@@ -26,7 +26,7 @@ class SyntheticTaskConfig(Block):
     """Training prompts generated."""
     num_val: int = checked(64, POSITIVE)
     """Validation prompts generated."""
-    seed: int = 1234
+    seed: int = checked(1234, SEED)
     """Generator seed."""
 
 @dataclass
@@ -66,7 +66,7 @@ class DataConfig(DatasetConfig):
     """Append the assistant turn opener of the chat template."""
     shuffle: bool = True
     """Shuffle the training set each epoch."""
-    seed: int = 42
+    seed: int = checked(42, SEED)
     """Shuffle seed."""
     num_workers: int = 0
     """Dataloader worker processes: only 0 (rows are read once and tokenized in the driver, a few per step)."""

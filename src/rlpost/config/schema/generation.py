@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlpost.config.errors import ConfigError, require
-from rlpost.config.fields import POSITIVE, POSITIVE_OR_NONE, Block, checked, options, within
+from rlpost.config.fields import POSITIVE, POSITIVE_OR_NONE, SEED, Block, checked, options, within
 
 
 @dataclass
@@ -149,7 +149,7 @@ class VllmSpecificArgs(Block):
     """CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE). None = sized from the model: room for
     max_num_seqs (256) sequences of max_model_len tokens, at least 1/64 GiB and at most 1 GiB (a small model
     needs a few MiB, and a fixed size would hold RAM it never uses)."""
-    seed: int = 0
+    seed: int = checked(0, SEED)
     """Engine sampling seed."""
 
     def check(self, path: str) -> None:

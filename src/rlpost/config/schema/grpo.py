@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rlpost.config.errors import require
-from rlpost.config.fields import NON_NEGATIVE, POSITIVE, Block, checked
+from rlpost.config.fields import NON_NEGATIVE, POSITIVE, SEED, Block, checked
 
 
 @dataclass
@@ -98,7 +98,7 @@ class GRPOConfig(Block):
     """Validate before the first step."""
     max_val_samples: int = checked(256, POSITIVE)
     """Most validation prompts per validation."""
-    seed: int = 42
+    seed: int = checked(42, SEED)
     """Seed of python, numpy, torch and the dataloader."""
     async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig)
     """Asynchronous GRPO."""

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlpost.config.errors import ConfigError, require
-from rlpost.config.fields import POSITIVE, Block, checked, options
+from rlpost.config.fields import POSITIVE, SEED, Block, checked, options
 
 TINY_BUILDER_VERSION = 1
 TINY_MARKER = "rlpost_tiny.json"
@@ -36,7 +36,7 @@ class TinyModelConfig(Block):
     """Longest sequence."""
     tie_word_embeddings: bool = True
     """Share input and output embeddings."""
-    seed: int = 0
+    seed: int = checked(0, SEED)
     """Weight-init seed."""
 
     def check(self, path: str) -> None:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from rlpost.config.errors import require
-from rlpost.config.fields import NON_NEGATIVE, POSITIVE, Block, check_fields, checked, options
+from rlpost.config.fields import NON_NEGATIVE, POSITIVE, SEED, Block, check_fields, checked, options
 from rlpost.config.schema.data import DatasetConfig
 
 SFT_TASKS = ("copy_digit", "next_letter", "memorise", "calc_tool")
@@ -35,7 +35,7 @@ class SupervisedLoopConfig(Block):
     """Rows per validation batch (split into micro-batches of policy.train_micro_batch_size)."""
     val_at_start: bool = False
     """Validate the starting weights before step 1."""
-    seed: int = 42
+    seed: int = checked(42, SEED)
     """Seed of Python and torch in the driver."""
 
 @dataclass
@@ -66,7 +66,7 @@ class SupervisedTaskConfig:
     """Training rows generated."""
     num_val: int = checked(64, POSITIVE)
     """Validation rows generated."""
-    seed: int = 1234
+    seed: int = checked(1234, SEED)
     """Generator seed."""
 
     def check(self, path: str, tasks: tuple[str, ...]) -> None:
@@ -93,7 +93,7 @@ class SupervisedDataConfig(DatasetConfig):
     so the model learns to stop."""
     shuffle: bool = True
     """Shuffle the training rows each epoch."""
-    seed: int = 42
+    seed: int = checked(42, SEED)
     """Shuffle seed."""
 
     TASKS: ClassVar[tuple[str, ...]] = SFT_TASKS
