@@ -30,6 +30,7 @@ from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.memory_plan import check_memory
 from rlpost.preflight import (
     check_cuda_device,
+    check_eval_output,
     check_gpu_only_keys,
     check_hf_config_overrides,
     check_local_cpus,
@@ -97,6 +98,12 @@ def _data(master: AnyMaster, command: Command, run_dir: Path | None) -> None:
     check_data(master)
 
 
+def _eval_output(master: AnyMaster, command: Command, run_dir: Path | None) -> None:
+    """`rlpost eval`'s report file, before any scoring."""
+    if command.name == EVAL.name and isinstance(master, MasterConfig) and master.eval.output:
+        check_eval_output(master.eval.output)
+
+
 def _master_only(check: Callable[[AnyMaster], None]) -> Callable[[AnyMaster, Command, Path | None], None]:
     return lambda master, command, run_dir: check(master)
 
@@ -115,6 +122,7 @@ CHECKS: tuple[Check, ...] = (
     Check("host", _master_only(check_local_cpus)),
     Check("host", _master_only(check_memory)),
     Check("outputs", lambda master, command, run_dir: check_output_dirs(master, run_dir)),
+    Check("outputs", _eval_output),
     Check("files", _data),
 )
 """Every check, in the order each command runs the ones of its scopes."""

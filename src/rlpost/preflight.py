@@ -373,6 +373,18 @@ def check_writable_dir(key: str, path: Path) -> None:
         raise ConfigError(key, str(path), f"cannot be created: {parent} is not writable ({why})")
 
 
+def check_eval_output(value: str) -> None:
+    """`eval.output` names a file rlpost eval can write (its directory writable or creatable), not a directory."""
+    out = Path(value).expanduser()
+    if out.is_dir():
+        raise ConfigError("eval.output", value, "is a directory; the report is a JSON file",
+                          f"e.g. eval.output={out / 'eval.json'}")
+    try:
+        check_writable_dir("eval.output", out.parent)
+    except ConfigError as err:
+        raise ConfigError("eval.output", value, f"its directory {err.rule}") from None
+
+
 def output_dirs(master: AnyMaster, run_dir: Path | None) -> list[tuple[str, Path]]:
     """(key, directory) of every directory the run writes; defaults resolved under `run_dir` when given."""
     out: list[tuple[str, Path]] = []

@@ -481,3 +481,14 @@ def test_what_ray_or_the_model_build_would_fail_on_is_refused_first(override: st
     assert preflight([override], False) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"rlpost: config error: {key}=") and rule in err, err
+
+
+def test_an_eval_report_that_cannot_be_written_is_refused_before_scoring(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from rlpost.checks import EVAL
+
+    for value, rule in (("/proc/eval.json", "its directory is not writable"), (str(tmp_path), "is a directory")):
+        assert preflight([f"eval.output={value}"], False, command=EVAL) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"rlpost: config error: eval.output='{value}'") and rule in err, err
+    assert preflight([f"eval.output={tmp_path / 'new' / 'eval.json'}"], False, command=EVAL) == 0
