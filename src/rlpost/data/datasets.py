@@ -115,6 +115,9 @@ def jsonl_objects(path: str) -> list[tuple[object, str]]:
             except _DuplicateKey as exc:
                 raise DataError(f"{path}:{lineno}: key {exc.args[0]!r} appears twice in one object (JSON would keep "
                                 "only the last)") from None
+            except RecursionError:
+                raise DataError(f"{path}:{lineno}: nested too deeply to read (a row is an object of strings and "
+                                "lists of messages)") from None
             out.append((obj, f"{path}:{lineno}"))
     if not out:
         raise DataError(f"{path}: no rows")

@@ -68,9 +68,10 @@ def _rows(path: Path) -> list[dict[str, float]]:
         try:
             row = json.loads(line)
             step = int(row["step"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a partial last line of a killed run
-        by_step.setdefault(step, {}).update(row)
+        except (ValueError, KeyError, TypeError, RecursionError):
+            continue  # a partial last line of a killed run, or a line that is no metrics row
+        numbers = {k: float(v) for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        by_step.setdefault(step, {}).update(numbers)  # a text value charts nothing
     return [by_step[s] for s in sorted(by_step)]
 
 

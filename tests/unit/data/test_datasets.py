@@ -46,6 +46,13 @@ def test_bad_rows_are_named_by_file_and_line(tmp_path: Path, text: str, where: s
     assert f"{p}{where}" in str(e.value) and what in str(e.value)
 
 
+def test_a_row_nested_too_deeply_is_named_by_file_and_line(tmp_path: Path) -> None:
+    p = tmp_path / "deep.jsonl"
+    p.write_text('{"problem": "a", "expected_answer": "b"}\n{"problem": ' + "[" * 50_000 + "]" * 50_000 + "}\n")
+    with pytest.raises(DataError, match=rf"^{p}:2: nested too deeply"):
+        read_jsonl(str(p), cfg(p))
+
+
 def test_parquet_rows(tmp_path: Path) -> None:
     from datasets import Dataset
 

@@ -141,3 +141,13 @@ def test_the_page_never_writes_over_what_the_run_wrote(tmp_path: Path, capsys: p
     assert cli.main(["report", str(run)]) == 0 and (run / REPORT_FILE).is_file()
     assert cli.main(["report", str(run)]) == 0  # its own page is replaced
     assert cli.main(["report", str(run), "-o", str(tmp_path / "elsewhere.html")]) == 0
+
+
+def test_a_text_value_in_the_metrics_is_left_out_of_the_charts(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    make_run(run, [], rows())
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 4, "train/reward": "high", "train/loss": 0.5, "note": [1, 2], "flag": True}) + "\n")
+    loaded = load_run(run)
+    assert loaded.rows[-1] == {"step": 4.0, "train/loss": 0.5}
+    assert "fig-reward" in render([loaded], [])
