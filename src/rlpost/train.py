@@ -84,12 +84,13 @@ def _failed(code: int, line: str, run_dir: Path, holds_dir: bool = True) -> dict
     import json
 
     from rlpost import failures
-    from rlpost.runtime.run_status import write_status
+    from rlpost.runtime.run_status import steps_done, write_status
     from rlpost.sweep_summary import FAILURE_FILE
 
     interrupted = code in (failures.EXIT_INTERRUPT, failures.EXIT_TERMINATED)
     if holds_dir:
-        write_status(run_dir, "stopped" if interrupted else "failed", code, error=line.splitlines()[0])
+        write_status(run_dir, "stopped" if interrupted else "failed", code, steps_done(run_dir),
+                     error=line.splitlines()[0])
     job = _in_sweep()
     if job is None or interrupted:
         sys.exit(code)
@@ -171,7 +172,7 @@ def _run_locked(cfg: DictConfig, master: AnyMaster, run_dir: Path) -> dict[str, 
     (run_dir / "plan.json").write_text(json.dumps(plan_json(master), indent=1) + "\n")
     print_plan(master)
     from rlpost.runner import run
-    from rlpost.runtime.run_status import write_status
+    from rlpost.runtime.run_status import steps_done, write_status
 
     try:
         summary = run(master, run_dir)
@@ -179,7 +180,7 @@ def _run_locked(cfg: DictConfig, master: AnyMaster, run_dir: Path) -> dict[str, 
         return _job_error(exc, run_dir)
     steps = summary.get("steps")
     write_status(run_dir, "finished" if summary.get("complete", True) else "stopped", 0,
-                 steps if isinstance(steps, int) else None)
+                 steps if isinstance(steps, int) else steps_done(run_dir))
     if "metrics" in summary:  # steps ran: the run's page (rlpost.report), under the runner's summary lines
         print(f"  report:      rlpost report {run_dir}   (writes {run_dir / 'report.html'})", file=sys.stderr,
               flush=True)

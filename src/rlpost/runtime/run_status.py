@@ -41,6 +41,20 @@ def write_status(run_dir: Path, state: State, exit_status: int, steps: int | Non
         pass
 
 
+def steps_done(run_dir: Path) -> int | None:
+    """The last step the run's metrics.jsonl records (None when it has none): how far a run that ended early got."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError, RecursionError):
+            continue  # a partial last line of a killed run
+    return None
+
+
 def read_status(run_dir: Path) -> RunStatus | None:
     """The last attempt's status, or None when no attempt wrote one (or it is unreadable)."""
     try:

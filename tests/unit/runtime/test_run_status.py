@@ -24,3 +24,12 @@ def test_written_and_read_back(tmp_path: Path) -> None:
 def test_what_resumes(tmp_path: Path, state: str, code: int, again: bool) -> None:
     write_status(tmp_path, state, code)  # type: ignore[arg-type]
     assert resumable(read_status(tmp_path)) is again
+
+
+def test_a_run_that_ended_early_says_how_far_it_got(tmp_path: Path) -> None:
+    """run_status.json's steps for a stopped or failed run: the last step metrics.jsonl records."""
+    from rlpost.runtime.run_status import steps_done
+
+    assert steps_done(tmp_path) is None
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "x": 0.5}\n{"step": 2, "x": 0.4}\n{"step": 3, "x"')
+    assert steps_done(tmp_path) == 2  # the killed run's partial last line is skipped
