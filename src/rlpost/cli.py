@@ -109,7 +109,7 @@ def _eval(argv: list[str]) -> int:
         if isinstance(exc, ConfigError):
             report_config_error(exc)
             return 2
-        say.error(failures.describe(exc, None))
+        say.error(failures.describe(exc, None, resumes=False))  # an evaluation starts over when run again
         return failures.exit_status(exc)
     k = report["k"]
     print(f"rlpost eval: {report['model']} on {report['data']} ({report['split']}, "
@@ -217,7 +217,7 @@ def entrypoint() -> None:
     try:
         code = main()
     except (KeyboardInterrupt, Interrupted) as exc:
-        print(f"rlpost: error: {describe(exc, None)}", file=sys.stderr)
+        print(f"rlpost: error: {describe(exc, None, resumes=sys.argv[1:2] == ['train'])}", file=sys.stderr)
         code = exit_status(exc)
     sys.exit(code)
 

@@ -92,12 +92,15 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def describe(exc: BaseException, log_file: Path | None) -> str:
-    """The one line a person reads for `exc`."""
+def describe(exc: BaseException, log_file: Path | None, resumes: bool = True) -> str:
+    """The one line a person reads for `exc`; `resumes`: the command continues where it stopped when run again (a
+    training run), so an interrupt says so."""
     where = f" (traceback in {log_file})" if log_file is not None else ""
     code = exit_status(exc)
     if code in (EXIT_INTERRUPT, EXIT_TERMINATED):
         name = str(exc) if isinstance(exc, Interrupted) else "SIGINT"
+        if not resumes:
+            return f"interrupted by {name}"
         return f"interrupted by {name}; re-run the same command to resume from the last checkpoint"
     if code == EXIT_INTERNAL:
         return f"unexpected {type(exc).__name__}: {_first_line(exc)}{where}"

@@ -134,6 +134,7 @@ def test_a_diverged_sft_run_exits_3_and_keeps_the_last_good_checkpoint(cache: Pa
     assert out.returncode == 3, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("rlpost: error: ") and "not finite" in last and "lr=1e+30" in last, last
+    assert "its checkpoints up to step_1 are kept" in last, last
     assert "Traceback" not in out.stderr
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_1"]
     assert "Traceback" in (run / "train.log").read_text()

@@ -51,6 +51,7 @@ def test_messages_are_one_line() -> None:
     bug = describe(ZeroDivisionError("division by zero"), Path("/r/train.log"))
     assert bug == "unexpected ZeroDivisionError: division by zero (traceback in /r/train.log)"
     assert "resume" in describe(KeyboardInterrupt(), None)
+    assert describe(KeyboardInterrupt(), None, resumes=False) == "interrupted by SIGINT"  # rlpost eval, plan
 
 
 def test_call_bound_follows_the_slowest_step() -> None:

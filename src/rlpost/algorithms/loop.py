@@ -120,9 +120,10 @@ def call_timeout_for(cluster_cfg: ClusterConfig, slowest_step_s: float) -> float
     return min(max(bound, cluster_cfg.min_call_timeout_s), cluster_cfg.call_timeout_s)
 
 
-def check_finite(metrics: dict[str, float], step: int, lr: object) -> None:
+def check_finite(metrics: dict[str, float], step: int, lr: object,
+                 kept: str = "the last good checkpoint is kept") -> None:
     """HealthCheckError when the step's loss or grad norm is not finite, or the update left non-finite weights (the
-    message names the policy's learning rate `lr`)."""
+    message names the policy's learning rate `lr`, and `kept`: what of the run is saved)."""
     broken = [f"{key}={metrics[key]} is not finite" for key in ("train/loss", "train/grad_norm")
               if key in metrics and not math.isfinite(metrics[key])]
     if metrics.get("train/params_finite") == 0.0:
@@ -130,16 +131,16 @@ def check_finite(metrics: dict[str, float], step: int, lr: object) -> None:
     if broken:
         raise HealthCheckError(
             f"step {step}: {broken[0]}; the run stopped before saving this step "
-            f"(policy.optimizer.kwargs.lr={lr} may be too high; the last good checkpoint is kept)"
+            f"(policy.optimizer.kwargs.lr={lr} may be too high; {kept})"
         )
 
 
 def health_gate(metrics: dict[str, float], step: int, lr: object, drift: DriftLimits | None,
-                same_weights: bool = True) -> None:
+                same_weights: bool = True, kept: str = "the last good checkpoint is kept") -> None:
     """Stop before a broken step is checkpointed: non-finite training (`check_finite`), or engine/trainer drift past
     `drift.abort` (a warning past `drift.warn`, counted as train/health_warnings), checked only when the engine
     generated the batch with the trainer's current weights."""
-    check_finite(metrics, step, lr)
+    check_finite(metrics, step, lr, kept)
     err = metrics.get("train/token_mult_prob_error")
     if drift is None or err is None or not same_weights:
         return
@@ -187,9 +188,13 @@ class StepLoop:
         """The loader position of the last step run: what `save_now` resumes from."""
         self.out_of_time = False
         """The wall-clock budget ended the run before its schedule did (re-running it resumes)."""
+        self.saved_step: int | None = None
+        """The step of the run's newest checkpoint (the one it resumed from, or saved since); None: none yet."""
 
     def run(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> None:
         algo, parts, sched = self.algo, self.parts, self.algo.schedule
+        if parts.checkpointing.enabled and parts.total_steps() > 0:
+            self.saved_step = parts.total_steps()  # resumed from it
         if sched.val_at_start and parts.total_steps() == 0:
             parts.logger.log(algo.validate(0, Timer()), 0)
         while parts.total_steps() < sched.max_num_steps and algo.has_data():
@@ -209,6 +214,14 @@ class StepLoop:
                 self.out_of_time = True
                 break
 
+    def _kept(self) -> str:
+        """What of the run is saved, for the health gate's line."""
+        if not self.parts.checkpointing.enabled:
+            return "checkpointing is off: nothing is saved"
+        if self.saved_step is None:
+            return "no checkpoint was saved yet"
+        return f"its checkpoints up to step_{self.saved_step} are kept"
+
     def _book(self, step: int, result: StepResult, step_t0: float) -> bool:
         """Validate, advance the save state, gate and checkpoint the step; whether the budget ends the run here."""
         algo, parts, metrics = self.algo, self.parts, result.metrics
@@ -219,13 +232,14 @@ class StepLoop:
             metrics.update(algo.validate(step, self.timer))
         algo.advance(step, result)
         self.position = result.position
-        health_gate(metrics, step, parts.lr, parts.drift, result.same_weights)
+        health_gate(metrics, step, parts.lr, parts.drift, result.same_weights, self._kept())
         self.deadline.step_took(time.perf_counter() - step_t0)
         ck = parts.checkpointing
         if ck.enabled and on_schedule(ck.save_period, step, final):
             save_t0 = time.perf_counter()
             with self.timer.time("checkpointing"):
                 algo.save(step, metrics, {**metrics, **self.timer.metrics("timing/train")}, result.position)
+            self.saved_step = step
             self.deadline.save_took(time.perf_counter() - save_t0)
         return out_of_time
 

@@ -52,6 +52,8 @@ def test_health_gate_stops_on_non_finite_training(metrics: dict, match: str) -> 
     with pytest.raises(HealthCheckError, match=match):
         health_gate(dict(metrics), 4, 1e30, None)  # SFT / DPO / RM: the same check without drift limits
     health_gate({"train/loss": 0.1, "train/grad_norm": 1.0, "train/params_finite": 1.0}, 5, 1e30, drift)
+    with pytest.raises(HealthCheckError, match="no checkpoint was saved yet"):  # what is saved, as the loop says
+        health_gate(dict(metrics), 1, 1e30, drift, kept="no checkpoint was saved yet")
 
 
 def batch(rewards: list[float], group: int) -> RolloutBatch:
