@@ -74,7 +74,28 @@ def curve_figure(panel: Panel, runs: list[Run]) -> go.Figure | None:
     _step_axis(fig, runs)
     if panel.log_y:
         fig.update_yaxes(type="log")
+    else:
+        _value_axis(fig, [v for trace in fig.data for v in trace.y if math.isfinite(v)])
     return fig
+
+
+def y_range(values: list[float]) -> tuple[float, float] | None:
+    """The y axis of a panel whose values are all one number (a constant learning rate): that number in the middle
+    of its own scale, e.g. 0.0015-0.0045 for 3e-3 (plotly would draw it at 0 on a -1..1 axis); None otherwise."""
+    if not values:
+        return None
+    lo, hi = min(values), max(values)
+    if hi - lo > 1e-9 * max(abs(lo), abs(hi)):
+        return None
+    pad = abs(hi) / 2 if hi else 1.0
+    return lo - pad, hi + pad
+
+
+def _value_axis(fig: go.Figure, values: list[float]) -> None:
+    """Each panel on its own scale, its ticks in significant digits (3e-3, not 0.00)."""
+    fig.update_yaxes(tickformat=".3~g")
+    if (span := y_range(values)) is not None:
+        fig.update_yaxes(range=list(span))
 
 
 def timing_figure(run: Run) -> go.Figure | None:

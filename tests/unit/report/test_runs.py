@@ -11,7 +11,7 @@ import pytest
 from rlpost import cli
 from rlpost.report.command import REPORT_FILE, write_report
 from rlpost.report.html import render
-from rlpost.report.runs import ReportInputError, legend_names, load_run, load_runs
+from rlpost.report.runs import ReportInputError, Run, legend_names, load_run, load_runs
 
 
 def make_run(path: Path, overrides: list[str], rows: list[dict[str, float]], status: dict | None = None,
@@ -151,3 +151,19 @@ def test_a_text_value_in_the_metrics_is_left_out_of_the_charts(tmp_path: Path) -
     loaded = load_run(run)
     assert loaded.rows[-1] == {"step": 4.0, "train/loss": 0.5}
     assert "fig-reward" in render([loaded], [])
+
+
+def test_a_constant_learning_rate_is_drawn_on_its_own_scale() -> None:
+    from rlpost.report.figures import CURVES, curve_figure, y_range
+
+    assert y_range([3e-3, 3e-3]) == pytest.approx((1.5e-3, 4.5e-3))
+    assert y_range([0.0, 0.0]) == (-1.0, 1.0) and y_range([1e-3, 2e-3]) is None and y_range([]) is None
+    run = load_run_rows([{"step": 1, "train/lr": 3e-3}, {"step": 2, "train/lr": 3e-3}])
+    fig = curve_figure(next(p for p in CURVES if p.id == "lr"), [run])
+    assert fig is not None
+    assert tuple(fig.layout.yaxis.range) == pytest.approx((1.5e-3, 4.5e-3))
+    assert fig.layout.yaxis.tickformat == ".3~g"
+
+
+def load_run_rows(rows: list[dict[str, float]]) -> Run:
+    return Run(path=Path("run"), rows=rows, overrides=[], config_text="", status={}, messages=[])
