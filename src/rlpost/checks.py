@@ -35,6 +35,7 @@ from rlpost.preflight import (
     check_hf_config_overrides,
     check_local_cpus,
     check_model_dir,
+    check_model_limits,
     check_optimizer,
     check_output_dirs,
     check_precision,
@@ -114,6 +115,7 @@ CHECKS: tuple[Check, ...] = (
     Check("files", _master_only(check_hf_config_overrides)),
     Check("files", _master_only(check_vocab_shards)),
     Check("config", _master_only(check_lora_modules)),
+    Check("config", _master_only(check_model_limits)),
     Check("files", _master_only(check_optimizer)),
     Check("files", _master_only(check_target_kinds)),  # after the optimizer's allow-list, which imports nothing
     Check("host", _master_only(check_cuda_device)),

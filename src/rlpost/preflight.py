@@ -133,6 +133,41 @@ def check_hf_config_overrides(master: AnyMaster) -> None:
                               "transformers would ignore it while vLLM would set it", hint)
 
 
+def check_model_limits(master: AnyMaster) -> None:
+    """What the model's config.json bounds (or the tiny model's spec, before it is built): sequences within its
+    positions, for the trainer and the engine, and stop tokens within its vocabulary."""
+    from rlpost.config.lora_params import model_shape
+
+    hf = model_shape(master)
+    if hf is None:
+        return
+    p = master.policy
+    tiny = master.model.tiny if p.model_name == master.model.path else None
+    positions = tiny.max_position_embeddings if tiny is not None else hf.get("max_position_embeddings")
+    where = (f"model.tiny.max_position_embeddings={positions}" if tiny is not None
+             else f"max_position_embeddings={positions} in its config.json")
+    if isinstance(positions, int) and p.max_total_sequence_length > positions:
+        raise ConfigError("policy.max_total_sequence_length", p.max_total_sequence_length,
+                          f"is longer than the model's positions ({where})",
+                          f"at most {positions}, or a model with more positions")
+    gen = p.generation
+    v = getattr(gen, "vllm_cfg", None)
+    if v is not None and v.max_model_len is not None:
+        if isinstance(positions, int) and v.max_model_len > positions:
+            raise ConfigError("policy.generation.vllm_cfg.max_model_len", v.max_model_len,
+                              f"is longer than the model's positions ({where})")
+        if v.max_model_len < p.max_total_sequence_length:
+            raise ConfigError("policy.generation.vllm_cfg.max_model_len", v.max_model_len,
+                              "is shorter than the sequences the run generates and trains on "
+                              f"(policy.max_total_sequence_length={p.max_total_sequence_length})",
+                              "leave it null: it follows policy.max_total_sequence_length")
+    vocab = hf.get("vocab_size")
+    stops = list(getattr(gen, "stop_token_ids", None) or [])
+    if isinstance(vocab, int) and (bad := [t for t in stops if not 0 <= t < vocab]):
+        raise ConfigError("policy.generation.stop_token_ids", stops,
+                          f"token {bad[0]} is outside the model's vocabulary (ids 0..{vocab - 1})")
+
+
 def check_vocab_shards(master: AnyMaster) -> None:
     """DTensor TP shards the vocabulary in equal slices (vocab-parallel logprobs): TP must divide it.
 

@@ -100,13 +100,16 @@ def parameter_counts(hf: Mapping[str, Any], lora: LoRAConfig, megatron: bool = F
 
 
 def tiny_hf_config(architecture: str, hidden_size: int, num_layers: int, num_attention_heads: int,
-                   num_key_value_heads: int, intermediate_size: int, vocab_size: int, tie_word_embeddings: bool
-                   ) -> dict[str, Any]:
+                   num_key_value_heads: int, intermediate_size: int, vocab_size: int, tie_word_embeddings: bool,
+                   max_position_embeddings: int | None = None) -> dict[str, Any]:
     """The config.json fields that count a tiny model not built yet (its vocabulary padded to a multiple of 64)."""
-    return {"model_type": architecture, "hidden_size": hidden_size, "num_hidden_layers": num_layers,
-            "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
-            "intermediate_size": intermediate_size, "vocab_size": -(-vocab_size // 64) * 64,
-            "tie_word_embeddings": tie_word_embeddings}
+    out = {"model_type": architecture, "hidden_size": hidden_size, "num_hidden_layers": num_layers,
+           "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
+           "intermediate_size": intermediate_size, "vocab_size": -(-vocab_size // 64) * 64,
+           "tie_word_embeddings": tie_word_embeddings}
+    if max_position_embeddings is not None:
+        out["max_position_embeddings"] = max_position_embeddings
+    return out
 
 
 def describe(hf: Mapping[str, Any] | None, lora: LoRAConfig, megatron: bool = False) -> str:
@@ -129,7 +132,7 @@ def model_shape(master: MasterConfig | SupervisedMasterConfig) -> dict[str, Any]
     t = master.model.tiny
     if hf is None and t is not None and master.policy.model_name == master.model.path:
         hf = tiny_hf_config(t.architecture, t.hidden_size, t.num_layers, t.num_attention_heads, t.num_key_value_heads,
-                            t.intermediate_size, t.vocab_size, t.tie_word_embeddings)
+                            t.intermediate_size, t.vocab_size, t.tie_word_embeddings, t.max_position_embeddings)
     return hf
 
 

@@ -205,3 +205,18 @@ def test_an_override_that_does_not_parse_is_named(capsys: pytest.CaptureFixture[
     assert main(["plan", "policy.max_total_sequence_length=${nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlpost: config error: policy.max_total_sequence_length='${nope': cannot be parsed"), err
+
+
+@pytest.mark.parametrize(("override", "key", "rule"), [
+    ("policy.max_total_sequence_length=1024", "policy.max_total_sequence_length", "max_position_embeddings=256"),
+    ("model.tiny.max_position_embeddings=8", "policy.max_total_sequence_length", "max_position_embeddings=8"),
+    ("policy.generation.vllm_cfg.max_model_len=4", "policy.generation.vllm_cfg.max_model_len", "shorter than"),
+    ("policy.generation.stop_token_ids=[999999]", "policy.generation.stop_token_ids", "outside the model's vocab"),
+    ("cluster.min_call_timeout_s=5000", "cluster.min_call_timeout_s", "must be <= cluster.call_timeout_s"),
+])
+def test_what_the_model_and_the_timeouts_bound_is_refused_by_the_plan(override: str, key: str, rule: str,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused by `rlpost plan` (and so before start-up): these failed only once the engine or the model started."""
+    assert main(["plan", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlpost: config error: {key}=") and rule in err, err

@@ -46,6 +46,9 @@ class ClusterConfig(Block):
 
     def check(self, path: str) -> None:
         super().check(path)
+        require(self.min_call_timeout_s <= self.call_timeout_s, f"{path}.min_call_timeout_s", self.min_call_timeout_s,
+                f"must be <= {path}.call_timeout_s ({self.call_timeout_s}): the bound derived from the step lies "
+                "between the two")
         if self.address is None:
             require(self.object_store_memory_mb >= RAY_MIN_OBJECT_STORE_MB, f"{path}.object_store_memory_mb",
                     self.object_store_memory_mb,
