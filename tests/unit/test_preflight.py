@@ -492,3 +492,11 @@ def test_an_eval_report_that_cannot_be_written_is_refused_before_scoring(tmp_pat
         err = capsys.readouterr().err
         assert err.startswith(f"rlpost: config error: eval.output='{value}'") and rule in err, err
     assert preflight([f"eval.output={tmp_path / 'new' / 'eval.json'}"], False, command=EVAL) == 0
+
+
+def test_a_critic_model_that_is_not_there_is_named_as_the_critics(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    for value, rule in (("/nonexistent", "no such directory"), (str(tmp_path), "holds no config.json")):
+        assert preflight(["algo=ppo", f"critic.model_name={value}"], False) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"rlpost: config error: critic.model_name='{value}'") and rule in err, err

@@ -69,6 +69,8 @@ class Algorithm:
     memory: Callable[[Any, str, int], list[Worker]] = _no_memory
     """(master, device, training workers) -> its worker groups beside the policy and the engine, for the memory plan
     (rlpost.config.memory)."""
+    preflight: Callable[[Any], None] = _no_rules
+    """master -> None: its checks of local files (the pre-flight's), e.g. a critic's own model directory."""
     token_batches: bool = False
     """Its losses are normalised over the global batch and a row may go to any micro-batch, so micro-batches cut to
     a token budget train the same step: `policy.dynamic_batching.enabled: null` turns on (DTensor). False for DPO and
@@ -96,7 +98,7 @@ class AddOn:
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("grpo", "GRPO", "rlpost.algorithms.grpo_unit", ("grpo",), rules=grpo.group_rules, token_batches=True),
     Algorithm("ppo", "PPO", "rlpost.algorithms.ppo", ("grpo", "ppo", "critic"), rules=ppo.ppo_rules,
-              plan_rows=ppo.plan_rows, memory=ppo.memory, whole_batch="PPO's advantages need the critic's values of the whole batch "
+              plan_rows=ppo.plan_rows, memory=ppo.memory, preflight=ppo.preflight, whole_batch="PPO's advantages need the critic's values of the whole batch "
                                                    "(algo=ppo)"),
     Algorithm("distillation", "Distil", "rlpost.algorithms.distillation", ("grpo", "distillation"),
               token_batches=True),
@@ -173,6 +175,7 @@ def side_memory(master: Run, device: str, train_world: int) -> list[Worker]:
 
 
 def preflight(master: Run) -> None:
-    """The add-ons' checks of local files."""
+    """The algorithm's and its add-ons' checks of local files."""
+    algorithm(master.algo).preflight(master)
     for addon in set_addons(master):
         addon.preflight(master)

@@ -56,3 +56,21 @@ def memory(master: MasterConfig, device: str, train_world: int) -> list[Worker]:
     worker = policy_worker(master.policy, shape, device, c.num_workers or train_world, group="critic", lora=False)
     worker.shares_device_with = "policy" if c.colocated else None
     return [worker]
+
+
+def preflight(master: MasterConfig) -> None:
+    """The critic's own model directory, when it names one, holds a model (config.json)."""
+    from pathlib import Path
+
+    from rlpost.config.errors import ConfigError
+
+    c = master.critic
+    assert c is not None
+    if c.model_name is None:
+        return
+    d = Path(c.model_name).expanduser()
+    if not d.is_dir():
+        raise ConfigError("critic.model_name", c.model_name, "no such directory" if not d.exists() else
+                          "is not a directory", "name a local HF model directory, or leave it null for the policy's")
+    if not (d / "config.json").is_file():
+        raise ConfigError("critic.model_name", c.model_name, "holds no config.json: not an HF model directory")
