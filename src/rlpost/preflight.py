@@ -104,6 +104,33 @@ def _check_model_files(key: str, path: str, prepare: str | None) -> None:
         raise ConfigError(key, path, f"{d / 'config.json'}: no 'model_type'; is this a transformers config.json?")
     if not any(any(d.glob(p)) for p in WEIGHT_PATTERNS):
         raise ConfigError(key, path, f"has no weights ({' / '.join(WEIGHT_PATTERNS)})")
+    for f in sorted(d.glob("*.safetensors")):
+        if why := safetensors_fault(f):
+            raise ConfigError(key, path, f"{f.name} is not a safetensors file: {why}",
+                              "the file is damaged or incomplete: copy or download it again")
+
+
+def safetensors_fault(path: Path) -> str | None:
+    """Why `path` is no safetensors file (its 8-byte header length, then that many bytes of a JSON object), else
+    None; reads the header only."""
+    import json
+    import struct
+
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{size} bytes, shorter than the 8-byte header length"
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 100 * 2**20):
+                return f"its header claims {n:,} bytes of a {size:,}-byte file"
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    except (ValueError, UnicodeDecodeError):
+        return "its header is not JSON"
+    return None if isinstance(header, dict) else "its header is not a JSON object"
 
 
 def check_hf_config_overrides(master: AnyMaster) -> None:

@@ -500,3 +500,19 @@ def test_a_critic_model_that_is_not_there_is_named_as_the_critics(tmp_path: Path
         assert preflight(["algo=ppo", f"critic.model_name={value}"], False) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"rlpost: config error: critic.model_name='{value}'") and rule in err, err
+
+
+def test_weights_that_are_no_safetensors_file_are_refused_naming_the_file(tiny_model_dir: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Random bytes as model.safetensors ended as a MemoryError at start-up: the header is read first."""
+    from rlpost.preflight import safetensors_fault
+
+    assert safetensors_fault(tiny_model_dir / "model.safetensors") is None
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").write_bytes(bytes(range(256)) * 16)
+    assert preflight(["model=local", f"model.path={model}"], False) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors is not a safetensors file: its header claims" in err, err
+    (model / "model.safetensors").write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00[1] ")
+    assert safetensors_fault(model / "model.safetensors") == "its header is not a JSON object"
