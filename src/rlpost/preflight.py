@@ -188,11 +188,42 @@ def check_model_limits(master: AnyMaster) -> None:
                               "is shorter than the sequences the run generates and trains on "
                               f"(policy.max_total_sequence_length={p.max_total_sequence_length})",
                               "leave it null: it follows policy.max_total_sequence_length")
+    _check_pipeline_stages(master, hf)
     vocab = hf.get("vocab_size")
     stops = list(getattr(gen, "stop_token_ids", None) or [])
     if isinstance(vocab, int) and (bad := [t for t in stops if not 0 <= t < vocab]):
         raise ConfigError("policy.generation.stop_token_ids", stops,
                           f"token {bad[0]} is outside the model's vocabulary (ids 0..{vocab - 1})")
+
+
+def _check_pipeline_stages(master: AnyMaster, hf: Mapping[str, Any]) -> None:
+    """Megatron's pipeline stages split the model's layers: each stage at least one, the first and last stage's
+    sizes within the layers, the rest even over the middle stages."""
+    m = getattr(master.policy, "megatron_cfg", None)
+    layers = hf.get("num_hidden_layers")
+    if m is None or not isinstance(layers, int):
+        return
+    pp, first, last = m.pipeline_model_parallel_size, m.num_layers_in_first_pipeline_stage, \
+        m.num_layers_in_last_pipeline_stage
+    key = "policy.megatron_cfg.pipeline_model_parallel_size"
+    if pp > layers:
+        raise ConfigError(key, pp, f"more pipeline stages than the model's {layers} layers")
+    for name, value in (("first", first), ("last", last)):
+        if value is not None and not 1 <= value <= layers - (pp - 1):
+            raise ConfigError(f"policy.megatron_cfg.num_layers_in_{name}_pipeline_stage", value,
+                              f"must leave each of the other {pp - 1} stages a layer of the model's {layers} "
+                              f"(1..{layers - (pp - 1)})")
+    if first is None and last is None:
+        if layers % pp:
+            raise ConfigError(key, pp, f"must divide the model's {layers} layers (or set "
+                              "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage)")
+        return
+    middle, rest = pp - (first is not None) - (last is not None), layers - (first or 0) - (last or 0)
+    if (middle == 0 and rest != 0) or (middle > 0 and (rest < middle or rest % middle)):
+        raise ConfigError("policy.megatron_cfg.num_layers_in_first_pipeline_stage" if first is not None else
+                          "policy.megatron_cfg.num_layers_in_last_pipeline_stage", first if first is not None else last,
+                          f"leaves {rest} of the model's {layers} layers for {middle} other stage(s): they must split "
+                          "evenly, one or more each")
 
 
 def check_vocab_shards(master: AnyMaster) -> None:

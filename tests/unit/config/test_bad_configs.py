@@ -220,3 +220,22 @@ def test_what_the_model_and_the_timeouts_bound_is_refused_by_the_plan(override: 
     assert main(["plan", override]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"rlpost: config error: {key}=") and rule in err, err
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["policy.megatron_cfg.pipeline_model_parallel_size=4", "cluster.gpus_per_node=4"],
+     "policy.megatron_cfg.pipeline_model_parallel_size"),
+    (["policy.megatron_cfg.pipeline_model_parallel_size=2", "cluster.gpus_per_node=2",
+      "policy.megatron_cfg.num_layers_in_first_pipeline_stage=2"], "policy.megatron_cfg.num_layers_in_first_pipeline_stage"),
+    (["model.tiny.num_layers=5", "policy.megatron_cfg.pipeline_model_parallel_size=2", "cluster.gpus_per_node=2"],
+     "policy.megatron_cfg.pipeline_model_parallel_size"),
+    (["model.tiny.num_layers=6", "policy.megatron_cfg.pipeline_model_parallel_size=3", "cluster.gpus_per_node=3",
+      "policy.megatron_cfg.num_layers_in_first_pipeline_stage=1"], "policy.megatron_cfg.num_layers_in_first_pipeline_stage"),
+])
+def test_pipeline_stages_must_split_the_models_layers(overrides: list[str], key: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """These hung or failed inside megatron-core at start-up; the plan refuses them."""
+    assert main(["plan", "policy=megatron", *overrides]) == 2
+    assert capsys.readouterr().err.startswith(f"rlpost: config error: {key}=")
+    assert main(["plan", "policy=megatron", "model.tiny.num_layers=6", "policy.megatron_cfg.pipeline_model_parallel_size=3",
+                 "cluster.gpus_per_node=3", "policy.megatron_cfg.num_layers_in_first_pipeline_stage=2"]) == 0
