@@ -69,6 +69,18 @@ PROBES: list[tuple[list[str], str, str]] = [
     (["grpo.max_num_stepz=5"], "grpo.max_num_stepz='5'", "unknown config key"),
     (["policy.max_total_sequence_length=${nope}"], "policy.max_total_sequence_length='${nope}'",
      "interpolation ${nope} does not resolve"),
+    # each of these failed only after start-up (exit 1 or 3)
+    (["grpo.seed=99999999999999999999"], "grpo.seed=99999999999999999999", "[0, 2**32 - 1]"),
+    (["policy.generation.vllm_cfg.seed=-1"], "policy.generation.vllm_cfg.seed=-1", "[0, 2**32 - 1]"),
+    (["cluster.object_store_memory_mb=99999999"], "cluster.object_store_memory_mb=99999999", "at most half"),
+    (["model.cache_dir=/proc/cache"], "model.cache_dir='/proc/cache'", "cannot be created"),
+    (["policy.max_total_sequence_length=4096"], "policy.max_total_sequence_length=4096", "model's positions"),
+    (["model.tiny.max_position_embeddings=8"], "policy.max_total_sequence_length=64", "max_position_embeddings=8"),
+    (["policy.generation.stop_token_ids=[999999]"], "policy.generation.stop_token_ids=[999999]", "vocabulary"),
+    (["policy.generation.vllm_cfg.max_model_len=4"], "policy.generation.vllm_cfg.max_model_len=4", "shorter than"),
+    (["policy.generation.vllm_cfg.kv_cache_space_gb=10000"], "cluster.skip_memory_check=False", "memory plan"),
+    (["cluster.min_call_timeout_s=5000"], "cluster.min_call_timeout_s=5000.0", "cluster.call_timeout_s"),
+    (["algo=ppo", "critic.model_name=/nonexistent"], "critic.model_name='/nonexistent'", "no such directory"),
 ]
 
 
@@ -129,3 +141,18 @@ def test_report_of_a_path_that_is_no_run_exits_2_naming_it(path: str, rule: str,
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"rlpost report: error: {path}: {rule}"), out.stderr
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_report_never_writes_over_a_runs_own_file(tmp_path: Path, fault: Record) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/reward": 0.5}) + "\n")
+    out = rlpost("report", str(run), "-o", str(run / "metrics.jsonl"), cwd=tmp_path)
+    fault("rlpost report R -o R/metrics.jsonl", out.returncode, out.stdout + out.stderr)
+    assert out.returncode == 2 and "would write over a file of the run" in out.stderr, out.stderr
+    assert json.loads((run / "metrics.jsonl").read_text())["step"] == 1
+
+
+@pytest.mark.parametrize("value", ["/proc/eval.json", "."])
+def test_eval_refuses_a_report_it_cannot_write_before_scoring(value: str, tmp_path: Path, fault: Record) -> None:
+    assert_refused(rlpost("eval", f"eval.output={value}", cwd=tmp_path), f"eval.output='{value}'", fault=fault)
