@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlpost.algorithms.advisories import RunHealth
 from rlpost.algorithms.checkpoint_io import record_checkpoint_metric, write_checkpoint
 from rlpost.algorithms.collect import TrainedBatch, collect_batch, validation_seeds
 from rlpost.algorithms.dynamic_sampling import DynamicSampler
@@ -131,6 +132,7 @@ def loop_parts(components: GRPOComponents) -> LoopParts:
         timeouts=[components.policy, components.generation, *[s.group for s in components.sides]],
         gpu_memory=components.policy if cfg.logger.monitor_gpus else None,
         drift=DriftLimits(g.token_mult_prob_error_warn_threshold, g.token_mult_prob_error_abort_threshold),
+        health=RunHealth(cfg.logger.advisories, multi_token=cfg.generation.max_new_tokens > 1),
     )
 
 
@@ -254,6 +256,13 @@ def grpo_train(
     return components.save_state
 
 
+def zero_variance_share(group_ids: torch.Tensor, rewards: torch.Tensor) -> float:
+    """The share of prompt groups whose samples all got the same reward: their advantages are zero."""
+    groups = group_ids.unique()
+    flat = sum(1 for g in groups if rewards[group_ids == g].unique().numel() == 1)
+    return flat / max(len(groups), 1)
+
+
 def valid_response_tokens(train_data: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """[B] trained tokens per sample: the token mask where the sample is not masked out (sample_mask)."""
     return (train_data["token_mask"] * train_data["sample_mask"][:, None]).sum(-1)
@@ -277,6 +286,7 @@ def _step_metrics(
     m["train/advantages/min"] = float(adv.min())
     m["train/num_too_long_prompts"] = float(sum(1 for r in batch.rows if r.get("too_long")))
     m["train/truncated_fraction"] = float(batch.gen["truncated"].float().mean())
+    m["train/zero_variance_groups"] = zero_variance_share(batch.group_ids, batch.rewards)
     m["train/filtered_reward"] = float(batch.rewards.mean())
     m["train/valid_response_tokens"] = float(resp.sum())
     for k, v in batch.metrics.items():

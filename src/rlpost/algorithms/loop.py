@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from rlpost.algorithms.advisories import RunHealth
 from rlpost.algorithms.deadline import SaveDeadline
 from rlpost.config.schema.checkpoint import CheckpointingConfig
 from rlpost.config.schema.cluster import ClusterConfig
@@ -174,6 +175,8 @@ class LoopParts:
     gpu_memory: GpuMemory | None = None
     """logger.monitor_gpus: whose device memory goes into each row."""
     drift: DriftLimits | None = None
+    health: RunHealth | None = None
+    """The run-health advisories (logger.advisories), fed each step's row before it is logged."""
 
 
 class StepLoop:
@@ -256,6 +259,8 @@ class StepLoop:
         if parts.logger.resources is not None:  # logger.resource_metrics (rlpost.runtime.resources)
             metrics.update(parts.logger.resources.sample())
             metrics.update(tokens_per_s(result.generated_tokens, result.trained_tokens, times))
+        if parts.health is not None:
+            parts.health.observe(step, metrics)
         parts.logger.log(metrics, step)
         self.slowest = max(self.slowest, times["total_step_time"])
         timeout = call_timeout_for(parts.cluster, self.slowest)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from omegaconf import OmegaConf
 
+from rlpost.algorithms.advisories import RunHealth
 from rlpost.algorithms.checkpoint_io import (
     record_checkpoint_metric,
     restore_loader_and_rng,
@@ -273,7 +274,8 @@ def supervised_loop(comps: SupervisedComponents) -> Iterator[StepLoop]:
         logger=comps.logger, checkpointing=cfg.checkpointing, cluster=cfg.cluster, started_at=comps.started_at,
         total_steps=lambda: comps.save_state.total_steps,
         lr=cfg.policy.optimizer.kwargs.get("lr", "?") if cfg.policy.optimizer is not None else "?",
-        timeouts=[comps.policy], gpu_memory=comps.policy if cfg.logger.monitor_gpus else None))
+        timeouts=[comps.policy], gpu_memory=comps.policy if cfg.logger.monitor_gpus else None,
+        health=RunHealth(cfg.logger.advisories, multi_token=False)))
 
 
 def _train_step(comps: SupervisedComponents, rows: list[Row], timer: Timer) -> dict[str, float]:

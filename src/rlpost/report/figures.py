@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from rlpost.report.runs import Run
+from rlpost.report.runs import Run, advisory_steps
 from rlpost.sweep_summary import SweepRow, swept_keys
 
 
@@ -72,11 +72,26 @@ def curve_figure(panel: Panel, runs: list[Run]) -> go.Figure | None:
         return None
     fig.update_layout(title=panel.title, xaxis_title="step", showlegend=True, **_LAYOUT)
     _step_axis(fig, runs)
+    _advisory_bands(fig, runs)
     if panel.log_y:
         fig.update_yaxes(type="log")
     else:
         _value_axis(fig, [v for trace in fig.data for v in trace.y if math.isfinite(v)])
     return fig
+
+
+def _advisory_bands(fig: go.Figure, runs: list[Run]) -> None:
+    """A shaded band over each stretch of steps where a run-health advisory fired (rlpost.algorithms.advisories)."""
+    steps = sorted({s for r in runs for fired in advisory_steps(r.rows).values() for s in fired})
+    start = prev = None
+    for s in [*steps, None]:
+        if s is not None and prev is not None and s == prev + 1:
+            prev = s
+            continue
+        if start is not None and prev is not None:
+            fig.add_vrect(x0=start - 0.5, x1=prev + 0.5, fillcolor="orange", opacity=0.15, line_width=0,
+                          annotation_text="advisory", annotation_position="top left")
+        start = prev = s
 
 
 def y_range(values: list[float]) -> tuple[float, float] | None:

@@ -103,9 +103,20 @@ def log_messages(train_log: Path) -> list[str]:
     return list(seen)
 
 
+def advisory_steps(rows: list[dict[str, float]]) -> dict[str, list[int]]:
+    """The steps each run-health advisory fired at (advisories/<rule> in metrics.jsonl), by rule."""
+    out: dict[str, list[int]] = {}
+    for r in rows:
+        for key, value in r.items():
+            if key.startswith("advisories/") and value > 0:
+                out.setdefault(key.split("/", 1)[1], []).append(int(r["step"]))
+    return out
+
+
 def _counted(rows: list[dict[str, float]]) -> list[str]:
-    """Lines for what the rows count: reward timeouts and errors, health-gate warnings."""
-    out = []
+    """Lines for what the rows count: reward timeouts and errors, health-gate warnings, advisories."""
+    out = [f"warning: advisory {rule} at {len(steps)} step(s) (from step {steps[0]}; advisories/{rule})"
+           for rule, steps in advisory_steps(rows).items()]
     for key, what in (("train/reward_timeouts", "reward calls timed out"), ("train/reward_errors", "reward calls failed"),
                       ("train/health_warnings", "steps passed the health gate's warn threshold")):
         steps = [int(r["step"]) for r in rows if r.get(key, 0.0) > 0]

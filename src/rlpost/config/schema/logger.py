@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from rlpost.config.errors import require
 from rlpost.config.fields import NON_NEGATIVE, Block, checked
+from rlpost.config.schema.advisories import AdvisoriesConfig
 
 
 @dataclass
@@ -86,6 +87,9 @@ class LoggerConfig(Block):
     """W&B options."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     """MLflow options."""
+    advisories: AdvisoriesConfig = field(default_factory=AdvisoriesConfig)
+    """Run-health advisories: warnings when a run goes nowhere (zero-variance groups, truncation, drift, a flat
+    reward, collapsing throughput, stalls)."""
 
     def check(self, path: str) -> None:
         super().check(path)
@@ -97,6 +101,7 @@ class LoggerConfig(Block):
             "use W&B (logger.wandb_enabled), MLflow (logger.mlflow_enabled), TensorBoard or metrics.jsonl",
         )
         self.wandb.check(f"{path}.wandb")
+        self.advisories.check(f"{path}.advisories")
 
 
 @dataclass

@@ -22,6 +22,7 @@ TRAIN_STEP_METRICS: tuple[str, ...] = (
     "advantages/min",
     "num_too_long_prompts",
     "truncated_fraction",
+    "zero_variance_groups",
     "filtered_reward",
     "valid_response_tokens",
 )
