@@ -11,8 +11,8 @@ first time only, prints one `rlpost: warning:` line. Thresholds: `logger.advisor
 | truncated | the share of responses cut at max_new_tokens (train/truncated_fraction) is above the limit |
 | prob_error_drift | train/token_mult_prob_error has risen by the limit over its median of the first steps |
 | flat_reward | train/reward has moved by less than the tolerance over flat_reward_steps steps |
-| throughput | generation or training tokens/s fell below a share of the run's median |
-| stall | a step took stall_factor x the run's median step |
+| throughput | generation or training tokens/s stayed below a share of the run's median for `window` steps |
+| stall | a step took stall_factor x the run's median step (validation and checkpoint saves left out) |
 """
 
 from __future__ import annotations
@@ -25,6 +25,17 @@ from rlpost.runtime import console as say
 
 RATES = ("resources/generation_tokens_per_s", "resources/training_tokens_per_s")
 STEP_TIME = "timing/train/total_step_time"
+
+
+SCHEDULED = ("timing/train/checkpointing", "timing/validation/total_validation_time")
+"""What a step does on its schedule, not every step: left out of the step time a stall is judged by."""
+
+
+def step_seconds(metrics: dict[str, float]) -> float | None:
+    """The step's own time: total_step_time less a scheduled validation or checkpoint save."""
+    if STEP_TIME not in metrics:
+        return None
+    return metrics[STEP_TIME] - sum(metrics.get(k, 0.0) for k in SCHEDULED)
 
 
 class RunHealth:
@@ -42,28 +53,36 @@ class RunHealth:
         fired."""
         if not self.cfg.enabled:
             return []
-        fired = []
+        fired, holds = [], set()
         for name, check in self._rules():
             why = check(metrics)
             self.streak[name] = self.streak.get(name, 0) + 1 if why else 0
+            if why:
+                holds.add(name)
             if why and self.streak[name] >= self._needs(name):
                 fired.append(name)
                 metrics[f"advisories/{name}"] = 1.0
                 if name not in self.warned:
                     self.warned.add(name)
                     say.warn(f"step {step}: {why} (logger.advisories; counted as advisories/{name})")
-        kept = [k for k in ("train/token_mult_prob_error", "train/reward") if k in metrics]
-        if "throughput" not in fired:  # a slow stretch does not become the run's median
-            kept += [k for k in RATES if k in metrics]
-        if "stall" not in fired and STEP_TIME in metrics:
-            kept.append(STEP_TIME)
-        for key in kept:
-            self.history.setdefault(key, []).append(float(metrics[key]))
+        self._remember(metrics, holds)
         return fired
 
+    def _remember(self, metrics: dict[str, float], holds: set[str]) -> None:
+        """The run's history; a slow step or stretch does not become the run's median."""
+        kept: dict[str, float] = {k: float(metrics[k]) for k in ("train/token_mult_prob_error", "train/reward")
+                                  if k in metrics}
+        if "throughput" not in holds:
+            kept.update({k: float(metrics[k]) for k in RATES if k in metrics})
+        if "stall" not in holds and (seconds := step_seconds(metrics)) is not None:
+            kept[STEP_TIME] = seconds
+        for key, value in kept.items():
+            self.history.setdefault(key, []).append(value)
+
     def _needs(self, name: str) -> int:
-        """Steps in a row a rule's condition must hold (the history rules have waited for theirs already)."""
-        return self.cfg.window if name in ("zero_variance", "truncated") else 1
+        """Steps in a row a rule's condition must hold: `window` for a share or a rate (one noisy step is no
+        collapse), one for a stall or a drift past the run's own first steps."""
+        return self.cfg.window if name in ("zero_variance", "truncated", "throughput") else 1
 
     def _rules(self) -> list[tuple[str, Callable[[dict[str, float]], str | None]]]:
         c = self.cfg
@@ -132,7 +151,7 @@ class RunHealth:
         return None
 
     def _stall(self, m: dict[str, float]) -> str | None:
-        now, past, factor = m.get(STEP_TIME), self.history.get(STEP_TIME, []), self.cfg.stall_factor
+        now, past, factor = step_seconds(m), self.history.get(STEP_TIME, []), self.cfg.stall_factor
         if now is None or factor is None or len(past) < self.cfg.window:
             return None
         median = statistics.median(past)

@@ -32,7 +32,7 @@ def test_a_healthy_run_fires_nothing(capsys: pytest.CaptureFixture[str]) -> None
     ("zero_variance", {"train/zero_variance_groups": 1.0}, 10),   # after `window` steps in a row
     ("truncated", {"train/truncated_fraction": 0.9}, 10),
     ("prob_error_drift", {"train/token_mult_prob_error": 1.05}, 1),
-    ("throughput", {"resources/generation_tokens_per_s": 100.0}, 1),
+    ("throughput", {"resources/generation_tokens_per_s": 100.0}, 10),
     ("stall", {"timing/train/total_step_time": 9.0}, 1),
 ])
 def test_each_rule_fires_once_as_a_line_and_at_every_step_as_a_count(rule: str, change: dict[str, float], first: int,
@@ -80,3 +80,11 @@ def test_the_report_lists_the_advisories_and_bands_their_steps() -> None:
                             messages=[])])
     assert fig is not None
     assert [(s.x0, s.x1) for s in fig.layout.shapes] == [(2.5, 4.5), (6.5, 7.5)]
+
+
+def test_a_scheduled_save_or_validation_is_no_stall_and_one_slow_step_no_collapse() -> None:
+    health = RunHealth(AdvisoriesConfig())
+    feed(health, rising_reward(10))
+    saving = {**HEALTHY, "timing/train/total_step_time": 30.0, "timing/train/checkpointing": 29.0}
+    slow = {**HEALTHY, "resources/generation_tokens_per_s": 10.0}
+    assert feed(health, [saving, slow, HEALTHY]) == [[], [], []]
