@@ -56,13 +56,21 @@ def _rlpost(args: list[str], cache: Path, home: Path, cwd: Path, timeout: float 
 def run3(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """A 3-step default run with both trackers on (MLflow to its default local store), and the health gate's warn
     threshold at its floor, 1.0: the engine's and the trainer's fp32 logprobs differ in the last bits, so its steps
-    warn, and the page must show it."""
+    warn, and the page must show it. Two-token answers to the one-token task (every response cut at
+    max_new_tokens) and the advisories' windows at 2 steps: the truncation, zero-variance and flat-reward advisories
+    fire from step 2."""
     root = tmp_path_factory.mktemp("report-run")
     run_dir = root / "run"
     out = _rlpost(["train", f"hydra.run.dir={run_dir}", "grpo.max_num_steps=3", "logger.wandb_enabled=true",
                    "logger.mlflow_enabled=true", "logger.wandb.project=rlpost-test",
-                   "grpo.token_mult_prob_error_warn_threshold=1.0"], cache, root, root)
+                   "grpo.token_mult_prob_error_warn_threshold=1.0", *ADVISED], cache, root, root)
     return run_dir, out
+
+
+ADVISED = ["policy.generation.max_new_tokens=2", "logger.advisories.window=2",
+           "logger.advisories.zero_variance_share=0.05", "logger.advisories.flat_reward_steps=2",
+           "logger.advisories.flat_reward_tolerance=1.0"]
+RULES = ("truncated", "zero_variance", "flat_reward")
 
 
 def _free_port() -> int:
@@ -154,6 +162,16 @@ def test_train_prints_the_report_command(run3: tuple[Path, subprocess.CompletedP
     assert "rlpost: warning: logger." not in out.stderr  # both trackers started
 
 
+def test_each_advisory_warns_once_and_counts_every_step_it_holds(
+        run3: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    run_dir, out = run3
+    rows = cli_runs.metrics(run_dir)
+    for rule in RULES:
+        lines = [line for line in out.stderr.splitlines() if f"counted as advisories/{rule})" in line]
+        assert len(lines) == 1 and lines[0].startswith("rlpost: warning: step 2: "), (rule, out.stderr[-3000:])
+        assert [r["step"] for r in rows if r.get(f"advisories/{rule}")] == [2, 3], rule
+
+
 @needs_chromium
 def test_the_report_of_a_run_renders_every_series(run3: tuple[Path, subprocess.CompletedProcess[str]],
                                                   cache: Path, tmp_path: Path) -> None:
@@ -179,6 +197,9 @@ def test_the_report_of_a_run_renders_every_series(run3: tuple[Path, subprocess.C
     assert f"warning: step {warned[0]}: train/token_mult_prob_error=" in dom  # rlpost's line, from train.log
     assert f"warning: steps passed the health gate's warn threshold (steps {', '.join(map(str, warned))};" in dom
     assert "grpo.max_num_steps=3" in dom and "max_num_steps: 3" in dom  # its overrides and its config
+    for rule in RULES:
+        assert f"warning: advisory {rule} at 2 step(s) (from step 2; advisories/{rule})" in dom, rule
+    assert "advisory" in figure(dom, "fig-reward")  # the band over steps 2-3
 
 
 def test_the_run_logs_its_resources_every_step(run3: tuple[Path, subprocess.CompletedProcess[str]]) -> None:

@@ -134,8 +134,8 @@ class RunHealth:
         recent = [*past[-(steps - 1):], now] if steps > 1 else [now]
         if max(recent) - min(recent) >= self.cfg.flat_reward_tolerance:
             return None
-        return (f"train/reward has stayed within {self.cfg.flat_reward_tolerance} of {now:.3f} for {steps} steps "
-                "(the learning rate, the task's difficulty, the reward)")
+        return (f"train/reward has stayed within {self.cfg.flat_reward_tolerance} of {now:.3f} for {steps} steps: "
+                "solved, or not learning (the learning rate, the task's difficulty, the reward)")
 
     def _throughput(self, m: dict[str, float]) -> str | None:
         drop = self.cfg.throughput_drop
