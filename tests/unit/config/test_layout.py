@@ -179,3 +179,14 @@ def test_a_removed_key_is_refused_naming_what_replaces_it(override: str) -> None
         load_master_config([override])
     assert err.value.key == key and "was removed" in err.value.rule
     assert ("async_grpo" in err.value.rule) if "prefetch" in key else ("docs/backends.md" in err.value.rule)
+
+
+def test_the_plan_says_whether_a_run_is_reproducible() -> None:
+    rows = dict(plan_rows(load_master_config([])[1]))
+    assert rows["reproducible"].startswith("yes: the same command (seed 42)")
+    async_grpo = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+                  "cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
+                  "policy.generation.colocated.resources.gpus_per_node=1"]
+    assert dict(plan_rows(load_master_config(async_grpo)[1]))["reproducible"].startswith("no: ")
+    cuda = ["cluster.device=cuda", "policy.precision=float32"]
+    assert dict(plan_rows(load_master_config(cuda)[1]))["reproducible"].startswith("not bit for bit on CUDA")
