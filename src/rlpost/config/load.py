@@ -272,6 +272,7 @@ def to_master_config(cfg: DictConfig, overrides: Sequence[str] | None = None) ->
         _turn_validation_off(node)
     # to_object would keep a key the schema lacks as a stray attribute, and use it or not: refuse it first.
     check_unknown_keys(node)
+    check_bool_overrides(node, overrides)
     try:
         resolve_device_defaults(node)  # precision `auto`, enforce_eager None: concrete before anything reads them
         root = OmegaConf.to_object(node)
@@ -282,6 +283,29 @@ def to_master_config(cfg: DictConfig, overrides: Sequence[str] | None = None) ->
     if isinstance(obj, MasterConfig):
         layout_of(obj)  # the layout's rules are the last config check; computed once, reused by setup
     return obj
+
+
+BOOLEANS = ("true", "false")
+"""What a boolean key may be set to on the command line (OmegaConf would read any integer as a boolean)."""
+
+
+def check_bool_overrides(node: DictConfig, overrides: Sequence[str]) -> None:
+    """ConfigError for a command-line value of a boolean key that is not true or false (`grpo.normalize_rewards=2`
+    would run as true)."""
+    from omegaconf.nodes import BooleanNode
+
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        key = key.lstrip("+")
+        if not sep or key.startswith(("~", "hydra.")) or "." not in key:
+            continue
+        try:
+            target = OmegaConf.select(node, key.rsplit(".", 1)[0], default=None)
+            child = target._get_node(key.rsplit(".", 1)[1]) if isinstance(target, DictConfig) else None
+        except Exception:  # noqa: BLE001 - a key the schema checks name elsewhere
+            continue
+        if isinstance(child, BooleanNode) and value.strip().lower() not in (*BOOLEANS, "null"):
+            raise ConfigError(key, value, "must be true or false")
 
 
 def task_overrides() -> list[str]:

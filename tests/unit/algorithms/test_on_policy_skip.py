@@ -116,8 +116,8 @@ def test_plan_tells_when_the_pass_is_skipped() -> None:
     assert prev_logprobs_pass(two_steps) == "computed"
     _, forced = load_master_config(["policy.train_global_batch_size=128", "loss_fn.force_on_policy_ratio=true"])
     assert prev_logprobs_pass(forced) == "forced"
-    _, nll = load_master_config(["loss=nll"])
-    assert prev_logprobs_pass(nll) == "not needed"
+    _, distil = load_master_config(["algo=distillation", "distillation.teacher.model_path=/teacher"])
+    assert prev_logprobs_pass(distil) == "not needed"  # a loss without a ratio
 
 
 def test_async_grpo_with_one_step_batches_skips_the_pass_too() -> None:

@@ -67,8 +67,10 @@ def test_backend_and_polymorphic_options_switch_types() -> None:
     assert cfg.policy.megatron_cfg.optimizer.lr == cfg.policy.optimizer.kwargs["lr"]
     assert isinstance(cfg.policy.generation, HFGenerationConfig)
     assert cfg.loss_fn.token_level_loss is False
-    _, cfg = load_master_config(["loss=nll"])
+    _, cfg = load_master_config(["algo=sft", "loss=nll"])
     assert isinstance(cfg.loss_fn, NLLLossConfig)
+    with pytest.raises(ConfigError, match="loss_fn._target_"):  # GRPO trains on its rollouts, not on rows
+        load_master_config(["loss=nll"])
     _, cfg = load_master_config(["data=math_jsonl", "env=math", "data.train_data_path=x.jsonl"])
     assert isinstance(cfg.env["math"], MathEnvConfig) and "synthetic" not in cfg.env
 

@@ -14,7 +14,7 @@ from rlpost.config.schema.eval import EvalConfig
 from rlpost.config.schema.generation import GenerationConfig
 from rlpost.config.schema.grpo import GRPOConfig
 from rlpost.config.schema.logger import GRPOLoggerConfig
-from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
+from rlpost.config.schema.loss import ClippedPGLossConfig, DistillationLossConfig, LossConfig
 from rlpost.config.schema.metric_names import grpo_metrics
 from rlpost.config.schema.model import ModelConfig
 from rlpost.config.schema.policy import PolicyConfig
@@ -119,6 +119,10 @@ class MasterConfig:
 
     def _cross_checks(self) -> None:
         p, g, gen = self.policy, self.grpo, self.generation
+        require(isinstance(self.loss_fn, ClippedPGLossConfig | DistillationLossConfig), "loss_fn._target_",
+                self.loss_fn._target_, f"algo={self.algo} trains on its rollouts with a policy-gradient or "
+                "distillation loss; this one trains on rows (algo=sft|dpo|rm)",
+                "loss=token_level|sequence_level|gspo|cispo, or loss=distillation with algo=distillation")
         require(
             not p.reward_model_cfg.enabled,
             "policy.reward_model_cfg.enabled",

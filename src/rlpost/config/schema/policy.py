@@ -255,7 +255,7 @@ class PolicyConfig(Block):
     """Prompt + response cap; also vLLM's max_model_len by default."""
     max_grad_norm: float | None = checked(1.0, POSITIVE_OR_NONE)
     """Gradient-norm clip (DTensor); None = no clipping."""
-    refit_buffer_size_gb: float | None = None
+    refit_buffer_size_gb: float | None = checked(None, POSITIVE_OR_NONE)
     """Bound on the colocated refit's transfer buffers (GiB; None = 0.25). A model that fits goes in one bucket;
     a larger one in layer-aligned buckets of half of it through two shared-memory slots on one node (rank 0 writes
     the next while the engines load the current), or through the object store across nodes."""
@@ -309,7 +309,9 @@ class PolicyConfig(Block):
             for v in value if isinstance(value, (list, tuple)) else [value]:
                 require(not isinstance(v, float) or math.isfinite(v), f"{path}.optimizer.kwargs.{name}", value,
                         "must be a finite number")
-        lr = self.optimizer.kwargs.get("lr", 1.0)
+        require("lr" in self.optimizer.kwargs, f"{path}.optimizer.kwargs.lr", None,
+                "must be set: without it the optimizer would train at its class's default")
+        lr = self.optimizer.kwargs["lr"]
         require(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0, f"{path}.optimizer.kwargs.lr",
                 lr, "must be a finite number > 0")
 
