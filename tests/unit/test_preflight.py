@@ -515,3 +515,20 @@ def test_weights_that_are_no_safetensors_file_are_refused_naming_the_file(tiny_m
     assert "model.safetensors is not a safetensors file: its header claims" in err, err
     (model / "model.safetensors").write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00[1] ")
     assert safetensors_fault(model / "model.safetensors") == "its header is not a JSON object"
+
+
+def test_a_critic_of_another_tokenizer_and_a_top_k_past_the_teachers_vocabulary_are_refused(
+        tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    other = tmp_path / "critic"
+    shutil.copytree(tiny_model_dir, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    first = next(iter(tok["model"]["vocab"]))
+    tok["model"]["vocab"]["renamed_" + first] = tok["model"]["vocab"].pop(first)
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    local = ["model=local", f"model.path={tiny_model_dir}"]
+    assert preflight([*local, "algo=ppo", f"critic.model_name={tiny_model_dir}"], False) == 0
+    assert preflight([*local, "algo=ppo", f"critic.model_name={other}"], False) == 2
+    assert "has another tokenizer (384 tokens, the policy's 384, 2 differing)" in capsys.readouterr().err
+    teacher = ["algo=distillation", f"distillation.teacher.model_path={tiny_model_dir}"]
+    assert preflight([*local, *teacher, "distillation.topk_logits_k=385"], False) == 2
+    assert "distillation.topk_logits_k=385: is more than the teacher's vocabulary" in capsys.readouterr().err

@@ -43,9 +43,20 @@ def plan_rows(master: MasterConfig, train_world: int) -> list[tuple[str, str]]:
 
 
 def preflight(master: MasterConfig) -> None:
-    """The teacher's model directory exists and holds a model."""
-    assert master.distillation is not None
-    master.distillation.teacher.check_model_dir("distillation.teacher")
+    """The teacher's model directory exists and holds a model, with as many tokens as the top-k asks for."""
+    from rlpost.config.errors import ConfigError
+    from rlpost.config.layout import read_hf_config
+
+    d = master.distillation
+    assert d is not None
+    d.teacher.check_model_dir("distillation.teacher")
+    model = d.teacher.model_dir()
+    hf = read_hf_config(str(model), "distillation.teacher.model_path") if model is not None else None
+    vocab = hf.get("vocab_size") if hf is not None else None
+    if d.topk_logits_k is not None and isinstance(vocab, int) and d.topk_logits_k > vocab:
+        raise ConfigError("distillation.topk_logits_k", d.topk_logits_k,
+                          f"is more than the teacher's vocabulary ({vocab} tokens)",
+                          "distillation.topk_logits_k=null takes the whole vocabulary")
 
 
 def memory(master: MasterConfig, device: str, train_world: int) -> list[Worker]:

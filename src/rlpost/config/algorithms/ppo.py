@@ -74,3 +74,21 @@ def preflight(master: MasterConfig) -> None:
                           "is not a directory", "name a local HF model directory, or leave it null for the policy's")
     if not (d / "config.json").is_file():
         raise ConfigError("critic.model_name", c.model_name, "holds no config.json: not an HF model directory")
+    theirs, ours = _vocabulary(d), _vocabulary(Path(str(master.policy.tokenizer.name)).expanduser())
+    if theirs is not None and ours is not None and theirs != ours:
+        raise ConfigError("critic.model_name", c.model_name,
+                          f"has another tokenizer ({len(theirs)} tokens, the policy's {len(ours)}, "
+                          f"{len(set(theirs.items()) ^ set(ours.items()))} differing): the critic scores the "
+                          "policy's tokens", "a critic of the policy's family (the same tokenizer)")
+
+
+def _vocabulary(model_dir: object) -> dict[str, int] | None:
+    """The token -> id map of a directory's tokenizer.json (None when it has none or it is unreadable)."""
+    import json
+    from pathlib import Path
+
+    try:
+        vocab = json.loads((Path(str(model_dir)) / "tokenizer.json").read_text())["model"]["vocab"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return vocab if isinstance(vocab, dict) else None
