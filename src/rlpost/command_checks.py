@@ -286,6 +286,25 @@ def check_output_dir(overrides: list[str], multirun: bool) -> None:
                           "leave it unset (outputs/<date>/<time>) or name a directory")
     # An interpolation (${now:...}) is resolved by Hydra: the part before it is what exists or is created.
     target = Path(given[-1].split("${", 1)[0] or ".") if given else Path("multirun" if multirun else "outputs")
+    if given and "${" not in given[-1]:
+        check_not_a_shared_dir(key, given[-1])
     if target.exists() and not target.is_dir():
         raise ConfigError(key, str(target), "is a file; the run directory must be a directory")
     check_writable_dir(key, target)
+
+
+def check_not_a_shared_dir(key: str, value: str) -> None:
+    """ConfigError when `value` names a directory a run must not write its files into: the file system's root, the
+    working directory (or one above it) or the home directory."""
+    import os
+    from pathlib import Path
+
+    from rlpost.config.errors import ConfigError
+
+    where = Path(value).expanduser().resolve()
+    cwd, home = Path.cwd().resolve(), Path(os.path.expanduser("~")).resolve()
+    if where == Path(where.anchor) or where == home or cwd.is_relative_to(where):
+        what = ("the file system's root" if where == Path(where.anchor) else "the home directory" if where == home
+                else "the working directory" if where == cwd else "a directory above the working directory")
+        raise ConfigError(key, value, f"is {what}; a run writes its files (metrics, logs, checkpoints) into its "
+                          "directory, so it must be one of its own", "name a new directory, e.g. outputs/my-run")

@@ -498,6 +498,12 @@ def output_dirs(master: AnyMaster, run_dir: Path | None) -> list[tuple[str, Path
 
 
 def check_output_dirs(master: AnyMaster, run_dir: Path | None = None) -> None:
-    """Checkpoint and log directories are directories (or can be created) and writable."""
+    """Checkpoint and log directories are directories (or can be created) and writable, and none is a directory
+    shared with other files (/, the working directory, the home directory)."""
+    from rlpost.command_checks import check_not_a_shared_dir
+
+    ck = master.checkpointing
+    if ck.enabled and ck.checkpoint_dir:
+        check_not_a_shared_dir("checkpointing.checkpoint_dir", ck.checkpoint_dir)
     for key, path in output_dirs(master, run_dir):
         check_writable_dir(key, path)

@@ -81,6 +81,10 @@ PROBES: list[tuple[list[str], str, str]] = [
     (["policy.generation.vllm_cfg.kv_cache_space_gb=10000"], "cluster.skip_memory_check=False", "memory plan"),
     (["cluster.min_call_timeout_s=5000"], "cluster.min_call_timeout_s=5000.0", "cluster.call_timeout_s"),
     (["algo=ppo", "critic.model_name=/nonexistent"], "critic.model_name='/nonexistent'", "no such directory"),
+    # each of these wrote into a directory shared with other files
+    (["hydra.run.dir=/"], "hydra.run.dir='/'", "the file system's root"),
+    (["hydra.run.dir=."], "hydra.run.dir='.'", "the working directory"),
+    (["checkpointing.checkpoint_dir=/"], "checkpointing.checkpoint_dir='/'", "the file system's root"),
 ]
 
 
