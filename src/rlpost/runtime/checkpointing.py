@@ -31,8 +31,10 @@ from rlpost.config.schema.checkpoint import CheckpointingConfig
 from rlpost.runtime import console
 
 # Config keys that may change between a run and its resume.
-RESUMABLE_KEYS = ("grpo.max_num_steps", "grpo.max_num_epochs", "checkpointing", "logger", "cluster.address",
-                  "cluster.placement_timeout_s", "cluster.call_timeout_s", "hydra")
+RESUMABLE_KEYS = ("grpo.max_num_steps", "grpo.max_num_epochs", "sft.max_num_steps", "sft.max_num_epochs",
+                  "dpo.max_num_steps", "dpo.max_num_epochs", "rm.max_num_steps", "rm.max_num_epochs", "checkpointing",
+                  "logger", "cluster.address", "cluster.placement_timeout_s", "cluster.call_timeout_s",
+                  "cluster.min_call_timeout_s", "cluster.skip_memory_check", "hydra")
 
 
 MANIFEST = "manifest.json"

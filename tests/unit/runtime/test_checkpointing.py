@@ -60,3 +60,7 @@ def test_resume_refuses_other_model_or_config(tmp_path: Path) -> None:
 def test_config_diff_ignores_resumable_keys() -> None:
     assert config_diff({"logger": {"x": 1}, "a": 1}, {"logger": {"x": 2}, "a": 1}) == []
     assert config_diff({"a": {"b": 1}}, {"a": {"b": 2, "c": 3}}) == ["a.b", "a.c"]
+    # a finished SFT / DPO / RM run trains further with a larger budget, as GRPO does
+    for algo in ("grpo", "sft", "dpo", "rm"):
+        assert config_diff({algo: {"max_num_steps": 60, "lr": 1}}, {algo: {"max_num_steps": 120, "lr": 1}}) == []
+    assert config_diff({"sft": {"seed": 1}}, {"sft": {"seed": 2}}) == ["sft.seed"]
