@@ -233,6 +233,14 @@ class CheckpointManager:
                 out.append(int(m.group(1)))
         return sorted(out)
 
+    def incomplete(self) -> list[Path]:
+        """step_N directories without training_info.json: a save writes it before the directory takes its name, so
+        these were cut short or altered by hand (a resume moves them aside as corrupt)."""
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.iterdir() if re.fullmatch(r"step_\d+", p.name) and p.is_dir()
+                      and not (p / "training_info.json").is_file())
+
     def latest(self) -> Path | None:
         """The newest step_N (unverified); see `latest_verified` for resume."""
         if not self.cfg.enabled:
@@ -245,7 +253,8 @@ class CheckpointManager:
         are renamed to corrupt_step_N and named in one warning line each."""
         if not self.cfg.enabled:
             return None
-        bad: list[tuple[Path, str, Path]] = []
+        bad: list[tuple[Path, str, Path]] = [(ckpt, "no training_info.json", self._move_aside(ckpt))
+                                             for ckpt in self.incomplete()]
         found: Path | None = None
         for step in reversed(self.steps()):
             ckpt = self.dir / f"step_{step}"

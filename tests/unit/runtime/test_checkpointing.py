@@ -64,3 +64,17 @@ def test_config_diff_ignores_resumable_keys() -> None:
     for algo in ("grpo", "sft", "dpo", "rm"):
         assert config_diff({algo: {"max_num_steps": 60, "lr": 1}}, {algo: {"max_num_steps": 120, "lr": 1}}) == []
     assert config_diff({"sft": {"seed": 1}}, {"sft": {"seed": 2}}) == ["sft.seed"]
+
+
+def test_a_checkpoint_without_its_training_info_is_moved_aside_as_corrupt(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """It was skipped without a word and later written over: now it is corrupt_step_N, named in one warning."""
+    m = CheckpointManager(CheckpointingConfig(), tmp_path)
+    save(m, 1, 0.5)
+    save(m, 2, 0.6)
+    (tmp_path / "checkpoints" / "step_2" / "training_info.json").unlink()
+    assert m.incomplete() == [tmp_path / "checkpoints" / "step_2"]
+    assert m.latest_verified() == tmp_path / "checkpoints" / "step_1"
+    assert (tmp_path / "checkpoints" / "corrupt_step_2" / "payload").read_text() == "2"  # kept, not deleted
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "step_2 is corrupt (no training_info.json)" in err, err
