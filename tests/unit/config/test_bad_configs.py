@@ -239,3 +239,8 @@ def test_pipeline_stages_must_split_the_models_layers(overrides: list[str], key:
     assert capsys.readouterr().err.startswith(f"rlpost: config error: {key}=")
     assert main(["plan", "policy=megatron", "model.tiny.num_layers=6", "policy.megatron_cfg.pipeline_model_parallel_size=3",
                  "cluster.gpus_per_node=3", "policy.megatron_cfg.num_layers_in_first_pipeline_stage=2"]) == 0
+
+
+def test_a_checkpoint_moved_aside_as_corrupt_is_not_evaluated(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", "eval.checkpoint=/runs/r/checkpoints/corrupt_step_2"]) == 2
+    assert "was moved aside as corrupt" in capsys.readouterr().err

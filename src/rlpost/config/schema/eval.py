@@ -27,5 +27,10 @@ class EvalConfig(Block):
 
     def check(self, path: str) -> None:
         super().check(path)
+        if self.checkpoint:
+            name = self.checkpoint.rstrip("/").rsplit("/", 1)[-1]
+            require(not name.startswith("corrupt_"), f"{path}.checkpoint", self.checkpoint,
+                    "was moved aside as corrupt when the run resumed (it failed its manifest check)",
+                    f"evaluate {name.removeprefix('corrupt_').split('.')[0]} of another run, or an earlier step")
         require(not (self.greedy and self.num_samples > 1), f"{path}.num_samples", self.num_samples,
                 "greedy decoding gives one answer per prompt; use eval.num_samples=1 or eval.greedy=false")
