@@ -79,7 +79,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from rlpost.algorithms.grpo_setup import close_all
     from rlpost.algorithms.multi_turn import run_rollouts, turn_settings
     from rlpost.config.layout import layout_of
-    from rlpost.data.prompts import PromptProcessor, load_prompt_rows, load_tokenizer
+    from rlpost.data.prompts import PromptProcessor, load_prompt_rows, load_tokenizer, prompt_room
     from rlpost.distributed.virtual_cluster import RayVirtualCluster, init_ray, resolve_device
     from rlpost.runtime.build import build
     from rlpost.runtime.run_log import capture_driver_output
@@ -96,7 +96,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         model = str(merge_peft_dir(Path(model), out.parent / "merged_model"))
     tok_cfg = dataclasses.replace(cfg.policy.tokenizer, name=model) if cfg.eval.checkpoint else cfg.policy.tokenizer
     tokenizer = load_tokenizer(tok_cfg, cfg.policy.trust_remote_code)
-    processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs)
+    processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs, room=prompt_room(cfg))
     rows = load_prompt_rows(cfg.data, processor, cfg.eval.split)[0][: cfg.eval.max_prompts]
     k = cfg.eval.num_samples
     prompts = [p for p in processor.batch(rows) for _ in range(k)]

@@ -76,13 +76,13 @@ def check_chat_template(master: MasterConfig) -> None:
     check_chat_template_value(master)
     if ct is None or (master.model.tiny is not None and tok_cfg.name == master.model.path):
         return
-    from rlpost.data.prompts import PromptProcessor, load_tokenizer
+    from rlpost.data.prompts import PromptProcessor, load_tokenizer, prompt_room
 
     tokenizer = load_tokenizer(tok_cfg, master.policy.trust_remote_code)
     if ct == "default" and not tokenizer.chat_template:
         raise ConfigError(key, ct, f"the tokenizer at {tok_cfg.name} has no chat template of its own",
                           "use policy.tokenizer.chat_template=null for raw prompts, or give a template")
-    processor = PromptProcessor(master.data, tokenizer, tok_cfg.chat_template_kwargs)
+    processor = PromptProcessor(master.data, tokenizer, tok_cfg.chat_template_kwargs, room=prompt_room(master))
     try:
         processor({"problem": "1 + 1", "expected_answer": "2"})
     except Exception as exc:  # noqa: BLE001 - jinja's and transformers' errors, named with the key
@@ -135,12 +135,13 @@ def prompt_processor(master: MasterConfig) -> PromptProcessor | None:
     """The run's PromptProcessor, when its tokenizer is on disk now (a tiny model's is built on first use); None
     otherwise (the setup then applies data.too_long, before Ray starts)."""
     from rlpost.config.schema.model import tiny_build_matches
-    from rlpost.data.prompts import PromptProcessor, load_tokenizer
+    from rlpost.data.prompts import PromptProcessor, load_tokenizer, prompt_room
 
     tok, m = master.policy.tokenizer, master.model
     if m.tiny is not None and tok.name == m.path and not tiny_build_matches(m.path, m.tiny):
         return None
-    return PromptProcessor(master.data, load_tokenizer(tok, master.policy.trust_remote_code), tok.chat_template_kwargs)
+    return PromptProcessor(master.data, load_tokenizer(tok, master.policy.trust_remote_code), tok.chat_template_kwargs,
+                           room=prompt_room(master))
 
 
 def check_supervised_data(master: SupervisedMasterConfig) -> None:

@@ -24,7 +24,7 @@ from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.data.dataloader import PromptLoader
 from rlpost.data.datasets import DataError
-from rlpost.data.prompts import PromptProcessor, load_prompt_rows, load_tokenizer
+from rlpost.data.prompts import PromptProcessor, load_prompt_rows, load_tokenizer, prompt_room
 from rlpost.data.rows import PromptRow
 from rlpost.distributed import placement
 from rlpost.distributed.start_gate import StartGate
@@ -160,7 +160,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         logger.restore_row(save_state.total_steps, saved_metrics_row(last))
 
     tokenizer = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
-    processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs)
+    processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs, room=prompt_room(cfg))
     unit, side_specs = unit_of(cfg), run_side_groups(cfg)
     for spec in side_specs:
         spec.before_start(tokenizer)

@@ -18,6 +18,8 @@ from rlpost.data.rows import Message, PromptRow
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from rlpost.config.schema.master import MasterConfig
+
 
 def load_tokenizer(cfg: TokenizerConfig, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer of a local path; pad = eos if missing; chat template from cfg.chat_template.
@@ -49,8 +51,11 @@ class PromptProcessor:
     """Formats and tokenizes rows."""
 
     def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                 chat_template_kwargs: dict[str, Any] | None = None, room: int | None = None) -> None:
+        """`room`: the tokens a prompt may take and still leave the engine max_new_tokens before the sequence's end
+        (`prompt_room`); the limit is the smaller of it and data.max_input_seq_length."""
         self.cfg = cfg
+        self.limit = min(cfg.max_input_seq_length, room) if room is not None else cfg.max_input_seq_length
         self.tok = tokenizer
         self.template = Path(cfg.prompt_file).read_text() if cfg.prompt_file else None
         self.system = Path(cfg.system_prompt_file).read_text().strip() if cfg.system_prompt_file else None
@@ -77,11 +82,17 @@ class PromptProcessor:
         ]
         out: list[PromptRow] = []
         for row, ids in zip(rows, self.tok(texts, add_special_tokens=False)["input_ids"], strict=True):
-            too_long = len(ids) > self.cfg.max_input_seq_length
+            too_long = len(ids) > self.limit
             if too_long:
-                ids = ids[: self.cfg.max_input_seq_length]
+                ids = ids[: self.limit]
             out.append({**row, "prompt_ids": ids, "loss_multiplier": 0.0 if too_long else 1.0, "too_long": too_long})
         return out
+
+
+def prompt_room(cfg: MasterConfig) -> int:
+    """The tokens a prompt may take and leave policy.generation.max_new_tokens before policy.max_total_sequence_length
+    (at least one): a longer prompt would leave the engine no room to answer."""
+    return max(1, cfg.policy.max_total_sequence_length - cfg.generation.max_new_tokens)
 
 
 TOO_LONG_CHUNK = 1024
@@ -89,7 +100,7 @@ TOO_LONG_CHUNK = 1024
 
 
 def over_length(rows: list[PromptRow], processor: PromptProcessor) -> list[int]:
-    """Indices of the rows whose prompt is longer than data.max_input_seq_length tokens."""
+    """Indices of the rows whose prompt is longer than the processor's limit."""
     out: list[int] = []
     for start in range(0, len(rows), TOO_LONG_CHUNK):
         done = processor.batch(rows[start: start + TOO_LONG_CHUNK])
@@ -109,9 +120,10 @@ def apply_too_long(rows: list[PromptRow], processor: PromptProcessor, split: str
     if not over or cfg.too_long == "truncate":
         return rows, len(over)
     if cfg.too_long == "error":
-        raise DataError(f"{where(over[0])}: the prompt is longer than data.max_input_seq_length="
-                        f"{cfg.max_input_seq_length} tokens (over it: {len(over)} of {len(rows)} {split} prompts; "
-                        "data.too_long=error)")
+        limit = (f"data.max_input_seq_length={cfg.max_input_seq_length}" if processor.limit == cfg.max_input_seq_length
+                 else f"{processor.limit}, the room policy.max_total_sequence_length leaves for max_new_tokens")
+        raise DataError(f"{where(over[0])}: the prompt is longer than {limit} tokens (over it: {len(over)} of "
+                        f"{len(rows)} {split} prompts; data.too_long=error)")
     dropped = set(over)
     return [r for i, r in enumerate(rows) if i not in dropped], len(over)
 

@@ -72,6 +72,24 @@ def test_prompt_processor_masks_overlong_prompts(tiny_tokenizer: object) -> None
     assert long["loss_multiplier"] == 0.0 and long["too_long"] and len(long["prompt_ids"]) == 6
 
 
+def test_a_prompt_keeps_room_for_the_answer(tiny_tokenizer: object) -> None:
+    """A prompt cut to the whole sequence left the engine no room to answer (the run died at its first step): the
+    limit is also policy.max_total_sequence_length - max_new_tokens, and data.too_long=error names the row."""
+    from rlpost.config.load import load_master_config
+    from rlpost.data.datasets import DataError
+    from rlpost.data.prompts import PromptProcessor, apply_too_long, prompt_room
+
+    _, cfg = load_master_config(["policy.max_total_sequence_length=64", "policy.generation.max_new_tokens=60"])
+    assert prompt_room(cfg) == 4
+    proc = PromptProcessor(DataConfig(max_input_seq_length=48), tiny_tokenizer, room=prompt_room(cfg))
+    row = proc({"problem": "Copy the digit 7 and 8", "expected_answer": "7"})
+    assert row["too_long"] and len(row["prompt_ids"]) == 4
+    strict = PromptProcessor(DataConfig(max_input_seq_length=48, too_long="error"), tiny_tokenizer, room=4)
+    with pytest.raises(DataError, match="rows.jsonl:1: the prompt is longer than 4, the room"):
+        apply_too_long([{"problem": "Copy the digit 7 and 8", "expected_answer": "7"}], strict, "train",
+                       lambda i: f"rows.jsonl:{i + 1}")
+
+
 def test_a_batch_of_prompts_is_tokenized_as_each_alone(tiny_tokenizer: object) -> None:
     """`PromptProcessor.batch` (one tokenizer call for a step's prompts) gives every row what `__call__` gives it:
     ragged lengths, a truncated overlong prompt, the row's own keys kept."""

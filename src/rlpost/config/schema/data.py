@@ -58,7 +58,8 @@ class DataConfig(DatasetConfig):
     system_prompt_file: str | None = None
     """System prompt file; None = no system message."""
     max_input_seq_length: int = checked(256, POSITIVE)
-    """Longest prompt in tokens; what happens to a longer one is data.too_long's choice."""
+    """Longest prompt in tokens (and at most policy.max_total_sequence_length - max_new_tokens, which leaves the answer
+    its room); what happens to a longer one is data.too_long's choice."""
     too_long: str = checked("truncate", options(*TOO_LONG))
     """A prompt over max_input_seq_length tokens, found when the rows are loaded: 'truncate' (cut to it and masked
     out of the loss, as NeMo RL does), 'drop' (left out of the data set) or 'error' (exit 2 naming its file:line)."""
