@@ -5,7 +5,7 @@ and the full traceback in the run's train.log.
 |---|---|
 | 2   | bad input: config, data, model directory, checkpoint |
 | 3   | run-time failure: a worker or engine died or hung, the health gate, Ray unreachable |
-| 130 | interrupted (Ctrl-C); 143 for SIGTERM |
+| 130 | interrupted (Ctrl-C); 143 for SIGTERM, 129 for SIGHUP (the terminal closed) |
 | 1   | an unexpected error (a bug): the line says where the traceback is |
 """
 
@@ -19,10 +19,14 @@ EXIT_INPUT = 2
 EXIT_RUNTIME = 3
 EXIT_INTERRUPT = 130
 EXIT_TERMINATED = 143
+EXIT_HANGUP = 129
 EXIT_INTERNAL = 1
 
-SIGNAL_CODES = {signal.SIGINT: EXIT_INTERRUPT, signal.SIGTERM: EXIT_TERMINATED}
-"""The signals a run stops on, and the exit status each one ends it with."""
+SIGNAL_CODES = {signal.SIGINT: EXIT_INTERRUPT, signal.SIGTERM: EXIT_TERMINATED, signal.SIGHUP: EXIT_HANGUP}
+"""The signals a run stops on, and the exit status each one ends it with (SIGHUP: the terminal closed, which a run
+treats as SIGTERM)."""
+STOPPED = frozenset(SIGNAL_CODES.values())
+"""Exit statuses of a run a signal stopped."""
 
 _log = logging.getLogger("rlpost")
 
@@ -97,7 +101,7 @@ def describe(exc: BaseException, log_file: Path | None, resumes: bool = True) ->
     training run), so an interrupt says so."""
     where = f" (traceback in {log_file})" if log_file is not None else ""
     code = exit_status(exc)
-    if code in (EXIT_INTERRUPT, EXIT_TERMINATED):
+    if code in STOPPED:
         name = str(exc) if isinstance(exc, Interrupted) else "SIGINT"
         if not resumes:
             return f"interrupted by {name}"

@@ -87,7 +87,7 @@ def _failed(code: int, line: str, run_dir: Path, holds_dir: bool = True) -> dict
     from rlpost.runtime.run_status import steps_done, write_status
     from rlpost.sweep_summary import FAILURE_FILE
 
-    interrupted = code in (failures.EXIT_INTERRUPT, failures.EXIT_TERMINATED)
+    interrupted = code in failures.STOPPED
     if holds_dir:
         write_status(run_dir, "stopped" if interrupted else "failed", code, steps_done(run_dir),
                      error=line.splitlines()[0])

@@ -66,9 +66,11 @@ def _nothing_left(sid: int) -> None:
 
 def test_a_signal_stops_after_the_step_saves_it_and_leaves_nothing(tmp_path: Path, cache: Path,
                                                                    fault: Record) -> None:
-    """SIGTERM (`timeout`, Slurm, Kubernetes: to the whole group), handled as Ctrl-C is (a first SIGINT: the test
-    below): the step in flight finishes and is saved (save_on_interrupt), exit 143 with one line."""
-    sig = signal.SIGTERM
+    """SIGHUP (the terminal closed: to the whole group), handled as SIGTERM (`timeout`, Slurm, Kubernetes) and Ctrl-C
+    are (a first SIGINT: the test below; SIGTERM: the start-up test and tests/integration/test_slurm.py): the step
+    in flight finishes and is saved (save_on_interrupt), exit 129 with one line, run_status.json says how far it
+    got."""
+    sig = signal.SIGHUP
     run = tmp_path / "run"
     budget = ["grpo.max_num_steps=500", "checkpointing.save_period=1000", "checkpointing.save_on_interrupt=true"]
     proc = _start(run, cache, *budget)
@@ -80,8 +82,11 @@ def test_a_signal_stops_after_the_step_saves_it_and_leaves_nothing(tmp_path: Pat
     steps = [r["step"] for r in _rows(run)]
     fault(f"{sig.name} to the run's process group", proc.returncode, out + err,
           data_lost=ckpts != [f"step_{last}"] or steps != list(range(1, last + 1)))
-    assert proc.returncode == 143, err[-3000:]
+    assert proc.returncode == 129, err[-3000:]
     assert "Traceback" not in err and "Traceback" not in out and "SIGTERM received" not in err
+    assert json.loads((run / "run_status.json").read_text()) == {
+        "state": "stopped", "exit_status": 129, "steps": last,
+        "error": f"rlpost: error: interrupted by {sig.name}; re-run the same command to resume from the last checkpoint"}
     assert err.strip().splitlines()[-1] == (f"rlpost: error: interrupted by {sig.name}; re-run the same command "
                                             "to resume from the last checkpoint")
     assert ckpts == [f"step_{last}"]  # the step in flight finished and was saved (save_period is 1000)

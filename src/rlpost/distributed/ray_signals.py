@@ -30,7 +30,7 @@ FAILURE_HANDLER_ENV = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
 WORKER_SIGNAL_ENV = {FAILURE_HANDLER_ENV: "0"}
 """For the workers' runtime env: they keep Ray's handler, whatever the driver's environment says."""
 
-_HELD = (signal.SIGINT, signal.SIGTERM)
+_HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def skip_failure_handler() -> None:
