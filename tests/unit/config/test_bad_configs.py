@@ -244,3 +244,8 @@ def test_pipeline_stages_must_split_the_models_layers(overrides: list[str], key:
 def test_a_checkpoint_moved_aside_as_corrupt_is_not_evaluated(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "eval.checkpoint=/runs/r/checkpoints/corrupt_step_2"]) == 2
     assert "was moved aside as corrupt" in capsys.readouterr().err
+
+
+def test_eval_samples_are_bounded(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", "eval.num_samples=1000000"]) == 2
+    assert "eval.num_samples=1000000: must be in [1, 1024]" in capsys.readouterr().err

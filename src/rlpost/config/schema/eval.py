@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlpost.config.errors import require
-from rlpost.config.fields import POSITIVE, POSITIVE_OR_NONE, Block, checked, options
+from rlpost.config.fields import POSITIVE_OR_NONE, Block, Rule, checked, options
+
+MAX_SAMPLES = 1024
+"""The most samples per prompt `rlpost eval` draws (pass@1024 is as far as anyone reports)."""
 
 
 @dataclass
@@ -16,8 +19,8 @@ class EvalConfig(Block):
     """A run's checkpoint (…/checkpoints/step_N): its policy/weights/hf is evaluated instead of model.path."""
     split: str = checked("val", options("val", "train"))
     """Prompts to evaluate: the data option's 'val' or 'train' rows."""
-    num_samples: int = checked(1, POSITIVE)
-    """Samples per prompt; pass@k uses k = num_samples."""
+    num_samples: int = checked(1, Rule(lambda v: 1 <= v <= MAX_SAMPLES, f"must be in [1, {MAX_SAMPLES}]"))
+    """Samples per prompt (at most 1024); pass@k uses k = num_samples."""
     greedy: bool = False
     """Greedy decoding (one sample per prompt) instead of sampling at policy.generation.temperature."""
     max_prompts: int | None = checked(None, POSITIVE_OR_NONE)
