@@ -239,7 +239,8 @@ def translate_exception(exc: BaseException, cfg: DictConfig | None = None,
                     word, _err_candidates(err), KEY_HINT_CUTOFF)
                 if key.endswith(".enabled") and ("dtensor_cfg" in key or "megatron_cfg" in key):
                     hint = "rlpost picks the backend with policy=dtensor|dtensor_v2|megatron"
-                return ConfigError(key, _typed(overrides, key), "unknown config key", hint)
+                shown, given = _as_typed(overrides, key)
+                return ConfigError(shown, given, "unknown config key", hint)
             vm = re.search(r"Value '(.*?)' (?:of type '[^']+' )?could not be converted to (\w+)", msg, re.S)
             if vm:
                 return ConfigError(key, vm.group(1), f"must be of type {vm.group(2)}")
@@ -247,11 +248,37 @@ def translate_exception(exc: BaseException, cfg: DictConfig | None = None,
             if vm:
                 return ConfigError(key, None, "may not be null")
             value = getattr(err, "value", None)
-            return ConfigError(key, value, msg.strip())
+            return ConfigError(key, _typed(overrides, key) if value is None else value, _plain_rule(msg))
     if m:
         return ConfigError(m.group(1), None, chain[-1].__class__.__name__ + ": " + str(chain[-1]).split("\n")[0])
     first = str(exc).strip().split("\n")
     return ConfigError("<overrides>", None, " ".join(line.strip() for line in first if line.strip())[:500])
+
+
+_RULES = (
+    (re.compile(r"Value '.*' is not a valid bool"), "must be true or false"),
+    (re.compile(r"is not a ListConfig, list or tuple"), "must be a list, e.g. [1, 2]"),
+    (re.compile(r"is not a DictConfig, dict"), "must be a mapping, e.g. {a: 1}"),
+    (re.compile(r"does not support deletion"), "is a key of the schema: it cannot be removed with ~, only set"),
+)
+"""OmegaConf's messages, in the words of a rule."""
+
+
+def _plain_rule(msg: str) -> str:
+    """An OmegaConf message as one line: its rule in plain words where known, else its first line (never the
+    full_key / reference_type / object_type lines it appends)."""
+    first = msg.strip().splitlines()[0] if msg.strip() else msg
+    return next((rule for pattern, rule in _RULES if pattern.search(first)), first)
+
+
+def _as_typed(overrides: Sequence[str] | None, key: str) -> tuple[str, str | None]:
+    """(key, value) as the command line typed them: `polcy.x=1` for an unknown `polcy`, not `polcy=None`."""
+    for o in overrides or []:
+        name, sep, value = o.partition("=")
+        name = name.lstrip("+~")
+        if sep and (name == key or name.startswith(key + ".")):
+            return name, value
+    return key, _typed(list(overrides) if overrides is not None else None, key)
 
 
 def to_master_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> MasterConfig | SupervisedMasterConfig:

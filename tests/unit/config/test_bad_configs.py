@@ -249,3 +249,19 @@ def test_a_checkpoint_moved_aside_as_corrupt_is_not_evaluated(capsys: pytest.Cap
 def test_eval_samples_are_bounded(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "eval.num_samples=1000000"]) == 2
     assert "eval.num_samples=1000000: must be in [1, 1024]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("polcy.x=1", "polcy.x='1': unknown config key"),
+    ("policy.dtensor_cfg.activation_checkpointing=maybe",
+     "policy.dtensor_cfg.activation_checkpointing='maybe': must be true or false"),
+    ("policy.generation.stop_token_ids=abc", "policy.generation.stop_token_ids='abc': must be a list, e.g. [1, 2]"),
+    ("~policy.max_total_sequence_length", "policy.max_total_sequence_length=None: is a key of the schema: it cannot "
+                                         "be removed with ~, only set"),
+])
+def test_omegaconfs_errors_read_as_one_rule(override: str, line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Were `polcy=None`, or four lines of OmegaConf's (full_key, reference_type, object_type)."""
+    assert main(["plan", override]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == f"rlpost: config error: {line}", err
+    assert "full_key" not in err and "reference_type" not in err
