@@ -277,7 +277,7 @@ def check_output_dir(overrides: list[str], multirun: bool) -> None:
     from pathlib import Path
 
     from rlpost.config.errors import ConfigError
-    from rlpost.preflight import check_writable_dir
+    from rlpost.preflight import check_not_a_shared_dir, check_writable_dir
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
@@ -291,20 +291,3 @@ def check_output_dir(overrides: list[str], multirun: bool) -> None:
     if target.exists() and not target.is_dir():
         raise ConfigError(key, str(target), "is a file; the run directory must be a directory")
     check_writable_dir(key, target)
-
-
-def check_not_a_shared_dir(key: str, value: str) -> None:
-    """ConfigError when `value` names a directory a run must not write its files into: the file system's root, the
-    working directory (or one above it) or the home directory."""
-    import os
-    from pathlib import Path
-
-    from rlpost.config.errors import ConfigError
-
-    where = Path(value).expanduser().resolve()
-    cwd, home = Path.cwd().resolve(), Path(os.path.expanduser("~")).resolve()
-    if where == Path(where.anchor) or where == home or cwd.is_relative_to(where):
-        what = ("the file system's root" if where == Path(where.anchor) else "the home directory" if where == home
-                else "the working directory" if where == cwd else "a directory above the working directory")
-        raise ConfigError(key, value, f"is {what}; a run writes its files (metrics, logs, checkpoints) into its "
-                          "directory, so it must be one of its own", "name a new directory, e.g. outputs/my-run")

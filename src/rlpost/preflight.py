@@ -497,11 +497,21 @@ def output_dirs(master: AnyMaster, run_dir: Path | None) -> list[tuple[str, Path
     return out
 
 
+def check_not_a_shared_dir(key: str, value: str) -> None:
+    """ConfigError when `value` names a directory a run must not write its files into: the file system's root, the
+    working directory (or one above it) or the home directory."""
+    where = Path(value).expanduser().resolve()
+    cwd, home = Path.cwd().resolve(), Path(os.path.expanduser("~")).resolve()
+    if where == Path(where.anchor) or where == home or cwd.is_relative_to(where):
+        what = ("the file system's root" if where == Path(where.anchor) else "the home directory" if where == home
+                else "the working directory" if where == cwd else "a directory above the working directory")
+        raise ConfigError(key, value, f"is {what}; a run writes its files (metrics, logs, checkpoints) into its "
+                          "directory, so it must be one of its own", "name a new directory, e.g. outputs/my-run")
+
+
 def check_output_dirs(master: AnyMaster, run_dir: Path | None = None) -> None:
     """Checkpoint and log directories are directories (or can be created) and writable, and none is a directory
     shared with other files (/, the working directory, the home directory)."""
-    from rlpost.command_checks import check_not_a_shared_dir
-
     ck = master.checkpointing
     if ck.enabled and ck.checkpoint_dir:
         check_not_a_shared_dir("checkpointing.checkpoint_dir", ck.checkpoint_dir)
