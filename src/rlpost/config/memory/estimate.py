@@ -153,8 +153,7 @@ def _add_refit_buffer(workers: list[Worker], cfg: MasterConfig, shape: ModelShap
 
 
 def _lay_out(device: str, dev_gib: float | None, workers: list[Worker], nodes: int) -> Estimate:
-    host = sum(sum(u.host.values()) * w.ranks for w in workers for u in [max(
-        w.phases.values(), key=lambda u: sum(u.host.values()))]) / max(nodes, 1)
+    host = sum(max(sum(u.host.values()) for u in w.phases.values()) * w.ranks for w in workers) / max(nodes, 1)
     if device == "cpu":  # one RAM per node: every process's peak, the node's share of the workers
         items: dict[str, float] = {}
         for w in workers:

@@ -17,6 +17,7 @@ Phases: `training` (a forward and backward of the largest micro-batch), `logprob
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from rlpost.config.layout import chunk_tokens, fsdp_needed
@@ -125,7 +126,7 @@ def policy_worker(p: PolicyConfig, shape: ModelShape, device: str, world: int, *
         offloaded = megatron.optimizer.optimizer_cpu_offload and device == "cuda"
     runtime = RUNTIME[(device, "policy")]
     layers_here = shape.layers / pp
-    per_stage = ModelShape(**{**shape.__dict__, "layers": max(int(round(layers_here)), 1)})
+    per_stage = dataclasses.replace(shape, layers=max(int(round(layers_here)), 1))
     train_tokens, lp_tokens = _tokens(p, True) // cp, _tokens(p, False) // cp
     resident = {"weights": weights, "runtime": runtime}
     host: dict[str, float] = {}
