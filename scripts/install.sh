@@ -33,6 +33,10 @@ else
   echo "install.sh: STACK must be cpu, gpu or gpu-cu12, got '$STACK'" >&2
   exit 2
 fi
+# mlflow lists scikit-learn (and skops) for its sklearn model flavour, which rlpost never uses: its tracker and
+# `mlflow server` run without them. Installed, transformers imports sklearn and scipy.stats into every process that
+# builds a model (the engine's and each policy worker's: 1.1-1.7 s of CPU each, on every start).
+"$VENV/bin/python" -m pip uninstall -y -q scikit-learn skops 2>/dev/null || true
 "${PIP[@]}" --no-deps -e .
 # Debian's Chromium renders `rlpost report`'s page in the tests (tests/integration/test_report.py): installed when it is
 # missing and apt-get can run (root); elsewhere those tests say why they skip.

@@ -1,5 +1,5 @@
-"""GRPO `setup`: builds, in order, seeds, the logger, the checkpoint manager (and resume state),
-the resumable dataloader, the cluster(s), the engine, the policy, the refit info and the loss."""
+"""GRPO `setup`: builds, in order, seeds, the checkpoint manager (and resume state), the cluster(s), the engine (not
+waited for), the logger, the resumable dataloader, the environments, the loss, the policy and the refit info."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import torch
 from omegaconf import OmegaConf
 
 from rlpost.algorithms.checkpoint_io import restore_loader_and_rng, resume_info, saved_metrics_row
-from rlpost.algorithms.units import RolloutUnit, Side, run_side_groups, unit_of
+from rlpost.algorithms.units import RolloutUnit, Side, SideGroup, run_side_groups, unit_of
+from rlpost.config.layout import layout_of
 from rlpost.config.lora_params import adapter_config
 from rlpost.config.schema.grpo import GRPOSaveState
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
@@ -142,81 +143,62 @@ def load_prompts(cfg: MasterConfig, processor: PromptProcessor,
 
 
 def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
-    """Build every component of a GRPO run (resuming from the latest checkpoint if one exists)."""
+    """Build every component of a GRPO run (resuming from the latest checkpoint if one exists). The engines start
+    first, as soon as Ray is up: their start is the longest part of a run's, and the driver's own work (logger,
+    tokenizer, prompts, environments) happens beside it. The pre-flight checked the data, so nothing after the
+    engines' start is a config or data error the user could have been told earlier."""
     started_at = time.monotonic()
     set_seed(cfg.grpo.seed)
     _prepare_model(cfg)
-    logger = MetricsLogger(cfg.logger, run_dir)
     config_dict = cast(dict[str, object], OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
-    logger.log_hyperparams(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
     checkpointer = CheckpointManager(cfg.checkpointing, run_dir)
     model_fp = model_fingerprint(cfg.policy.model_name)
     last = checkpointer.latest_verified()
     save_state = GRPOSaveState()
     if last is not None:
         save_state = GRPOSaveState.from_dict(resume_info(checkpointer, last, model_fp, config_dict))
-    logger.truncate_after(save_state.total_steps)  # rows the interrupted run logged after its checkpoint
-    if last is not None:  # killed between the checkpoint and its metrics line: put the line back
-        logger.restore_row(save_state.total_steps, saved_metrics_row(last))
-
-    tokenizer = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
-    processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs, room=prompt_room(cfg))
     unit, side_specs = unit_of(cfg), run_side_groups(cfg)
-    for spec in side_specs:
-        spec.before_start(tokenizer)
-    g = cfg.grpo
-    batch = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
-    train_rows, val_rows = load_prompts(cfg, processor, batch)
-    dataloader = PromptLoader(train_rows, batch, cfg.data.shuffle, cfg.data.seed)
-    if last is not None:
-        restore_loader_and_rng(last, dataloader)
-
-    envs = {name: build(env_cfg, key=f"env.{name}._target_") for name, env_cfg in cfg.env.items()}
+    tokenizer = None
+    if side_specs:  # their checks read the tokenizer: before Ray starts
+        tokenizer = load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
+        for spec in side_specs:
+            spec.before_start(tokenizer)
 
     init_ray(cfg.cluster)
     device = resolve_device(cfg.cluster)
-    use_gpus = device == "cuda"
     colocated = cfg.generation.colocated.enabled
-    from rlpost.config.layout import layout_of
-
-    lay = layout_of(cfg)
-    cpus = cfg.cluster.worker_num_cpus
-    shared = 1 + sum(s.colocated for s in side_specs)  # a colocated side group is one more on these bundles
-    if colocated:
-        train_cluster = RayVirtualCluster(
-            "grpo_policy_cluster", lay.train_workers_per_node, lay.train_nodes, use_gpus, cpus * (shared + 1),
-            shared + 1, cfg.cluster.placement_timeout_s,
-        )
-        gen_cluster = train_cluster
-        clusters = [train_cluster]
-    else:
-        train_cluster = RayVirtualCluster(
-            "grpo_train_cluster", lay.train_workers_per_node, lay.train_nodes, use_gpus, cpus * shared, shared,
-            cfg.cluster.placement_timeout_s,
-        )
-        gen_cluster = RayVirtualCluster(
-            "grpo_inference_cluster", lay.gen_workers_per_node, lay.gen_nodes, use_gpus, cpus, 1,
-            cfg.cluster.placement_timeout_s,
-        )
-        clusters = [train_cluster, gen_cluster]
-    side_clusters = [spec.cluster(train_cluster) for spec in side_specs]
-    clusters += [c for c in side_clusters if c is not None]
-
+    clusters, train_cluster, gen_cluster, side_clusters = _clusters(cfg, side_specs, device == "cuda")
     gen_cfg = cfg.generation
     if gen_cfg.model_name is None:
         gen_cfg.model_name = cfg.policy.model_name
-    opened: list[Callable[[], object]] = [*[c.shutdown for c in clusters], *[e.shutdown for e in envs.values()],
-                                          logger.close]
+    opened: list[Callable[[], object]] = [c.shutdown for c in clusters]
     try:
+        # The engines first, asleep, then the worker groups on their devices (rlpost.distributed.start_gate): the
+        # groups' processes start and import beside the engines, and build their models once the engines sleep.
+        generation = _engines(cfg, gen_cluster)
+        opened.insert(0, lambda: generation.shutdown(graceful=False))
+        logger = MetricsLogger(cfg.logger, run_dir)
+        opened.append(logger.close)
+        logger.log_hyperparams(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
+        logger.truncate_after(save_state.total_steps)  # rows the interrupted run logged after its checkpoint
+        if last is not None:  # killed between the checkpoint and its metrics line: put the line back
+            logger.restore_row(save_state.total_steps, saved_metrics_row(last))
+        tokenizer = tokenizer or load_tokenizer(cfg.policy.tokenizer, cfg.policy.trust_remote_code)
+        processor = PromptProcessor(cfg.data, tokenizer, cfg.policy.tokenizer.chat_template_kwargs,
+                                    room=prompt_room(cfg))
+        g = cfg.grpo
+        batch = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
+        train_rows, val_rows = load_prompts(cfg, processor, batch)
+        dataloader = PromptLoader(train_rows, batch, cfg.data.shuffle, cfg.data.seed)
+        if last is not None:
+            restore_loader_and_rng(last, dataloader)
+        envs = {name: build(env_cfg, key=f"env.{name}._target_") for name, env_cfg in cfg.env.items()}
+        opened += [e.shutdown for e in envs.values()]
         weights = optim = None
         if last is not None:
             weights, optim = str(last / "policy" / "weights"), str(last / "policy" / "optimizer")
         loss_fn: LossFunction = build(_loss_config(cfg), key="loss_fn._target_")
         try:  # the workers load the checkpoint in their constructor; a failure shows on the first call
-            # The engines first, asleep, then the worker groups on their devices (rlpost.distributed.start_gate): the
-            # groups' processes start and import beside the engines, and build their models once the engines sleep.
-            generation = _engines(cfg, gen_cluster)
-            opened.insert(0, lambda: generation.shutdown(graceful=False))
             gate = StartGate(generation.sleep_once_started(), cfg.cluster.call_timeout_s)
             policy = _policy(cfg, train_cluster, weights, optim, loss_fn, device, gate, unit.reference_needed(cfg))
             opened.insert(1, lambda: policy.shutdown(graceful=False))  # closed after the engines
@@ -246,8 +228,29 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         val_rows=val_rows, loss_fn=loss_fn, logger=logger, checkpointer=checkpointer, save_state=save_state,
         tokenizer=tokenizer, processor=processor, envs=envs, model_fp=model_fp, config_dict=config_dict,
         colocated=colocated, started_at=started_at, unit=unit, sides=sides,
-        overlap=bool(lay.overlap_chunk),
+        overlap=bool(layout_of(cfg).overlap_chunk),
     )
+
+
+def _clusters(cfg: MasterConfig, side_specs: list[SideGroup], use_gpus: bool) -> tuple[
+        list[RayVirtualCluster], RayVirtualCluster, RayVirtualCluster, list[RayVirtualCluster | None]]:
+    """(every cluster, the policy's, the engines', each side group's own or None): one shared cluster when the
+    engines are colocated, else one for training and one for generation."""
+    lay = layout_of(cfg)
+    cpus, timeout = cfg.cluster.worker_num_cpus, cfg.cluster.placement_timeout_s
+    shared = 1 + sum(s.colocated for s in side_specs)  # a colocated side group is one more on these bundles
+    if cfg.generation.colocated.enabled:
+        train_cluster = RayVirtualCluster("grpo_policy_cluster", lay.train_workers_per_node, lay.train_nodes,
+                                          use_gpus, cpus * (shared + 1), shared + 1, timeout)
+        gen_cluster, clusters = train_cluster, [train_cluster]
+    else:
+        train_cluster = RayVirtualCluster("grpo_train_cluster", lay.train_workers_per_node, lay.train_nodes,
+                                          use_gpus, cpus * shared, shared, timeout)
+        gen_cluster = RayVirtualCluster("grpo_inference_cluster", lay.gen_workers_per_node, lay.gen_nodes,
+                                        use_gpus, cpus, 1, timeout)
+        clusters = [train_cluster, gen_cluster]
+    side_clusters = [spec.cluster(train_cluster) for spec in side_specs]
+    return [*clusters, *[c for c in side_clusters if c is not None]], train_cluster, gen_cluster, side_clusters
 
 
 def _engines(cfg: MasterConfig, cluster: RayVirtualCluster) -> GenerationInterface:

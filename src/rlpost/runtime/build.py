@@ -155,13 +155,43 @@ TARGET_KINDS: dict[str, tuple[str, str]] = {
 }
 """What the class a `_target_` key names must be: (the interface it subclasses or implements, a short name)."""
 
+SHIPPED_KINDS: dict[str, str] = {
+    **dict.fromkeys([
+        "rlpost.models.policy.dtensor_policy_worker.DTensorPolicyWorker",
+        "rlpost.models.policy.dtensor_policy_worker_v2.DTensorPolicyWorkerV2",
+        "rlpost.models.policy.megatron_policy_worker.MegatronPolicyWorker",
+    ], "policy._target_"),
+    **dict.fromkeys([
+        "rlpost.models.generation.vllm_generation.VllmGeneration",
+        "rlpost.models.generation.hf_generation.HFGeneration",
+    ], "policy.generation._target_"),
+    **dict.fromkeys([
+        "rlpost.losses.clipped_pg.ClippedPGLossFn", "rlpost.losses.clipped_pg.NLLLoss",
+        "rlpost.losses.cispo.CISPOLossFn", "rlpost.losses.distillation.DistillationLossFn",
+        "rlpost.losses.preference.DPOLossFn", "rlpost.losses.preference.PreferenceLoss",
+    ], "loss_fn._target_"),
+    **dict.fromkeys([
+        "rlpost.environments.synthetic.SyntheticEnvironment",
+        "rlpost.environments.math_environment.MathEnvironment",
+        "rlpost.environments.calculator.CalculatorEnvironment",
+        "rlpost.environments.lookup.LookupEnvironment",
+        "rlpost.environments.guess_game.GuessGameEnvironment",
+        "rlpost.environments.reward_model.RewardModelEnvironment",
+    ], "env.*._target_"),
+}
+"""The kind of every class conf/ ships (tests/unit/config/test_targets.py proves each by importing it): the
+pre-flight takes a shipped class of the key's kind as proven, and imports only the others. A worker module
+imports FSDP2, DTensor and torch.compile's machinery (1.5 s on the 2-core host): the driver would pay it before
+Ray starts, only to learn what the tests already showed."""
 
-def _kind(key: str) -> tuple[str, str] | None:
+
+def _kind_key(key: str) -> str | None:
+    """The TARGET_KINDS key of a config key (`env.<name>._target_` is `env.*._target_`), or None."""
     if key in TARGET_KINDS:
-        return TARGET_KINDS[key]
+        return key
     parts = key.split(".")
     if len(parts) == 3 and parts[0] == "env" and parts[2] == "_target_":
-        return TARGET_KINDS["env.*._target_"]
+        return "env.*._target_"
     return None
 
 
@@ -172,13 +202,14 @@ def _missing_members(cls: type, protocol: type) -> list[str]:
     return [n for n in wanted if n not in have]
 
 
-def check_target_kind(key: str, target: str) -> None:
+def check_target_kind(key: str, target: str, trust_shipped: bool = True) -> None:
     """The class `target` names is what `key` builds (TARGET_KINDS): a subclass of the key's interface, or a class
-    with every method of its protocol. Imports the target's module (as the run would)."""
-    kind = _kind(key)
-    if kind is None:
+    with every method of its protocol. Imports the target's module (as the run would), unless it is a shipped
+    class of that kind (SHIPPED_KINDS) and `trust_shipped`."""
+    kind_key = _kind_key(key)
+    if kind_key is None or (trust_shipped and SHIPPED_KINDS.get(target) == kind_key):
         return
-    iface_path, what = kind
+    iface_path, what = TARGET_KINDS[kind_key]
     module, _, name = iface_path.rpartition(".")
     iface = getattr(importlib.import_module(module), name)
     obj = resolve(target, key)

@@ -63,7 +63,31 @@ KIND_KEYS = {"policy": "policy._target_", "generation": "policy.generation._targ
 def test_every_shipped_target_is_of_its_kind(key: str) -> None:
     from rlpost.runtime.build import check_target_kind
 
-    check_target_kind(KIND_KEYS[key.split(":")[0]], ALL[key][0])
+    check_target_kind(KIND_KEYS[key.split(":")[0]], ALL[key][0], trust_shipped=False)
+
+
+def test_the_shipped_kinds_are_the_shipped_targets() -> None:
+    """The pre-flight's table of shipped classes (taken as proven without importing them) is exactly what conf/
+    ships, each under its kind, which the test above proves by importing."""
+    from rlpost.runtime.build import SHIPPED_KINDS
+
+    kind_of = {"policy": "policy._target_", "generation": "policy.generation._target_", "loss": "loss_fn._target_",
+               "env": "env.*._target_"}
+    assert SHIPPED_KINDS == {target: kind_of[key.split(":")[0]] for key, (target, *_) in ALL.items()}
+
+
+def test_the_pre_flight_imports_no_worker_module() -> None:
+    """The default job's checks leave the policy worker's module (FSDP2, DTensor, torch.compile) to the workers."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from rlpost.config.load import load_master_config; from rlpost.checks import run_checks; "
+            "run_checks(load_master_config([])[1]); "
+            "print(sorted(m for m in sys.modules if m.startswith(('rlpost.models.policy.dtensor', "
+            "'torch.distributed.fsdp', 'vllm'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize(("key", "target", "rule"), [
