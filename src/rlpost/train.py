@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -110,11 +111,36 @@ def run_job(cfg: DictConfig) -> dict[str, object]:
     the traceback goes to train.log. In a sweep a failed job returns its record instead (see _failed).
     """
     from rlpost import failures
+
+    run_dir = _run_dir()
+    fresh = _in_sweep() is None and _made_for_this_job(run_dir)
+    try:
+        return _checked_run(cfg, run_dir)
+    except SystemExit as exc:
+        if fresh and exc.code == failures.EXIT_INPUT:  # refused: the directory Hydra made for it is not a run
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _made_for_this_job(run_dir: Path) -> bool:
+    """The run directory holds nothing but its lock and what Hydra wrote for this job (.hydra/, the log it opened): it
+    was made for this job, and a job refused with exit 2 leaves no directory behind (a directory with an earlier
+    run's files stays)."""
+    from rlpost.runtime.run_lock import LOCK_FILE
+
+    try:
+        return {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log", LOCK_FILE}
+    except OSError:
+        return False
+
+
+def _checked_run(cfg: DictConfig, run_dir: Path) -> dict[str, object]:
+    """The job's checks, its locks, then the run (run_job)."""
+    from rlpost import failures
     from rlpost.checks import JOB, TRAIN, run_checks
     from rlpost.config.errors import ConfigError, format_config_error
     from rlpost.config.load import to_master_config
 
-    run_dir = _run_dir()
     try:
         master = to_master_config(cfg)
         run_checks(master, run_dir, JOB if os.environ.get(PREFLIGHT_DONE) else TRAIN)  # JOB: the command was checked

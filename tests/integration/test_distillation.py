@@ -71,3 +71,4 @@ def test_a_teacher_with_another_vocabulary_exits_2_naming_both(teacher: tuple[Pa
     line = [ln for ln in out.stderr.splitlines() if ln.startswith("rlpost: ")][0]
     assert f"distillation.teacher.model_path='{other}'" in line and "differs from the student's" in line, line
     assert "cross-tokenizer" in line and "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()  # refused after the plan: the directory made for it is gone
