@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
-from rlpost.data.datasets import DataError, load_rows
+from rlpost.data.datasets import DataError, load_rows, not_a_file
 from rlpost.data.rows import PromptRow
 from rlpost.runtime.build import resolve
 
@@ -21,8 +21,8 @@ def check_prompt_files(master: MasterConfig) -> None:
     """data.prompt_file is a readable template with one '{}'; data.system_prompt_file exists."""
     d = master.data
     for key, value in (("data.prompt_file", d.prompt_file), ("data.system_prompt_file", d.system_prompt_file)):
-        if value and not Path(value).is_file():
-            raise ConfigError(key, value, "no such file")
+        if value and (why := not_a_file(value)) is not None:
+            raise ConfigError(key, value, why)
     if d.prompt_file:
         try:
             template = Path(d.prompt_file).read_text(encoding="utf-8")

@@ -79,6 +79,7 @@ PROBES: list[tuple[list[str], str, str]] = [
     (["policy.generation.stop_token_ids=[999999]"], "policy.generation.stop_token_ids=[999999]", "vocabulary"),
     (["policy.generation.vllm_cfg.max_model_len=4"], "policy.generation.vllm_cfg.max_model_len=4", "shorter than"),
     (["policy.generation.vllm_cfg.kv_cache_space_gb=10000"], "cluster.skip_memory_check=False", "memory plan"),
+    (["env.synthetic.task=add_mod10"], "env.synthetic.task='add_mod10'", "data.synthetic.task=copy_digit"),
     (["cluster.min_call_timeout_s=5000"], "cluster.min_call_timeout_s=5000.0", "cluster.call_timeout_s"),
     (["algo=ppo", "critic.model_name=/nonexistent"], "critic.model_name='/nonexistent'", "no such directory"),
     # each of these wrote into a directory shared with other files
@@ -113,6 +114,16 @@ def math_rows(path: Path, n: int, bad: dict[int, str] | None = None) -> Path:
 
 
 MATH = ["data=math_jsonl", "env=math", "grpo.val_period=0", "checkpointing.metric_name=train:reward"]
+
+
+def test_a_directory_or_a_fifo_as_a_data_file_is_named_for_what_it_is(tmp_path: Path, fault: Record) -> None:
+    fifo = tmp_path / "train.jsonl"
+    os.mkfifo(fifo)
+    for path, what in ((tmp_path, "a directory, not a file"), (fifo, "a named pipe (FIFO), not a file")):
+        out = rlpost("train", *MATH, f"data.train_data_path={path}", cwd=tmp_path)
+        assert_refused(out, f"{path}: {what}", fault=fault)
+    out = rlpost("train", f"data.prompt_file={tmp_path}", cwd=tmp_path)
+    assert_refused(out, f"data.prompt_file='{tmp_path}'", "a directory, not a file", fault=fault)
 
 
 def test_a_duplicate_key_in_a_data_row_is_named_by_file_line_and_key(tmp_path: Path, fault: Record) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +84,30 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+_NOT_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def not_a_file(path: str) -> str | None:
+    """Why `path` is no regular file to read rows from ('no such file', 'a directory, not a file', ...), or None.
+    A FIFO is refused: reading one blocks until a writer comes, and a second pass would find it empty."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    for test, what in _NOT_FILES:
+        if test(mode):
+            return f"{what}, not a file"
+    return None
+
+
 def jsonl_objects(path: str) -> list[tuple[object, str]]:
     """(parsed JSON value, 'file:line') of every non-blank line of a local JSONL file; DataError on bad input."""
     p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{path}: no such file")
+    if (why := not_a_file(path)) is not None:
+        raise DataError(f"{path}: {why}")
     kind = sniff(path)
     if kind == "a parquet file":
         raise DataError(f"{path}: this is a parquet file, not JSONL; read it with data.dataset_name=parquet")
@@ -126,8 +147,8 @@ def jsonl_objects(path: str) -> list[tuple[object, str]]:
 
 def parquet_objects(path: str) -> list[tuple[object, str]]:
     """(row, 'file: row i') of every row of a local parquet file (read through `datasets`); DataError on bad input."""
-    if not Path(path).is_file():
-        raise DataError(f"{path}: no such file")
+    if (why := not_a_file(path)) is not None:
+        raise DataError(f"{path}: {why}")
     with open(path, "rb") as f:
         head = f.read(4096)
     if not head.startswith(PARQUET_MAGIC):

@@ -135,6 +135,12 @@ class MasterConfig:
             self.data.env_name,
             f"must name a configured environment: {sorted(self.env)}",
         )
+        scorer = self.env.get(self.data.env_name)
+        if self.data.dataset_name == "synthetic" and isinstance(scorer, SyntheticEnvConfig):
+            require(scorer.task == self.data.synthetic.task, f"env.{self.data.env_name}.task", scorer.task,
+                    f"must be the task the prompts are generated for (data.synthetic.task={self.data.synthetic.task}):"
+                    " the verifier would score one task's answers against another's",
+                    f"leave env.{self.data.env_name}.task unset (it follows data.synthetic.task)")
         require(
             self.data.max_input_seq_length <= p.max_total_sequence_length,
             "data.max_input_seq_length",
