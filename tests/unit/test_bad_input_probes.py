@@ -79,6 +79,7 @@ PROBES: list[tuple[list[str], str, str]] = [
     (["policy.generation.stop_token_ids=[999999]"], "policy.generation.stop_token_ids=[999999]", "vocabulary"),
     (["policy.generation.vllm_cfg.max_model_len=4"], "policy.generation.vllm_cfg.max_model_len=4", "shorter than"),
     (["policy.generation.vllm_cfg.kv_cache_space_gb=10000"], "cluster.skip_memory_check=False", "memory plan"),
+    (["policy.generation.model_name=/etc"], "policy.generation.model_name='/etc'", "the engine serves the policy's"),
     (["env.synthetic.task=add_mod10"], "env.synthetic.task='add_mod10'", "data.synthetic.task=copy_digit"),
     (["cluster.min_call_timeout_s=5000"], "cluster.min_call_timeout_s=5000.0", "cluster.call_timeout_s"),
     (["algo=ppo", "critic.model_name=/nonexistent"], "critic.model_name='/nonexistent'", "no such directory"),

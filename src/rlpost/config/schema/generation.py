@@ -57,7 +57,7 @@ class GenerationConfig(Block):
     top_k: int | None = None
     """Top-k sampling (None = off)."""
     model_name: str | None = None
-    """Model path; filled from policy.model_name by setup when unset."""
+    """Model path: unset (filled from policy.model_name by setup) or policy.model_name itself."""
     stop_token_ids: list[int] | None = None
     """Token ids that end a sample; None = the tokenizer's EOS."""
     stop_strings: list[str] | None = None

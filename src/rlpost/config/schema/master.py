@@ -135,6 +135,9 @@ class MasterConfig:
             self.data.env_name,
             f"must name a configured environment: {sorted(self.env)}",
         )
+        require(gen.model_name in (None, p.model_name), "policy.generation.model_name", gen.model_name,
+                f"must be unset or policy.model_name ({p.model_name}): the engine serves the policy's weights, "
+                "refitted from the trainer each step")
         scorer = self.env.get(self.data.env_name)
         if self.data.dataset_name == "synthetic" and isinstance(scorer, SyntheticEnvConfig):
             require(scorer.task == self.data.synthetic.task, f"env.{self.data.env_name}.task", scorer.task,
