@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -34,8 +35,11 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def kill_9_after_checkpoint(run_dir: Path, cache: Path, *overrides: str, step: int = 2, timeout: float = 400) -> None:
-    """Start `rlpost train` and kill -9 its whole process group once checkpoint step_<step> is written (a later
-    one may have landed first, never the last)."""
+    """Start `rlpost train` and kill -9 the driver alone once checkpoint step_<step> is written (a later one may have
+    landed first, never the last), as a user's `kill -9 PID` would: every process the run started (Ray's head, its
+    agents, the workers) must be gone within 10 s (rlpost.distributed.head_reaper)."""
+    import psutil
+
     proc = subprocess.Popen([RLPOST, "train", f"hydra.run.dir={run_dir}", *overrides], env=env(cache),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     marker = run_dir / "checkpoints" / f"step_{step}" / "training_info.json"
@@ -43,7 +47,14 @@ def kill_9_after_checkpoint(run_dir: Path, cache: Path, *overrides: str, step: i
     while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
     assert marker.exists(), f"the first run never wrote step_{step}"
-    os.killpg(proc.pid, signal.SIGKILL)
+    started = psutil.Process(proc.pid).children(recursive=True)
+    os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    subprocess.run(["pkill", "-9", "-f", str(run_dir)], check=False)
-    time.sleep(2)
+    gone, alive = psutil.wait_procs(started, timeout=10)
+    left = []
+    for p in alive:  # named, then killed: the test's own clean-up, whatever the assertion below says
+        with contextlib.suppress(psutil.Error):
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid} {p.name()}")
+            p.kill()
+    assert not left, f"processes of the killed run outlived it: {left}"

@@ -28,6 +28,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlpost.config.schema.cluster import ClusterConfig
+from rlpost.distributed.head_reaper import start_reaper
 from rlpost.distributed.ports import free_port
 from rlpost.distributed.ray_signals import (
     WORKER_SIGNAL_ENV,
@@ -131,6 +132,7 @@ def init_ray(cfg: ClusterConfig) -> None:
         return
     with _lean_local_head(log_monitor=to_console), head_in_own_process_group(), keep_driver_handlers():
         _init_local(cfg, runtime_env, to_console)
+    start_reaper()  # the head ends with this driver, even one killed with SIGKILL
 
 
 @contextlib.contextmanager

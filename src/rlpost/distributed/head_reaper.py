@@ -1,0 +1,105 @@
+"""The local Ray head ends with its driver, even a driver killed with SIGKILL.
+
+`kill -9` of a driver runs none of its clean-up (`ray.shutdown()`, atexit). Ray's own fate sharing then stops the
+GCS and the raylet, but the processes the raylet launched (the dashboard and runtime-env agents, idle workers) keep
+running. The reaper is a separate, small process (the standard library only, `python -S`) started beside the local
+head: it polls the driver and, once the driver is gone, kills the head's process groups (the head starts each of
+its processes in a group of its own: rlpost.distributed.ray_signals). It ends by itself once those groups are
+empty, which is how a run that ends normally (`ray.shutdown()`) leaves it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+POLL_S = 0.5
+"""How often the reaper looks at the driver and the groups."""
+
+_REAPER = r"""
+import os, signal, sys, time
+
+def start_time(pid):
+    # the process's start time (clock ticks since boot), or None once it is gone or a zombie
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+def group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+driver, born, poll = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+groups = [int(g) for g in sys.argv[4:]]
+while True:
+    time.sleep(poll)
+    groups = [g for g in groups if group_alive(g)]
+    if not groups:
+        sys.exit(0)
+    if start_time(driver) != born:  # the driver is gone (its pid may even be reused: the start time says)
+        for g in groups:
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except OSError:
+                pass
+        sys.exit(0)
+"""
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/<pid>/stat (the process's start time in clock ticks since boot), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def head_groups() -> list[int]:
+    """The process groups of the local head this driver started (never the driver's own group)."""
+    from ray._private import worker
+
+    processes = getattr(getattr(worker, "_global_node", None), "all_processes", None) or {}
+    own = os.getpgid(0)
+    groups: set[int] = set()
+    for infos in processes.values():
+        for info in infos:
+            pid = getattr(getattr(info, "process", None), "pid", None)
+            if pid is None:
+                continue
+            try:
+                groups.add(os.getpgid(pid))
+            except ProcessLookupError:
+                continue
+    groups.discard(own)
+    return sorted(groups)
+
+
+_reaper: subprocess.Popen[bytes] | None = None
+"""The reaper of this driver's latest local head (kept, so that it is waited for, not left a zombie)."""
+
+
+def start_reaper() -> None:
+    """Start the reaper for the local head just started (none where there is nothing to watch: no /proc, or no
+    head process in a group of its own)."""
+    global _reaper
+    if _reaper is not None:
+        _reaper.poll()  # the last head's reaper ended with it: reap it
+    groups = head_groups()
+    born = _start_time(os.getpid())
+    if not groups or born is None:
+        return
+    _reaper = subprocess.Popen(
+        [sys.executable, "-S", "-c", _REAPER, str(os.getpid()), born, str(POLL_S), *map(str, groups)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+        start_new_session=True,  # not in the terminal's group: Ctrl-C and a closed terminal reach the driver only
+    )
