@@ -26,7 +26,7 @@ from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.config.schema.policy import DTensorConfig, DTensorPolicyConfig, PolicyConfig
 
 GIB = 2**30
-RUNTIME = {("cpu", "policy"): 0.50 * GIB, ("cpu", "engine"): 0.76 * GIB, ("cpu", "driver"): 0.45 * GIB,
+RUNTIME = {("cpu", "policy"): 0.46 * GIB, ("cpu", "engine"): 0.74 * GIB, ("cpu", "driver"): 0.45 * GIB,
            ("cuda", "policy"): 0.5 * GIB, ("cuda", "engine"): 0.5 * GIB, ("cuda", "driver"): 0.0}
 """Memory of a worker process before it holds anything of the model: on CPU the resident set of the default job's
 workers less their model's items (Python, torch, transformers and Ray's core worker; vLLM besides in the engine); on
