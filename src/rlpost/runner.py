@@ -30,6 +30,7 @@ from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.failures import SIGNAL_CODES, Interrupted
 from rlpost.runtime import console as say
 from rlpost.runtime.checkpointing import CheckpointError, CheckpointManager, read_json
+from rlpost.runtime.stop_request import STOP
 from rlpost.runtime.timer import Span, recording_spans
 
 if TYPE_CHECKING:
@@ -51,12 +52,14 @@ class StopOnSignal:
         self._old: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
 
     def __enter__(self) -> StopOnSignal:
+        STOP.clear()
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNAL_CODES:
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        STOP.clear()
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old = {}
@@ -75,6 +78,7 @@ class StopOnSignal:
             self.abort = Interrupted(sig.name, SIGNAL_CODES[sig], "a second signal: the step in flight was abandoned")
             raise self.abort
         self.signum = signum
+        STOP.set()
         say.info(f"{sig.name}: stopping after the current step (press Ctrl-C again to abandon it now)")
 
     @property

@@ -36,6 +36,7 @@ from multiprocessing.context import SpawnContext
 from typing import Protocol
 
 from rlpost.config.schema.env import EnvConfig
+from rlpost.runtime import stop_request
 
 RewardFn = Callable[..., float]
 WarmupFn = Callable[[], None]
@@ -199,7 +200,11 @@ class VerifierPool:
         todo: deque[int] = deque(range(len(args_list)))
         whole = len(self._workers) == 1
         done = 0
+        stopping = False
         while done < len(args_list):
+            if stop_request.STOP.is_set() and not stopping:  # a stop was asked for: the batch gets GRACE_S more (stop_request)
+                stopping = True
+                batch_deadline = min(batch_deadline, time.monotonic() + stop_request.GRACE_S)
             if time.monotonic() >= batch_deadline:
                 for w in [w for w in self._workers if w.busy]:
                     self._replace(w)
@@ -220,7 +225,7 @@ class VerifierPool:
             waiting = [w for w in self._workers if w.busy or not w.ready]
             deadlines = [w.deadline(self.timeout_s) if w.busy else w.ready_by for w in waiting]
             until = min(deadlines + [batch_deadline])
-            ready = wait([w.conn for w in waiting], timeout=max(until - time.monotonic(), 0.0))
+            ready = wait([w.conn for w in waiting], timeout=min(max(until - time.monotonic(), 0.0), stop_request.POLL_S))
             now = time.monotonic()
             for w in waiting:
                 if w.conn in ready:

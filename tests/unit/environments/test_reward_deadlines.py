@@ -34,6 +34,27 @@ def test_calls_run_in_parallel_up_to_num_workers(tmp_path: Path) -> None:
     assert _max_overlap(intervals) == 2  # two at a time: never serial, never more than num_workers
 
 
+def test_a_stop_cuts_a_slow_batch_short_after_its_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGTERM during the steps (rlpost.runtime.stop_request.STOP) must not wait out a batch deadline of minutes:
+    the batch gets GRACE_S more, then what is unfinished scores 0 and counts as a timeout, as at the deadline."""
+    import threading
+
+    from rlpost.runtime import stop_request
+
+    monkeypatch.setattr(stop_request, "GRACE_S", 1.0)
+    pool = VerifierPool(hang_or_match, num_workers=2, timeout_s=600.0, batch_timeout_s=600.0)
+    timer = threading.Timer(1.0, stop_request.STOP.set)
+    try:
+        timer.start()
+        res = pool.run([("a", "a"), ("hang", "x"), ("b", "b"), ("hang", "x"), ("c", "c")])
+        assert res.rewards == [1.0, 0.0, 1.0, 0.0, 0.0] and res.unfinished == 3 and res.timeouts == 3
+        assert res.seconds < 30.0  # the stop ended it, not the 600 s deadlines
+    finally:
+        timer.cancel()
+        stop_request.STOP.clear()
+        pool.shutdown()
+
+
 def test_batch_deadline_zeroes_and_counts_the_unfinished_samples() -> None:
     pool = VerifierPool(hang_or_match, num_workers=2, timeout_s=600.0, batch_timeout_s=1.5)
     try:
