@@ -97,12 +97,12 @@ def _preflight(overrides: list[str], multirun: bool, flags: Sequence[str],
 
     for job in jobs:
         try:
-            cfg = compose_config(job)
+            cfg = compose_config(job, with_hydra=True)
+            node = _hydra_node(cfg)
             if "host" in command.scopes and (unreachable := ray_head_unreachable(cfg)) is not None:
                 print(f"rlpost: error: {failures.describe(unreachable, None)}", file=sys.stderr)
                 return failures.exit_status(unreachable)
             master = to_master_config(cfg, job)
-            node = compose_hydra_node(job)
             check_hydra_node(node)
             if hydra_nodes is not None:
                 hydra_nodes.append(node)
@@ -200,25 +200,15 @@ def check_hydra_overrides(overrides: list[str]) -> None:
                 raise ConfigError(key, entry, "may list only file:// directories (Hydra imports pkg:// packages)")
 
 
-def compose_hydra_node(overrides: list[str]) -> dict[str, Any]:
-    """The `hydra` node one job composes to, as plain unresolved data (ConfigError on failure)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
+def _hydra_node(cfg: Any) -> dict[str, Any]:
+    """Take the `hydra` node out of a job composed with it (`compose_config(with_hydra=True)`): that node as plain
+    unresolved data; `cfg` is left the job's own config. One composition serves both."""
+    from omegaconf import OmegaConf, open_dict
 
-    from rlpost.config.load import CONFIG_NAME, conf_dir, translate_exception
-    from rlpost.config.store import register_configs
-
-    register_configs()
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-            cfg = compose(config_name=CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)
-    except Exception as exc:  # noqa: BLE001
-        raise translate_exception(exc, overrides=overrides) from None
     node = OmegaConf.to_container(cfg.hydra, resolve=False)
     assert isinstance(node, dict)
+    with open_dict(cfg):
+        del cfg["hydra"]
     return cast(dict[str, Any], node)
 
 

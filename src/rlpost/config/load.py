@@ -391,8 +391,10 @@ def _turn_validation_off(cfg: DictConfig) -> None:
             cfg.checkpointing.higher_is_better = False
 
 
-def compose_config(overrides: list[str] | None = None, config_name: str = CONFIG_NAME) -> DictConfig:
-    """Compose conf/<config_name>.yaml with `overrides` (Hydra Compose API); ConfigError on failure."""
+def compose_config(overrides: list[str] | None = None, config_name: str = CONFIG_NAME,
+                   with_hydra: bool = False) -> DictConfig:
+    """Compose conf/<config_name>.yaml with `overrides` (Hydra Compose API), with its `hydra` node when
+    `with_hydra`; ConfigError on failure."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -402,7 +404,7 @@ def compose_config(overrides: list[str] | None = None, config_name: str = CONFIG
         GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-            return compose(config_name=config_name, overrides=overrides)
+            return compose(config_name=config_name, overrides=overrides, return_hydra_config=with_hydra)
     except Exception as exc:  # noqa: BLE001
         raise (_algorithm_mismatch(overrides) or translate_exception(exc, overrides=overrides)) from None
 

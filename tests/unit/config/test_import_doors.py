@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from rlpost.cli import main
-from rlpost.command_checks import check_hydra_node, compose_hydra_node
+from rlpost.command_checks import _hydra_node, check_hydra_node
 from rlpost.config.errors import ConfigError
-from rlpost.config.load import conf_dir, load_master_config
+from rlpost.config.load import compose_config, conf_dir, load_master_config
 from rlpost.runtime.build import _locate, _proven_in_source, check_target, resolve, verify_targets
 
 CANARY = "rlpost_canary_pkg"
@@ -172,7 +172,7 @@ def test_flags_that_bypass_preflight_are_refused(
 
 def test_hydra_defaults_pass() -> None:
     for overrides in ([], ["hydra/job_logging=stdout"], ["hydra/hydra_logging=disabled"], ["hydra/launcher=basic"]):
-        check_hydra_node(compose_hydra_node(overrides))
+        check_hydra_node(_hydra_node(compose_config(overrides, with_hydra=True)))
 
 
 # ---- vllm_kwargs -----------------------------------------------------------------------------------
