@@ -118,8 +118,21 @@ def run_job(cfg: DictConfig) -> dict[str, object]:
         return _checked_run(cfg, run_dir)
     except SystemExit as exc:
         if fresh and exc.code == failures.EXIT_INPUT:  # refused: the directory Hydra made for it is not a run
-            shutil.rmtree(run_dir, ignore_errors=True)
+            _remove_unheld(run_dir)
         raise
+
+
+def _remove_unheld(run_dir: Path) -> None:
+    """Remove `run_dir` unless another run holds its lock (a run started in the same second shares the default
+    `outputs/<date>/<time>` directory: it is that run's)."""
+    from rlpost.config.errors import ConfigError
+    from rlpost.runtime.run_lock import acquire
+
+    try:
+        with acquire(run_dir, "hydra.run.dir"):
+            shutil.rmtree(run_dir, ignore_errors=True)
+    except ConfigError:
+        pass
 
 
 def _made_for_this_job(run_dir: Path) -> bool:

@@ -115,6 +115,22 @@ def test_rlpost_train_on_a_held_directory_exits_2_before_writing(tmp_path: Path,
     assert sorted(p.name for p in d.iterdir()) == [LOCK_FILE]  # Hydra wrote nothing (.hydra/, train.log)
 
 
+
+def test_a_job_refused_by_a_held_directory_leaves_the_holders_files(tmp_path: Path) -> None:
+    """A directory named by an interpolation is locked by the job (two runs started in the same second share the
+    default outputs/<date>/<time>): the refused job removes nothing of the holder's, though it holds only what Hydra
+    writes at a run's start."""
+    d = tmp_path / "run"
+    with acquire(d, "hydra.run.dir"):
+        (d / ".hydra").mkdir()
+        out = subprocess.run([sys.executable, "-c", "import sys; from rlpost.cli import main; "
+                              "sys.exit(main(sys.argv[1:]))", *TRAIN, "hydra.run.dir=${oc.env:RUN_DIR}"],
+                             capture_output=True, text=True, timeout=300, env={**_env(), "RUN_DIR": str(d)})
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "in use by pid" in out.stderr
+        assert (d / ".hydra").is_dir() and (d / LOCK_FILE).is_file()
+
+
 # The job's run function replaced: it reports whether its run dir (and the sweep dir) are locked while it runs.
 _FAKE_RUN = """
 import errno, fcntl, os, sys
