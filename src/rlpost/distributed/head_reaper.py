@@ -2,34 +2,38 @@
 
 `kill -9` of a driver runs none of its clean-up (`ray.shutdown()`, atexit). Ray's own fate sharing then stops the
 GCS and the raylet, but the processes the raylet launched (the dashboard and runtime-env agents, idle workers) keep
-running. The reaper is a separate, small process (the standard library only, `python -S`) started beside the local
-head: it polls the driver and, once the driver is gone, kills the head's process groups (the head starts each of
-its processes in a group of its own: rlpost.distributed.ray_signals). It ends by itself once those groups are
-empty, which is how a run that ends normally (`ray.shutdown()`) leaves it.
+running. The reaper is this file run as a separate, small process beside the local head (it imports the standard
+library only: `python -I -S` runs it without the venv's packages or its own directory on the path). It polls the
+driver and, once the driver is gone, kills the head's process groups (the head starts each of its processes in a
+group of its own: rlpost.distributed.ray_signals). It ends by itself once those groups are empty, which is how a
+run that ends normally (`ray.shutdown()`) leaves it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 
 POLL_S = 0.5
 """How often the reaper looks at the driver and the groups."""
 
-_REAPER = r"""
-import os, signal, sys, time
 
-def start_time(pid):
-    # the process's start time (clock ticks since boot), or None once it is gone or a zombie
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/<pid>/stat (the process's start time in clock ticks since boot), or None once the process
+    is gone or a zombie: with the pid, it names one process even after the pid is reused."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
+    except (OSError, IndexError):
         return None
     return None if fields[0] in ("Z", "X") else fields[19]
 
-def group_alive(pgid):
+
+def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -38,30 +42,19 @@ def group_alive(pgid):
         return True
     return True
 
-driver, born, poll = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-groups = [int(g) for g in sys.argv[4:]]
-while True:
-    time.sleep(poll)
-    groups = [g for g in groups if group_alive(g)]
-    if not groups:
-        sys.exit(0)
-    if start_time(driver) != born:  # the driver is gone (its pid may even be reused: the start time says)
-        for g in groups:
-            try:
-                os.killpg(g, signal.SIGKILL)
-            except OSError:
-                pass
-        sys.exit(0)
-"""
 
-
-def _start_time(pid: int) -> str | None:
-    """Field 22 of /proc/<pid>/stat (the process's start time in clock ticks since boot), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+def reap(driver: int, born: str, poll_s: float, groups: list[int]) -> None:
+    """The reaper's loop: until the groups are empty, or until the driver is gone and they are killed."""
+    while True:
+        time.sleep(poll_s)
+        groups = [g for g in groups if _group_alive(g)]
+        if not groups:
+            return
+        if _start_time(driver) != born:
+            for g in groups:
+                with contextlib.suppress(OSError):
+                    os.killpg(g, signal.SIGKILL)
+            return
 
 
 def head_groups() -> list[int]:
@@ -99,7 +92,11 @@ def start_reaper() -> None:
     if not groups or born is None:
         return
     _reaper = subprocess.Popen(
-        [sys.executable, "-S", "-c", _REAPER, str(os.getpid()), born, str(POLL_S), *map(str, groups)],
+        [sys.executable, "-I", "-S", __file__, str(os.getpid()), born, str(POLL_S), *map(str, groups)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
         start_new_session=True,  # not in the terminal's group: Ctrl-C and a closed terminal reach the driver only
     )
+
+
+if __name__ == "__main__":  # the reaper process: python -S head_reaper.py DRIVER_PID START_TIME POLL_S PGID...
+    reap(int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), [int(g) for g in sys.argv[4:]])
