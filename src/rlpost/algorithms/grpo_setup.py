@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from rlpost.algorithms.checkpoint_io import restore_loader_and_rng, resume_info, saved_metrics_row
 from rlpost.algorithms.units import RolloutUnit, Side, SideGroup, run_side_groups, unit_of
-from rlpost.config.layout import layout_of
+from rlpost.config.layout import Layout, layout_of
 from rlpost.config.lora_params import adapter_config
 from rlpost.config.schema.grpo import GRPOSaveState
 from rlpost.config.schema.loss import ClippedPGLossConfig, LossConfig
@@ -167,7 +167,8 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     init_ray(cfg.cluster)
     device = resolve_device(cfg.cluster)
     colocated = cfg.generation.colocated.enabled
-    clusters, train_cluster, gen_cluster, side_clusters = _clusters(cfg, side_specs, device == "cuda")
+    lay = layout_of(cfg)
+    clusters, train_cluster, gen_cluster, side_clusters = _clusters(cfg, lay, side_specs, device == "cuda")
     gen_cfg = cfg.generation
     if gen_cfg.model_name is None:
         gen_cfg.model_name = cfg.policy.model_name
@@ -228,15 +229,14 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         val_rows=val_rows, loss_fn=loss_fn, logger=logger, checkpointer=checkpointer, save_state=save_state,
         tokenizer=tokenizer, processor=processor, envs=envs, model_fp=model_fp, config_dict=config_dict,
         colocated=colocated, started_at=started_at, unit=unit, sides=sides,
-        overlap=bool(layout_of(cfg).overlap_chunk),
+        overlap=bool(lay.overlap_chunk),
     )
 
 
-def _clusters(cfg: MasterConfig, side_specs: list[SideGroup], use_gpus: bool) -> tuple[
+def _clusters(cfg: MasterConfig, lay: Layout, side_specs: list[SideGroup], use_gpus: bool) -> tuple[
         list[RayVirtualCluster], RayVirtualCluster, RayVirtualCluster, list[RayVirtualCluster | None]]:
-    """(every cluster, the policy's, the engines', each side group's own or None): one shared cluster when the
-    engines are colocated, else one for training and one for generation."""
-    lay = layout_of(cfg)
+    """(every cluster, the policy's, the engines', each side group's own or None) on the layout `lay`: one shared
+    cluster when the engines are colocated, else one for training and one for generation."""
     cpus, timeout = cfg.cluster.worker_num_cpus, cfg.cluster.placement_timeout_s
     shared = 1 + sum(s.colocated for s in side_specs)  # a colocated side group is one more on these bundles
     if cfg.generation.colocated.enabled:

@@ -202,7 +202,7 @@ class VerifierPool:
         done = 0
         stopping = False
         while done < len(args_list):
-            if stop_request.STOP.is_set() and not stopping:  # a stop was asked for: the batch gets GRACE_S more (stop_request)
+            if stop_request.STOP.is_set() and not stopping:  # a stop was asked for: the batch gets GRACE_S more
                 stopping = True
                 batch_deadline = min(batch_deadline, time.monotonic() + stop_request.GRACE_S)
             if time.monotonic() >= batch_deadline:
@@ -225,7 +225,8 @@ class VerifierPool:
             waiting = [w for w in self._workers if w.busy or not w.ready]
             deadlines = [w.deadline(self.timeout_s) if w.busy else w.ready_by for w in waiting]
             until = min(deadlines + [batch_deadline])
-            ready = wait([w.conn for w in waiting], timeout=min(max(until - time.monotonic(), 0.0), stop_request.POLL_S))
+            timeout = min(max(until - time.monotonic(), 0.0), stop_request.POLL_S)  # wakes to see a stop
+            ready = wait([w.conn for w in waiting], timeout=timeout)
             now = time.monotonic()
             for w in waiting:
                 if w.conn in ready:
