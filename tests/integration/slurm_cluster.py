@@ -115,6 +115,11 @@ class LocalSlurm:
         assert done.returncode == 0, f"{' '.join(cmd)}: {done.stderr}"
         return done.stdout
 
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of slurmctld's and slurmd's logs, for a failing test's message."""
+        return "\n".join(f"--- {name}\n{(self.dir / name).read_text(errors='replace')[-chars:]}"
+                         for name in ("slurmctld.log", "slurmd.log") if (self.dir / name).is_file())
+
     def stop(self) -> None:
         subprocess.run(["scancel", "--full", "--user=root"], env=self.env, capture_output=True, timeout=30)
         time.sleep(1)

@@ -88,14 +88,14 @@ def test_a_launched_run_learns_is_requeued_on_sigterm_and_resumes(slurm: LocalSl
     slurm.run("scancel", "--batch", "--signal=TERM", job_id)  # what --signal=B:TERM@120 does before the time limit
     _wait("the requeue", 300, lambda: _job(slurm, job_id).get("Restarts") == "1")
     # Slurm holds a requeued job for two minutes before it may start again; let it start now.
-    _wait("the pending requeued job", 120, lambda: _job(slurm, job_id)["JobState"] != "RUNNING")
-    if _job(slurm, job_id)["JobState"] == "PENDING":
-        slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-    _wait("the job's end", 900, lambda: _job(slurm, job_id)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"))
+    _wait("the pending requeued job", 120, lambda: _job(slurm, job_id)["JobState"] == "PENDING")
+    slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    _wait("the job's end", 900, lambda: _job(slurm, job_id)["JobState"] in ended)
     job = _job(slurm, job_id)
     driver = (run / "logs" / "driver.log").read_text()
     batch = (run / "logs" / f"slurm-{job_id}.out").read_text()
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", batch[-3000:] + driver[-3000:]
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", (
+        f"{job}\n{batch[-3000:]}{driver[-3000:]}\n{slurm.log_tail()}")
     assert "interrupted by SIGTERM" in driver and "resuming from step" in driver, driver[-3000:]
     assert "requeueing job" in batch and f"job {job_id} (restart 1)" in batch, batch
     assert any(p.name.startswith("ray-") for p in (run / "logs").iterdir())  # each node's Ray log

@@ -65,6 +65,11 @@ state=$("$PYTHON" -m rlpost.launch.nodes state "$RUN_DIR")
 echo "rlpost launch: driver exited $rc (run $state)"
 if [ "$state" = "resume" ] && [ "$restart" -lt "$MAX_REQUEUES" ]; then
     echo "rlpost launch: requeueing job $SLURM_JOB_ID (restart $((restart + 1)) of at most $MAX_REQUEUES)"
-    scontrol requeue "$SLURM_JOB_ID"
+    # Slurm ends this instance itself once the job is requeued: exiting first, with the driver's status, would race
+    # the requeue and could end the job as FAILED instead.
+    if scontrol requeue "$SLURM_JOB_ID"; then
+        sleep 300 &
+        wait $!
+    fi
 fi
 exit "$rc"
