@@ -63,14 +63,21 @@ def test_sft_memorises_a_mapping_and_the_export_reproduces_it(cache: Path, tmp_p
         assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == answer, prompt
 
 
-def test_dpo_learns_the_preference_with_a_finite_kl(cache: Path, tmp_path: Path) -> None:
-    run = tmp_path / "dpo"
-    train(run, cache, "algo=dpo", "dpo.max_num_steps=30", "checkpointing=disabled", AC)
-    val = validations(run)
+def test_dpo_learns_the_preference_with_a_finite_kl_in_a_learning_rate_sweep(cache: Path, tmp_path: Path) -> None:
+    """`rlpost train -m algo=dpo` over two learning rates (DPO's reference pass in each job): at the default rate,
+    1e-3, the preference is learned with a finite KL; the other job trains on its own rate."""
+    out = subprocess.run(
+        [RLPOST, "train", "-m", "algo=dpo", "policy.optimizer.kwargs.lr=1e-3,3e-4", "dpo.max_num_steps=30",
+         "checkpointing=disabled", AC, f"hydra.sweep.dir={tmp_path}"],
+        env=env(cache), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    val = validations(tmp_path / "0")
     assert val[0]["validation/accuracy"] == 0.0 and val[0]["validation/kl_to_reference"] == pytest.approx(0.0)
     assert val[-1]["validation/accuracy"] > 0.9, val
     assert val[-1]["validation/reward_margin"] > 0
     assert all(0 <= m["validation/kl_to_reference"] < 10 for m in val), val
+    other = validations(tmp_path / "1")
+    assert len(other) == len(val) and other[-1]["validation/loss"] != val[-1]["validation/loss"]
 
 
 def test_reward_model_ranks_pairs_and_serves_as_a_grpo_environment(cache: Path, tmp_path: Path) -> None:
@@ -178,22 +185,6 @@ def test_sft_resume_after_kill_9_matches_a_straight_run(cache: Path, tmp_path: P
     again = train(resumed, cache, *common)  # complete: answered before anything starts
     assert "run already complete: 8 steps, sft.max_num_steps=8" in again.stderr
     assert "rlpost plan" in again.stdout + again.stderr and "SFT steps" not in again.stderr
-
-
-def test_multirun_sweeps_the_learning_rate(cache: Path, tmp_path: Path) -> None:
-    """A supervised sweep (DPO: its reference pass too); the sweep machinery is the same for SFT and RM, and
-    test_grpo.py's diverging sweep covers the summary."""
-    algo = "dpo"
-    out = subprocess.run(
-        [RLPOST, "train", "-m", f"algo={algo}", "policy.optimizer.kwargs.lr=1e-3,3e-3", f"{algo}.max_num_steps=2",
-         f"{algo}.val_period=2", f"{algo}.val_at_start=false", "checkpointing=disabled",
-         f"hydra.sweep.dir={tmp_path}"],
-        env=env(cache), capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    runs = sorted(p for p in tmp_path.iterdir() if (p / "metrics.jsonl").is_file())
-    assert len(runs) == 2
-    losses = [metrics(r)[-1]["validation/loss"] for r in runs]
-    assert losses[0] != losses[1]
 
 
 def test_sft_packing_and_dynamic_batching_train_the_same_steps(cache: Path, tmp_path: Path) -> None:
