@@ -33,11 +33,10 @@ COVER = {
                                         "loss_fn.reference_policy_kl_penalty=0.01", "cluster.gpus_per_node=2",
                                         "policy.generation.colocated.enabled=false",
                                         "policy.generation.colocated.resources.gpus_per_node=1"],
-    "dtensor-vllm-token-split-lora": ["policy=dtensor", "generation=vllm", "cluster.gpus_per_node=2",
-                                      "policy.generation.colocated.enabled=false",
-                                      "policy.generation.colocated.resources.gpus_per_node=1",
-                                      "policy.dtensor_cfg.lora_cfg.enabled=true"],
 }
+
+SPLIT = ["cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
+         "policy.generation.colocated.resources.gpus_per_node=1"]
 
 
 @pytest.mark.parametrize("name", list(COVER))
@@ -77,9 +76,8 @@ def test_three_step_runs_stay_on_policy(name: str, cache: Path, tmp_path: Path) 
     assert "timing/train/refit" in first_refit or "timing/validation/refit" in first_refit
     # Step 2 generates after step 1's update: its refit is on the step's clock (every layout, the same path).
     assert "timing/train/refit" in steps[1]
-    # The split vLLM run (LoRA: the engine gets the merged weights) overlaps generation and training (4 chunks); the
-    # KL run needs a reference pass first.
-    assert [m.get("train/overlap_chunks") for m in steps] == [4.0 if "split-lora" in name else None] * 3
+    # The KL run needs a reference pass first: no overlap of generation and training.
+    assert [m.get("train/overlap_chunks") for m in steps] == [None] * 3
     if val:
         accs = [m for m in lines if "validation/accuracy" in m]
         # every val_period steps, and the last step (3) too, so the final weights always have a score
@@ -316,6 +314,21 @@ def test_multirun_goes_on_after_a_job_diverges_and_ends_with_its_status(cache: P
         resolved = yaml.safe_load((sweep / str(i) / "resolved_config.yaml").read_text())
         assert resolved["policy"]["optimizer"]["kwargs"]["lr"] == pytest.approx(lr)
     assert [r["overrides"]["policy.optimizer.kwargs.lr"] for r in rows] == ["0.003", "1000000000.0"]
+
+
+def test_the_lora_preset_learns_the_default_task(cache: Path, tmp_path: Path) -> None:
+    """The README's LoRA command, `rlpost train experiment=tiny_lora`: adapters and the tied embeddings
+    (lora_cfg.modules_to_save) learn the default task as full fine-tuning does. Here split: the engine on a worker of
+    its own gets the merged weights (embeddings included) each step and stays on policy, and generation overlaps
+    training (4 chunks)."""
+    run = tmp_path / "lora"
+    train(run, cache, "experiment=tiny_lora", *SPLIT, "grpo.max_num_steps=40", "grpo.val_period=0",
+          "checkpointing=disabled")
+    lines = metrics(run)
+    rewards = [m["train/reward"] for m in lines]
+    assert sum(rewards[:5]) / 5 < 0.1 and sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.25, rewards
+    assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines)
+    assert all(m["train/overlap_chunks"] == 4.0 for m in lines)
 
 
 def test_the_same_command_twice_gives_the_same_metrics(cache: Path, tmp_path: Path) -> None:

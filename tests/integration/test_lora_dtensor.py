@@ -1,5 +1,5 @@
 """LoRA on the DTensor workers (peft adapters under TP) on real Ray actors and gloo process groups: TP=2 trains the
-same adapters as TP=1, only adapted layers move, and the reference is the base. Checkpoints: tests/unit/models/
+same adapters and embeddings (lora_cfg.modules_to_save) as TP=1, only they move, and the reference is the base. Checkpoints: tests/unit/models/
 test_lora_checkpoint.py; through the CLI: the split run of test_grpo.py and test_eval.py."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 LORA = ["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.dim=4",
-        "policy.dtensor_cfg.lora_cfg.alpha=8"]
+        "policy.dtensor_cfg.lora_cfg.alpha=8", "policy.dtensor_cfg.lora_cfg.modules_to_save=[embed_tokens]"]
 
 
 def test_adapters_alone_train_tp2_equals_tp1_and_the_reference_is_the_base(
@@ -35,14 +35,17 @@ def test_adapters_alone_train_tp2_equals_tp1_and_the_reference_is_the_base(
     one.close()
     built.remove(one)
 
-    # the reference is the base model: the adapters off gives the starting logprobs (B starts at zero)
+    # the reference is the base model: the adapters off and the base embeddings give the starting logprobs (B
+    # starts at zero)
     assert torch.equal(ref1, lp0)
     assert (lp1 - lp0).abs().max() > 1e-3  # and the adapters did change the policy
-    # only adapted layers moved; embeddings and norms are the base's, bit for bit
+    # only adapted layers and the (tied) embeddings moved; norms are the base's, bit for bit
     moved = sorted(k for k in base if not torch.equal(w1[k], base[k]))
-    assert moved and all(k.endswith("_proj.weight") for k in moved), moved
-    assert {k.split(".")[-2] for k in moved} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                 "down_proj"}
+    assert "model.embed_tokens.weight" in moved, moved
+    adapted = [k for k in moved if k != "model.embed_tokens.weight"]
+    assert adapted and all(k.endswith("_proj.weight") for k in adapted), moved
+    assert {k.split(".")[-2] for k in adapted} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"}
 
     tp = Built(policy_cfg(tiny_model_dir, "policy.dtensor_cfg.tensor_parallel_size=2", *LORA, optimizer=SGD), 2)
     built.append(tp)

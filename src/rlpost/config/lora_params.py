@@ -96,7 +96,15 @@ def parameter_counts(hf: Mapping[str, Any], lora: LoRAConfig, megatron: bool = F
     if not lora.enabled:
         return base, base
     adapters = layers * sum(lora.dim * (adapted[n][0] + adapted[n][1]) for n in adapted_modules(lora, tuple(adapted)))
-    return adapters, base + adapters
+    return adapters + saved_parameters(hf, lora), base + adapters
+
+
+def saved_parameters(hf: Mapping[str, Any], lora: LoRAConfig) -> int:
+    """The parameters of the modules `lora` trains in full (modules_to_save); a tied head and its embeddings once."""
+    tables = set(lora.modules_to_save) & {"embed_tokens", "lm_head"}
+    if hf.get("tie_word_embeddings") and tables:
+        tables = {"embed_tokens"}
+    return len(tables) * int(hf["vocab_size"]) * int(hf["hidden_size"])
 
 
 def tiny_hf_config(architecture: str, hidden_size: int, num_layers: int, num_attention_heads: int,
@@ -123,7 +131,8 @@ def describe(hf: Mapping[str, Any] | None, lora: LoRAConfig, megatron: bool = Fa
         return f"{total:,}, all trained"
     return (f"{trainable:,} trained of {total:,} ({100 * trainable / total:.2f}%): LoRA r={lora.dim} "
             f"alpha={lora.alpha} on {', '.join(adapted_modules(lora, MEGATRON_LINEARS if megatron else DECODER_LINEARS))}"
-            "; the base weights are frozen")
+            + (f", {' and '.join(lora.modules_to_save)} trained in full" if lora.modules_to_save else "")
+            + "; the base weights are frozen")
 
 
 def model_shape(master: MasterConfig | SupervisedMasterConfig) -> dict[str, Any] | None:

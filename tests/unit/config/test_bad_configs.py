@@ -108,6 +108,12 @@ BAD = [
      "policy.dtensor_cfg.lora_cfg.refit", "needs the vLLM engine"),
     (["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.refit=adapter",
       "policy.dtensor_cfg.lora_cfg.dim=1024"], "policy.dtensor_cfg.lora_cfg.dim", "rank <= 512"),
+    (["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.modules_to_save=[norm]"],
+     "policy.dtensor_cfg.lora_cfg.modules_to_save", "the modules that can train in full are embed_tokens, lm_head"),
+    (["experiment=tiny_lora", "policy.dtensor_cfg.lora_cfg.refit=adapter"],
+     "policy.dtensor_cfg.lora_cfg.modules_to_save", "needs lora_cfg.refit=merged"),
+    (["policy=megatron", "policy.megatron_cfg.peft.enabled=true", "policy.megatron_cfg.peft.modules_to_save=[embed_tokens]"],
+     "policy.megatron_cfg.peft.modules_to_save", "need policy=dtensor"),
 ]
 
 

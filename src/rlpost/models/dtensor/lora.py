@@ -6,7 +6,9 @@ parallelised, so they compose with TP and FSDP2.
 - TP: an adapted layer `X` becomes `X.base_layer` (sharded as `X` was) plus `X.lora_A` / `X.lora_B`. B is split
   where the base weight's output is split (column-parallel), A where its input is (row-parallel: A's output is
   all-reduced before B), and the other factor is replicated; the adapter's output then has the base output's layout.
-- The reference policy is the base: the adapters switched off (`adapters_off`), no second copy of the weights.
+- `lora_cfg.modules_to_save` (embed_tokens, lm_head) train in full beside the adapters; a tied head trains with
+  the embeddings it shares. The reference policy is the base: the adapters switched off (`adapters_off`), and the
+  worker's copy of those modules' base values swapped in; no other weight is copied.
 - Refit and HF export move merged weights, W + alpha / r * B @ A, under the base model's names (`merged`); the
   PEFT export holds the adapters under PEFT's names (`peft_adapter_tensors`).
 """
@@ -30,8 +32,9 @@ ADAPTER = "default"
 """peft's name for the one adapter."""
 
 
-def peft_config(cfg: LoRAConfig) -> Any:  # -> peft.LoraConfig
-    """The peft LoraConfig of `cfg` (dim -> r, alpha -> lora_alpha; match_all_linear -> "all-linear")."""
+def peft_config(cfg: LoRAConfig, saved: bool = False) -> Any:  # -> peft.LoraConfig
+    """The peft LoraConfig of `cfg` (dim -> r, alpha -> lora_alpha; match_all_linear -> "all-linear"). `saved`: with
+    modules_to_save, as a PEFT adapter directory describes them (the injection trains them in place instead)."""
     from peft import LoraConfig
 
     return LoraConfig(
@@ -41,6 +44,8 @@ def peft_config(cfg: LoRAConfig) -> Any:  # -> peft.LoraConfig
         target_modules="all-linear" if cfg.match_all_linear else list(cfg.target_modules),
         exclude_modules=list(cfg.exclude_modules) or None,
         bias="none",
+        modules_to_save=list(cfg.modules_to_save) or None if saved else None,
+        ensure_weight_tying=saved and bool(cfg.modules_to_save),
     )
 
 
@@ -49,10 +54,14 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     from peft import inject_adapter_in_model
 
     try:
-        return inject_adapter_in_model(peft_config(cfg), model)
+        inject_adapter_in_model(peft_config(cfg), model)
     except ValueError as exc:
         first = str(exc).strip().splitlines()[0]
         raise ValueError(f"policy.dtensor_cfg.lora_cfg: {first}") from None
+    for name, p in model.named_parameters(remove_duplicate=False):  # a tied head under its own name too
+        if is_saved_module(name, cfg):
+            p.requires_grad_(True)
+    return model
 
 
 def adapted_layers(model: nn.Module) -> list[str]:
@@ -100,6 +109,17 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
+def is_saved_module(name: str, cfg: LoRAConfig) -> bool:
+    """Whether a state-dict key belongs to a module that trains in full (`lora_cfg.modules_to_save`)."""
+    module = name.rpartition(".")[0]
+    return module.rpartition(".")[2] in cfg.modules_to_save
+
+
+def is_trained(name: str, cfg: LoRAConfig) -> bool:
+    """Whether a state-dict key trains under LoRA: an adapter's, or a module's in modules_to_save."""
+    return is_adapter(name) or is_saved_module(name, cfg)
+
+
 def scaling(cfg: LoRAConfig) -> float:
     """alpha / r: the scale of every adapter's update (peft's, with one rank and alpha for all layers)."""
     return cfg.alpha / cfg.dim
@@ -125,11 +145,21 @@ def merged(full: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Te
     return out
 
 
-def peft_adapter_tensors(full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapters under PEFT's saved names (`base_model.model.<layer>.lora_A.weight`), as
-    `PeftModel.from_pretrained` loads them."""
-    return {f"base_model.model.{k.replace(f'.{ADAPTER}.', '.')}": v.detach().contiguous()
-            for k, v in full.items() if is_adapter(k)}
+def peft_adapter_tensors(full: Mapping[str, torch.Tensor], cfg: LoRAConfig | None = None,
+                         tied: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """The adapters, and with `cfg` the modules it trains in full, under PEFT's saved names
+    (`base_model.model.<layer>.lora_A.weight`, `base_model.model.model.embed_tokens.weight`), as
+    `PeftModel.from_pretrained` loads them. `tied` (alias -> name, e.g. lm_head.weight -> model.embed_tokens.weight):
+    a trained tied weight goes under both names, as PEFT ties a saved module's copies (ensure_weight_tying) and
+    loads each under its own name."""
+    def trained(k: str) -> bool:
+        return is_trained(k, cfg) if cfg is not None else is_adapter(k)
+
+    out = {k: v for k, v in full.items() if trained(k)}
+    for alias, name in (tied or {}).items():
+        if name in full and (trained(alias) or trained(name)):
+            out[name], out[alias] = full[name], full[name].clone()  # safetensors stores no shared storage
+    return {f"base_model.model.{k.replace(f'.{ADAPTER}.', '.')}": v.detach().contiguous() for k, v in out.items()}
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -147,16 +177,17 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return peft_adapter_tensors(out)
 
 
-def write_peft_dir(cfg: LoRAConfig, full: Mapping[str, torch.Tensor], base_model: str, out_dir: Path) -> None:
+def write_peft_dir(cfg: LoRAConfig, full: Mapping[str, torch.Tensor], base_model: str, out_dir: Path,
+                   tied: Mapping[str, str] | None = None) -> None:
     """A PEFT adapter directory: adapter_config.json (base_model_name_or_path = `base_model`) and
-    adapter_model.safetensors."""
+    adapter_model.safetensors (`tied`: as in `peft_adapter_tensors`)."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    conf = peft_config(cfg)
+    conf = peft_config(cfg, saved=True)
     conf.base_model_name_or_path = str(base_model)
     conf.task_type = "CAUSAL_LM"
-    save_file(peft_adapter_tensors(full), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_file(peft_adapter_tensors(full, cfg, tied), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     conf.save_pretrained(str(out_dir))
 
 

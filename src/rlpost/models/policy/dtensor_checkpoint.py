@@ -273,10 +273,15 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _saved(model_sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str], adapters_only: bool
+def _saved(model_sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str], lora_cfg: LoRAConfig | None
            ) -> dict[str, torch.Tensor]:
-    """The model tensors a checkpoint holds: all but tied aliases, or the LoRA adapters alone."""
-    return {k: v for k, v in model_sd.items() if k not in aliases and (not adapters_only or lora.is_adapter(k))}
+    """The model tensors a checkpoint holds: all but tied aliases, or with LoRA what trains (the adapters and the
+    modules trained in full, a tied module under either of its names)."""
+    def trained(k: str) -> bool:
+        return lora_cfg is None or any(lora.is_trained(n, lora_cfg) for n in (k, *(a for a, t in aliases.items()
+                                                                                    if t == k)))
+
+    return {k: v for k, v in model_sd.items() if k not in aliases and trained(k)}
 
 
 def save(worker: TrainState, weights_path: str, optimizer_path: str | None, source_dir: str,
@@ -286,7 +291,7 @@ def save(worker: TrainState, weights_path: str, optimizer_path: str | None, sour
     wp = Path(weights_path)
     aliases = tied_aliases(worker.model)
     model_sd = cast(dict[str, torch.Tensor], get_model_state_dict(worker.model))
-    save_tensors(_saved(model_sd, aliases, lora_cfg is not None), wp / MODEL_DIR)
+    save_tensors(_saved(model_sd, aliases, lora_cfg), wp / MODEL_DIR)
     if _is_rank0():
         write_json(wp / INFO_FILE, {"format": FORMAT, "aliases": aliases, "lora": lora_cfg is not None})
     if optimizer_path and worker.optimizer is not None:
@@ -307,7 +312,7 @@ def save(worker: TrainState, weights_path: str, optimizer_path: str | None, sour
     if hf_export:
         full = full_state_dict(worker.model)
         if _is_rank0() and lora_cfg is not None:
-            lora.write_peft_dir(lora_cfg, full, source_dir, wp / "adapter")
+            lora.write_peft_dir(lora_cfg, full, source_dir, wp / "adapter", tied=aliases)
             if lora_cfg.export_merged:
                 export_hf(worker.model, lora.merged(full, lora.scaling(lora_cfg)), source_dir, wp / "hf")
         elif _is_rank0():
@@ -330,9 +335,11 @@ def export_hf(model: Any, full: dict[str, torch.Tensor], source_dir: str, out_di
             shutil.copy2(src, out_dir / name)
 
 
-def load(worker: TrainState, weights_path: str, optimizer_path: str | None, adapters_only: bool = False) -> None:
+def load(worker: TrainState, weights_path: str, optimizer_path: str | None, lora_cfg: LoRAConfig | None = None
+         ) -> None:
     """Collective: restore the model (and the optimizer + scheduler when given and saved) written by `save`
-    (`adapters_only`: a LoRA checkpoint into a model with the same adapters)."""
+    (`lora_cfg`: a LoRA checkpoint into a model with the same adapters and modules trained in full)."""
+    adapters_only = lora_cfg is not None
     wp = Path(weights_path)
     refuse_legacy(wp)
     info = read_format(wp / INFO_FILE, FORMAT, "aliases")
@@ -345,7 +352,7 @@ def load(worker: TrainState, weights_path: str, optimizer_path: str | None, adap
         raise CheckpointError(f"cannot load checkpoint {wp}: it holds {there}, and this run trains {here} "
                               "(policy.dtensor_cfg.lora_cfg.enabled)")
     model_sd: dict[str, Any] = get_model_state_dict(worker.model)
-    load_tensors(_saved(model_sd, aliases, adapters_only), wp / MODEL_DIR)
+    load_tensors(_saved(model_sd, aliases, lora_cfg), wp / MODEL_DIR)
     set_model_state_dict(worker.model, model_sd)  # aliases share the loaded storage
     if not optimizer_path or worker.optimizer is None:
         return

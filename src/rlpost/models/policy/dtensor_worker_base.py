@@ -13,6 +13,7 @@ multiplied by the DP size before backward. Logits are divided by the sampling te
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -111,13 +112,14 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
             self.optimizer = build_optimizer(cfg.optimizer, [p for p in self.model.parameters() if p.requires_grad])
             self.scheduler = build_scheduler(cfg.scheduler, self.optimizer)
         # The reference policy is the model as loaded from policy.model_name, also when resuming; with LoRA, the
-        # same model with its adapters off (no copy).
+        # same model with its adapters off and a copy of the modules it trains in full (lora_cfg.modules_to_save).
         self.reference: dict[str, torch.Tensor] | None = None
         self._has_reference = init_reference_model
-        if init_reference_model and not self.lora:
-            self.reference = {k: _local(v).detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        if init_reference_model:
+            self.reference = {k: _local(v).detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
+                              if not self.lora or lora.is_saved_module(k, self.lora)} or None
         if weights_path:
-            dtensor_checkpoint.load(self, weights_path, optimizer_path, adapters_only=self.lora is not None)
+            dtensor_checkpoint.load(self, weights_path, optimizer_path, lora_cfg=self.lora)
         self._export: list[tuple[str, torch.Tensor]] = []
         self._mem = OffloadState(self.device, params_on_cpu_by_fsdp=cfg.dtensor_cfg.cpu_offload)
         self._train_micro_batches = 0
@@ -272,24 +274,27 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         if not self._has_reference:
             raise RuntimeError("the policy was built without a reference model (init_reference_model=False)")
         self._onload()
-        if self.reference is None:  # LoRA: the base model is the reference
-            with lora.adapters_off(self.model):
-                return BatchedDataDict(reference_logprobs=self.get_logprobs(data)["logprobs"])
-        current = self._swap_weights(self.reference)
-        try:
-            out = self.get_logprobs(data)
-        finally:
-            self._swap_weights(current)
+        with contextlib.ExitStack() as base:
+            if self.lora is not None:  # LoRA: the base model is the reference
+                base.enter_context(lora.adapters_off(self.model))
+            current = self._swap_weights(self.reference) if self.reference is not None else None
+            try:
+                out = self.get_logprobs(data)
+            finally:
+                if current is not None:
+                    self._swap_weights(current)
         return BatchedDataDict(reference_logprobs=out["logprobs"])
 
     @torch.no_grad()
     def _swap_weights(self, new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy `new` into the model; returns what was there. Tied tensors (one storage under two
-        names, e.g. embed_tokens / lm_head) are visited once, or the restore would write the
-        swapped-in value back through the second name."""
+        """Copy `new` (the whole state dict, or some of its tensors) into the model; returns what was there. Tied
+        tensors (one storage under two names, e.g. embed_tokens / lm_head) are visited once, or the restore would
+        write the swapped-in value back through the second name."""
         old: dict[str, torch.Tensor] = {}
         seen = set()
         for k, v in self.model.state_dict().items():
+            if k not in new:
+                continue
             local = _local(v)
             if local.data_ptr() in seen:
                 continue
