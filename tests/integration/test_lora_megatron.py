@@ -1,6 +1,7 @@
-"""LoRA on the Megatron workers (adapters on the tensor-parallel linears) on real Ray actors and gloo groups: TP=2
-trains the same adapters as TP=1, only the adapted linears move, the reference is the base with the adapters off,
-and a checkpoint holds the adapters alone and resumes exactly."""
+"""LoRA on the Megatron workers (adapters on the tensor-parallel linears, and the tied embeddings trained in full:
+peft.modules_to_save) on real Ray actors and gloo groups: TP=2 trains the same as TP=1, only the adapted linears and
+the embeddings move, the reference is the base (the adapters off, the base embeddings swapped in), and a checkpoint
+holds the adapters and embeddings alone and resumes exactly."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from tests.integration.test_megatron_policy import (
 
 pytestmark = pytest.mark.slow
 
-PEFT = ["policy.megatron_cfg.peft.enabled=true", "policy.megatron_cfg.peft.dim=4", "policy.megatron_cfg.peft.alpha=8"]
+PEFT = ["policy.megatron_cfg.peft.enabled=true", "policy.megatron_cfg.peft.dim=4", "policy.megatron_cfg.peft.alpha=8",
+        "policy.megatron_cfg.peft.modules_to_save=[embed_tokens]"]
 
 
 def train_steps(b: Built, steps: int, first: int = 0) -> list[float]:
@@ -48,11 +50,13 @@ def test_adapters_alone_train_tp2_equals_tp1_the_reference_is_the_base_and_a_che
     lp0 = one.policy.get_logprobs(data)["logprobs"]
     losses1 = train_steps(one, 3)
     w1 = exported_weights(one.policy)  # merged: W + alpha/r * B @ A under HF names
-    assert torch.equal(one.policy.get_reference_policy_logprobs(data)["reference_logprobs"], lp0)  # adapters off
+    # the base: adapters off, the base embeddings in place
+    assert torch.equal(one.policy.get_reference_policy_logprobs(data)["reference_logprobs"], lp0)
     assert (one.policy.get_logprobs(data)["logprobs"] - lp0).abs().max() > 1e-3  # the adapters changed the policy
     moved = sorted(k for k in base if not torch.equal(w1[k], base[k]))
-    assert {k.split(".")[-2] for k in moved} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                 "down_proj"}, moved
+    assert "model.embed_tokens.weight" in moved, moved
+    assert {k.split(".")[-2] for k in moved} - {"embed_tokens"} == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "gate_proj", "up_proj", "down_proj"}, moved
     close(built, one)
 
     tp = build(built, policy_cfg(tiny_model_dir, 2, "policy.megatron_cfg.tensor_model_parallel_size=2", *PEFT,
@@ -73,7 +77,8 @@ def test_adapters_alone_train_tp2_equals_tp1_the_reference_is_the_base_and_a_che
     for shard in (tmp_path / "weights" / "model").glob("*.safetensors"):
         with safe_open(str(shard), "pt") as f:
             names |= set(f.keys())
-    assert names and all(n.endswith((".lora_A", ".lora_B")) for n in names), sorted(names)[:4]
+    assert names and all(n.endswith((".lora_A", ".lora_B", ".word_embeddings.weight")) for n in names), sorted(names)
+    assert sum(n.endswith(".word_embeddings.weight") for n in names) == 2  # one vocabulary shard per TP rank
     assert {n.split("/")[0] for n in names} == {"tp0-pp0", "tp1-pp0"}
     # weights/adapter: a PEFT directory (q/k/v and gate/up adapters split out of the fused ones, sharing A) that peft
     # merges into the base to exactly the merged model
@@ -83,7 +88,7 @@ def test_adapters_alone_train_tp2_equals_tp1_the_reference_is_the_base_and_a_che
     merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
                                        str(tmp_path / "weights" / "adapter")).merge_and_unload().state_dict()
     adapters = load_file(str(tmp_path / "weights" / "adapter" / "adapter_model.safetensors"))
-    assert len(adapters) == 2 * 7 * 2  # 2 layers x 7 HF linears x (A, B)
+    assert len(adapters) == 2 * 7 * 2 + 2  # 2 layers x 7 HF linears x (A, B), the embeddings and the tied head
     assert not (tmp_path / "weights" / "hf").exists()  # the merged model only with peft.export_merged
     assert max_diff({k: merged[k] for k in w_saved}, w_saved) <= 1e-5
     resumed = build(built, policy_cfg(tiny_model_dir, 2, "policy.megatron_cfg.tensor_model_parallel_size=2", *PEFT,

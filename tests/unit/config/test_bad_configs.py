@@ -112,8 +112,8 @@ BAD = [
      "policy.dtensor_cfg.lora_cfg.modules_to_save", "the modules that can train in full are embed_tokens, lm_head"),
     (["experiment=tiny_lora", "policy.dtensor_cfg.lora_cfg.refit=adapter"],
      "policy.dtensor_cfg.lora_cfg.modules_to_save", "needs lora_cfg.refit=merged"),
-    (["policy=megatron", "policy.megatron_cfg.peft.enabled=true", "policy.megatron_cfg.peft.modules_to_save=[embed_tokens]"],
-     "policy.megatron_cfg.peft.modules_to_save", "need policy=dtensor"),
+    (["policy=megatron", "policy.megatron_cfg.peft.enabled=true", "policy.megatron_cfg.peft.modules_to_save=[wte]"],
+     "policy.megatron_cfg.peft.modules_to_save", "the modules that can train in full are embed_tokens, lm_head"),
 ]
 
 

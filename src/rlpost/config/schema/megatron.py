@@ -167,9 +167,6 @@ class MegatronConfig(Block):
                     f"set {path}.sequence_parallel=false")
             require(self.expert_model_parallel_size == 1, key, True,
                     "LoRA on Megatron adapts the dense decoder linears, not experts (expert_model_parallel_size > 1)")
-            require(not self.peft.modules_to_save, f"{path}.peft.modules_to_save", self.peft.modules_to_save,
-                    "Megatron's LoRA trains the adapters alone; modules trained in full beside them need "
-                    "policy=dtensor (policy.dtensor_cfg.lora_cfg.modules_to_save)")
         require(
             not self.sequence_parallel or self.tensor_model_parallel_size > 1,
             f"{path}.sequence_parallel",

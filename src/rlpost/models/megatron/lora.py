@@ -14,6 +14,8 @@ weight's split:
 The adapter output so has the base output's layout, and A and B are initialised from the full tensors (one seed per
 layer name), so TP=2 trains the same adapters as TP=1. Merging is local to each shard: W_shard + s * B_shard @ A
 (column) or W_shard + s * B @ A_shard (row) is the merged weight's shard; export merges before it gathers.
+`peft.modules_to_save` (embed_tokens, lm_head) train in full: the word embeddings and the output layer (both when
+tied, the last stage's copy too); the reference swaps in their base values beside `adapters_off`.
 The reference policy is the model with the adapters switched off (`adapters_off`). Sequence parallelism is refused
 (the column hook needs the whole sequence), and the layers are megatron's own (the local layer spec): Transformer
 Engine's fused layer-norm linear hides the normalised input the adapter needs.
@@ -42,9 +44,19 @@ ADAPTED = "_rlpost_lora_active"
 
 
 
+SAVED_PARAMS = {"embed_tokens": "embedding.word_embeddings.weight", "lm_head": "output_layer.weight"}
+"""The Megatron parameter each name of `modules_to_save` (HF's) stands for."""
+
+
 def is_adapter(name: str) -> bool:
     """Whether a state-dict key is an adapter's."""
     return name.endswith((".lora_A", ".lora_B"))
+
+
+def is_saved_param(name: str, cfg: LoRAConfig, tied: bool) -> bool:
+    """Whether a parameter trains in full (`modules_to_save`); with tied embeddings either name means both."""
+    names = set(SAVED_PARAMS) if tied and cfg.modules_to_save else set(cfg.modules_to_save)
+    return any(name == SAVED_PARAMS[n] or name.endswith(f".{SAVED_PARAMS[n]}") for n in names)
 
 
 def _full_a(name: str, rank: int, fan_in: int) -> torch.Tensor:
@@ -64,8 +76,9 @@ def inject(model: nn.Module, cfg: LoRAConfig, tp_rank: int, tp_size: int) -> lis
         set_tensor_model_parallel_attributes,
     )
 
-    for p in model.parameters():
-        p.requires_grad_(False)
+    tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_saved_param(name, cfg, tied))
     chosen = set(adapted_modules(cfg, MEGATRON_LINEARS))
     scale = cfg.alpha / cfg.dim
     dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()

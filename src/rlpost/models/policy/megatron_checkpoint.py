@@ -99,13 +99,16 @@ def _layout(worker: MegatronState) -> dict[str, object]:
 
 
 def _saved_state(worker: MegatronState) -> dict[str, torch.Tensor]:
-    """What a checkpoint holds of the model: this rank's shard, or with LoRA its adapters alone (the base is the HF
-    checkpoint at policy.model_name)."""
-    from rlpost.models.megatron.lora import is_adapter
+    """What a checkpoint holds of the model: this rank's shard, or with LoRA its adapters and the modules it trains in
+    full alone (the base is the HF checkpoint at policy.model_name)."""
+    from rlpost.models.megatron.lora import is_adapter, is_saved_param
 
     local = worker.local_state()
     m = worker.cfg.megatron_cfg
-    return {k: v for k, v in local.items() if is_adapter(k)} if m is not None and m.peft.enabled else local
+    if m is None or not m.peft.enabled:
+        return local
+    tied = bool(worker.hf_config.tie_word_embeddings)
+    return {k: v for k, v in local.items() if is_adapter(k) or is_saved_param(k, m.peft, tied)}
 
 
 def _tag(worker: MegatronState, with_dp: bool = False) -> str:
@@ -223,6 +226,7 @@ def gather_peft_adapters(worker: MegatronState, dtype: torch.dtype, every_rank: 
 
     from rlpost.models.megatron.convert import hf_model_dims
     from rlpost.models.megatron.lora_peft import peft_state
+    from rlpost.models.peft_adapter import PEFT_PREFIX
 
     m = worker.cfg.megatron_cfg
     assert m is not None
@@ -230,6 +234,11 @@ def gather_peft_adapters(worker: MegatronState, dtype: torch.dtype, every_rank: 
         return {}
     dims = hf_model_dims(worker.hf_config, m.converter_type)
     named = peft_state(worker.model, dims, ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group())
+    if m.peft.modules_to_save:  # the modules trained in full, gathered and unpadded as the HF export has them
+        full = worker.gather_full_weights(torch.float32)  # rank 0's; a tied head under its own name too
+        names = ("embed_tokens", "lm_head") if worker.hf_config.tie_word_embeddings else m.peft.modules_to_save
+        wanted = [{"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}[n] for n in names]
+        named.update({f"{PEFT_PREFIX}{k}": full[k].clone() for k in wanted if k in full})
     return {k: v.to(dtype) for k, v in named.items()} if worker.rank == 0 or every_rank else {}
 
 

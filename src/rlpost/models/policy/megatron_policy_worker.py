@@ -9,7 +9,8 @@ memory into a megatron GPTModel (`rlpost.models.megatron`).
   multiple when PP > 1), logits / `generation.temperature`, vocab-parallel log-softmax; [B, S] fp32, position 0 = 0.
 - get_reference_policy_logprobs: a CPU copy of this rank's shard of the INITIAL weights (the HF checkpoint, taken
   before any checkpoint is loaded: NeMo RL's reference is the pretrained model) is swapped in for the pass; with
-  LoRA (`megatron_cfg.peft`, rlpost.models.megatron.lora) the adapters are switched off instead.
+  LoRA (`megatron_cfg.peft`, rlpost.models.megatron.lora) the adapters are switched off instead, and only the
+  modules trained in full (peft.modules_to_save) have a copy.
 - train: per global batch, Gs / Gt (valid sequences, valid tokens[1:]) are summed over the DP group; the loss
   function gets TP-sharded logits / temperature and returns a loss normalised by Gs / Gt; `train_step` runs
   megatron's forward-backward schedule with per-token loss and no averaging (gradients are plain sums over
@@ -48,6 +49,7 @@ re-raised by every later call, which reaches the driver in full.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -191,8 +193,12 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
             inject(self.gpt, m.peft, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
         self.reference: dict[str, torch.Tensor] | None = None
         self._has_reference = init_ref
-        if init_ref and not self.lora:  # with LoRA the reference is the base: the adapters switched off
-            self.reference = {k: v.detach().to("cpu", copy=True) for k, v in self.local_state().items()}
+        if init_ref:  # with LoRA the reference is the base: the adapters switched off, the saved modules' base copy
+            from rlpost.models.megatron.lora import is_saved_param
+
+            tied = bool(self.gpt.share_embeddings_and_output_weights)
+            self.reference = {k: v.detach().to("cpu", copy=True) for k, v in self.local_state().items()
+                              if not self.lora or is_saved_param(k, m.peft, tied)} or None
         self.train_state: MegatronTrainState | None = None
         if init_optimizer:
             max_norm = self.cfg.max_grad_norm
@@ -306,16 +312,15 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         if not self._has_reference:
             raise RuntimeError("the policy was built without a reference model (init_reference_model=False)")
-        if self.reference is None:  # LoRA: the base model is the reference
-            from rlpost.models.megatron.lora import adapters_off
+        from rlpost.models.megatron.lora import adapters_off
 
-            with adapters_off(self.gpt):
-                return BatchedDataDict(reference_logprobs=self._logprobs(data))
-        current = self._swap_weights(self.reference)
-        try:
-            lp = self._logprobs(data)
-        finally:
-            self._swap_weights(current)
+        with adapters_off(self.gpt) if self.lora else contextlib.nullcontext():  # LoRA: the base is the reference
+            current = self._swap_weights(self.reference) if self.reference is not None else None
+            try:
+                lp = self._logprobs(data)
+            finally:
+                if current is not None:
+                    self._swap_weights(current)
         return BatchedDataDict(reference_logprobs=lp)
 
     @torch.no_grad()
@@ -324,6 +329,8 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         old: dict[str, torch.Tensor] = {}
         seen = set()
         for k, v in self.local_state().items():
+            if k not in new:
+                continue
             if v.data_ptr() in seen:
                 continue
             seen.add(v.data_ptr())
