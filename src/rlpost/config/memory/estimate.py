@@ -143,13 +143,16 @@ def estimate(cfg: Config) -> Estimate | None:
 
 def _add_refit_buffer(workers: list[Worker], cfg: MasterConfig, shape: ModelShape) -> None:
     """The colocated refit's shared-memory buffer on CPU: the policy rank writes each bucket into it and the engine
-    worker beside it maps it, so it is resident in both (kept from one refit to the next). On a GPU the buffer is a
-    transient CUDA allocation during the refit, below the phases' peaks."""
+    worker beside it maps it, so it is resident in both (kept from one refit to the next); the engine copies each
+    bucket's tensors out of it as it loads them, which its allocator keeps. On a GPU the buffer is a transient CUDA
+    allocation during the refit, below the phases' peaks."""
     bucket = min(BYTES.get(cfg.generation.weight_dtype(), 4) * shape.params, (cfg.policy.refit_buffer_size_gb or 0.25)
                  * GIB)
     for w in workers:
         for usage in w.phases.values():
             usage.device["refit buffer"] = bucket
+            if w.group == "engine":
+                usage.device["refit load copy"] = bucket
 
 
 def _lay_out(device: str, dev_gib: float | None, workers: list[Worker], nodes: int) -> Estimate:
