@@ -18,8 +18,10 @@ from typing import Any
 
 from rlpost.config.errors import ConfigError, did_you_mean
 from rlpost.config.layout import model_dir_key, read_hf_config
+from rlpost.config.megatron_families import check_converted
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.config.schema.policy import PytorchOptimizerConfig, SinglePytorchSchedulerConfig, parse_scheduler
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 from rlpost.runtime.build import resolve
@@ -189,6 +191,8 @@ def check_model_limits(master: AnyMaster) -> None:
                               f"(policy.max_total_sequence_length={p.max_total_sequence_length})",
                               "leave it null: it follows policy.max_total_sequence_length")
     _check_pipeline_stages(master, hf)
+    if isinstance(p, MegatronPolicyConfig):
+        check_converted(hf, "policy.megatron_cfg.converter_type", p.megatron_cfg.converter_type)
     vocab = hf.get("vocab_size")
     stops = list(getattr(gen, "stop_token_ids", None) or [])
     if isinstance(vocab, int) and (bad := [t for t in stops if not 0 <= t < vocab]):

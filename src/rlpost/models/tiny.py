@@ -100,7 +100,7 @@ def build_tiny_model(cfg: TinyModelConfig, out_dir: str | os.PathLike[str]) -> P
     anything else raises TinyTargetError before a byte is written.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out_dir)
     if out.exists():
@@ -125,7 +125,10 @@ def build_tiny_model(cfg: TinyModelConfig, out_dir: str | os.PathLike[str]) -> P
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
         )
-        hf_cfg = Qwen2Config(**common) if cfg.architecture == "qwen2" else LlamaConfig(**common)
+        head_dim = cfg.hidden_size // cfg.num_attention_heads  # Qwen3's and Mistral's configs default it apart
+        family: dict[str, dict[str, object]] = {"qwen3": {"head_dim": head_dim},
+                                                "mistral": {"head_dim": head_dim, "sliding_window": None}}
+        hf_cfg = AutoConfig.for_model(cfg.architecture, **common, **family.get(cfg.architecture, {}))
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
         gen = torch.Generator().manual_seed(cfg.seed)

@@ -112,6 +112,8 @@ BAD = [
      "policy.dtensor_cfg.lora_cfg.modules_to_save", "the modules that can train in full are embed_tokens, lm_head"),
     (["experiment=tiny_lora", "policy.dtensor_cfg.lora_cfg.refit=adapter"],
      "policy.dtensor_cfg.lora_cfg.modules_to_save", "needs lora_cfg.refit=merged"),
+    (["policy=megatron", "policy.megatron_cfg.converter_type=nope"], "policy.megatron_cfg.converter_type",
+     "must be one of ['auto', 'Qwen2ForCausalLM'"),
     (["policy=megatron", "policy.megatron_cfg.peft.enabled=true", "policy.megatron_cfg.peft.modules_to_save=[wte]"],
      "policy.megatron_cfg.peft.modules_to_save", "the modules that can train in full are embed_tokens, lm_head"),
 ]

@@ -29,14 +29,15 @@ def one_rank(tiny_model_dir: Path) -> Iterator[Any]:
     threads = torch.get_num_threads()
     model_dir = tiny_model_dir
 
-    def policy(overrides: Sequence[str]) -> Any:
+    def policy(overrides: Sequence[str], model: Path) -> Any:
         _, cfg = load_master_config(["cluster.gpus_per_node=1", *overrides])  # AdamW + the default scheduler
-        cfg_p = dataclasses.replace(cfg.policy, model_name=str(model_dir))
-        cfg_p.tokenizer.name = str(model_dir)
+        cfg_p = dataclasses.replace(cfg.policy, model_name=str(model))
+        cfg_p.tokenizer.name = str(model)
         return cfg_p
 
-    def make(overrides: Sequence[str] = (), **kw: Any) -> DTensorPolicyWorker:
-        return DTensorPolicyWorker(policy(overrides), **{"init_reference_model": False, **kw})
+    def make(overrides: Sequence[str] = (), model: Path | None = None, **kw: Any) -> DTensorPolicyWorker:
+        """A worker of `model` (default: the tiny model)."""
+        return DTensorPolicyWorker(policy(overrides, model or model_dir), **{"init_reference_model": False, **kw})
 
     try:
         yield make

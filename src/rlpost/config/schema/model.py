@@ -18,8 +18,9 @@ TINY_MARKER = "rlpost_tiny.json"
 class TinyModelConfig(Block):
     """A deterministic random-init model + byte-level BPE tokenizer built locally on first use."""
 
-    architecture: str = checked("qwen2", options("qwen2", "llama"))
-    """'qwen2' or 'llama'."""
+    architecture: str = checked("qwen2", options("qwen2", "qwen3", "llama", "mistral"))
+    """The transformers family built: qwen2 (q/k/v biases), qwen3 (per-head q/k norms), llama or mistral (no
+    sliding window)."""
     hidden_size: int = checked(64, POSITIVE)
     """Model width."""
     num_layers: int = checked(2, POSITIVE)

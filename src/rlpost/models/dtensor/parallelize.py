@@ -33,7 +33,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def qwen2_llama_tp_plan() -> dict[str, ParallelStyle]:
-    """TP plan for Qwen2/Llama-style decoders (relative to the HF CausalLM module)."""
+    """TP plan for Qwen2/Qwen3/Llama/Mistral decoders (relative to the HF CausalLM module). Qwen3's q/k norms act
+    on each head's dim, whole on every rank of the heads' split: replicated."""
     plan: dict[str, ParallelStyle] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
@@ -51,6 +52,7 @@ TP_PLANS = {
     "Qwen2ForCausalLM": qwen2_llama_tp_plan,
     "LlamaForCausalLM": qwen2_llama_tp_plan,
     "Qwen3ForCausalLM": qwen2_llama_tp_plan,
+    "MistralForCausalLM": qwen2_llama_tp_plan,
 }
 
 

@@ -1,8 +1,9 @@
-"""HF <-> Megatron-Core conversion for the Qwen2 and Llama families (dense, SwiGLU, RMSNorm, RoPE, GQA).
+"""HF <-> Megatron-Core conversion for the Qwen2, Qwen3, Llama and Mistral families (dense, SwiGLU, RMSNorm, RoPE,
+GQA; Qwen3's per-head q/k RMSNorm).
 
 Config: `transformer_config_from_hf` maps the HF config to a megatron `TransformerConfig` (RMSNorm eps, GQA via
 `num_query_groups`, `kv_channels` = head_dim, SwiGLU = `gated_linear_unit` + silu, Qwen2's q/k/v bias via
-`add_qkv_bias`, no dropout, `calculate_per_token_loss=True` so the schedules never average a loss), and
+`add_qkv_bias`, Qwen3's q/k norms via `qk_layernorm`, no dropout, `calculate_per_token_loss=True` so the schedules never average a loss), and
 `gpt_model_args_from_hf` gives the GPTModel arguments (padded vocab, RoPE base `rope_theta`, llama3 RoPE scaling,
 tied embeddings = `share_embeddings_and_output_weights`). On CPU every fusion is off, weights are initialised on
 the CPU and `batch_p2p_sync` is off (it calls torch.cuda.synchronize after the pipeline p2p ops); on a GPU the
@@ -11,6 +12,7 @@ bias-activation / bias-dropout fusions are on and `apply_rope_fusion` follows th
 Weights, per layer (HF name -> megatron local-spec name, TP split):
   input_layernorm.weight            -> input_layernorm.weight                    replicated
   self_attn.{q,k,v}_proj.{weight,bias} -> self_attention.linear_qkv.{weight,bias}  dim 0, fused (below)
+  self_attn.{q,k}_norm.weight       -> self_attention.{q,k}_layernorm.weight     replicated (Qwen3)
   self_attn.o_proj.weight           -> self_attention.linear_proj.weight         dim 1
   post_attention_layernorm.weight   -> pre_mlp_layernorm.weight                  replicated
   mlp.{gate,up}_proj.weight         -> mlp.linear_fc1.weight                     dim 0, fused (below)
@@ -49,13 +51,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlpost.config.megatron_families import ARCHITECTURES
+
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
     from transformers import PretrainedConfig
 
     from rlpost.config.schema.megatron import MegatronConfig
 
-ARCHITECTURES: dict[str, str] = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+LLAMA_LIKE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+"""Architectures whose attention_bias / mlp_bias flags would add biases megatron's layers here do not carry."""
 DEFAULT_VOCAB_DIVISOR = 128
 VOCAB_DIVISOR_KEY = "make_vocab_size_divisible_by"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,6 +90,7 @@ class HFModelDims:
     rope_theta: float
     rope_scaling_factor: float | None
     qkv_bias: bool
+    qk_norm: bool
     tied_embeddings: bool
     initializer_range: float
 
@@ -100,7 +106,8 @@ def _rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
 
 
 def hf_model_dims(hf_config: PretrainedConfig, converter_type: str = "auto") -> HFModelDims:
-    """Read and validate the dims of a Qwen2 / Llama config; raise NotImplementedError for unsupported variants."""
+    """Read and validate the dims of a config of a converted family (ARCHITECTURES); raise NotImplementedError for an
+    unsupported variant."""
     if converter_type == "auto":
         archs = list(getattr(hf_config, "architectures", None) or [])
         arch = archs[0] if archs else ARCHITECTURES.get(getattr(hf_config, "model_type", ""), "")
@@ -112,14 +119,16 @@ def hf_model_dims(hf_config: PretrainedConfig, converter_type: str = "auto") -> 
         )
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise NotImplementedError(f"hidden_act={hf_config.hidden_act!r}: only SwiGLU (silu) is converted")
-    if arch == "LlamaForCausalLM" and (
+    if arch in LLAMA_LIKE_ARCHS and (
         getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False)
     ):
         raise NotImplementedError(
-            "Llama attention_bias / mlp_bias (o_proj / MLP biases) have no megatron equivalent here"
+            f"{arch} attention_bias / mlp_bias (projection / MLP biases) have no megatron equivalent here"
         )
-    if getattr(hf_config, "use_sliding_window", False):
-        raise NotImplementedError("Qwen2 sliding-window attention is not converted")
+    if getattr(hf_config, "use_sliding_window", False) or (
+        arch == "MistralForCausalLM" and getattr(hf_config, "sliding_window", None) is not None
+    ):
+        raise NotImplementedError(f"{arch} sliding-window attention is not converted (sliding_window must be unset)")
     rope = _rope_parameters(hf_config)
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
     scaling: float | None = None
@@ -145,6 +154,7 @@ def hf_model_dims(hf_config: PretrainedConfig, converter_type: str = "auto") -> 
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         rope_scaling_factor=scaling,
         qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         initializer_range=float(getattr(hf_config, "initializer_range", 0.02)),
     )
@@ -202,6 +212,7 @@ def transformer_config_from_hf(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=d.qkv_bias,
+        qk_layernorm=d.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=d.initializer_range,
@@ -359,6 +370,9 @@ def _layer_hf_to_megatron(hf: Mapping[str, torch.Tensor], g: int, d: HFModelDims
         out["self_attention.linear_qkv.bias"] = _fuse_qkv(
             hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"], d
         )
+    if d.qk_norm:
+        out["self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
+        out["self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
     return out
 
 
@@ -423,6 +437,9 @@ def _layer_megatron_to_hf(m: Mapping[str, torch.Tensor], g: int, d: HFModelDims)
     if d.qkv_bias:
         qb, kb, vb = split_qkv(m["self_attention.linear_qkv.bias"], d)
         out.update({h + "self_attn.q_proj.bias": qb, h + "self_attn.k_proj.bias": kb, h + "self_attn.v_proj.bias": vb})
+    if d.qk_norm:
+        out[h + "self_attn.q_norm.weight"] = m["self_attention.q_layernorm.weight"]
+        out[h + "self_attn.k_norm.weight"] = m["self_attention.k_layernorm.weight"]
     out.update(
         {
             h + "self_attn.o_proj.weight": m["self_attention.linear_proj.weight"],

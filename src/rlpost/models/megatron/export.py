@@ -65,6 +65,8 @@ def _hf_unit_shapes(unit: Unit, d: HFModelDims, include_tied_lm_head: bool) -> l
     if d.qkv_bias:
         out += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,))]
         out += [(p + "self_attn.v_proj.bias", (kv,))]
+    if d.qk_norm:
+        out += [(p + "self_attn.q_norm.weight", (d.head_dim,)), (p + "self_attn.k_norm.weight", (d.head_dim,))]
     out += [(p + "self_attn.o_proj.weight", (h, q)), (p + "post_attention_layernorm.weight", (h,))]
     out += [(p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h))]
     out += [(p + "mlp.down_proj.weight", (h, f))]

@@ -104,8 +104,9 @@ def _te_available() -> bool:
     return True
 
 
-def layer_spec(use_te: bool | None = None) -> ModuleSpec:
-    """The decoder layer spec: Transformer Engine on a GPU when importable (or use_te=True), else local."""
+def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False) -> ModuleSpec:
+    """The decoder layer spec: Transformer Engine on a GPU when importable (or use_te=True), else local;
+    `qk_layernorm`: per-head RMSNorm on the queries and keys (Qwen3)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -114,8 +115,8 @@ def layer_spec(use_te: bool | None = None) -> ModuleSpec:
     if use_te is None:
         use_te = torch.cuda.is_available() and _te_available()
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
 
 
 def load_hf_weights(
@@ -192,7 +193,7 @@ def build_gpt_model(
     config: TransformerConfig = transformer_config_from_hf(hf_config, megatron_cfg, precision)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te),
+        transformer_layer_spec=layer_spec(use_te, qk_layernorm=config.qk_layernorm),
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
         post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
         **gpt_model_args_from_hf(hf_config, megatron_cfg),

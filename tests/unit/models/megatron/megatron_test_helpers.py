@@ -63,10 +63,30 @@ def llama_config() -> Any:
     )
 
 
+def qwen3_config() -> Any:
+    """Qwen3: per-head q/k RMSNorm, no q/k/v bias, a head_dim apart from hidden_size / heads."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       intermediate_size=96, vocab_size=112, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       max_position_embeddings=256, rope_theta=1000000.0)
+
+
+def mistral_config() -> Any:
+    from transformers import MistralConfig
+
+    return MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=32, intermediate_size=128, vocab_size=120, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, max_position_embeddings=256, rope_theta=10000.0,
+                         sliding_window=None)
+
+
 MODEL_CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen2_tied": lambda: qwen2_config(True),
     "qwen2_untied": lambda: qwen2_config(False),
     "llama": llama_config,
+    "qwen3": qwen3_config,
+    "mistral": mistral_config,
 }
 
 

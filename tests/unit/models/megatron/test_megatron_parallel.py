@@ -22,7 +22,7 @@ PHASES: dict[str, dict[str, Any]] = {
     "tp1_dp2": {
         "tp": 1,
         "pp": 1,
-        "logprobs": ["qwen2_tied", "qwen2_untied", "llama"],
+        "logprobs": ["qwen2_tied", "qwen2_untied", "llama", "qwen3", "mistral"],
         "logprobs_bf16": ["qwen2_tied"],
         "export": ["qwen2_untied"],
         "train": {
@@ -34,9 +34,10 @@ PHASES: dict[str, dict[str, Any]] = {
     "tp2": {
         "tp": 2,
         "pp": 1,
-        "logprobs": ["qwen2_tied", "llama"],
-        "export": ["qwen2_tied", "llama"],
-        "train": {"qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0), "llama_adam": ("llama", "adam", 1e-3, 0.0)},
+        "logprobs": ["qwen2_tied", "llama", "qwen3", "mistral"],
+        "export": ["qwen2_tied", "llama", "qwen3", "mistral"],
+        "train": {"qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0), "llama_adam": ("llama", "adam", 1e-3, 0.0),
+                  "qwen3_sgd": ("qwen3", "sgd", 0.5, 0.0)},
     },
     "pp2": {
         "tp": 1,
