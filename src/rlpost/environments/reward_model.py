@@ -3,13 +3,16 @@ model gives [user: the row's problem] + response + EOS, rendered as algo=rm rend
 export's tokenizer with env.reward_model.chat_template), so the scores mean what they meant in training.
 
 The model runs in one Ray actor (num_cpus from the config), started at the first step; a batch is bounded by
-batch_timeout_s (past it every sample of the batch scores 0 and counts as a timeout), and a dead actor stops
-the run with its name. The row's prompt_file / system prompt are not shown to the reward model.
+batch_timeout_s (past it every sample of the batch scores 0 and counts as a timeout, and the actor is replaced), and
+a dead actor stops the run with its name. A stop asked for by a signal (rlpost.runtime.stop_request) gives the
+batch GRACE_S more, as the verifier pool does. The row's prompt_file / system prompt are not shown to the reward
+model.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.env import RewardModelEnvConfig
 from rlpost.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from rlpost.runtime import stop_request
 
 if TYPE_CHECKING:
     from rlpost.distributed.worker_groups import ActorGroup
@@ -96,18 +100,23 @@ class RewardModelEnvironment(EnvironmentInterface):
         return self.group
 
     def step(self, responses: list[str], metadata: Sequence[Mapping[str, object]]) -> EnvironmentReturn:
-        from rlpost.distributed.worker_groups import WorkerGroupError
+        import ray
 
         group = self._actor()
         prompts = [str(m["problem"]) for m in metadata]
-        try:
-            scores = group.get([group.workers[0].score.remote(prompts, responses)])[0]
-        except WorkerGroupError:
-            if group.failure is not None and "did not finish" in group.failure:
+        future = group.workers[0].score.remote(prompts, responses)
+        deadline = time.monotonic() + self.cfg.batch_timeout_s
+        stopping = False
+        while not ray.wait([future], timeout=min(max(deadline - time.monotonic(), 0.0), stop_request.POLL_S))[0]:
+            if stop_request.STOP.is_set() and not stopping:  # a stop was asked for: the batch gets GRACE_S more
+                stopping = True
+                deadline = min(deadline, time.monotonic() + stop_request.GRACE_S)
+            if time.monotonic() >= deadline:
+                group.shutdown()
                 self.group = None  # a fresh actor next time
                 return EnvironmentReturn(rewards=[0.0] * len(responses), timeouts=len(responses),
                                          unfinished=len(responses))
-            raise
+        scores = group.get([future])[0]  # done: a dead actor's error names it
         return EnvironmentReturn(rewards=[float(s) for s in scores])
 
     def shutdown(self) -> None:
