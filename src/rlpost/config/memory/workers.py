@@ -11,7 +11,7 @@ Phases: `training` (a forward and backward of the largest micro-batch), `logprob
 - the output layer's working set: a chunk of tokens x the vocabulary in fp32 (logits, their log-softmax, their
   gradient), never the whole [tokens, vocabulary] (rlpost.ops.chunked_head);
 - the engine: its weights, its KV cache (CPU: `kv_cache_space_gb` or the size vLLM would be given; GPU: what is left
-  of `gpu_memory_utilization` x the device), CUDA graphs' pool unless eager, and on CPU its sampler's buffers;
+  of `gpu_memory_utilization` x the device), and CUDA graphs' pool unless eager;
 - the process itself: `RUNTIME` (the interpreter, torch, transformers, Ray; on a GPU the CUDA context).
 """
 
@@ -33,11 +33,6 @@ workers less their model's items (Python, torch, transformers and Ray's core wor
 a GPU the CUDA context and the allocator's first blocks."""
 CUDA_GRAPHS = 0.5 * GIB
 """vLLM's CUDA-graph pool when it captures graphs (enforce_eager=false): a few hundred MiB for models up to 8B."""
-SAMPLER_ROWS = 256
-"""Sequences vLLM samples at once (its default max_num_seqs): the rows of the sampler's buffers."""
-SAMPLER_BUFFERS = 5
-"""[SAMPLER_ROWS, vocabulary] fp32 buffers vLLM's CPU sampler keeps (logits, probabilities, log-probabilities, a
-sorted copy and its indices): measured on SmolLM2-135M, whose 49,152-token vocabulary makes them 0.23 GiB."""
 OPTIMIZER_STATES = {"torch.optim.AdamW": 2, "torch.optim.Adam": 2, "torch.optim.SGD": 1, "adam": 2, "sgd": 1}
 """fp32 states per trained parameter (Adam's two moments, SGD's momentum); an optimizer not listed counts 2."""
 
@@ -189,7 +184,6 @@ def engine_worker(shape: ModelShape, precision: str, tp: int, workers: int, devi
             awake["CUDA graphs"] = CUDA_GRAPHS
     else:
         awake["KV cache"] = kv_cache_bytes
-        awake["sampler working set"] = SAMPLER_BUFFERS * SAMPLER_ROWS * shape.vocab * 4
     phases = {"generation": Usage(dict(awake))}
     if colocated:
         asleep = Usage({"runtime": runtime}, {"weights": weights}) if device == "cuda" else Usage(dict(awake))
