@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from rlpost.config.errors import ConfigError, require, safe_env_vars
 from rlpost.config.fields import NON_NEGATIVE, POSITIVE, Block, checked, options
-from rlpost.config.megatron_families import ARCHITECTURES
+from rlpost.config.model_families import ARCHITECTURES
 from rlpost.config.schema.lora import LoRAConfig
 from rlpost.config.schema.policy import PolicyConfig, PytorchOptimizerConfig
 
@@ -118,7 +118,7 @@ class MegatronConfig(Block):
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward (rlpost.models.megatron.model.checkpoint_layers)."""
     converter_type: str = checked("auto", options("auto", *ARCHITECTURES.values()))
-    """HF architecture to convert from ('auto': config.json's; rlpost.config.megatron_families lists the others)."""
+    """HF architecture to convert from ('auto': config.json's; rlpost.config.model_families lists the others)."""
     tensor_model_parallel_size: int = checked(1, POSITIVE)
     """Tensor-parallel size."""
     pipeline_model_parallel_size: int = checked(1, POSITIVE)

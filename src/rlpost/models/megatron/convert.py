@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlpost.config.megatron_families import ARCHITECTURES
+from rlpost.config.model_families import ARCHITECTURES
 
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig

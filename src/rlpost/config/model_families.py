@@ -1,5 +1,11 @@
-"""The HF architectures the Megatron-Core worker converts (rlpost.models.megatron.convert), and the pre-flight check
-that a Megatron run's model is one of them: an exit 2 naming the model's type, before Ray starts."""
+"""The model families each backend takes beyond TP=1, and the pre-flight checks that a run's model is one of them: an
+exit 2 naming the model's type, before Ray starts.
+
+- Megatron-Core converts the architectures of ARCHITECTURES (rlpost.models.megatron.convert), at any parallelism.
+- policy=dtensor trains any transformers causal LM at TP=1; at TP > 1 it needs one of rlpost's TP plans
+  (TP_PLAN_ARCHITECTURES, rlpost.models.dtensor.parallelize.TP_PLANS) or `dtensor_cfg.custom_parallel_plan`;
+  policy=dtensor_v2 takes transformers' own tp_plan of the model instead.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,10 @@ from rlpost.config.errors import ConfigError
 ARCHITECTURES: dict[str, str] = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                  "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 """model_type -> the HF architecture each converter handles."""
+
+
+TP_PLAN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+"""The architectures rlpost's DTensor TP plans cover."""
 
 
 def architecture_of(hf: Mapping[str, Any], converter_type: str = "auto") -> str:
@@ -30,3 +40,14 @@ def check_converted(hf: Mapping[str, Any], key: str, converter_type: str = "auto
     what = f"model_type={hf.get('model_type')!r}" + (f" ({arch})" if arch else "")
     raise ConfigError(key, converter_type, f"Megatron-Core converts {', '.join(ARCHITECTURES.values())}; this model "
                       f"is {what}", "policy=dtensor trains any transformers causal LM (docs/models.md)")
+
+
+def check_tp_plan(hf: Mapping[str, Any], key: str, tp: int) -> None:
+    """ConfigError at `key` (policy.dtensor_cfg.tensor_parallel_size) when TP > 1 has no plan for the model."""
+    arch = architecture_of(hf)
+    if tp == 1 or arch in TP_PLAN_ARCHITECTURES:
+        return
+    what = f"model_type={hf.get('model_type')!r}" + (f" ({arch})" if arch else "")
+    raise ConfigError(key, tp, f"policy=dtensor has tensor-parallel plans for {', '.join(TP_PLAN_ARCHITECTURES)}; "
+                      f"this model is {what}", "policy=dtensor_v2 uses transformers' own tp_plan, "
+                      "or set policy.dtensor_cfg.custom_parallel_plan")
