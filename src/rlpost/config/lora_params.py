@@ -99,12 +99,15 @@ def parameter_counts(hf: Mapping[str, Any], lora: LoRAConfig, megatron: bool = F
     return adapters + saved_parameters(hf, lora), base + adapters
 
 
+def saved_tables(lora: LoRAConfig, tied: bool) -> int:
+    """The [vocabulary, hidden] tables `lora` trains in full (modules_to_save): a tied head and its embeddings once."""
+    tables = len(set(lora.modules_to_save) & {"embed_tokens", "lm_head"})
+    return min(tables, 1) if tied else tables
+
+
 def saved_parameters(hf: Mapping[str, Any], lora: LoRAConfig) -> int:
-    """The parameters of the modules `lora` trains in full (modules_to_save); a tied head and its embeddings once."""
-    tables = set(lora.modules_to_save) & {"embed_tokens", "lm_head"}
-    if hf.get("tie_word_embeddings") and tables:
-        tables = {"embed_tokens"}
-    return len(tables) * int(hf["vocab_size"]) * int(hf["hidden_size"])
+    """The parameters of the modules `lora` trains in full (modules_to_save)."""
+    return saved_tables(lora, bool(hf.get("tie_word_embeddings"))) * int(hf["vocab_size"]) * int(hf["hidden_size"])
 
 
 def tiny_hf_config(architecture: str, hidden_size: int, num_layers: int, num_attention_heads: int,

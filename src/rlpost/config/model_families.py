@@ -37,9 +37,8 @@ def check_converted(hf: Mapping[str, Any], key: str, converter_type: str = "auto
     arch = architecture_of(hf, converter_type)
     if arch in ARCHITECTURES.values():
         return
-    what = f"model_type={hf.get('model_type')!r}" + (f" ({arch})" if arch else "")
     raise ConfigError(key, converter_type, f"Megatron-Core converts {', '.join(ARCHITECTURES.values())}; this model "
-                      f"is {what}", "policy=dtensor trains any transformers causal LM (docs/models.md)")
+                      f"is {_named(hf, arch)}", "policy=dtensor trains any transformers causal LM (docs/models.md)")
 
 
 def check_tp_plan(hf: Mapping[str, Any], key: str, tp: int) -> None:
@@ -47,7 +46,11 @@ def check_tp_plan(hf: Mapping[str, Any], key: str, tp: int) -> None:
     arch = architecture_of(hf)
     if tp == 1 or arch in TP_PLAN_ARCHITECTURES:
         return
-    what = f"model_type={hf.get('model_type')!r}" + (f" ({arch})" if arch else "")
     raise ConfigError(key, tp, f"policy=dtensor has tensor-parallel plans for {', '.join(TP_PLAN_ARCHITECTURES)}; "
-                      f"this model is {what}", "policy=dtensor_v2 uses transformers' own tp_plan, "
+                      f"this model is {_named(hf, arch)}", "policy=dtensor_v2 uses transformers' own tp_plan, "
                       "or set policy.dtensor_cfg.custom_parallel_plan")
+
+
+def _named(hf: Mapping[str, Any], arch: str) -> str:
+    """The model as a refusal names it: its model_type, and its architecture when known."""
+    return f"model_type={hf.get('model_type')!r}" + (f" ({arch})" if arch else "")

@@ -12,7 +12,6 @@ model.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,13 +104,9 @@ class RewardModelEnvironment(EnvironmentInterface):
         group = self._actor()
         prompts = [str(m["problem"]) for m in metadata]
         future = group.workers[0].score.remote(prompts, responses)
-        deadline = time.monotonic() + self.cfg.batch_timeout_s
-        stopping = False
-        while not ray.wait([future], timeout=min(max(deadline - time.monotonic(), 0.0), stop_request.POLL_S))[0]:
-            if stop_request.STOP.is_set() and not stopping:  # a stop was asked for: the batch gets GRACE_S more
-                stopping = True
-                deadline = min(deadline, time.monotonic() + stop_request.GRACE_S)
-            if time.monotonic() >= deadline:
+        deadline = stop_request.BatchDeadline(self.cfg.batch_timeout_s)  # a stop asked for: GRACE_S more
+        while not ray.wait([future], timeout=deadline.wait_s())[0]:
+            if deadline.passed():
                 group.shutdown()
                 self.group = None  # a fresh actor next time
                 return EnvironmentReturn(rewards=[0.0] * len(responses), timeouts=len(responses),

@@ -195,17 +195,13 @@ class VerifierPool:
         """Score every args tuple; returns once all are done or the batch deadline has passed."""
         self._await_ready()
         t0 = time.monotonic()
-        batch_deadline = t0 + self.batch_timeout_s
+        batch_deadline = stop_request.BatchDeadline(self.batch_timeout_s)  # a stop asked for: GRACE_S more
         res = PoolResult([0.0] * len(args_list), status=["unfinished"] * len(args_list))
         todo: deque[int] = deque(range(len(args_list)))
         whole = len(self._workers) == 1
         done = 0
-        stopping = False
         while done < len(args_list):
-            if stop_request.STOP.is_set() and not stopping:  # a stop was asked for: the batch gets GRACE_S more
-                stopping = True
-                batch_deadline = min(batch_deadline, time.monotonic() + stop_request.GRACE_S)
-            if time.monotonic() >= batch_deadline:
+            if batch_deadline.passed():
                 for w in [w for w in self._workers if w.busy]:
                     self._replace(w)
                 res.unfinished = len(args_list) - done
@@ -224,9 +220,7 @@ class VerifierPool:
                     w.busy = take
             waiting = [w for w in self._workers if w.busy or not w.ready]
             deadlines = [w.deadline(self.timeout_s) if w.busy else w.ready_by for w in waiting]
-            until = min(deadlines + [batch_deadline])
-            timeout = min(max(until - time.monotonic(), 0.0), stop_request.POLL_S)  # wakes to see a stop
-            ready = wait([w.conn for w in waiting], timeout=timeout)
+            ready = wait([w.conn for w in waiting], timeout=batch_deadline.wait_s(min(deadlines, default=None)))
             now = time.monotonic()
             for w in waiting:
                 if w.conn in ready:

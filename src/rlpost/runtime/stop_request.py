@@ -10,6 +10,7 @@ timeout, exactly as at the batch deadline, and the step ends and is saved.
 from __future__ import annotations
 
 import threading
+import time
 
 STOP = threading.Event()
 """Set by the first signal of a run's steps; cleared when the run's signal handling ends."""
@@ -19,3 +20,24 @@ GRACE_S = 5.0
 
 POLL_S = 0.5
 """How often a long wait looks at STOP."""
+
+
+class BatchDeadline:
+    """A batch's deadline that a stop request brings forward: once STOP is seen, at most GRACE_S from then."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+        """The deadline (time.monotonic)."""
+        self._stopping = False
+
+    def passed(self) -> bool:
+        """Whether the deadline has passed (a stop asked for since the last look moves it first)."""
+        if STOP.is_set() and not self._stopping:
+            self._stopping = True
+            self.at = min(self.at, time.monotonic() + GRACE_S)
+        return time.monotonic() >= self.at
+
+    def wait_s(self, until: float | None = None) -> float:
+        """How long a wait may block: to the deadline (or `until`, when sooner), and at most POLL_S, so that it wakes
+        to see a stop."""
+        return min(max(min(self.at, until if until is not None else self.at) - time.monotonic(), 0.0), POLL_S)

@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from rlpost.config.layout import chunk_tokens, fsdp_needed
+from rlpost.config.lora_params import saved_tables
 from rlpost.config.memory.shape import BYTES, ModelShape
 from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.config.schema.policy import DTensorConfig, DTensorPolicyConfig, PolicyConfig
@@ -137,11 +138,8 @@ def policy_worker(p: PolicyConfig, shape: ModelShape, device: str, world: int, *
     host: dict[str, float] = {}
     if reference and not lora:
         host["reference weights"] = 4 * shape.params / shard
-    elif reference and lora:  # the base values of the modules trained in full (lora modules_to_save)
-        saved = set(settings.modules_to_save) & {"embed_tokens", "lm_head"}
-        tables = min(len(saved), 1) if shape.tied else len(saved)
-        if tables:
-            host["reference weights"] = 4 * tables * shape.vocab * shape.hidden / shard
+    elif reference and lora and (tables := saved_tables(settings, shape.tied)):  # modules_to_save's base values
+        host["reference weights"] = 4 * tables * shape.vocab * shape.hidden / shard
     phases: dict[str, Usage] = {}
     if trains:
         dev = dict(resident)

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from rlpost.config.layout import fsdp_needed
+from rlpost.config.model_families import TP_PLAN_ARCHITECTURES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,12 +49,8 @@ def qwen2_llama_tp_plan() -> dict[str, ParallelStyle]:
     return plan
 
 
-TP_PLANS = {
-    "Qwen2ForCausalLM": qwen2_llama_tp_plan,
-    "LlamaForCausalLM": qwen2_llama_tp_plan,
-    "Qwen3ForCausalLM": qwen2_llama_tp_plan,
-    "MistralForCausalLM": qwen2_llama_tp_plan,
-}
+TP_PLANS = {arch: qwen2_llama_tp_plan for arch in TP_PLAN_ARCHITECTURES}
+"""The plan of each architecture the pre-flight lets through at TP > 1 (rlpost.config.model_families)."""
 
 
 def get_tp_plan(model: nn.Module, custom_plan: str | None = None) -> dict[str, ParallelStyle]:
