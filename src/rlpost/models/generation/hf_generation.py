@@ -254,13 +254,28 @@ class HFGenerationWorker:
         check_against_info(named, self.refit_info)
         corrupt = corrupt or os.environ.get(FAULT_ENV) or None
         sd = {n: (t.detach().clone().add_(1.0) if n == corrupt else t) for n, t in named}
-        result = self.model.load_state_dict(sd, strict=False)
+        result, own = self._load_state(sd)
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         missing = [m for m in result.missing_keys if not (tied and m == "lm_head.weight")]
         if result.unexpected_keys or missing:
             raise ValueError(f"refit: unexpected {result.unexpected_keys[:5]}, missing {missing[:5]}")
-        own = self.model.state_dict()
         return weight_fingerprint((n, own[n]) for n in sd)
+
+    def _load_state(self, sd: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+        """load_state_dict of `sd` (a checkpoint's names: a MoE layer's experts one matrix each, fused here as
+        transformers holds them); (its result, the model's tensors read back under the checkpoint's names)."""
+        from rlpost.models.expert_weights import ExpertAssembler, layout_of, num_experts, to_checkpoint_layout
+
+        layout = layout_of(self.model.config)
+        if layout is not None:
+            experts = ExpertAssembler(layout, num_experts(self.model.config))
+            fused = [experts.add(n, t) for n, t in sd.items()]
+            if experts.incomplete():
+                raise ValueError(f"refit: a bucket carries part of the experts of {experts.incomplete()[:3]}; "
+                                 "raise policy.refit_buffer_size_gb to hold a layer")
+            sd = dict(f for f in fused if f is not None)
+        result = self.model.load_state_dict(sd, strict=False)
+        return result, to_checkpoint_layout(self.model.config, self.model.state_dict())
 
     def load_bucket(self, box: RefitBucket, corrupt: str | None = None, last: bool = False) -> dict[str, str]:
         """Load one refit bucket (`box`: the descriptor the policy rank on this worker's device wrote, a
@@ -274,10 +289,9 @@ class HFGenerationWorker:
         check_against_info(named, self.refit_info, partial=True)
         corrupt = corrupt or os.environ.get(FAULT_ENV) or None
         sd = {n: (t.detach().clone().add_(1.0) if n == corrupt else t) for n, t in named}
-        result = self.model.load_state_dict(sd, strict=False)
+        result, own = self._load_state(sd)
         if result.unexpected_keys:
             raise ValueError(f"refit: unexpected {result.unexpected_keys[:5]}")
-        own = self.model.state_dict()
         fp = FingerprintBuilder()
         for n in sd:
             fp.add(n, own[n])

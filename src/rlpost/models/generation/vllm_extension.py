@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -112,6 +113,25 @@ def check_against_info(named: list[tuple[str, torch.Tensor]], info: RefitInfo | 
         raise ValueError(f"refit tensors don't match prepare_refit_info: {detail}")
 
 
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def repack_cpu_experts(model: torch.nn.Module, layers: set[str]) -> None:
+    """Put the reloaded mixture-of-experts weights of `layers` (prefixes such as `model.layers.3`) back into the
+    CPU kernel's packed layout.
+
+    vLLM's in-place reload of an unquantized FusedMoE layer copies the new weights into the kernel's tensors but,
+    once the layer's kernel exists, skips the CPU experts' own `process_weights_after_loading` (their padding and
+    prepacking); the CPU kernel then reads unpacked weights. The GPU kernels have no such step. This runs it."""
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        layer = _LAYER.match(name)
+        if (experts is not None and layer and layer[1] in layers and hasattr(module, "w13_weight")
+                and type(experts).__name__.endswith("CPUUnquantizedExperts")):
+            experts.process_weights_after_loading(module)
+
+
 class RlpostWorkerExtension:
     """Methods added to vLLM's Worker (self is the worker: self.model_runner, self.rank, self.reload_weights)."""
 
@@ -132,6 +152,25 @@ class RlpostWorkerExtension:
     def _rlpost_tied(self) -> bool:
         hf_cfg = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
         return bool(getattr(hf_cfg, "tie_word_embeddings", False))
+
+    def _rlpost_repack_completed_layers(self, model: torch.nn.Module, names: set[str]) -> None:
+        """Count each layer's experts' matrices as buckets bring them; once a layer's last has arrived (vLLM has
+        then reloaded it whole), repack it (repack_cpu_experts)."""
+        if self.model_runner.device.type != "cpu":  # type: ignore[attr-defined]
+            return
+        from rlpost.models.expert_weights import num_experts
+
+        whole = 3 * num_experts(self.model_runner.model_config.hf_config)  # type: ignore[attr-defined]
+        seen = self.__dict__.setdefault("_rlpost_experts_seen", {})
+        done = set()
+        for n in names:
+            layer = _LAYER.match(n)
+            if layer and ".experts." in n:
+                seen[layer[1]] = seen.get(layer[1], 0) + 1
+                if seen[layer[1]] == whole:
+                    done.add(layer[1])
+                    del seen[layer[1]]
+        repack_cpu_experts(model, done)
 
     def rlpost_load(self, named: list[tuple[str, torch.Tensor]], corrupt: str | None = None) -> str:
         """Load `named` (HF names, full tensors) in place; returns the fingerprint of what was consumed."""
@@ -167,7 +206,10 @@ class RlpostWorkerExtension:
                 self._rlpost_adapter[name] = t
             return fp
         names = {n for n, _ in named}
-        # A tied model needs lm_head.weight in the stream, or vLLM keeps a stale head.
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        # A tied model needs lm_head.weight in the stream, or vLLM keeps a stale head; Gemma's vLLM model has no
+        # head apart from its embedding, so there it is counted (the policy sends it) but not loaded.
+        headless = self._rlpost_tied() and not hasattr(model, "lm_head")
         if self._rlpost_tied() and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
             named.append(("lm_head.weight", dict(named)["model.embed_tokens.weight"]))
         fp = FingerprintBuilder()
@@ -176,10 +218,13 @@ class RlpostWorkerExtension:
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in named:
                 fp.add(name, t)
-                yield name, t
+                if not (headless and name == "lm_head.weight"):
+                    yield name, t
 
         with quiet_reload():  # a bucket leaves most layers alone: vLLM would warn for each (RELOAD_NOISE)
             self.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
+        if any(".experts." in n for n in names):
+            self._rlpost_repack_completed_layers(model, names)
         consumed = set(fp.names)
         if consumed != {n for n, _ in named}:
             raise RuntimeError(f"vLLM did not consume {sorted({n for n, _ in named} - consumed)[:5]}")

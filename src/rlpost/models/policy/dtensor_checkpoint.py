@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from rlpost.config.schema.lora import LoRAConfig
 from rlpost.models.dtensor import lora
+from rlpost.models.expert_weights import to_checkpoint_layout
 from rlpost.models.policy.hf_loading import TOKENIZER_FILES
 from rlpost.runtime.checkpointing import CheckpointError, checkpoint_errors, read_json
 
@@ -326,6 +327,7 @@ def export_hf(model: Any, full: dict[str, torch.Tensor], source_dir: str, out_di
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    full = to_checkpoint_layout(model.config, full)
     tensors = {k: v.detach().contiguous() for k, v in full.items() if not (tied and k == "lm_head.weight")}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(out_dir)

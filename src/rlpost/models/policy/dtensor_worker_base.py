@@ -33,6 +33,7 @@ from rlpost.distributed.start_gate import StartGate
 from rlpost.losses.interface import LossFunction, VocabParallelArgs
 from rlpost.models.dtensor import context_parallel, lora
 from rlpost.models.dtensor.output_head import head_logits, output_layer
+from rlpost.models.expert_weights import to_checkpoint_layout
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
 from rlpost.models.policy.interfaces import WorkerTrainResult
@@ -479,6 +480,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         embedding = full.get("model.embed_tokens.weight")
         if "lm_head.weight" not in full and embedding is not None and getattr(self.model.config, "tie_word_embeddings", False):
             full["lm_head.weight"] = embedding
+        full = to_checkpoint_layout(self.model.config, full)  # the engine loads a checkpoint's names
         torch_dtype = getattr(torch, dtype)
         self._export = [(k, v.to(torch_dtype)) for k, v in full.items() if v is not None] if keep else []
         return {k: (tuple(v.shape), v.dtype) for k, v in self._export}
