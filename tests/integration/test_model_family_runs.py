@@ -1,5 +1,5 @@
 """Each family `model.tiny.architecture` builds, through `rlpost train` on the DTensor worker at TP=2 with the vLLM
-engine: two GRPO steps, so the second refit carries trained weights from both TP ranks (each serves the engine on its
+engine: GRPO steps (two; the Qwen3-MoE run learns the default task in 80), so the second refit carries trained weights from both TP ranks (each serves the engine on its
 device; the fingerprint gate fails if they differ) and the engine stays on policy (token_mult_prob_error <= 1.001 in
 fp32); then the HF export of the last step holds the checkpoint's names and transformers loads it.
 
@@ -21,25 +21,36 @@ from tests.integration.cli_runs import metrics, train
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "olmo2", "phi3", "qwen3_moe", "mixtral"])
+STEPS = {"gemma2": 2, "gemma3_text": 2, "olmo2": 2, "phi3": 2, "qwen3_moe": 80, "mixtral": 2}
+"""Two steps each; the Qwen3-MoE run is the default job's 80, and it learns the task."""
+LORA = ("olmo2", "phi3", "mixtral")
+"""Runs with the LoRA preset (experiment=tiny_lora: adapters split as their layers are, the embeddings trained in
+full, the merged weights refit); the others train every weight."""
+
+
+@pytest.mark.parametrize("family", list(STEPS))
 def test_each_family_trains_at_tp2_and_the_engine_stays_on_policy(family: str, cache: Path, tmp_path: Path) -> None:
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    run = tmp_path / family
+    run, steps = tmp_path / family, STEPS[family]
     train(run, cache, f"model.tiny.architecture={family}", "model.tiny.num_key_value_heads=2",
-          "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2", "grpo.max_num_steps=2",
-          "grpo.val_period=0", "checkpointing.save_period=2", "checkpointing.metric_name=null")
+          "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2", f"grpo.max_num_steps={steps}",
+          "grpo.val_period=0", f"checkpointing.save_period={steps}", "checkpointing.metric_name=null",
+          *(["experiment=tiny_lora", "policy.dtensor_cfg.lora_cfg.export_merged=true"] if family in LORA else []))
     lines = metrics(run)
-    assert [m["step"] for m in lines] == [1, 2]
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
     assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines), lines
-    exported = run / "checkpoints" / "step_2" / "policy" / "weights" / "hf"
+    moe = family in ("qwen3_moe", "mixtral")
+    for m in lines:  # the routers' statistics (rlpost.models.dtensor.router_stats), a MoE family's alone
+        assert (m.get("train/moe_aux_loss", 0.0) > 0.0 and m.get("train/moe_load_cv", -1.0) >= 0.0) is moe, m
+    if steps > 2:
+        rewards = [m["train/reward"] for m in lines]
+        assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.5, rewards
+    exported = run / "checkpoints" / f"step_{steps}" / "policy" / "weights" / "hf"
     assert AutoConfig.from_pretrained(exported).model_type == family
     with safe_open(exported / "model.safetensors", "pt") as f:
         names = set(f.keys())
     experts = [n for n in names if ".experts." in n]
-    if family in ("qwen3_moe", "mixtral"):
-        assert experts and all(n.endswith(".weight") for n in experts), sorted(names)[:8]
-    else:
-        assert not experts
+    assert bool(experts) is moe and all(n.endswith(".weight") for n in experts), sorted(names)[:8]
     AutoModelForCausalLM.from_pretrained(exported)

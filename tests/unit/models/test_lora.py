@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from rlpost.config.errors import ConfigError
@@ -112,6 +113,11 @@ def test_the_tp_plan_splits_b_under_column_and_a_under_row_parallel_layers() -> 
     plan = lora.lora_tp_plan(qwen2_llama_tp_plan(), lora.adapted_layers(model))
     assert isinstance(plan["model.layers.*.mlp.down_proj.lora_A.default"], RowwiseParallel)
     assert "model.layers.*.mlp.down_proj.lora_B.default" not in plan
+    from rlpost.models.dtensor.parallelize import gathered_attention_tp_plan
+
+    gathered = lora.lora_tp_plan(gathered_attention_tp_plan(), lora.adapted_layers(model))  # OLMo 2's layout
+    assert gathered["model.layers.*.self_attn.q_proj.lora_B.default"].output_layouts == (Replicate(),)
+    assert gathered["model.layers.*.self_attn.o_proj.lora_A.default"].input_layouts == (Replicate(),)
 
 
 @pytest.mark.parametrize(("cfg", "key", "rule"), [

@@ -16,6 +16,7 @@ parallelised, so they compose with TP and FSDP2.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -32,16 +33,25 @@ ADAPTER = "default"
 """peft's name for the one adapter."""
 
 
-def peft_config(cfg: LoRAConfig, saved: bool = False) -> Any:  # -> peft.LoraConfig
-    """The peft LoraConfig of `cfg` (dim -> r, alpha -> lora_alpha; match_all_linear -> "all-linear"). `saved`: with
-    modules_to_save, as a PEFT adapter directory describes them (the injection trains them in place instead)."""
+MOE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""What LoRA adapts in a mixture-of-experts model: the attention's linears. peft would otherwise wrap each layer's
+fused expert tensors and its router whole; under LoRA they stay frozen."""
+
+
+def peft_config(cfg: LoRAConfig, saved: bool = False, moe: bool = False) -> Any:  # -> peft.LoraConfig
+    """The peft LoraConfig of `cfg` (dim -> r, alpha -> lora_alpha; match_all_linear -> "all-linear"; for a `moe`
+    model, the attention's linears among them). `saved`: with modules_to_save, as a PEFT adapter directory describes
+    them (the injection trains them in place instead)."""
     from peft import LoraConfig
 
+    targets: str | list[str] = "all-linear" if cfg.match_all_linear else list(cfg.target_modules)
+    if moe:
+        targets = [t for t in MOE_TARGETS if targets == "all-linear" or t in targets]
     return LoraConfig(
         r=cfg.dim,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        target_modules="all-linear" if cfg.match_all_linear else list(cfg.target_modules),
+        target_modules=targets,
         exclude_modules=list(cfg.exclude_modules) or None,
         bias="none",
         modules_to_save=list(cfg.modules_to_save) or None if saved else None,
@@ -54,7 +64,8 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     from peft import inject_adapter_in_model
 
     try:
-        inject_adapter_in_model(peft_config(cfg), model)
+        moe = any(type(m).__name__.endswith("TopKRouter") for m in model.modules())
+        inject_adapter_in_model(peft_config(cfg, moe=moe), model)
     except ValueError as exc:
         first = str(exc).strip().splitlines()[0]
         raise ValueError(f"policy.dtensor_cfg.lora_cfg: {first}") from None
@@ -73,7 +84,8 @@ def adapted_layers(model: nn.Module) -> list[str]:
 
 def lora_tp_plan(plan: Mapping[str, ParallelStyle], layers: list[str]) -> dict[str, ParallelStyle]:
     """`plan` for the model with adapters: an adapted layer's style moves to its base_layer, and its adapter gets
-    the matching split (B for a column-parallel base, A for a row-parallel one)."""
+    the same split (B for a column-parallel base, A for a row-parallel one), its layouts included (a gathered
+    projection's B gathers too: see rlpost.models.dtensor.parallelize.gathered_attention_tp_plan)."""
     out: dict[str, ParallelStyle] = {}
     for key, style in plan.items():
         if not any(fnmatch.fnmatchcase(name, key) for name in layers):
@@ -81,9 +93,9 @@ def lora_tp_plan(plan: Mapping[str, ParallelStyle], layers: list[str]) -> dict[s
             continue
         out[f"{key}.base_layer"] = style
         if isinstance(style, ColwiseParallel):
-            out[f"{key}.lora_B.{ADAPTER}"] = ColwiseParallel()
+            out[f"{key}.lora_B.{ADAPTER}"] = copy.deepcopy(style)
         elif isinstance(style, RowwiseParallel):
-            out[f"{key}.lora_A.{ADAPTER}"] = RowwiseParallel()
+            out[f"{key}.lora_A.{ADAPTER}"] = copy.deepcopy(style)
         else:
             raise ValueError(f"{key}: LoRA does not know how to split an adapter for {type(style).__name__}")
     return out
@@ -184,7 +196,7 @@ def write_peft_dir(cfg: LoRAConfig, full: Mapping[str, torch.Tensor], base_model
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    conf = peft_config(cfg, saved=True)
+    conf = peft_config(cfg, saved=True, moe=any(".experts." in n for n in full))
     conf.base_model_name_or_path = str(base_model)
     conf.task_type = "CAUSAL_LM"
     save_file(peft_adapter_tensors(full, cfg, tied), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})

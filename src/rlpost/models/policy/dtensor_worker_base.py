@@ -33,6 +33,7 @@ from rlpost.distributed.start_gate import StartGate
 from rlpost.losses.interface import LossFunction, VocabParallelArgs
 from rlpost.models.dtensor import context_parallel, lora
 from rlpost.models.dtensor.output_head import head_logits, output_layer
+from rlpost.models.dtensor.router_stats import router_stats, routers
 from rlpost.models.expert_weights import to_checkpoint_layout
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
@@ -105,6 +106,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         self.lora: LoRAConfig | None = cfg.dtensor_cfg.lora_cfg if cfg.dtensor_cfg.lora_cfg.enabled else None
         torch.manual_seed(1234)
         self.model = self._build_model()
+        self._routers = routers(self.model)  # a mixture of experts' (router_stats); [] for a dense model
         if self.cp is not None:
             context_parallel.enable(self.model, self.cp)
         self.optimizer: torch.optim.Optimizer | None = None
@@ -387,7 +389,8 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
                     gt: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss (zero for a padding micro-batch) and metrics of one micro-batch, packed or not."""
         chunked = getattr(loss_fn, "chunked_logits", False)
-        logits, rows, pk = self._forward_chunked(mb) if chunked else self._forward_logits(mb)
+        with router_stats(self._routers, self._valid_tokens(mb)) as moe:
+            logits, rows, pk = self._forward_chunked(mb) if chunked else self._forward_logits(mb)
         rows = rows.to(self.device)
         fn: LossFunction | SequencePackingLossWrapper = loss_fn
         if pk is not None:
@@ -397,7 +400,15 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         loss, metrics = fn(logits, rows, gs, gt, **self._vp_kwargs())  # type: ignore[arg-type]  # HeadLogits if chunked
         if mb.is_padding or rows.is_padding:
             loss = loss * 0.0
-        return loss, metrics
+        return loss, {**metrics, **moe}
+
+    def _valid_tokens(self, mb: BatchedDataDict | PackedMicroBatch) -> torch.Tensor | None:
+        """[B x S] the tokens of a padded micro-batch within their row's length (None when packed: every packed
+        token is a row's)."""
+        if isinstance(mb, PackedMicroBatch) or not self._routers:
+            return None
+        ids = mb["input_ids"]
+        return (torch.arange(ids.shape[1])[None, :] < mb["input_lengths"][:, None]).reshape(-1).to(self.device)
 
     def _clip_grad_norm(self) -> float:
         """Global L2 grad norm over every parameter (TP-sharded and not), then clip to max_grad_norm.

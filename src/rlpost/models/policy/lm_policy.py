@@ -36,7 +36,8 @@ REFIT_GROUP = "refit"
 """The workers' Ray concurrency group for `broadcast_staged`: a thread of its own beside training."""
 
 # Metrics that are averaged, not summed, over micro-batches.
-MEAN_METRICS = {"lr", "wd", "reward", "global_valid_seqs", "global_valid_toks", "mean_prompt_length"}
+MEAN_METRICS = {"lr", "wd", "reward", "global_valid_seqs", "global_valid_toks", "mean_prompt_length",
+                "moe_aux_loss", "moe_load_cv"}
 
 
 class Policy(ColocatablePolicyInterface):
