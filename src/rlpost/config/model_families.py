@@ -15,12 +15,13 @@ from typing import Any
 from rlpost.config.errors import ConfigError
 
 ARCHITECTURES: dict[str, str] = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                 "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+                                 "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                 "phi3": "Phi3ForCausalLM"}
 """model_type -> the HF architecture each converter handles."""
 
 
 CAUSAL_LMS: dict[str, str] = {**ARCHITECTURES, "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                              "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                              "olmo2": "Olmo2ForCausalLM",
                               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 """model_type -> the causal LM architecture, for every family `model.tiny.architecture` builds."""
 

@@ -1,9 +1,10 @@
 """One function per parallelism technique, composed in a fixed order: TP, then activation
 checkpointing, then FSDP2.
 
-TP plans are rlpost's own, per architecture (Qwen2 and Llama share the layout): column-parallel
-q/k/v/gate/up, row-parallel o/down, a vocab-sharded embedding, and an lm_head whose logits stay
-sharded over the vocabulary (Shard(-1)) so the loss runs through the vocab-parallel log-softmax.
+TP plans are rlpost's own, per architecture (TP_PLANS; Qwen2, Llama, Mistral and Gemma 2 share the layout):
+column-parallel q/k/v/gate/up, row-parallel o/down, a vocab-sharded embedding, and an lm_head whose logits stay
+sharded over the vocabulary (Shard(-1)) so the loss runs through the vocab-parallel log-softmax; per-head q/k norms,
+gathered projections and whole experts are the other families' variations (docs/models.md).
 transformers 5.x reshapes attention with -1 heads, so local head counts need no patching.
 """
 

@@ -1,5 +1,5 @@
-"""HF <-> Megatron-Core conversion for the Qwen2, Qwen3, Llama and Mistral families (dense, SwiGLU, RMSNorm, RoPE,
-GQA; Qwen3's per-head q/k RMSNorm).
+"""HF <-> Megatron-Core conversion for the Qwen2, Qwen3, Llama, Mistral and Phi-3 families (dense, SwiGLU, RMSNorm,
+RoPE, GQA; Qwen3's per-head q/k RMSNorm; Phi-3's fused projections).
 
 Config: `transformer_config_from_hf` maps the HF config to a megatron `TransformerConfig` (RMSNorm eps, GQA via
 `num_query_groups`, `kv_channels` = head_dim, SwiGLU = `gated_linear_unit` + silu, Qwen2's q/k/v bias via
@@ -17,6 +17,8 @@ Weights, per layer (HF name -> megatron local-spec name, TP split):
   post_attention_layernorm.weight   -> pre_mlp_layernorm.weight                  replicated
   mlp.{gate,up}_proj.weight         -> mlp.linear_fc1.weight                     dim 0, fused (below)
   mlp.down_proj.weight              -> mlp.linear_fc2.weight                     dim 1
+Phi-3 fuses q, k and v in `self_attn.qkv_proj` (rows [q; k; v]) and gate and up in `mlp.gate_up_proj` (rows
+[gate; up]): they are split into the same q, k, v and gate, up, and joined again on the way back.
 plus model.embed_tokens.weight -> embedding.word_embeddings.weight (dim 0), model.norm.weight ->
 decoder.final_layernorm.weight, lm_head.weight -> output_layer.weight (dim 0; absent when tied on a single stage).
 The Transformer Engine spec fuses the two norms into the next linear (`linear_qkv.layer_norm_weight`,
@@ -59,7 +61,9 @@ if TYPE_CHECKING:
 
     from rlpost.config.schema.megatron import MegatronConfig
 
-LLAMA_LIKE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+LLAMA_LIKE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+FUSED_PROJECTION_ARCHS = ("Phi3ForCausalLM",)
+"""Architectures whose checkpoint fuses q/k/v (qkv_proj) and gate/up (gate_up_proj)."""
 """Architectures whose attention_bias / mlp_bias flags would add biases megatron's layers here do not carry."""
 DEFAULT_VOCAB_DIVISOR = 128
 VOCAB_DIVISOR_KEY = "make_vocab_size_divisible_by"
@@ -91,6 +95,7 @@ class HFModelDims:
     rope_scaling_factor: float | None
     qkv_bias: bool
     qk_norm: bool
+    fused_projections: bool
     tied_embeddings: bool
     initializer_range: float
 
@@ -130,6 +135,8 @@ def hf_model_dims(hf_config: PretrainedConfig, converter_type: str = "auto") -> 
     ):
         raise NotImplementedError(f"{arch} sliding-window attention is not converted (sliding_window must be unset)")
     rope = _rope_parameters(hf_config)
+    if float(rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+        raise NotImplementedError(f"{arch} partial_rotary_factor != 1 (RoPE on part of each head) is not converted")
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
     scaling: float | None = None
     if rope_type == "llama3":
@@ -155,6 +162,7 @@ def hf_model_dims(hf_config: PretrainedConfig, converter_type: str = "auto") -> 
         rope_scaling_factor=scaling,
         qkv_bias=arch == "Qwen2ForCausalLM",
         qk_norm=arch == "Qwen3ForCausalLM",
+        fused_projections=arch in FUSED_PROJECTION_ARCHS,
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         initializer_range=float(getattr(hf_config, "initializer_range", 0.02)),
     )
@@ -282,6 +290,11 @@ def split_qkv(fused: torch.Tensor, d: HFModelDims) -> tuple[torch.Tensor, torch.
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def _qkv_rows(d: HFModelDims) -> list[int]:
+    """The q, k and v rows of a fused [q; k; v] projection (Phi-3's qkv_proj)."""
+    return [d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.num_kv_heads * d.head_dim]
+
+
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] == rows:
         return t
@@ -356,14 +369,18 @@ def from_model_keys(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.T
 def _layer_hf_to_megatron(hf: Mapping[str, torch.Tensor], g: int, d: HFModelDims) -> dict[str, torch.Tensor]:
     """Full (unsharded) megatron tensors of HF layer g, under names relative to decoder.layers.<i>."""
     h = f"model.layers.{g}."
+    if d.fused_projections:
+        q, k, v = torch.split(hf[h + "self_attn.qkv_proj.weight"], _qkv_rows(d), dim=0)
+        fc1 = hf[h + "mlp.gate_up_proj.weight"]
+    else:
+        q, k, v = (hf[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
+        fc1 = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0)
     out = {
         "input_layernorm.weight": hf[h + "input_layernorm.weight"],
-        "self_attention.linear_qkv.weight": _fuse_qkv(
-            hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"], d
-        ),
+        "self_attention.linear_qkv.weight": _fuse_qkv(q, k, v, d),
         "self_attention.linear_proj.weight": hf[h + "self_attn.o_proj.weight"],
         "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
-        "mlp.linear_fc1.weight": torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0),
+        "mlp.linear_fc1.weight": fc1,
         "mlp.linear_fc2.weight": hf[h + "mlp.down_proj.weight"],
     }
     if d.qkv_bias:
@@ -428,27 +445,25 @@ def _layer_megatron_to_hf(m: Mapping[str, torch.Tensor], g: int, d: HFModelDims)
     h = f"model.layers.{g}."
     q, k, v = split_qkv(m["self_attention.linear_qkv.weight"], d)
     gate, up = m["mlp.linear_fc1.weight"].chunk(2, dim=0)
-    out = {
-        h + "input_layernorm.weight": m["input_layernorm.weight"],
-        h + "self_attn.q_proj.weight": q,
-        h + "self_attn.k_proj.weight": k,
-        h + "self_attn.v_proj.weight": v,
-    }
+    out = {h + "input_layernorm.weight": m["input_layernorm.weight"]}
+    if d.fused_projections:
+        out[h + "self_attn.qkv_proj.weight"] = torch.cat([q, k, v], dim=0)
+    else:
+        out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k,
+                    h + "self_attn.v_proj.weight": v})
     if d.qkv_bias:
         qb, kb, vb = split_qkv(m["self_attention.linear_qkv.bias"], d)
         out.update({h + "self_attn.q_proj.bias": qb, h + "self_attn.k_proj.bias": kb, h + "self_attn.v_proj.bias": vb})
     if d.qk_norm:
         out[h + "self_attn.q_norm.weight"] = m["self_attention.q_layernorm.weight"]
         out[h + "self_attn.k_norm.weight"] = m["self_attention.k_layernorm.weight"]
-    out.update(
-        {
-            h + "self_attn.o_proj.weight": m["self_attention.linear_proj.weight"],
-            h + "post_attention_layernorm.weight": m["pre_mlp_layernorm.weight"],
-            h + "mlp.gate_proj.weight": gate,
-            h + "mlp.up_proj.weight": up,
-            h + "mlp.down_proj.weight": m["mlp.linear_fc2.weight"],
-        }
-    )
+    out.update({h + "self_attn.o_proj.weight": m["self_attention.linear_proj.weight"],
+                h + "post_attention_layernorm.weight": m["pre_mlp_layernorm.weight"]})
+    if d.fused_projections:
+        out[h + "mlp.gate_up_proj.weight"] = m["mlp.linear_fc1.weight"]
+    else:
+        out.update({h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up})
+    out[h + "mlp.down_proj.weight"] = m["mlp.linear_fc2.weight"]
     return out
 
 

@@ -60,15 +60,22 @@ def _hf_unit_shapes(unit: Unit, d: HFModelDims, include_tied_lm_head: bool) -> l
     if kind == "final":
         return [("model.norm.weight", (h,))] + ([] if d.tied_embeddings else [("lm_head.weight", (v, h))])
     p = f"model.layers.{g}."
-    out = [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (q, h))]
-    out += [(p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.v_proj.weight", (kv, h))]
+    out: list[tuple[str, tuple[int, ...]]] = [(p + "input_layernorm.weight", (h,))]
+    if d.fused_projections:
+        out += [(p + "self_attn.qkv_proj.weight", (q + 2 * kv, h))]
+    else:
+        out += [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h))]
+        out += [(p + "self_attn.v_proj.weight", (kv, h))]
     if d.qkv_bias:
         out += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,))]
         out += [(p + "self_attn.v_proj.bias", (kv,))]
     if d.qk_norm:
         out += [(p + "self_attn.q_norm.weight", (d.head_dim,)), (p + "self_attn.k_norm.weight", (d.head_dim,))]
     out += [(p + "self_attn.o_proj.weight", (h, q)), (p + "post_attention_layernorm.weight", (h,))]
-    out += [(p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h))]
+    if d.fused_projections:
+        out += [(p + "mlp.gate_up_proj.weight", (2 * f, h))]
+    else:
+        out += [(p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h))]
     out += [(p + "mlp.down_proj.weight", (h, f))]
     return out
 

@@ -17,6 +17,8 @@ HF_NAMES = {"linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_
             "linear_proj": ("self_attn.o_proj",), "linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
             "linear_fc2": ("mlp.down_proj",)}
 """The HF layers each Megatron linear fuses (their order in its output rows)."""
+FUSED_HF_NAMES = {"linear_qkv": ("self_attn.qkv_proj",), "linear_fc1": ("mlp.gate_up_proj",)}
+"""Phi-3's HF layers for the same Megatron linears (its checkpoint fuses them too)."""
 
 
 def _hf_adapters(leaf: str, g: int, a: torch.Tensor, b: torch.Tensor, dims: Any) -> dict[str, torch.Tensor]:
@@ -24,14 +26,17 @@ def _hf_adapters(leaf: str, g: int, a: torch.Tensor, b: torch.Tensor, dims: Any)
     layer with the same A each (W_q + s B_q A, ...): its B is split like the fused weight's rows."""
     from rlpost.models.megatron.convert import split_qkv
 
-    if leaf == "linear_qkv":
-        bs: tuple[torch.Tensor, ...] = split_qkv(b, dims)
+    names = FUSED_HF_NAMES.get(leaf) if dims.fused_projections else None
+    if names is not None:  # Phi-3: one HF layer, rows [q; k; v] or [gate; up]
+        bs: tuple[torch.Tensor, ...] = (torch.cat(split_qkv(b, dims)) if leaf == "linear_qkv" else b,)
+    elif leaf == "linear_qkv":
+        bs = split_qkv(b, dims)
     elif leaf == "linear_fc1":
         bs = tuple(b.chunk(2, dim=0))
     else:
         bs = (b,)
     out = {}
-    for hf, part in zip(HF_NAMES[leaf], bs, strict=True):
+    for hf, part in zip(names or HF_NAMES[leaf], bs, strict=True):
         p = f"{PEFT_PREFIX}model.layers.{g}.{hf}"
         out[f"{p}.lora_A.weight"] = a.clone()
         out[f"{p}.lora_B.weight"] = part.contiguous()

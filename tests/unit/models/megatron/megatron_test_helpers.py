@@ -81,12 +81,22 @@ def mistral_config() -> Any:
                          sliding_window=None)
 
 
+def phi3_config() -> Any:
+    """Phi-3: q/k/v fused in qkv_proj and gate/up in gate_up_proj."""
+    from transformers import Phi3Config
+
+    return Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=96, vocab_size=104, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 MODEL_CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen2_tied": lambda: qwen2_config(True),
     "qwen2_untied": lambda: qwen2_config(False),
     "llama": llama_config,
     "qwen3": qwen3_config,
     "mistral": mistral_config,
+    "phi3": phi3_config,
 }
 
 

@@ -22,7 +22,7 @@ PHASES: dict[str, dict[str, Any]] = {
     "tp1_dp2": {
         "tp": 1,
         "pp": 1,
-        "logprobs": ["qwen2_tied", "qwen2_untied", "llama", "qwen3", "mistral"],
+        "logprobs": ["qwen2_tied", "qwen2_untied", "llama", "qwen3", "mistral", "phi3"],
         "logprobs_bf16": ["qwen2_tied"],
         "export": ["qwen2_untied"],
         "train": {
@@ -34,10 +34,10 @@ PHASES: dict[str, dict[str, Any]] = {
     "tp2": {
         "tp": 2,
         "pp": 1,
-        "logprobs": ["qwen2_tied", "llama", "qwen3", "mistral"],
-        "export": ["qwen2_tied", "llama", "qwen3", "mistral"],
+        "logprobs": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3"],
+        "export": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3"],
         "train": {"qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0), "llama_adam": ("llama", "adam", 1e-3, 0.0),
-                  "qwen3_sgd": ("qwen3", "sgd", 0.5, 0.0)},
+                  "qwen3_sgd": ("qwen3", "sgd", 0.5, 0.0), "phi3_sgd": ("phi3", "sgd", 0.5, 0.0)},
     },
     "pp2": {
         "tp": 1,
