@@ -20,6 +20,10 @@ ARCHITECTURES: dict[str, str] = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3For
 """model_type -> the HF architecture each converter handles."""
 
 
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+"""The mixture-of-experts families (rlpost.models.expert_weights has their checkpoint layouts)."""
+
+
 CAUSAL_LMS: dict[str, str] = {**ARCHITECTURES, "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                               "olmo2": "Olmo2ForCausalLM",
                               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -34,12 +35,19 @@ class ExpertLayout:
     down: str
     """Each expert's down projection."""
 
+    @cached_property
+    def checkpoint_key(self) -> re.Pattern[str]:
+        """A checkpoint key of an expert's matrix (groups layer, e, part) or of the router (group router)."""
+        parts = "|".join(re.escape(p) for p in (self.gate, self.up, self.down))
+        return re.compile(rf"^(?P<layer>.*\.layers\.\d+)\.{re.escape(self.block)}\."
+                          rf"(?:experts\.(?P<e>\d+)\.(?P<part>{parts})\.weight|(?P<router>gate\.weight))$")
+
 
 LAYOUTS: dict[str, ExpertLayout] = {
     "qwen3_moe": ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ExpertLayout("block_sparse_moe", "w1", "w3", "w2"),
 }
-"""model_type -> its checkpoint layout."""
+"""model_type -> its checkpoint layout (rlpost.config.model_families.MOE_MODEL_TYPES)."""
 
 _FUSED = re.compile(r"^(?P<layer>.*\.layers\.\d+)\.mlp\.(?P<rest>experts\.(?:gate_up_proj|down_proj)|gate\.weight)$")
 
@@ -93,15 +101,11 @@ class ExpertAssembler:
     experts: int
     _pending: dict[str, _Pending] = field(default_factory=dict)
 
-    def _pattern(self) -> re.Pattern[str]:
-        lo = self.layout
-        parts = "|".join(re.escape(p) for p in (lo.gate, lo.up, lo.down))
-        return re.compile(rf"^(?P<layer>.*\.layers\.\d+)\.{re.escape(lo.block)}\."
-                          rf"(?:experts\.(?P<e>\d+)\.(?P<part>{parts})\.weight|(?P<router>gate\.weight))$")
-
     def target(self, key: str) -> str:
         """The in-memory name `key` goes into (a fused tensor's, for an expert's matrix)."""
-        m = self._pattern().match(key)
+        return self._target(self.layout.checkpoint_key.match(key), key)
+
+    def _target(self, m: re.Match[str] | None, key: str) -> str:
         if m is None:
             return key
         if m["router"]:
@@ -111,10 +115,10 @@ class ExpertAssembler:
 
     def add(self, key: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         """(in-memory name, tensor) when `key` completes one (at once for anything but an expert's matrix)."""
-        m = self._pattern().match(key)
+        m = self.layout.checkpoint_key.match(key)
+        name = self._target(m, key)
         if m is None or m["router"]:
-            return self.target(key), tensor
-        name = self.target(key)
+            return name, tensor
         e, part = int(m["e"]), m["part"]
         rows = tensor.shape[0]
         if name not in self._pending:

@@ -9,19 +9,17 @@ from pathlib import Path
 
 from rlpost.config.errors import ConfigError, require
 from rlpost.config.fields import POSITIVE, SEED, Block, checked, options
+from rlpost.config.model_families import CAUSAL_LMS, MOE_MODEL_TYPES
 
 TINY_BUILDER_VERSION = 2
 TINY_MARKER = "rlpost_tiny.json"
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
-TINY_ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2",
-                      *MOE_ARCHITECTURES)
 
 
 @dataclass
 class TinyModelConfig(Block):
     """A deterministic random-init model + byte-level BPE tokenizer built locally on first use."""
 
-    architecture: str = checked("qwen2", options(*TINY_ARCHITECTURES))
+    architecture: str = checked("qwen2", options(*CAUSAL_LMS))
     """The transformers family built (its model_type): qwen2 (q/k/v biases), qwen3 (per-head q/k norms), llama,
     mistral (no sliding window), gemma2 (soft-capped logits, sandwich norms, scaled embeddings), gemma3_text,
     phi3 (fused qkv and gate-up projections), olmo2 (whole-projection q/k norms, post-norms), and the
@@ -52,7 +50,7 @@ class TinyModelConfig(Block):
     @property
     def moe(self) -> bool:
         """Whether the family is a mixture of experts."""
-        return self.architecture in MOE_ARCHITECTURES
+        return self.architecture in MOE_MODEL_TYPES
 
     def experts(self) -> tuple[int, int]:
         """(experts per layer, experts per token) of a MoE family."""
@@ -81,7 +79,7 @@ class TinyModelConfig(Block):
         for key in ("num_experts", "num_experts_per_tok"):
             value = getattr(self, key)
             require(value is None or self.moe, f"{path}.{key}", value,
-                    f"applies to the mixture-of-experts families ({', '.join(MOE_ARCHITECTURES)}), not "
+                    f"applies to the mixture-of-experts families ({', '.join(MOE_MODEL_TYPES)}), not "
                     f"{self.architecture}")
             require(value is None or value >= 1, f"{path}.{key}", value, "must be >= 1")
         if self.moe:

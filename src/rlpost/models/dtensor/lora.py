@@ -63,9 +63,10 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     """Add adapters to `model` in place (base weights frozen); ValueError naming the key when none matched."""
     from peft import inject_adapter_in_model
 
+    from rlpost.models.dtensor.router_stats import routers
+
     try:
-        moe = any(type(m).__name__.endswith("TopKRouter") for m in model.modules())
-        inject_adapter_in_model(peft_config(cfg, moe=moe), model)
+        inject_adapter_in_model(peft_config(cfg, moe=bool(routers(model))), model)
     except ValueError as exc:
         first = str(exc).strip().splitlines()[0]
         raise ValueError(f"policy.dtensor_cfg.lora_cfg: {first}") from None

@@ -55,28 +55,29 @@ def qwen2_llama_tp_plan() -> dict[str, ParallelStyle]:
     return plan
 
 
-def head_norm_tp_plan(experts: bool = False) -> dict[str, ParallelStyle]:
-    """Qwen2's plan plus per-head q/k norms (Qwen3, Gemma 3, Qwen3-MoE): each rank normalises its own heads with
-    the one replicated weight, as torch's SequenceParallel does a norm over a sharded sequence (here the heads'
-    dim), so the weight's gradient is summed over the TP ranks (every head's share). `experts`: the MoE block
-    whole on every rank (see gathered_attention_tp_plan)."""
+def head_norm_tp_plan() -> dict[str, ParallelStyle]:
+    """Qwen2's plan plus per-head q/k norms (Qwen3, Gemma 3): each rank normalises its own heads with the one
+    replicated weight, as torch's SequenceParallel does a norm over a sharded sequence (here the heads' dim), so the
+    weight's gradient is summed over the TP ranks (every head's share)."""
     plan = qwen2_llama_tp_plan()
-    if experts:
-        plan = {k: v for k, v in plan.items() if ".mlp." not in k}
     for norm in ("q_norm", "k_norm"):
         plan[f"model.layers.*.self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
 
 
-def gathered_attention_tp_plan(fused_mlp: bool = False, experts: bool = False) -> dict[str, ParallelStyle]:
+def experts_tp_plan(head_norms: bool = False) -> dict[str, ParallelStyle]:
+    """Mixture-of-experts decoders (Mixtral; Qwen3-MoE with `head_norms`): attention split as Qwen2's (or
+    Qwen3's), the router and the experts whole on every TP rank."""
+    plan = head_norm_tp_plan() if head_norms else qwen2_llama_tp_plan()
+    return {k: v for k, v in plan.items() if ".mlp." not in k}
+
+
+def gathered_attention_tp_plan(fused_mlp: bool = False) -> dict[str, ParallelStyle]:
     """TP plan for decoders whose attention needs whole projections: OLMo 2 normalises all of q and all of k, and
     Phi-3 fuses q, k and v (and gate and up) in one matrix whose column split would mix them. The projections are
     column-split and their outputs gathered, so every rank computes the whole attention (or MLP); the row-split
-    o_proj (down_proj) takes its own slice of it. Mixture-of-experts families (`experts`) split attention like
-    Qwen2 and keep the router and the experts whole on every TP rank."""
+    o_proj (down_proj) takes its own slice of it."""
     plan = qwen2_llama_tp_plan()
-    if experts:
-        return {k: v for k, v in plan.items() if ".mlp." not in k}
     gathered, sliced = ColwiseParallel(output_layouts=Replicate()), RowwiseParallel(input_layouts=Replicate())
     for k in [k for k in plan if ".self_attn." in k or (fused_mlp and ".mlp." in k)]:
         del plan[k]
@@ -96,8 +97,8 @@ TP_PLANS: dict[str, Any] = {
     "Gemma3ForCausalLM": head_norm_tp_plan,
     "Olmo2ForCausalLM": gathered_attention_tp_plan,
     "Phi3ForCausalLM": lambda: gathered_attention_tp_plan(fused_mlp=True),
-    "Qwen3MoeForCausalLM": lambda: head_norm_tp_plan(experts=True),
-    "MixtralForCausalLM": lambda: gathered_attention_tp_plan(experts=True),
+    "Qwen3MoeForCausalLM": lambda: experts_tp_plan(head_norms=True),
+    "MixtralForCausalLM": experts_tp_plan,
 }
 """The plan of each architecture the pre-flight lets through at TP > 1 (rlpost.config.model_families)."""
 assert set(TP_PLANS) == set(TP_PLAN_ARCHITECTURES)
