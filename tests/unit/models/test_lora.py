@@ -60,9 +60,7 @@ def test_a_tiny_model_not_built_yet_is_counted_as_built(tiny_model_dir: Any) -> 
 
     from rlpost.config.schema.model import TinyModelConfig
 
-    t = TinyModelConfig()
-    guessed = tiny_hf_config(t.architecture, t.hidden_size, t.num_layers, t.num_attention_heads,
-                             t.num_key_value_heads, t.intermediate_size, t.vocab_size, t.tie_word_embeddings)
+    guessed = tiny_hf_config(TinyModelConfig())
     built = json.loads((tiny_model_dir / "config.json").read_text())
     assert parameter_counts(guessed, SETTINGS["all"]) == parameter_counts(built, SETTINGS["all"])
 

