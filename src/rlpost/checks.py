@@ -48,6 +48,7 @@ from rlpost.preflight_data import (
     check_prompt_files,
     check_supervised_data,
 )
+from rlpost.preflight_engine import check_engine_kwargs
 from rlpost.runtime.build import check_target_kinds, check_targets, verify_targets
 
 AnyMaster = MasterConfig | SupervisedMasterConfig
@@ -118,6 +119,7 @@ CHECKS: tuple[Check, ...] = (
     Check("config", _master_only(check_model_limits)),
     Check("files", _master_only(check_optimizer)),
     Check("files", _master_only(check_target_kinds)),  # after the optimizer's allow-list, which imports nothing
+    Check("files", _master_only(check_engine_kwargs)),
     Check("host", _master_only(check_cuda_device)),
     Check("config", lambda master, command, run_dir: check_precision(master, command.here)),
     Check("host", _master_only(check_gpu_only_keys)),

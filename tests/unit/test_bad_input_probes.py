@@ -83,6 +83,10 @@ PROBES: list[tuple[list[str], str, str]] = [
     (["env.synthetic.task=add_mod10"], "env.synthetic.task='add_mod10'", "data.synthetic.task=copy_digit"),
     (["cluster.min_call_timeout_s=5000"], "cluster.min_call_timeout_s=5000.0", "cluster.call_timeout_s"),
     (["algo=ppo", "critic.model_name=/nonexistent"], "critic.model_name='/nonexistent'", "no such directory"),
+    (["+policy.generation.vllm_kwargs.max_num_seq=4"], "policy.generation.vllm_kwargs.max_num_seq=4",
+     "did you mean 'max_num_seqs'?"),
+    # OmegaConf's "Unexpected type for root" (exit 2 naming no key)
+    (["distillation.topk_logits_k=8"], "distillation.topk_logits_k='8'", "add the block first: distillation=teacher"),
     # each of these wrote into a directory shared with other files
     (["hydra.run.dir=/"], "hydra.run.dir='/'", "the file system's root"),
     (["hydra.run.dir=."], "hydra.run.dir='.'", "the working directory"),

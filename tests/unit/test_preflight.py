@@ -534,3 +534,4 @@ def test_a_critic_of_another_tokenizer_and_a_top_k_past_the_teachers_vocabulary_
     teacher = ["algo=distillation", f"distillation.teacher.model_path={tiny_model_dir}"]
     assert preflight([*local, *teacher, "distillation.topk_logits_k=385"], False) == 2
     assert "distillation.topk_logits_k=385: is more than the teacher's vocabulary" in capsys.readouterr().err
+

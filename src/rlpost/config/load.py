@@ -406,7 +406,29 @@ def compose_config(overrides: list[str] | None = None, config_name: str = CONFIG
         with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
             return compose(config_name=config_name, overrides=overrides, return_hydra_config=with_hydra)
     except Exception as exc:  # noqa: BLE001
-        raise (_algorithm_mismatch(overrides) or translate_exception(exc, overrides=overrides)) from None
+        raise (_algorithm_mismatch(overrides) or _unset_block(exc, overrides, config_name)
+               or translate_exception(exc, overrides=overrides)) from None
+
+
+def _unset_block(exc: BaseException, overrides: list[str], config_name: str) -> ConfigError | None:
+    """A failed composition caused by a key of a block this run leaves unset (`distillation.topk_logits_k=8`
+    without a teacher): OmegaConf cannot set a key under a null node."""
+    if "Unexpected type for root: NoneType" not in f"{exc} {exc.__cause__} {exc.__context__}":
+        return None
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        block, dot, _ = key.partition(".")
+        if not dot:
+            continue
+        try:
+            cfg = compose_config([x for x in overrides if x != o], config_name)
+        except ConfigError:
+            continue
+        if block in cfg and cfg[block] is None:
+            options = group_options(block)
+            hint = f"add the block first: {block}={'|'.join(options)}" if options else None
+            return ConfigError(key, value, f"sets a key of the {block} block, which this run does not have", hint)
+    return None
 
 
 def _algorithm_mismatch(overrides: list[str]) -> ConfigError | None:
