@@ -18,7 +18,7 @@ from typing import Any
 
 from rlpost.config.errors import ConfigError, did_you_mean
 from rlpost.config.layout import model_dir_key, read_hf_config
-from rlpost.config.model_families import check_converted, check_tp_plan
+from rlpost.config.model_families import check_converted, check_megatron_experts, check_tp_plan
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.megatron import MegatronPolicyConfig
@@ -198,6 +198,8 @@ def check_model_limits(master: AnyMaster) -> None:
     _check_pipeline_stages(master, hf)
     if isinstance(p, MegatronPolicyConfig):
         check_converted(hf, "policy.megatron_cfg.converter_type", p.megatron_cfg.converter_type)
+        m = p.megatron_cfg
+        check_megatron_experts(hf, "policy.megatron_cfg", m.tensor_model_parallel_size, m.sequence_parallel)
     elif isinstance(p, DTensorPolicyConfig) and not p._target_.endswith("V2") and not p.dtensor_cfg.custom_parallel_plan:
         check_tp_plan(hf, "policy.dtensor_cfg.tensor_parallel_size", p.dtensor_cfg.tensor_parallel_size)
     vocab = hf.get("vocab_size")

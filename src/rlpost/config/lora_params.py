@@ -38,15 +38,17 @@ def adapter_config(key: str, lora: LoRAConfig, base_model: str) -> dict[str, obj
 def megatron_shapes(hf: Mapping[str, Any]) -> dict[str, tuple[int, int]] | None:
     """`linear_shapes` under Megatron-Core's fused layers (MEGATRON_LINEARS); None for an unknown layout."""
     s = linear_shapes(hf)
-    if s is None or is_moe(hf):
+    if s is None:
         return None
 
     def fused(*names: str) -> tuple[int, int]:
         present = [s[n] for n in names if n in s]
         return present[0][0], sum(o for _, o in present)
 
-    return {"linear_qkv": fused("q_proj", "k_proj", "v_proj", "qkv_proj"), "linear_proj": s["o_proj"],
-            "linear_fc1": fused("gate_proj", "up_proj", "gate_up_proj"), "linear_fc2": s["down_proj"]}
+    attention = {"linear_qkv": fused("q_proj", "k_proj", "v_proj", "qkv_proj"), "linear_proj": s["o_proj"]}
+    if is_moe(hf):  # the experts' linears stay frozen, as on the DTensor worker
+        return attention
+    return {**attention, "linear_fc1": fused("gate_proj", "up_proj", "gate_up_proj"), "linear_fc2": s["down_proj"]}
 
 
 def layer_shapes(hf: Mapping[str, Any], megatron: bool) -> dict[str, tuple[int, int]] | None:

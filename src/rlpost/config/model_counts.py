@@ -26,8 +26,9 @@ class Family:
     """Query/key norms: "head" (one head_dim-wide weight each: Qwen3, Gemma 3), "full" (over all heads: OLMo 2)."""
     qkv_bias: bool = False
     """q/k/v carry biases whatever the config says (Qwen2)."""
-    experts_key: str = ""
-    """The config key counting each layer's experts (a mixture of experts); empty for a dense MLP."""
+    moe: bool = False
+    """A mixture of experts: each layer's experts counted by `num_experts` or `num_local_experts` (the hub's
+    Qwen3-MoE configs write the first, transformers the second)."""
     expert_width_key: str = "intermediate_size"
     """The config key of one expert's inner width."""
     tied: bool = False
@@ -39,8 +40,8 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(), "mistral": Family(), "qwen2": Family(qkv_bias=True), "qwen3": Family(head_norms="head"),
     "gemma2": Family(layer_norms=4, tied=True), "gemma3_text": Family(layer_norms=4, head_norms="head", tied=True),
     "olmo2": Family(head_norms="full"), "phi3": Family(fused=True),
-    "qwen3_moe": Family(head_norms="head", experts_key="num_experts", expert_width_key="moe_intermediate_size"),
-    "mixtral": Family(experts_key="num_local_experts"),
+    "qwen3_moe": Family(head_norms="head", moe=True, expert_width_key="moe_intermediate_size"),
+    "mixtral": Family(moe=True),
 }
 """model_type -> its layer's departures from Llama's."""
 
@@ -91,10 +92,14 @@ def linear_shapes(hf: Mapping[str, Any]) -> Shapes | None:
     return attention if is_moe(hf) else {**attention, **mlp_shapes(hf, int(hf["intermediate_size"]))}
 
 
+def _num_experts(hf: Mapping[str, Any]) -> int:
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
 def is_moe(hf: Mapping[str, Any]) -> bool:
     """Whether the model is a mixture of experts."""
     fam = family(hf)
-    return fam is not None and bool(fam.experts_key) and int(hf.get(fam.experts_key) or 0) > 0
+    return fam is not None and fam.moe and _num_experts(hf) > 0
 
 
 def experts(hf: Mapping[str, Any]) -> tuple[int, int, int]:
@@ -105,7 +110,7 @@ def experts(hf: Mapping[str, Any]) -> tuple[int, int, int]:
     layers = int(hf["num_hidden_layers"])
     step, dense = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or ())
     sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
-    return int(hf[fam.experts_key]), int(hf["num_experts_per_tok"]), sparse
+    return _num_experts(hf), int(hf["num_experts_per_tok"]), sparse
 
 
 def expert_parameters(hf: Mapping[str, Any]) -> int:

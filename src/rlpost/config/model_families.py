@@ -16,7 +16,8 @@ from rlpost.config.errors import ConfigError
 
 ARCHITECTURES: dict[str, str] = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                  "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                 "phi3": "Phi3ForCausalLM"}
+                                 "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                                 "mixtral": "MixtralForCausalLM"}
 """model_type -> the HF architecture each converter handles."""
 
 
@@ -25,8 +26,7 @@ MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 
 CAUSAL_LMS: dict[str, str] = {**ARCHITECTURES, "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                              "olmo2": "Olmo2ForCausalLM",
-                              "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                              "olmo2": "Olmo2ForCausalLM"}
 """model_type -> the causal LM architecture, for every family `model.tiny.architecture` builds."""
 
 
@@ -52,6 +52,18 @@ def check_converted(hf: Mapping[str, Any], key: str, converter_type: str = "auto
         return
     raise ConfigError(key, converter_type, f"Megatron-Core converts {', '.join(ARCHITECTURES.values())}; this model "
                       f"is {_named(hf, arch)}", "policy=dtensor trains any transformers causal LM (docs/models.md)")
+
+
+def check_megatron_experts(hf: Mapping[str, Any], path: str, tp: int, sequence_parallel: bool) -> None:
+    """ConfigError at the Megatron block `path` when megatron-core cannot train the model's experts as laid out: a
+    mixture of experts above TP=1 trains only with sequence parallelism (a GPU's Transformer Engine norms)."""
+    from rlpost.config.model_counts import is_moe
+
+    if is_moe(hf) and tp > 1 and not sequence_parallel:
+        raise ConfigError(f"{path}.sequence_parallel", sequence_parallel,
+                          f"megatron-core trains a mixture of experts at tensor_model_parallel_size={tp} only with "
+                          "sequence parallelism", f"set {path}.sequence_parallel=true on a GPU, or "
+                          f"{path}.tensor_model_parallel_size=1")
 
 
 def check_tp_plan(hf: Mapping[str, Any], key: str, tp: int) -> None:

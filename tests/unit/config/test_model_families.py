@@ -46,3 +46,15 @@ def test_the_listed_tp_plan_architectures_are_the_plans_the_worker_has() -> None
     from rlpost.models.dtensor.parallelize import TP_PLANS
 
     assert set(TP_PLAN_ARCHITECTURES) == set(TP_PLANS)
+
+
+def test_megatron_trains_experts_above_tp_1_only_with_sequence_parallelism() -> None:
+    from rlpost.config.model_families import check_megatron_experts
+
+    moe = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2}
+    check_megatron_experts(moe, "policy.megatron_cfg", 1, False)
+    check_megatron_experts(moe, "policy.megatron_cfg", 2, True)
+    check_megatron_experts({"model_type": "qwen3"}, "policy.megatron_cfg", 2, False)
+    with pytest.raises(ConfigError) as e:
+        check_megatron_experts(moe, "policy.megatron_cfg", 2, False)
+    assert e.value.key == "policy.megatron_cfg.sequence_parallel" and "tensor_model_parallel_size=1" in str(e.value)

@@ -1,5 +1,6 @@
 """HF <-> Megatron-Core conversion for the Qwen2, Qwen3, Llama, Mistral and Phi-3 families (dense, SwiGLU, RMSNorm,
-RoPE, GQA; Qwen3's per-head q/k RMSNorm; Phi-3's fused projections).
+RoPE, GQA; Qwen3's per-head q/k RMSNorm; Phi-3's fused projections) and the Qwen3-MoE and Mixtral mixtures of
+experts (their attention as Qwen3's and Mistral's; the experts and router in rlpost.models.megatron.moe).
 
 Config: `transformer_config_from_hf` maps the HF config to a megatron `TransformerConfig` (RMSNorm eps, GQA via
 `num_query_groups`, `kv_channels` = head_dim, SwiGLU = `gated_linear_unit` + silu, Qwen2's q/k/v bias via
@@ -54,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlpost.config.model_families import ARCHITECTURES
+from rlpost.models.megatron import moe as moe_layers
 
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -61,10 +63,11 @@ if TYPE_CHECKING:
 
     from rlpost.config.schema.megatron import MegatronConfig
 
-LLAMA_LIKE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+LLAMA_LIKE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+                    "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+"""Architectures whose attention_bias / mlp_bias flags would add biases megatron's layers here do not carry."""
 FUSED_PROJECTION_ARCHS = ("Phi3ForCausalLM",)
 """Architectures whose checkpoint fuses q/k/v (qkv_proj) and gate/up (gate_up_proj)."""
-"""Architectures whose attention_bias / mlp_bias flags would add biases megatron's layers here do not carry."""
 DEFAULT_VOCAB_DIVISOR = 128
 VOCAB_DIVISOR_KEY = "make_vocab_size_divisible_by"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,6 +101,8 @@ class HFModelDims:
     fused_projections: bool
     tied_embeddings: bool
     initializer_range: float
+    moe: moe_layers.MoEDims | None = None
+    """The experts of a mixture of experts (rlpost.models.megatron.moe); None for a dense MLP."""
 
 
 def _rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
@@ -131,7 +136,7 @@ def hf_model_dims(hf_config: PretrainedConfig, converter_type: str = "auto") -> 
             f"{arch} attention_bias / mlp_bias (projection / MLP biases) have no megatron equivalent here"
         )
     if getattr(hf_config, "use_sliding_window", False) or (
-        arch == "MistralForCausalLM" and getattr(hf_config, "sliding_window", None) is not None
+        arch in ("MistralForCausalLM", "MixtralForCausalLM") and getattr(hf_config, "sliding_window", None) is not None
     ):
         raise NotImplementedError(f"{arch} sliding-window attention is not converted (sliding_window must be unset)")
     rope = _rope_parameters(hf_config)
@@ -161,10 +166,11 @@ def hf_model_dims(hf_config: PretrainedConfig, converter_type: str = "auto") -> 
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         rope_scaling_factor=scaling,
         qkv_bias=arch == "Qwen2ForCausalLM",
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         fused_projections=arch in FUSED_PROJECTION_ARCHS,
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         initializer_range=float(getattr(hf_config, "initializer_range", 0.02)),
+        moe=moe_layers.moe_dims(hf_config, arch),
     )
 
 
@@ -246,6 +252,8 @@ def transformer_config_from_hf(
         # The post-batch_isend_irecv torch.cuda.synchronize() guards CUDA streams; gloo requests are waited on.
         batch_p2p_sync=on_gpu,
     )
+    if d.moe is not None:
+        kwargs.update(moe_layers.transformer_kwargs(d.moe))
     extra = {k: v for k, v in megatron_cfg.extra.items() if k != VOCAB_DIVISOR_KEY}
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
     unknown = sorted(set(extra) - known)
@@ -371,18 +379,20 @@ def _layer_hf_to_megatron(hf: Mapping[str, torch.Tensor], g: int, d: HFModelDims
     h = f"model.layers.{g}."
     if d.fused_projections:
         q, k, v = torch.split(hf[h + "self_attn.qkv_proj.weight"], _qkv_rows(d), dim=0)
-        fc1 = hf[h + "mlp.gate_up_proj.weight"]
     else:
         q, k, v = (hf[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
-        fc1 = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0)
     out = {
         "input_layernorm.weight": hf[h + "input_layernorm.weight"],
         "self_attention.linear_qkv.weight": _fuse_qkv(q, k, v, d),
         "self_attention.linear_proj.weight": hf[h + "self_attn.o_proj.weight"],
         "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
-        "mlp.linear_fc1.weight": fc1,
-        "mlp.linear_fc2.weight": hf[h + "mlp.down_proj.weight"],
     }
+    if d.moe is not None:
+        out.update(moe_layers.hf_to_megatron(hf, h, d.moe))
+    else:
+        out["mlp.linear_fc1.weight"] = (hf[h + "mlp.gate_up_proj.weight"] if d.fused_projections else
+                                        torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]))
+        out["mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
     if d.qkv_bias:
         out["self_attention.linear_qkv.bias"] = _fuse_qkv(
             hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"], d
@@ -444,7 +454,6 @@ def _layer_megatron_to_hf(m: Mapping[str, torch.Tensor], g: int, d: HFModelDims)
     """HF tensors of global layer g from full megatron tensors named relative to decoder.layers.<i>."""
     h = f"model.layers.{g}."
     q, k, v = split_qkv(m["self_attention.linear_qkv.weight"], d)
-    gate, up = m["mlp.linear_fc1.weight"].chunk(2, dim=0)
     out = {h + "input_layernorm.weight": m["input_layernorm.weight"]}
     if d.fused_projections:
         out[h + "self_attn.qkv_proj.weight"] = torch.cat([q, k, v], dim=0)
@@ -459,11 +468,15 @@ def _layer_megatron_to_hf(m: Mapping[str, torch.Tensor], g: int, d: HFModelDims)
         out[h + "self_attn.k_norm.weight"] = m["self_attention.k_layernorm.weight"]
     out.update({h + "self_attn.o_proj.weight": m["self_attention.linear_proj.weight"],
                 h + "post_attention_layernorm.weight": m["pre_mlp_layernorm.weight"]})
-    if d.fused_projections:
+    if d.moe is not None:
+        out.update(moe_layers.megatron_to_hf(m, h, d.moe))
+    elif d.fused_projections:
         out[h + "mlp.gate_up_proj.weight"] = m["mlp.linear_fc1.weight"]
     else:
+        gate, up = m["mlp.linear_fc1.weight"].chunk(2, dim=0)
         out.update({h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up})
-    out[h + "mlp.down_proj.weight"] = m["mlp.linear_fc2.weight"]
+    if d.moe is None:
+        out[h + "mlp.down_proj.weight"] = m["mlp.linear_fc2.weight"]
     return out
 
 

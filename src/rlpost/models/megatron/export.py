@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
+from rlpost.models.megatron import moe as moe_layers
 from rlpost.models.megatron.convert import (
     HFModelDims,
     from_model_keys,
@@ -72,6 +73,8 @@ def _hf_unit_shapes(unit: Unit, d: HFModelDims, include_tied_lm_head: bool) -> l
     if d.qk_norm:
         out += [(p + "self_attn.q_norm.weight", (d.head_dim,)), (p + "self_attn.k_norm.weight", (d.head_dim,))]
     out += [(p + "self_attn.o_proj.weight", (h, q)), (p + "post_attention_layernorm.weight", (h,))]
+    if d.moe is not None:
+        return out + moe_layers.hf_shapes(p, h, d.moe)
     if d.fused_projections:
         out += [(p + "mlp.gate_up_proj.weight", (2 * f, h))]
     else:

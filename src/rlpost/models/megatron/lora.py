@@ -85,7 +85,7 @@ def inject(model: nn.Module, cfg: LoRAConfig, tp_rank: int, tp_size: int) -> lis
     adapted: list[str] = []
     for name, module in model.named_modules():
         kind = LINEARS.get(name.rsplit(".", 1)[-1])
-        if kind is None or name.rsplit(".", 1)[-1] not in chosen:
+        if kind is None or name.rsplit(".", 1)[-1] not in chosen or ".experts." in name:  # experts stay frozen
             continue
         weight = module.weight
         out_local, in_local = int(weight.shape[0]), int(weight.shape[1])

@@ -38,6 +38,7 @@ from rlpost.models.megatron.convert import (
     vocab_divisor,
 )
 from rlpost.models.megatron.export import unwrap_model
+from rlpost.models.megatron.moe import allow_moe_without_transformer_engine
 from rlpost.ops.logprobs import vocab_parallel_logprobs
 
 if TYPE_CHECKING:
@@ -104,9 +105,10 @@ def _te_available() -> bool:
     return True
 
 
-def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False) -> ModuleSpec:
+def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False, num_experts: int | None = None) -> ModuleSpec:
     """The decoder layer spec: Transformer Engine on a GPU when importable (or use_te=True), else local;
-    `qk_layernorm`: per-head RMSNorm on the queries and keys (Qwen3)."""
+    `qk_layernorm`: per-head RMSNorm on the queries and keys (Qwen3); `num_experts`: a MoE layer of that many
+    experts (each its own MLP: no grouped GEMM) in place of the dense MLP."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -115,8 +117,10 @@ def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False) -> Module
     if use_te is None:
         use_te = torch.cuda.is_available() and _te_available()
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+    if num_experts:
+        allow_moe_without_transformer_engine()
+    return get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm")
 
 
 def load_hf_weights(
@@ -193,7 +197,8 @@ def build_gpt_model(
     config: TransformerConfig = transformer_config_from_hf(hf_config, megatron_cfg, precision)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te, qk_layernorm=config.qk_layernorm),
+        transformer_layer_spec=layer_spec(use_te, qk_layernorm=config.qk_layernorm,
+                                          num_experts=config.num_moe_experts),
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
         post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
         **gpt_model_args_from_hf(hf_config, megatron_cfg),

@@ -90,6 +90,26 @@ def phi3_config() -> Any:
                       max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+def qwen3_moe_config() -> Any:
+    """Qwen3-MoE: four experts, two per token, renormalised; Qwen3's attention."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=32, intermediate_size=96, moe_intermediate_size=48, num_experts=4,
+                          num_experts_per_tok=2, norm_topk_prob=True, vocab_size=112, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False, max_position_embeddings=256, router_aux_loss_coef=0.0)
+
+
+def mixtral_config() -> Any:
+    """Mixtral: four experts (block_sparse_moe, w1/w3/w2), two per token; Mistral's attention."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=32, intermediate_size=80, num_local_experts=4, num_experts_per_tok=2,
+                         vocab_size=120, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=256,
+                         sliding_window=None, router_aux_loss_coef=0.0)
+
+
 MODEL_CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen2_tied": lambda: qwen2_config(True),
     "qwen2_untied": lambda: qwen2_config(False),
@@ -97,6 +117,8 @@ MODEL_CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3": qwen3_config,
     "mistral": mistral_config,
     "phi3": phi3_config,
+    "qwen3_moe": qwen3_moe_config,
+    "mixtral": mixtral_config,
 }
 
 
@@ -110,7 +132,17 @@ def make_hf_model(name: str, seed: int = 0) -> Any:
         for pname, p in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname:
                 p.add_(0.2 * torch.randn_like(p))
+            if pname.endswith("gate.weight"):  # a router drawn wide, so rounding does not decide the experts
+                p.normal_(0.0, 0.5)
     return model.eval()
+
+
+def checkpoint_state(model: Any) -> dict[str, torch.Tensor]:
+    """The model's weights under its checkpoint's names (a mixture of experts: one matrix per expert), as a
+    conversion reads and an export writes them."""
+    from rlpost.models.expert_weights import to_checkpoint_layout
+
+    return to_checkpoint_layout(model.config, model.state_dict())
 
 
 def save_hf_model(name: str, directory: str) -> str:
@@ -160,7 +192,7 @@ def torch_reference_step(
         loss_sum += float(loss)
     norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
     opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norm, loss_sum
+    return {k: v.detach().clone() for k, v in checkpoint_state(model).items()}, norm, loss_sum
 
 
 def train_microbatches(vocab: int) -> list[dict[str, torch.Tensor]]:

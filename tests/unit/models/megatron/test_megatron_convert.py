@@ -31,7 +31,7 @@ def hf_models() -> dict[str, Any]:
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_round_trip_is_exact(name: str, tp: int, pp: int, hf_models: dict[str, Any]) -> None:
     config = hf_models[name].config
-    ref = hf_models[name].state_dict()
+    ref = h.checkpoint_state(hf_models[name])
     back: dict[str, torch.Tensor] = {}
     for stage in range(pp):
         shards = [hf_to_megatron_state_dict(ref, config, r, tp, stage, pp) for r in range(tp)]

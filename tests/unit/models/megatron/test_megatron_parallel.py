@@ -22,20 +22,21 @@ PHASES: dict[str, dict[str, Any]] = {
     "tp1_dp2": {
         "tp": 1,
         "pp": 1,
-        "logprobs": ["qwen2_tied", "qwen2_untied", "llama", "qwen3", "mistral", "phi3"],
+        "logprobs": ["qwen2_tied", "qwen2_untied", "llama", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral"],
         "logprobs_bf16": ["qwen2_tied"],
         "export": ["qwen2_untied"],
         "train": {
             "qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0),
             "qwen_adam": ("qwen2_untied", "adam", 1e-3, 0.0),
             "llama_sgd_clip": ("llama", "sgd", 0.5, 0.05),
+            "qwen3_moe_sgd": ("qwen3_moe", "sgd", 0.5, 0.0),  # at TP > 1 megatron trains experts with SP alone
         },
     },
     "tp2": {
         "tp": 2,
         "pp": 1,
-        "logprobs": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3"],
-        "export": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3"],
+        "logprobs": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral"],
+        "export": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral"],
         "train": {"qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0), "llama_adam": ("llama", "adam", 1e-3, 0.0),
                   "qwen3_sgd": ("qwen3", "sgd", 0.5, 0.0), "phi3_sgd": ("phi3", "sgd", 0.5, 0.0)},
     },
@@ -100,7 +101,7 @@ def test_bf16_forward_runs_on_cpu(results: list[dict[str, Any]], shared: dict[st
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_export_round_trip(phase: str, results: list[dict[str, Any]], hf_models: dict) -> None:
     for name in PHASES[phase]["export"]:
-        ref = hf_models[name].state_dict()
+        ref = h.checkpoint_state(hf_models[name])
         for res in results:  # every rank yields every weight
             got = res[phase]["export"][name]
             assert list(got) == list(results[0][phase]["export"][name])  # same order on every rank
@@ -116,7 +117,7 @@ def test_train_step_matches_pytorch(
     for key, (name, optim, lr, clip) in PHASES[phase]["train"].items():
         mbs = shared["train_batches"][name]
         ref_sd, ref_norm, ref_loss = h.torch_reference_step(name, mbs, optim, lr, clip)
-        before = hf_models[name].state_dict()
+        before = h.checkpoint_state(hf_models[name])
         for res in results:
             out = res[phase]["train"][key]
             assert out["loss"] == pytest.approx(ref_loss, rel=1e-5)
