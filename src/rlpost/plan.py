@@ -18,6 +18,7 @@ from rlpost.config.layout import (
 )
 from rlpost.config.lora_params import describe as describe_parameters
 from rlpost.config.lora_params import is_megatron, model_shape, parameter_counts
+from rlpost.config.model_counts import is_moe, num_experts
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.policy import PolicyConfig
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
@@ -126,7 +127,7 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
         ("completions per step", f"{lay.completions_per_step} ({g.num_prompts_per_step} x {g.num_generations_per_prompt})"),
         ("optimizer steps per GRPO step", f"{lay.optimizer_steps_per_grpo_step} (global batch {p.train_global_batch_size})"),
         ("micro-batches per optimizer step", _micro_batches(p, lay.micro_batches_per_optimizer_step)),
-        ("training layout", f"DP={lay.dp} TP={lay.tp} PP={lay.pp} CP={lay.cp} ({lay.train_world} workers)"
+        ("training layout", f"DP={lay.dp} TP={lay.tp} PP={lay.pp} CP={lay.cp}{_experts(cfg)} ({lay.train_world} workers)"
                             + (f"; {fsdp}" if (fsdp := fsdp_wrapping(cfg, lay.train_world)) else "")),
         ("long sequences", _long_sequences(cfg)),
         ("engine layout", f"{lay.gen_replicas} replica(s) x TP*PP={lay.gen_tp} ({lay.gen_world} workers)"),
@@ -226,6 +227,14 @@ def _rollouts(cfg: MasterConfig) -> str:
            else "turns in lock-step, one batched generate per turn")
     return (f"multi-turn: up to {turns} model turns per episode within {cfg.policy.max_total_sequence_length} "
             f"tokens; {how}; environment tokens masked out of the loss")
+
+
+def _experts(cfg: MasterConfig) -> str:
+    """A mixture of experts' layout: EP and the experts each rank holds of each layer."""
+    hf = model_shape(cfg)
+    n = num_experts(hf) if hf is not None and is_moe(hf) else 0
+    ep = cfg.policy.parallel_sizes().get("ep", 1)
+    return f" EP={ep}, {n // ep} of {n} experts per rank" if n else ""
 
 
 def _refit(cfg: MasterConfig, lay: Layout) -> str:

@@ -366,9 +366,8 @@ def test_cpu_defaults_build_the_same_optimizer(tmp_path: Path) -> None:
     [
         ("policy.dynamic_batching.enabled=true", "policy.dynamic_batching.enabled"),
         ("policy.sequence_packing.enabled=true", "policy.sequence_packing.enabled"),
-        ("policy.megatron_cfg.expert_model_parallel_size=2", "policy.megatron_cfg.expert_model_parallel_size"),
     ],
-    ids=["dynamic_batching", "packing", "expert_parallel"],
+    ids=["dynamic_batching", "packing"],
 )
 def test_what_the_worker_cannot_run_fails_validation(override: str, key: str, tmp_path: Path) -> None:
     """Device-independent limits of the Megatron worker are config errors (exit 2, `rlpost plan` shows them)."""

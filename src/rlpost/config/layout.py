@@ -16,6 +16,7 @@ from rlpost.config.algorithms import whole_batch_reason
 from rlpost.config.errors import ConfigError
 from rlpost.config.schema.loss import ClippedPGLossConfig
 from rlpost.config.schema.master import MasterConfig
+from rlpost.config.schema.megatron import check_expert_parallel
 from rlpost.config.schema.supervised_master import SupervisedMasterConfig
 
 _CACHE_ATTR = "_rlpost_layout"
@@ -146,6 +147,7 @@ def compute_layout(cfg: MasterConfig) -> Layout:
             f"TP*PP*CP={model_parallel} does not divide {train_world}",
         )
     dp = train_world // model_parallel
+    check_expert_parallel(cfg.policy.parallel_sizes(), dp, train_world)
     heads, kv_heads = attention_heads(cfg)
     if heads is not None and heads % tp != 0:
         raise ConfigError(backend_key, tp, f"tensor-parallel size must divide the model's {heads} attention heads")

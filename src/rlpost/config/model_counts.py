@@ -92,14 +92,15 @@ def linear_shapes(hf: Mapping[str, Any]) -> Shapes | None:
     return attention if is_moe(hf) else {**attention, **mlp_shapes(hf, int(hf["intermediate_size"]))}
 
 
-def _num_experts(hf: Mapping[str, Any]) -> int:
+def num_experts(hf: Mapping[str, Any]) -> int:
+    """Experts per sparse layer (num_experts or num_local_experts; 0 for a dense model)."""
     return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
 
 
 def is_moe(hf: Mapping[str, Any]) -> bool:
     """Whether the model is a mixture of experts."""
     fam = family(hf)
-    return fam is not None and fam.moe and _num_experts(hf) > 0
+    return fam is not None and fam.moe and num_experts(hf) > 0
 
 
 def experts(hf: Mapping[str, Any]) -> tuple[int, int, int]:
@@ -110,7 +111,7 @@ def experts(hf: Mapping[str, Any]) -> tuple[int, int, int]:
     layers = int(hf["num_hidden_layers"])
     step, dense = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or ())
     sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
-    return _num_experts(hf), int(hf["num_experts_per_tok"]), sparse
+    return num_experts(hf), int(hf["num_experts_per_tok"]), sparse
 
 
 def expert_parameters(hf: Mapping[str, Any]) -> int:

@@ -47,10 +47,7 @@ REFUSED: dict[tuple[str, str], tuple[list[str], str]] = {
     # Megatron: lazy fp32 logits are not implemented (logits reach the logprob pass in fp32).
     ("MegatronConfig", "defer_fp32_logits"): (
         ["policy=megatron", "policy.megatron_cfg.defer_fp32_logits=true"], "policy.megatron_cfg.defer_fp32_logits"),
-    # Megatron: the worker implements no expert parallelism (MegatronPolicyConfig.check refuses it).
-    ("MegatronConfig", "expert_model_parallel_size"): (
-        ["policy=megatron", "policy.megatron_cfg.expert_model_parallel_size=2"],
-        "policy.megatron_cfg.expert_model_parallel_size"),
+    # Megatron: each expert is split over the tensor-parallel group (MegatronConfig.check refuses another size).
     ("MegatronConfig", "expert_tensor_parallel_size"): (
         ["policy=megatron", "policy.megatron_cfg.expert_tensor_parallel_size=2"],
         "policy.megatron_cfg.expert_tensor_parallel_size"),

@@ -58,3 +58,14 @@ def test_megatron_trains_experts_above_tp_1_only_with_sequence_parallelism() -> 
     with pytest.raises(ConfigError) as e:
         check_megatron_experts(moe, "policy.megatron_cfg", 2, False)
     assert e.value.key == "policy.megatron_cfg.sequence_parallel" and "tensor_model_parallel_size=1" in str(e.value)
+
+
+def test_expert_parallelism_needs_experts_that_split_evenly_over_it() -> None:
+    from rlpost.config.model_families import check_megatron_experts
+
+    check_megatron_experts({"model_type": "mixtral", "num_local_experts": 4}, "m", 1, False, ep=2)
+    for hf, words in (({"model_type": "mixtral", "num_local_experts": 3}, "its 3 experts do not split evenly"),
+                      ({"model_type": "qwen3"}, "(qwen3) has no experts")):
+        with pytest.raises(ConfigError) as e:
+            check_megatron_experts(hf, "m", 1, False, ep=2)
+        assert e.value.key == "m.expert_model_parallel_size" and words in str(e.value)

@@ -135,10 +135,12 @@ class MegatronConfig(Block):
     """Shard norm/dropout activations over the TP group (requires TP > 1)."""
     freeze_moe_router: bool = True
     """Do not train MoE routers (their parameters get requires_grad=False; a dense model has none)."""
-    expert_tensor_parallel_size: int = checked(1, POSITIVE)
-    """Tensor-parallel size inside experts."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor-parallel size inside experts (null: tensor_model_parallel_size, megatron's default and the only one the
+    worker takes: each expert is split over the tensor-parallel group as a dense MLP is)."""
     expert_model_parallel_size: int = checked(1, POSITIVE)
-    """Expert-parallel size."""
+    """Expert-parallel size (a mixture of experts): each rank of an expert-parallel group holds
+    num_experts / this of each layer's experts; it must divide the data-parallel size and the experts."""
     defer_fp32_logits: bool = False
     """Cast logits to fp32 lazily: not implemented (logits reach the chunked logprob pass in fp32), must stay false."""
     apply_rope_fusion: bool = False
@@ -168,6 +170,10 @@ class MegatronConfig(Block):
                     f"set {path}.sequence_parallel=false")
             require(self.expert_model_parallel_size == 1, key, True,
                     "LoRA on Megatron adapts the dense decoder linears, not experts (expert_model_parallel_size > 1)")
+        require(self.expert_tensor_parallel_size in (None, self.tensor_model_parallel_size),
+                f"{path}.expert_tensor_parallel_size", self.expert_tensor_parallel_size,
+                f"must be null or tensor_model_parallel_size ({self.tensor_model_parallel_size}): the worker splits "
+                "each expert over the tensor-parallel group")
         require(
             not self.sequence_parallel or self.tensor_model_parallel_size > 1,
             f"{path}.sequence_parallel",
@@ -227,10 +233,6 @@ class MegatronPolicyConfig(PolicyConfig):
              "dynamic batching"),
             (f"{path}.sequence_packing.enabled", self.sequence_packing.enabled, self.sequence_packing.enabled,
              "sequence packing"),
-            (f"{path}.megatron_cfg.expert_model_parallel_size", m.expert_model_parallel_size,
-             m.expert_model_parallel_size > 1, "expert parallelism"),
-            (f"{path}.megatron_cfg.expert_tensor_parallel_size", m.expert_tensor_parallel_size,
-             m.expert_tensor_parallel_size > 1, "expert TP"),
         ]
         for key, value, on, what in unsupported:
             require(not on, key, value, f"{what} is not implemented by the Megatron policy worker", "turn it off")
@@ -258,7 +260,8 @@ class MegatronPolicyConfig(PolicyConfig):
 
     def parallel_sizes(self) -> dict[str, int]:
         m = self.megatron_cfg
-        return {"tp": m.tensor_model_parallel_size, "pp": m.pipeline_model_parallel_size, "cp": m.context_parallel_size}
+        return {"tp": m.tensor_model_parallel_size, "pp": m.pipeline_model_parallel_size, "cp": m.context_parallel_size,
+                "ep": m.expert_model_parallel_size}
 
     def lora_settings(self, path: str) -> tuple[str, LoRAConfig]:
         return f"{path}.megatron_cfg.peft", self.megatron_cfg.peft
@@ -298,3 +301,12 @@ class MegatronPolicyConfig(PolicyConfig):
                     f"must be {not flag} with {path}.precision={self.precision}",
                     "bf16/fp16 params train with megatron's mixed-precision optimizer; leave it null to follow "
                     f"{path}.precision")
+
+
+def check_expert_parallel(sizes: dict[str, int], dp: int, workers: int) -> None:
+    """Megatron's expert-parallel groups lie inside the data-parallel (x CP) ranks: EP must divide DP x CP."""
+    ep = sizes.get("ep", 1)
+    if (dp * sizes["cp"]) % ep:
+        raise ConfigError("policy.megatron_cfg.expert_model_parallel_size", ep,
+                          f"must divide the data-parallel size x CP ({dp} x {sizes['cp']} of the {workers} training "
+                          "workers): each expert-parallel group is drawn from the data-parallel ranks")

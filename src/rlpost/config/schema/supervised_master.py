@@ -12,6 +12,7 @@ from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.data import DatasetConfig
 from rlpost.config.schema.logger import GRPOLoggerConfig
 from rlpost.config.schema.loss import DPOLossConfig, LossConfig, NLLLossConfig, PreferenceLossConfig
+from rlpost.config.schema.megatron import check_expert_parallel
 from rlpost.config.schema.metric_names import supervised_metrics
 from rlpost.config.schema.model import ModelConfig
 from rlpost.config.schema.policy import PolicyConfig
@@ -141,6 +142,7 @@ class SupervisedMasterConfig:
         world, mp = self.cluster.num_nodes * self.cluster.gpus_per_node, self._model_parallel()
         require(world % mp == 0, "cluster.gpus_per_node", self.cluster.gpus_per_node,
                 f"{world} workers do not split into model-parallel groups of {mp} (TP x PP x CP)")
+        check_expert_parallel(self.policy.parallel_sizes(), self.dp, world)
         unit = self.dp * (2 if self.pairs else 1)
         for key, value in (("policy.train_global_batch_size", self.policy.train_global_batch_size),
                            (f"{self.algo}.val_global_batch_size", self.loop.val_global_batch_size)):

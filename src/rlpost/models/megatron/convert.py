@@ -239,6 +239,7 @@ def transformer_config_from_hf(
         tensor_model_parallel_size=megatron_cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=megatron_cfg.pipeline_model_parallel_size,
         context_parallel_size=megatron_cfg.context_parallel_size,
+        expert_model_parallel_size=megatron_cfg.expert_model_parallel_size,
         sequence_parallel=megatron_cfg.sequence_parallel,
         num_layers_in_first_pipeline_stage=megatron_cfg.num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=megatron_cfg.num_layers_in_last_pipeline_stage,
@@ -374,8 +375,10 @@ def from_model_keys(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.T
 # ------------------------------------------------------------------------------------------------ HF -> Megatron
 
 
-def _layer_hf_to_megatron(hf: Mapping[str, torch.Tensor], g: int, d: HFModelDims) -> dict[str, torch.Tensor]:
-    """Full (unsharded) megatron tensors of HF layer g, under names relative to decoder.layers.<i>."""
+def _layer_hf_to_megatron(hf: Mapping[str, torch.Tensor], g: int, d: HFModelDims, ep: tuple[int, int] = (0, 1)
+                          ) -> dict[str, torch.Tensor]:
+    """Full (TP-unsplit) megatron tensors of HF layer g, under names relative to decoder.layers.<i>; of a mixture of
+    experts, expert-parallel rank ep[0] of ep[1]'s experts."""
     h = f"model.layers.{g}."
     if d.fused_projections:
         q, k, v = torch.split(hf[h + "self_attn.qkv_proj.weight"], _qkv_rows(d), dim=0)
@@ -388,7 +391,7 @@ def _layer_hf_to_megatron(hf: Mapping[str, torch.Tensor], g: int, d: HFModelDims
         "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
     }
     if d.moe is not None:
-        out.update(moe_layers.hf_to_megatron(hf, h, d.moe))
+        out.update(moe_layers.hf_to_megatron(hf, h, d.moe, *ep))
     else:
         out["mlp.linear_fc1.weight"] = (hf[h + "mlp.gate_up_proj.weight"] if d.fused_projections else
                                         torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]))
@@ -414,8 +417,11 @@ def hf_to_megatron_state_dict(
     layer_range: tuple[int, int] | None = None,
     divisor: int = DEFAULT_VOCAB_DIVISOR,
     converter_type: str = "auto",
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """The local-spec megatron state dict of TP rank tp_rank on pipeline stage pp_rank.
+    """The local-spec megatron state dict of TP rank tp_rank on pipeline stage pp_rank (and, of a mixture of
+    experts, the experts of expert-parallel rank ep_rank).
 
     The stage holds global layers layer_range (default: the even split) under local indices; stage 0 gets the
     embedding, the last stage the final norm and (unless tied on a single stage) output_layer.weight, which for a
@@ -435,7 +441,7 @@ def hf_to_megatron_state_dict(
     if pp_rank == 0:
         put("embedding.word_embeddings.weight", _pad_rows(hf_state_dict["model.embed_tokens.weight"], vocab))
     for g in range(start, end):
-        for name, t in _layer_hf_to_megatron(hf_state_dict, g, d).items():
+        for name, t in _layer_hf_to_megatron(hf_state_dict, g, d, (ep_rank, ep_size)).items():
             put(f"decoder.layers.{g - start}.{name}", t)
     if pp_rank == pp_size - 1:
         put("decoder.final_layernorm.weight", hf_state_dict["model.norm.weight"])

@@ -120,6 +120,7 @@ def export_hf_weights(
     dtype: torch.dtype | None = None,
     include_tied_lm_head: bool = True,
     converter_type: str = "auto",
+    ep_group: dist.ProcessGroup | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for every weight of the model, on EVERY rank of the TP x PP group.
 
@@ -127,6 +128,8 @@ def export_hf_weights(
     - one all_gather_object over pp_group of each stage's layout (layer offset, layer count, first/last stage);
     - per unit (embedding, each layer, final norm + head) the ranks of the owning stage all_gather each sharded
       tensor over tp_group and re-layout it to HF (vocab padding dropped, q/k/v and gate/up split);
+    - under expert parallelism, each expert tensor is all-gathered over ep_group (megatron's expert-model-parallel
+      group), so every rank yields every expert;
     - the owning stage broadcasts each HF tensor over pp_group, so every stage yields it too.
     Order: model.embed_tokens (+ lm_head when tied and include_tied_lm_head), layers 0..L-1, model.norm, lm_head
     (untied). A None group means size 1. dtype casts the yielded tensors. Tensors of unsharded weights may alias
@@ -152,6 +155,7 @@ def export_hf_weights(
         if owner == my_stage:
             prefixes = _unit_prefixes(unit, local_index, d.tied_embeddings)
             full = {n: gather_tp(n, t, tp_group) for n, t in local.items() if n.startswith(prefixes)}
+            full = moe_layers.gather_experts(full, d.moe, ep_group)
             hf = full_megatron_to_hf(full, d, layout[0], include_tied_lm_head)
             tensors = [hf[name].contiguous() for name, _ in shapes]
         else:

@@ -143,6 +143,8 @@ def load_hf_weights(
         layer_range=(start, start + len(layers)),
         divisor=vocab_divisor(megatron_cfg),
         converter_type=megatron_cfg.converter_type,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
     )
     model_keys = {k for k in gpt.state_dict() if not k.endswith("_extra_state")}
     local = to_model_keys(local, model_keys)

@@ -5,8 +5,9 @@ gate/up/down are w1/w3/w2, rlpost.models.expert_weights.LAYOUTS):
   mlp.gate.weight                     -> mlp.router.weight                              replicated
   mlp.experts.E.{gate,up}_proj.weight -> mlp.experts.local_experts.E.linear_fc1.weight  dim 0, [gate; up] per rank
   mlp.experts.E.down_proj.weight      -> mlp.experts.local_experts.E.linear_fc2.weight  dim 1
-Each expert is split over TP as a dense MLP is (megatron's expert tensor parallelism defaults to the TP size); every
-rank holds every expert (no expert parallelism).
+Each expert is split over TP as a dense MLP is (megatron's expert tensor parallelism defaults to the TP size). Under
+expert parallelism (`expert_model_parallel_size`) rank r of the expert-parallel group holds the r-th contiguous block
+of experts under local indices; the export gathers them back over that group (`gather_experts`).
 
 Routing: transformers takes the softmax over all experts, keeps the top k and (Mixtral; Qwen3-MoE with
 `norm_topk_prob`) renormalises them, which equals megatron's softmax over the top-k logits
@@ -17,6 +18,7 @@ token reaches its experts (no capacity factor, so no token is dropped).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,16 +69,51 @@ def transformer_kwargs(d: MoEDims) -> dict[str, Any]:
                 moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
 
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], layer: str, d: MoEDims) -> dict[str, torch.Tensor]:
-    """Full megatron tensors of the experts and router of HF layer prefix `layer` (`model.layers.g.`), under names
-    relative to decoder.layers.<i>."""
+def local_experts(d: MoEDims, ep_rank: int, ep_size: int) -> range:
+    """The global indices of the experts expert-parallel rank `ep_rank` holds (a contiguous block, megatron's)."""
+    if d.num_experts % ep_size:
+        raise ValueError(f"{d.num_experts} experts do not split evenly over expert_model_parallel_size={ep_size}")
+    per = d.num_experts // ep_size
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], layer: str, d: MoEDims, ep_rank: int = 0, ep_size: int = 1
+                   ) -> dict[str, torch.Tensor]:
+    """Full (TP-unsplit) megatron tensors of the router and of expert-parallel rank `ep_rank`'s experts of HF layer
+    prefix `layer` (`model.layers.g.`), under names relative to decoder.layers.<i> (the experts by local index)."""
     lay, block = d.layout, f"{layer}{d.layout.block}."
     out = {"mlp.router.weight": hf[block + "gate.weight"]}
-    for e in range(d.num_experts):
+    for i, e in enumerate(local_experts(d, ep_rank, ep_size)):
         x = f"{block}experts.{e}."
-        out[f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.cat(
+        out[f"mlp.experts.local_experts.{i}.linear_fc1.weight"] = torch.cat(
             [hf[f"{x}{lay.gate}.weight"], hf[f"{x}{lay.up}.weight"]], dim=0)
-        out[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = hf[f"{x}{lay.down}.weight"]
+        out[f"mlp.experts.local_experts.{i}.linear_fc2.weight"] = hf[f"{x}{lay.down}.weight"]
+    return out
+
+
+_LOCAL_EXPERT = re.compile(r"^(?P<head>.*\.mlp\.experts\.local_experts\.)(?P<i>\d+)(?P<tail>\..*)$")
+
+
+def gather_experts(full: Mapping[str, torch.Tensor], d: MoEDims | None, ep_group: Any) -> dict[str, torch.Tensor]:
+    """A stage's (TP-gathered) tensors with every expert of the model: each rank's local experts all-gathered over
+    the expert-parallel group and renamed to their global index. Every rank of the group calls it with the same
+    names (a collective per expert tensor); a None group or size 1 returns `full` as it is."""
+    import torch.distributed as dist
+
+    size = 1 if ep_group is None or d is None else dist.get_world_size(ep_group)
+    if size == 1 or d is None:
+        return dict(full)
+    per = d.num_experts // size
+    out: dict[str, torch.Tensor] = {}
+    for name, t in full.items():
+        m = _LOCAL_EXPERT.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t.contiguous(), group=ep_group)
+        for r, part in enumerate(parts):
+            out[f"{m['head']}{r * per + int(m['i'])}{m['tail']}"] = part
     return out
 
 

@@ -212,7 +212,8 @@ def _step_with_manual_clip(optimizer: MegatronOptimizer, clip_grad: float) -> tu
     if clip_grad > 0.0:
         coeff = clip_grad / (grad_norm + 1.0e-6)
         if coeff < 1.0:
-            grads = [p.grad for p in optimizer.get_parameters() if p.grad is not None]
+            chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]  # experts: an optimizer of their own
+            grads = [p.grad for o in chained for p in o.get_parameters() if p.grad is not None]
             torch._foreach_mul_(grads, coeff)
     return bool(optimizer.step_with_ready_grads()), grad_norm
 

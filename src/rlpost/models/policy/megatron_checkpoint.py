@@ -8,8 +8,9 @@ Layout under `weights_path`:   model/ (model shards), megatron_layout.json, hf/ 
 under `optimizer_path`:        optim/ (optimizer state shards), scheduler.json (megatron OptimizerParamScheduler state).
 
 Keys. Every rank saves its own shard under a layout tag, `tp{t}-pp{p}/<megatron parameter name>` for the model and
-`tp{t}-pp{p}/c{chained optimizer}/p{parameter index}/<state name>` for the optimizer (`-dp{d}` is added to the
-tag for the distributed optimizer, whose state differs per data-parallel rank). Data-parallel replicas hold the
+`tp{t}-pp{p}/c{chained optimizer}/p{parameter index}/<state name>` for the optimizer (`-ep{e}` is added under expert
+parallelism, whose ranks hold different experts; `-dp{d}` for the distributed optimizer, whose state differs per
+data-parallel rank). Data-parallel replicas hold the
 same keys with the same values, and the save planner of torch.distributed.checkpoint (DCP) writes each of them once.
 The optimizer entries are the torch-level state of megatron's optimizer (exp_avg, exp_avg_sq, step,
 momentum_buffer, ...), plus its parameters when they are not the model's own (fp32 main params of the
@@ -93,6 +94,7 @@ def _layout(worker: MegatronState) -> dict[str, object]:
         "num_layers_in_first_pipeline_stage": m.num_layers_in_first_pipeline_stage,
         "num_layers_in_last_pipeline_stage": m.num_layers_in_last_pipeline_stage,
         "data_parallel_size": worker.dp_size,
+        "expert_model_parallel_size": m.expert_model_parallel_size,
         "use_distributed_optimizer": bool(m.optimizer.use_distributed_optimizer),
         "lora": bool(m.peft.enabled),
     }
@@ -115,6 +117,8 @@ def _tag(worker: MegatronState, with_dp: bool = False) -> str:
     from megatron.core import parallel_state as ps
 
     tag = f"tp{ps.get_tensor_model_parallel_rank()}-pp{ps.get_pipeline_model_parallel_rank()}"
+    if ps.get_expert_model_parallel_world_size() > 1:  # each expert-parallel rank holds its own experts
+        tag += f"-ep{ps.get_expert_model_parallel_rank()}"
     return f"{tag}-dp{ps.get_data_parallel_rank()}" if with_dp else tag
 
 
@@ -194,9 +198,10 @@ def _load_own_keys(path: Path, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def gather_hf_weights(worker: MegatronState, dtype: torch.dtype, every_rank: bool = False) -> dict[str, torch.Tensor]:
-    """Collective over TP x PP of DP replica 0 (other replicas return at once): global rank 0 gets every weight
-    as a full HF-named CPU tensor cast to dtype (a tied lm_head included), the other ranks {}. `every_rank`: every
-    replica gathers over its own TP x PP groups and every rank keeps the tensors on its device."""
+    """Collective over TP x PP of DP replica 0 (other replicas return at once; under expert parallelism the replicas
+    of the expert-parallel group join in, as they hold the other experts): global rank 0 gets every weight as a full
+    HF-named CPU tensor cast to dtype (a tied lm_head included), the other ranks {}. `every_rank`: every replica
+    gathers over its own TP x PP groups and every rank keeps the tensors on its device."""
     from megatron.core import parallel_state as ps
 
     from rlpost.models.megatron.export import export_hf_weights
@@ -204,12 +209,13 @@ def gather_hf_weights(worker: MegatronState, dtype: torch.dtype, every_rank: boo
     m = worker.cfg.megatron_cfg
     assert m is not None
     out: dict[str, torch.Tensor] = {}
-    if ps.get_data_parallel_rank() != 0 and not every_rank:
+    ep = ps.get_expert_model_parallel_world_size()
+    if ps.get_data_parallel_rank() != 0 and not every_rank and ep == 1:
         return out
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
-    for name, t in export_hf_weights(
-        worker.model, worker.hf_config, tp_group, pp_group, dtype=dtype, converter_type=m.converter_type
-    ):
+    ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
+    for name, t in export_hf_weights(worker.model, worker.hf_config, tp_group, pp_group, dtype=dtype,
+                                     converter_type=m.converter_type, ep_group=ep_group):
         if every_rank:
             out[name] = t.detach().clone()
         elif worker.rank == 0:
@@ -298,6 +304,8 @@ def _check_layout(worker: MegatronState, weights_path: Path) -> None:
     mine = _layout(worker)
     keys = ["format", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"]
+    if saved.get("expert_model_parallel_size", 1) != mine["expert_model_parallel_size"]:
+        keys.append("expert_model_parallel_size")
     if saved.get("use_distributed_optimizer") or mine["use_distributed_optimizer"]:
         keys += ["data_parallel_size", "use_distributed_optimizer"]
     diff = {k: (saved.get(k), mine[k]) for k in keys if saved.get(k) != mine[k]}

@@ -164,6 +164,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
             tensor_model_parallel_size=m.tensor_model_parallel_size,
             pipeline_model_parallel_size=m.pipeline_model_parallel_size,
             context_parallel_size=m.context_parallel_size,
+            expert_model_parallel_size=m.expert_model_parallel_size,
         )
         seed_model_parallel_rng(1234)
         self.dp_size = ps.get_data_parallel_world_size()

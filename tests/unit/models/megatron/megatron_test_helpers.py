@@ -227,7 +227,7 @@ def config_namespace(name: str) -> SimpleNamespace:
 def worker(rank: int, world_size: int, port: int, phases: dict[str, dict[str, Any]], out_dir: str) -> None:
     """One rank: megatron over gloo with the CPU layer; runs each phase's logprob / export / train jobs.
 
-    A phase is {"tp": .., "pp": .., "logprobs": [names], "export": [names], "train": {key: (name, optim, lr,
+    A phase is {"tp": .., "pp": .., "ep": .. (1 if absent), "logprobs": [names], "export": [names], "train": {key: (name, optim, lr,
     clip)}} plus the shared "files" (safetensors path per model), "inputs" and "train_batches". With DP > 1 each
     data-parallel rank trains on its own share of the micro-batches.
     """
@@ -258,12 +258,14 @@ def worker(rank: int, world_size: int, port: int, phases: dict[str, dict[str, An
     with cpu_compat():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         for phase, plan in phases.items():
-            tp, pp = plan["tp"], plan["pp"]
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            tp, pp, ep = plan["tp"], plan["pp"], plan.get("ep", 1)
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                         expert_model_parallel_size=ep)
             seed_model_parallel_rng(1234)
             groups = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group())
+            experts = {"ep_group": ps.get_expert_model_parallel_group() if ep > 1 else None}
             dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-            base = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            base = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
 
             def build(name: str, cfg: Any, precision: str = "float32") -> Any:
                 state = load_file(shared["files"][name])
@@ -279,7 +281,8 @@ def worker(rank: int, world_size: int, port: int, phases: dict[str, dict[str, An
                 model = build(name, MegatronConfig(**base), "bfloat16")
                 out["logprobs_bf16"][name] = forward_logprobs(model, ids, mask, TEMPERATURE).numpy()
             for name in plan.get("export", []):
-                exported = export_hf_weights(build(name, MegatronConfig(**base)), config_namespace(name), *groups)
+                exported = export_hf_weights(build(name, MegatronConfig(**base)), config_namespace(name), *groups,
+                                             **experts)
                 out["export"][name] = {k: v.clone() for k, v in exported}
             for key, (name, optim, lr, clip) in plan.get("train", {}).items():
                 opt_cfg = MegatronOptimizerConfig(
@@ -298,7 +301,8 @@ def worker(rank: int, world_size: int, port: int, phases: dict[str, dict[str, An
                     return loss, {"nll": float(loss)}
 
                 res = train_step(state, mine, loss_fn, loss_input="logprobs")
-                weights = {k: v.clone() for k, v in export_hf_weights(state.model, config_namespace(name), *groups)}
+                weights = {k: v.clone() for k, v in export_hf_weights(state.model, config_namespace(name), *groups,
+                                                                      **experts)}
                 out["train"][key] = {
                     "weights": weights,
                     "grad_norm": res.grad_norm,

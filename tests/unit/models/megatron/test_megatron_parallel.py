@@ -1,6 +1,7 @@
 """Megatron-Core on CPU over gloo: logprob parity with HF, export round trip and one training step.
 
-One spawned job of two ranks (megatron_test_helpers.worker) runs three phases: TP=1 with DP=2, TP=2 and PP=2;
+One spawned job of two ranks (megatron_test_helpers.worker) runs four phases: TP=1 with DP=2, TP=2, expert
+parallelism EP=2 (with DP=2) and PP=2;
 the tests compare its results here against plain HF / PyTorch.
 """
 
@@ -39,6 +40,14 @@ PHASES: dict[str, dict[str, Any]] = {
         "export": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral"],
         "train": {"qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0), "llama_adam": ("llama", "adam", 1e-3, 0.0),
                   "qwen3_sgd": ("qwen3", "sgd", 0.5, 0.0), "phi3_sgd": ("phi3", "sgd", 0.5, 0.0)},
+    },
+    "ep2": {  # expert parallelism: each rank holds two of the four experts, over DP=2
+        "tp": 1,
+        "pp": 1,
+        "ep": 2,
+        "logprobs": ["qwen3_moe", "mixtral"],
+        "export": ["qwen3_moe", "mixtral"],
+        "train": {"qwen3_moe_sgd": ("qwen3_moe", "sgd", 0.5, 0.0), "mixtral_adam_clip": ("mixtral", "adam", 1e-2, 0.05)},
     },
     "pp2": {
         "tp": 1,
