@@ -7,7 +7,7 @@ checkpoint's names and transformers loads it.
 What each family brings to the path: gemma2 soft-caps its logits (the worker takes them whole) and its vLLM model has
 no head apart from the embedding; qwen3_moe and gemma3_text normalise each head's q and k (at TP=2 the norm's
 gradient is summed over the ranks); olmo2 normalises whole projections and phi3 fuses them (both gather their
-projections under TP, and so do their adapters); qwen3_moe and mixtral fuse their experts in memory, split them for
+projections under TP, and so do their adapters; every family but qwen3_moe runs with LoRA); qwen3_moe and mixtral fuse their experts in memory, split them for
 vLLM and the export, and vLLM-CPU repacks them after each refit
 (rlpost.models.generation.vllm_extension.repack_cpu_experts)."""
 
@@ -22,7 +22,7 @@ from tests.integration.cli_runs import metrics, train
 pytestmark = pytest.mark.slow
 
 
-RUNS = {"qwen3_moe": (2, 80, False), "phi3": (2, 2, True), "gemma2": (1, 2, False), "gemma3_text": (1, 2, False),
+RUNS = {"qwen3_moe": (2, 80, False), "phi3": (2, 2, True), "gemma2": (1, 2, True), "gemma3_text": (1, 2, True),
         "olmo2": (1, 2, True), "mixtral": (1, 2, True)}
 """family -> (TP, steps, LoRA). The Qwen3-MoE run is the default job's 80 steps, and it learns the task; LoRA runs
 take the preset (experiment=tiny_lora: adapters split as their layers are, the embeddings trained in full, the merged
