@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests import wandb_records
 from tests.integration import cli_runs
@@ -63,7 +64,8 @@ def run3(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, s
     run_dir = root / "run"
     out = _rlpost(["train", f"hydra.run.dir={run_dir}", "grpo.max_num_steps=3", "logger.wandb_enabled=true",
                    "logger.mlflow_enabled=true", "logger.wandb.project=rlpost-test",
-                   "grpo.token_mult_prob_error_warn_threshold=1.0", *ADVISED], cache, root, root)
+                   "grpo.token_mult_prob_error_warn_threshold=1.0", "+policy.hf_config_overrides.use_cache=true",
+                   *ADVISED], cache, root, root)
     return run_dir, out
 
 
@@ -160,6 +162,14 @@ def test_train_prints_the_report_command(run3: tuple[Path, subprocess.CompletedP
     run_dir, out = run3
     assert f"report:      rlpost report {run_dir}" in out.stderr
     assert "rlpost: warning: logger." not in out.stderr  # both trackers started
+
+
+def test_the_run_directory_holds_the_resolved_config(run3: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    run_dir, _ = run3
+    resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())
+    assert resolved["grpo"]["max_num_steps"] == 3
+    assert resolved["policy"]["hf_config_overrides"] == {"use_cache": True}
+    assert resolved["policy"]["model_name"] == resolved["model"]["path"]
 
 
 def test_each_advisory_warns_once_and_counts_every_step_it_holds(

@@ -186,25 +186,31 @@ def test_sft_learns_and_a_resume_after_kill_9_matches_the_straight_run(cache: Pa
     assert "rlpost plan" in again.stdout + again.stderr and "SFT steps" not in again.stderr
 
 
-def test_sft_packing_and_dynamic_batching_train_the_same_steps(cache: Path, tmp_path: Path) -> None:
+def test_sft_packing_dynamic_batching_and_two_workers_train_the_same_steps(cache: Path, tmp_path: Path) -> None:
     """Sequence packing and dynamic batching cut the micro-batches differently; the globally normalised loss
-    and the update are the same as with fixed micro-batches. The runs train LoRA adapters (SFT accepts them)."""
-    losses = {}
+    and the update are the same as with fixed micro-batches. Two workers at TP=2 (the vocabulary-parallel token
+    accuracy) train the same steps as one. The runs train LoRA adapters (SFT accepts them)."""
+    rows = {}
     for name, extra in (("fixed", ["policy.dynamic_batching.enabled=false"]),
                         ("packing", ["policy.sequence_packing.enabled=true"]),
-                        ("dynamic", [])):  # SFT's default
+                        ("dynamic", []),  # SFT's default
+                        ("tp2", ["cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2"])):
         run = tmp_path / name
         train(run, cache, "algo=sft", "sft.max_num_steps=3", "sft.val_period=0", "sft.val_at_start=false",
               "checkpointing=disabled", "policy.dtensor_cfg.lora_cfg.enabled=true", *extra)
-        losses[name] = [m["train/loss"] for m in metrics(run)]
+        rows[name] = metrics(run)
+    losses = {name: [m["train/loss"] for m in r] for name, r in rows.items()}
     assert len(losses["fixed"]) == 3
     for name in ("packing", "dynamic"):
         assert losses[name] == pytest.approx(losses["fixed"], abs=1e-5), name
+    for a, b in zip(rows["dynamic"], rows["tp2"], strict=True):
+        for k in ("train/loss", "train/grad_norm", "train/token_accuracy"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-5), (a["step"], k)
 
 
 @pytest.mark.parametrize("algo,layout", [
-    ("sft", ["cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2"]),  # vocab-parallel accuracy
     # each data-parallel rank gets whole pairs (RM's batches are the same); LoRA adapters, the reference the base
+    # (SFT's two workers: test_sft_packing_dynamic_batching_and_two_workers_train_the_same_steps)
     ("dpo", ["cluster.gpus_per_node=2"]),
 ])
 def test_two_workers_train_the_same_steps_as_one(algo: str, layout: list[str], cache: Path, tmp_path: Path) -> None:
