@@ -133,18 +133,27 @@ def hf_logprobs(model_dir: Path, data: BatchedDataDict, temperature: float) -> t
 
 @pytest.fixture(scope="module")
 def dtensor_reference(ray_local: None, tiny_model_dir: Path) -> dict[str, Any]:
-    """DTensor worker (1 rank, fp32, SGD): a teacher's top-k of the untrained model, logprobs, then one step on the
-    same data -> loss, grad norm, weights."""
+    """DTensor worker (1 rank, fp32, SGD): logprobs, then one step on the same data -> loss, grad norm, weights."""
     cfg = policy_cfg(tiny_model_dir, 1, "policy.max_grad_norm=null", megatron=False)
     cfg.optimizer = PytorchOptimizerConfig(name="torch.optim.SGD", kwargs={"lr": SGD_LR})
     b = Built(cfg, 1)
     try:
-        topk = b.policy.get_topk_logits(make_batch(seed=3), 8)
         data = make_batch(seed=1)
         lp = b.policy.get_logprobs(data)["logprobs"]
         data["prev_logprobs"] = lp
         out = b.policy.train(data, LOSS)
-        return {"data": data, "logprobs": lp, "train": out, "weights": exported_weights(b.policy), "topk": topk}
+        return {"data": data, "logprobs": lp, "train": out, "weights": exported_weights(b.policy)}
+    finally:
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def dtensor_topk(ray_local: None, tiny_model_dir: Path) -> dict[str, Any]:
+    """A DTensor teacher's top-8 logits (1 rank, no generation settings: untempered), on make_batch(seed=3)."""
+    b = Built(dataclasses.replace(policy_cfg(tiny_model_dir, 1, megatron=False), generation=None), 1,
+              init_optimizer=False, init_reference_model=False)
+    try:
+        return dict(b.policy.get_topk_logits(make_batch(seed=3), 8))
     finally:
         b.close()
 
@@ -392,14 +401,14 @@ def test_checkpoint_layout_mismatch_is_clear(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("layout", ["tp1_dp2", "pp2"])
-def test_teacher_topk_equals_dtensor_and_the_critic_learns(layout: str, dtensor_reference: dict[str, Any],
+def test_teacher_topk_equals_dtensor_and_the_critic_learns(layout: str, dtensor_topk: dict[str, Any],
                                                            tiny_model_dir: Path, built: list[Built]) -> None:
     """A distillation teacher on Megatron scores as the DTensor one does; a Megatron critic (value head in place of
     the output layer) gives [B, S] values and fits fixed returns."""
     from rlpost.algorithms.side_groups import with_lr
     from rlpost.losses.value import ClippedValueLossFn
 
-    data, ref = make_batch(seed=3), dtensor_reference["topk"]
+    data, ref = make_batch(seed=3), dtensor_topk
     mg_cfg = dataclasses.replace(policy_cfg(tiny_model_dir, 2, *LAYOUTS[layout]), generation=None)
     mg = build(built, mg_cfg, 2, init_optimizer=False, init_reference_model=False)
     got = mg.policy.get_topk_logits(data, 8)
