@@ -127,3 +127,38 @@ def test_megatron_trains_over_two_gpus(ray_local: None, tiny_model_dir: Path, la
     finally:
         policy.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-MoE (four experts, two per token)."""
+    from rlpost.config.schema.model import TinyModelConfig
+    from rlpost.models.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(TinyModelConfig(architecture="qwen3_moe"), tmp_path_factory.mktemp("models") / "moe")
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("layout", [["policy.megatron_cfg.tensor_model_parallel_size=2",
+                                     "policy.megatron_cfg.sequence_parallel=true"],
+                                    ["policy.megatron_cfg.expert_model_parallel_size=2"]], ids=["tp2_sp", "ep2"])
+def test_megatron_trains_experts_over_two_gpus(ray_local: None, moe_model_dir: Path, layout: list[str]) -> None:
+    """A mixture of experts over NCCL: TP=2 with sequence parallelism (what megatron-core needs to train experts under
+    TP, and what the CPU's local layer spec cannot run) and EP=2. A step and an eval pass finish, and the step
+    changes the logprobs."""
+    from rlpost.distributed.virtual_cluster import RayVirtualCluster
+    from rlpost.models.policy.lm_policy import Policy
+
+    cluster = RayVirtualCluster("gpu2-moe", 2, use_gpus=True, cpus_per_bundle=1.0)
+    policy = Policy(cluster, _policy(moe_model_dir, "policy=megatron", "cluster.gpus_per_node=2", *layout),
+                    device="cuda")
+    try:
+        data = _batch(4)
+        data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
+        out = policy.train(data, _pg_loss())
+        assert torch.isfinite(torch.tensor([out.loss])).all() and out.grad_norm > 0
+        after = policy.get_logprobs(data)["logprobs"]
+        assert torch.isfinite(after).all() and not torch.equal(after, data["prev_logprobs"])
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
