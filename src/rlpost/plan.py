@@ -57,7 +57,7 @@ def supervised_plan_rows(cfg: SupervisedMasterConfig) -> list[tuple[str, str]]:
         ("algorithm", _WHAT[cfg.algo]),
         ("model", str(p.model_name)),
         ("policy backend", p._target_.rsplit(".", 1)[-1]),
-        ("parameters", describe_parameters(model_shape(cfg), lora, is_megatron(lora_key))),
+        ("parameters", describe_parameters(model_shape(cfg), lora, is_megatron(lora_key), _frozen_routers(cfg))),
         ("loss", cfg.loss_fn._target_.rsplit(".", 1)[-1]),
         ("device", _device(cfg.cluster.device)),
         ("precision", p.precision),
@@ -116,7 +116,7 @@ def plan_rows(cfg: MasterConfig | SupervisedMasterConfig) -> list[tuple[str, str
         ("model", str(p.model_name)),
         ("policy backend", backend),
         ("parameters", describe_parameters(model_shape(cfg), p.lora_settings("policy")[1],
-                                           is_megatron(p.lora_settings("policy")[0]))),
+                                           is_megatron(p.lora_settings("policy")[0]), _frozen_routers(cfg))),
         ("rollout engine", engine),
         ("loss", cfg.loss_fn._target_.rsplit(".", 1)[-1]),
         *rollout_plan_rows(cfg, lay.train_world),
@@ -227,6 +227,12 @@ def _rollouts(cfg: MasterConfig) -> str:
            else "turns in lock-step, one batched generate per turn")
     return (f"multi-turn: up to {turns} model turns per episode within {cfg.policy.max_total_sequence_length} "
             f"tokens; {how}; environment tokens masked out of the loss")
+
+
+def _frozen_routers(cfg: MasterConfig | SupervisedMasterConfig) -> bool:
+    """Whether the policy's MoE routers are frozen (Megatron's freeze_moe_router)."""
+    m = getattr(cfg.policy, "megatron_cfg", None)
+    return bool(m is not None and m.freeze_moe_router)
 
 
 def _experts(cfg: MasterConfig) -> str:

@@ -103,20 +103,25 @@ def tiny_hf_config(t: TinyModelConfig) -> dict[str, Any]:
             **t.family_fields()}
 
 
-def describe(hf: Mapping[str, Any] | None, lora: LoRAConfig, megatron: bool = False) -> str:
-    """`rlpost plan`'s parameters row."""
+def describe(hf: Mapping[str, Any] | None, lora: LoRAConfig, megatron: bool = False,
+             frozen_routers: bool = False) -> str:
+    """`rlpost plan`'s parameters row; `frozen_routers`: a mixture of experts' routers are not trained (Megatron's
+    freeze_moe_router)."""
     counts = parameter_counts(hf, lora, megatron) if hf is not None else None
     if hf is None or counts is None:
         what = f"a {hf.get('model_type')} model" if hf is not None else "a model not built yet"
         return f"counted by the workers ({what})" + (f"; LoRA r={lora.dim} alpha={lora.alpha}" if lora.enabled else "")
     trainable, total = counts
     names = tuple(layer_shapes(hf, megatron) or ())
-    row = (f"{total:,}, all trained" if not lora.enabled else
+    n_experts, per_tok, sparse = experts(hf)
+    routers = sparse * n_experts * int(hf["hidden_size"]) if frozen_routers else 0
+    row = (f"{total:,}, all trained" if not lora.enabled and not routers else
+           f"{total - routers:,} trained of {total:,}: the routers frozen (policy.megatron_cfg.freeze_moe_router)"
+           if not lora.enabled else
            f"{trainable:,} trained of {total:,} ({100 * trainable / total:.2f}%): LoRA r={lora.dim} "
            f"alpha={lora.alpha} on {', '.join(adapted_modules(lora, names))}"
            + (f", {' and '.join(lora.modules_to_save)} trained in full" if lora.modules_to_save else "")
            + "; the base weights are frozen")
-    n_experts, per_tok, sparse = experts(hf)
     base = base_parameters(hf)
     if n_experts and base is not None:
         active = total - (base[0] - base[1])  # the experts a token does not run

@@ -95,3 +95,7 @@ def test_the_plan_row_of_a_mixture_of_experts_names_what_a_token_runs() -> None:
     under_lora = describe(hf, LoRAConfig(enabled=True, dim=4))
     assert "LoRA adapts the attention alone" in under_lora and "on q_proj, k_proj, v_proj, o_proj;" in under_lora
     assert "per token" not in describe(CASES["llama"], LoRAConfig())
+    routers = sum(p.numel() for name, p in build(hf).named_parameters() if name.endswith("mlp.gate.weight"))
+    frozen = describe(hf, LoRAConfig(), megatron=True, frozen_routers=True)  # Megatron's freeze_moe_router
+    assert frozen.startswith(f"{total - routers:,} trained of {total:,}: the routers frozen"), frozen
+    assert describe(CASES["llama"], LoRAConfig(), frozen_routers=True).endswith("all trained")
