@@ -18,6 +18,7 @@ Weights, per layer (HF name -> megatron local-spec name, TP split):
   post_attention_layernorm.weight   -> pre_mlp_layernorm.weight                  replicated
   mlp.{gate,up}_proj.weight         -> mlp.linear_fc1.weight                     dim 0, fused (below)
   mlp.down_proj.weight              -> mlp.linear_fc2.weight                     dim 1
+A mixture of experts' MLP (router and experts) maps as rlpost.models.megatron.moe describes.
 Phi-3 fuses q, k and v in `self_attn.qkv_proj` (rows [q; k; v]) and gate and up in `mlp.gate_up_proj` (rows
 [gate; up]): they are split into the same q, k, v and gate, up, and joined again on the way back.
 plus model.embed_tokens.weight -> embedding.word_embeddings.weight (dim 0), model.norm.weight ->
@@ -475,14 +476,13 @@ def _layer_megatron_to_hf(m: Mapping[str, torch.Tensor], g: int, d: HFModelDims)
     out.update({h + "self_attn.o_proj.weight": m["self_attention.linear_proj.weight"],
                 h + "post_attention_layernorm.weight": m["pre_mlp_layernorm.weight"]})
     if d.moe is not None:
-        out.update(moe_layers.megatron_to_hf(m, h, d.moe))
-    elif d.fused_projections:
+        return {**out, **moe_layers.megatron_to_hf(m, h, d.moe)}
+    if d.fused_projections:
         out[h + "mlp.gate_up_proj.weight"] = m["mlp.linear_fc1.weight"]
     else:
         gate, up = m["mlp.linear_fc1.weight"].chunk(2, dim=0)
         out.update({h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up})
-    if d.moe is None:
-        out[h + "mlp.down_proj.weight"] = m["mlp.linear_fc2.weight"]
+    out[h + "mlp.down_proj.weight"] = m["mlp.linear_fc2.weight"]
     return out
 
 
