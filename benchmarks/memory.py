@@ -39,6 +39,11 @@ LONG = ("algo=sft", "model=smollm2_135m", "data=sft_jsonl", "sft.max_num_steps=1
 """SmolLM2 SFT on one 4,096-token row a step (data.train_data_path added by the benchmark)."""
 
 
+MOE_17_9M = (*(o for o in SHAPE_17_9M if not o.startswith("model.tiny.intermediate_size=")),
+             "model.tiny.architecture=qwen3_moe", "model.tiny.num_experts=8", "model.tiny.intermediate_size=352")
+"""The 17.9M shape as a Qwen3-MoE: eight experts of a quarter of the dense width, two per token."""
+
+
 class Config(NamedTuple):
     name: str
     overrides: tuple[str, ...]
@@ -55,6 +60,7 @@ CONFIGS = (
     Config("megatron-tp2", (*STEPS, *SHAPE_17_9M, "policy=megatron", "cluster.gpus_per_node=2",
                             "policy.megatron_cfg.tensor_model_parallel_size=2")),
     Config("ppo", (*STEPS, "algo=ppo")),
+    Config("qwen3-moe-17.9M", (*STEPS, *MOE_17_9M)),
 )
 GROUPS = (("policy", re.compile(r"^policy-\d+$")), ("engine", re.compile(r"^vllm-")),
           ("critic", re.compile(r"^critic-\d+$")), ("teacher", re.compile(r"^teacher-\d+$")),
