@@ -104,18 +104,24 @@ def test_bf16_megatron_critic_learns(ray_local: None, tiny_model_dir: Path) -> N
 
 
 @pytest.mark.gpu2
-@pytest.mark.parametrize("layout", [["policy.megatron_cfg.tensor_model_parallel_size=1"],
-                                    ["policy.megatron_cfg.tensor_model_parallel_size=2"]], ids=["dp2", "tp2"])
-def test_megatron_trains_over_two_gpus(ray_local: None, tiny_model_dir: Path, layout: list[str]) -> None:
+@pytest.mark.parametrize(("model", "layout"), [
+    ("tiny_model_dir", ["policy.megatron_cfg.tensor_model_parallel_size=1"]),
+    ("tiny_model_dir", ["policy.megatron_cfg.tensor_model_parallel_size=2"]),
+    ("moe_model_dir", ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true"]),
+    ("moe_model_dir", ["policy.megatron_cfg.expert_model_parallel_size=2"]),
+], ids=["dp2", "tp2", "moe_tp2_sp", "moe_ep2"])
+def test_megatron_trains_over_two_gpus(ray_local: None, request: pytest.FixtureRequest, model: str,
+                                       layout: list[str]) -> None:
     """Two ranks over NCCL with the CUDA defaults: DP=2 (the distributed optimizer; the loss, metrics and counts are
-    all-reduced over the NCCL data-parallel group) and TP=2 (vocabulary-parallel logprobs). A step and an eval pass
-    finish, and the step changes the logprobs."""
+    all-reduced over the NCCL data-parallel group), TP=2 (vocabulary-parallel logprobs), and a mixture of experts at
+    TP=2 with sequence parallelism (what megatron-core needs to train experts under TP, and what the CPU's local
+    layer spec cannot run) and at EP=2. A step and an eval pass finish, and the step changes the logprobs."""
     from rlpost.distributed.virtual_cluster import RayVirtualCluster
     from rlpost.models.policy.lm_policy import Policy
 
     cluster = RayVirtualCluster("gpu2-mg", 2, use_gpus=True, cpus_per_bundle=1.0)
-    policy = Policy(cluster, _policy(tiny_model_dir, "policy=megatron", "cluster.gpus_per_node=2", *layout),
-                    device="cuda")
+    policy = Policy(cluster, _policy(request.getfixturevalue(model), "policy=megatron", "cluster.gpus_per_node=2",
+                                     *layout), device="cuda")
     try:
         data = _batch(3)
         data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
@@ -137,28 +143,3 @@ def moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     return ensure_tiny_model(TinyModelConfig(architecture="qwen3_moe"), tmp_path_factory.mktemp("models") / "moe")
 
-
-@pytest.mark.gpu2
-@pytest.mark.parametrize("layout", [["policy.megatron_cfg.tensor_model_parallel_size=2",
-                                     "policy.megatron_cfg.sequence_parallel=true"],
-                                    ["policy.megatron_cfg.expert_model_parallel_size=2"]], ids=["tp2_sp", "ep2"])
-def test_megatron_trains_experts_over_two_gpus(ray_local: None, moe_model_dir: Path, layout: list[str]) -> None:
-    """A mixture of experts over NCCL: TP=2 with sequence parallelism (what megatron-core needs to train experts under
-    TP, and what the CPU's local layer spec cannot run) and EP=2. A step and an eval pass finish, and the step
-    changes the logprobs."""
-    from rlpost.distributed.virtual_cluster import RayVirtualCluster
-    from rlpost.models.policy.lm_policy import Policy
-
-    cluster = RayVirtualCluster("gpu2-moe", 2, use_gpus=True, cpus_per_bundle=1.0)
-    policy = Policy(cluster, _policy(moe_model_dir, "policy=megatron", "cluster.gpus_per_node=2", *layout),
-                    device="cuda")
-    try:
-        data = _batch(4)
-        data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
-        out = policy.train(data, _pg_loss())
-        assert torch.isfinite(torch.tensor([out.loss])).all() and out.grad_norm > 0
-        after = policy.get_logprobs(data)["logprobs"]
-        assert torch.isfinite(after).all() and not torch.equal(after, data["prev_logprobs"])
-    finally:
-        policy.shutdown()
-        cluster.shutdown()

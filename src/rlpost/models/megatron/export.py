@@ -7,6 +7,7 @@ stage broadcasts the resulting HF tensor over the PP group. Data-parallel replic
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -102,6 +103,31 @@ def gather_tp(name: str, t: torch.Tensor, tp_group: dist.ProcessGroup | None) ->
     return merge_tp_shard(name, parts)
 
 
+_LOCAL_EXPERT = re.compile(r"^(?P<head>.*\.mlp\.experts\.local_experts\.)(?P<i>\d+)(?P<tail>\..*)$")
+
+
+def gather_experts(full: dict[str, torch.Tensor], d: moe_layers.MoEDims | None, ep_group: dist.ProcessGroup | None
+                   ) -> dict[str, torch.Tensor]:
+    """A stage's (TP-gathered) tensors with every expert of the model: each rank's local experts all-gathered over
+    the expert-parallel group and renamed to their global index. Every rank of the group calls it with the same
+    names (a collective per expert tensor); a None group or size 1 returns `full` as it is."""
+    size = 1 if ep_group is None or d is None else dist.get_world_size(ep_group)
+    if size == 1 or d is None:
+        return dict(full)
+    per = d.num_experts // size
+    out: dict[str, torch.Tensor] = {}
+    for name, t in full.items():
+        m = _LOCAL_EXPERT.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t.contiguous(), group=ep_group)
+        for r, part in enumerate(parts):
+            out[f"{m['head']}{r * per + int(m['i'])}{m['tail']}"] = part
+    return out
+
+
 def _units(layouts: list[tuple[int, int, bool, bool]]) -> list[tuple[Unit, int, int]]:
     """(unit, owner stage, local layer index) in yield order."""
     out: list[tuple[Unit, int, int]] = [(("embed", -1), s, -1) for s, lay in enumerate(layouts) if lay[2]]
@@ -155,7 +181,7 @@ def export_hf_weights(
         if owner == my_stage:
             prefixes = _unit_prefixes(unit, local_index, d.tied_embeddings)
             full = {n: gather_tp(n, t, tp_group) for n, t in local.items() if n.startswith(prefixes)}
-            full = moe_layers.gather_experts(full, d.moe, ep_group)
+            full = gather_experts(full, d.moe, ep_group)
             hf = full_megatron_to_hf(full, d, layout[0], include_tied_lm_head)
             tensors = [hf[name].contiguous() for name, _ in shapes]
         else:

@@ -7,7 +7,8 @@ gate/up/down are w1/w3/w2, rlpost.models.expert_weights.LAYOUTS):
   mlp.experts.E.down_proj.weight      -> mlp.experts.local_experts.E.linear_fc2.weight  dim 1
 Each expert is split over TP as a dense MLP is (megatron's expert tensor parallelism defaults to the TP size). Under
 expert parallelism (`expert_model_parallel_size`) rank r of the expert-parallel group holds the r-th contiguous block
-of experts under local indices; the export gathers them back over that group (`gather_experts`).
+of experts under local indices; the export gathers them back over that group
+(rlpost.models.megatron.export.gather_experts).
 
 Routing: transformers takes the softmax over all experts, keeps the top k and (Mixtral; Qwen3-MoE with
 `norm_topk_prob`) renormalises them, which equals megatron's softmax over the top-k logits
@@ -18,7 +19,6 @@ token reaches its experts (no capacity factor, so no token is dropped).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -88,32 +88,6 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layer: str, d: MoEDims, ep_ra
         out[f"mlp.experts.local_experts.{i}.linear_fc1.weight"] = torch.cat(
             [hf[f"{x}{lay.gate}.weight"], hf[f"{x}{lay.up}.weight"]], dim=0)
         out[f"mlp.experts.local_experts.{i}.linear_fc2.weight"] = hf[f"{x}{lay.down}.weight"]
-    return out
-
-
-_LOCAL_EXPERT = re.compile(r"^(?P<head>.*\.mlp\.experts\.local_experts\.)(?P<i>\d+)(?P<tail>\..*)$")
-
-
-def gather_experts(full: Mapping[str, torch.Tensor], d: MoEDims | None, ep_group: Any) -> dict[str, torch.Tensor]:
-    """A stage's (TP-gathered) tensors with every expert of the model: each rank's local experts all-gathered over
-    the expert-parallel group and renamed to their global index. Every rank of the group calls it with the same
-    names (a collective per expert tensor); a None group or size 1 returns `full` as it is."""
-    import torch.distributed as dist
-
-    size = 1 if ep_group is None or d is None else dist.get_world_size(ep_group)
-    if size == 1 or d is None:
-        return dict(full)
-    per = d.num_experts // size
-    out: dict[str, torch.Tensor] = {}
-    for name, t in full.items():
-        m = _LOCAL_EXPERT.match(name)
-        if m is None:
-            out[name] = t
-            continue
-        parts = [torch.empty_like(t) for _ in range(size)]
-        dist.all_gather(parts, t.contiguous(), group=ep_group)
-        for r, part in enumerate(parts):
-            out[f"{m['head']}{r * per + int(m['i'])}{m['tail']}"] = part
     return out
 
 
