@@ -23,8 +23,10 @@ SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "po
 
 COVER = {
     # validations at steps 0 and 2 leave the engine asleep with no refit due for steps 1 and 3, and dynamic
-    # sampling's further batches find it asleep too: it is woken each time (the engine refuses to generate asleep)
-    "dtensor-vllm-token-colocated-lora-adapter": ["policy=dtensor", "generation=vllm", "loss=token_level",
+    # sampling's further batches find it asleep too: it is woken each time (the engine refuses to generate asleep);
+    # the model is a Mistral, whose vLLM model and adapters the refit must reach
+    "dtensor-vllm-token-colocated-lora-adapter": ["model.tiny.architecture=mistral", "policy=dtensor", "generation=vllm",
+                                                  "loss=token_level",
                                                   "grpo.val_at_start=true", "grpo.val_period=2",
                                                   "grpo.use_dynamic_sampling=true",
                                                   "logger.ray_timeline=true", "policy.dtensor_cfg.lora_cfg.enabled=true",
