@@ -18,10 +18,10 @@ from typing import Any
 
 from rlpost.config.errors import ConfigError, did_you_mean
 from rlpost.config.layout import model_dir_key, read_hf_config
-from rlpost.config.model_families import check_converted, check_megatron_experts, check_tp_plan
+from rlpost.config.model_families import check_converted, check_tp_plan
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.master import MasterConfig
-from rlpost.config.schema.megatron import MegatronPolicyConfig
+from rlpost.config.schema.megatron import MegatronPolicyConfig, check_megatron_experts
 from rlpost.config.schema.policy import (
     DTensorPolicyConfig,
     PytorchOptimizerConfig,

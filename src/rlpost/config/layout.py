@@ -147,7 +147,7 @@ def compute_layout(cfg: MasterConfig) -> Layout:
             f"TP*PP*CP={model_parallel} does not divide {train_world}",
         )
     dp = train_world // model_parallel
-    check_expert_parallel(cfg.policy.parallel_sizes(), dp, train_world)
+    check_expert_parallel(sizes, dp, train_world)
     heads, kv_heads = attention_heads(cfg)
     if heads is not None and heads % tp != 0:
         raise ConfigError(backend_key, tp, f"tensor-parallel size must divide the model's {heads} attention heads")

@@ -115,13 +115,15 @@ def describe(hf: Mapping[str, Any] | None, lora: LoRAConfig, megatron: bool = Fa
     names = tuple(layer_shapes(hf, megatron) or ())
     n_experts, per_tok, sparse = experts(hf)
     routers = sparse * n_experts * int(hf["hidden_size"]) if frozen_routers else 0
-    row = (f"{total:,}, all trained" if not lora.enabled and not routers else
-           f"{total - routers:,} trained of {total:,}: the routers frozen (policy.megatron_cfg.freeze_moe_router)"
-           if not lora.enabled else
-           f"{trainable:,} trained of {total:,} ({100 * trainable / total:.2f}%): LoRA r={lora.dim} "
-           f"alpha={lora.alpha} on {', '.join(adapted_modules(lora, names))}"
-           + (f", {' and '.join(lora.modules_to_save)} trained in full" if lora.modules_to_save else "")
-           + "; the base weights are frozen")
+    if lora.enabled:
+        row = (f"{trainable:,} trained of {total:,} ({100 * trainable / total:.2f}%): LoRA r={lora.dim} "
+               f"alpha={lora.alpha} on {', '.join(adapted_modules(lora, names))}"
+               + (f", {' and '.join(lora.modules_to_save)} trained in full" if lora.modules_to_save else "")
+               + "; the base weights are frozen")
+    elif routers:
+        row = f"{total - routers:,} trained of {total:,}: the routers frozen (policy.megatron_cfg.freeze_moe_router)"
+    else:
+        row = f"{total:,}, all trained"
     base = base_parameters(hf)
     if n_experts and base is not None:
         active = total - (base[0] - base[1])  # the experts a token does not run

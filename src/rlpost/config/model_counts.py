@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rlpost.config.model_families import MOE_MODEL_TYPES
+
 Shapes = dict[str, tuple[int, int]]
 
 
@@ -26,9 +28,6 @@ class Family:
     """Query/key norms: "head" (one head_dim-wide weight each: Qwen3, Gemma 3), "full" (over all heads: OLMo 2)."""
     qkv_bias: bool = False
     """q/k/v carry biases whatever the config says (Qwen2)."""
-    moe: bool = False
-    """A mixture of experts: each layer's experts counted by `num_experts` or `num_local_experts` (the hub's
-    Qwen3-MoE configs write the first, transformers the second)."""
     expert_width_key: str = "intermediate_size"
     """The config key of one expert's inner width."""
     tied: bool = False
@@ -40,8 +39,8 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(), "mistral": Family(), "qwen2": Family(qkv_bias=True), "qwen3": Family(head_norms="head"),
     "gemma2": Family(layer_norms=4, tied=True), "gemma3_text": Family(layer_norms=4, head_norms="head", tied=True),
     "olmo2": Family(head_norms="full"), "phi3": Family(fused=True),
-    "qwen3_moe": Family(head_norms="head", moe=True, expert_width_key="moe_intermediate_size"),
-    "mixtral": Family(moe=True),
+    "qwen3_moe": Family(head_norms="head", expert_width_key="moe_intermediate_size"),
+    "mixtral": Family(),
 }
 """model_type -> its layer's departures from Llama's."""
 
@@ -93,14 +92,14 @@ def linear_shapes(hf: Mapping[str, Any]) -> Shapes | None:
 
 
 def num_experts(hf: Mapping[str, Any]) -> int:
-    """Experts per sparse layer (num_experts or num_local_experts; 0 for a dense model)."""
+    """Experts per sparse layer: `num_experts` or `num_local_experts` (the hub's Qwen3-MoE configs write the first,
+    transformers the second); 0 where neither is set."""
     return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
 
 
 def is_moe(hf: Mapping[str, Any]) -> bool:
     """Whether the model is a mixture of experts."""
-    fam = family(hf)
-    return fam is not None and fam.moe and num_experts(hf) > 0
+    return hf.get("model_type") in MOE_MODEL_TYPES and num_experts(hf) > 0
 
 
 def experts(hf: Mapping[str, Any]) -> tuple[int, int, int]:

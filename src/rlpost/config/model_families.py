@@ -54,24 +54,6 @@ def check_converted(hf: Mapping[str, Any], key: str, converter_type: str = "auto
                       f"is {_named(hf, arch)}", "policy=dtensor trains any transformers causal LM (docs/models.md)")
 
 
-def check_megatron_experts(hf: Mapping[str, Any], path: str, tp: int, sequence_parallel: bool, ep: int = 1) -> None:
-    """ConfigError at the Megatron block `path` when megatron-core cannot lay out or train the model's experts: a
-    mixture of experts above TP=1 trains only with sequence parallelism (a GPU's Transformer Engine norms), and
-    expert parallelism needs experts that split evenly over it."""
-    from rlpost.config.model_counts import is_moe, num_experts
-
-    if ep > 1:
-        n = num_experts(hf) if is_moe(hf) else 0
-        if not n or n % ep:
-            what = f"its {n} experts do not split evenly" if n else f"the model ({hf.get('model_type')}) has no experts"
-            raise ConfigError(f"{path}.expert_model_parallel_size", ep, f"{what} over {ep} expert-parallel ranks")
-    if is_moe(hf) and tp > 1 and not sequence_parallel:
-        raise ConfigError(f"{path}.sequence_parallel", sequence_parallel,
-                          f"megatron-core trains a mixture of experts at tensor_model_parallel_size={tp} only with "
-                          "sequence parallelism", f"set {path}.sequence_parallel=true on a GPU, or "
-                          f"{path}.tensor_model_parallel_size=1")
-
-
 def check_tp_plan(hf: Mapping[str, Any], key: str, tp: int) -> None:
     """ConfigError at `key` (policy.dtensor_cfg.tensor_parallel_size) when TP > 1 has no plan for the model."""
     arch = architecture_of(hf)

@@ -49,7 +49,7 @@ def test_the_listed_tp_plan_architectures_are_the_plans_the_worker_has() -> None
 
 
 def test_megatron_trains_experts_above_tp_1_only_with_sequence_parallelism() -> None:
-    from rlpost.config.model_families import check_megatron_experts
+    from rlpost.config.schema.megatron import check_megatron_experts
 
     moe = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2}
     check_megatron_experts(moe, "policy.megatron_cfg", 1, False)
@@ -61,7 +61,7 @@ def test_megatron_trains_experts_above_tp_1_only_with_sequence_parallelism() -> 
 
 
 def test_expert_parallelism_needs_experts_that_split_evenly_over_it() -> None:
-    from rlpost.config.model_families import check_megatron_experts
+    from rlpost.config.schema.megatron import check_megatron_experts
 
     check_megatron_experts({"model_type": "mixtral", "num_local_experts": 4}, "m", 1, False, ep=2)
     for hf, words in (({"model_type": "mixtral", "num_local_experts": 3}, "its 3 experts do not split evenly"),

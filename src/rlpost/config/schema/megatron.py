@@ -3,11 +3,13 @@ policy schema of the backend (`MegatronPolicyConfig`) with the checks of what th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from rlpost.config.errors import ConfigError, require, safe_env_vars
 from rlpost.config.fields import NON_NEGATIVE, POSITIVE, Block, checked, options
+from rlpost.config.model_counts import is_moe, num_experts
 from rlpost.config.model_families import ARCHITECTURES
 from rlpost.config.schema.lora import LoRAConfig
 from rlpost.config.schema.policy import PolicyConfig, PytorchOptimizerConfig
@@ -310,3 +312,19 @@ def check_expert_parallel(sizes: dict[str, int], dp: int, workers: int) -> None:
         raise ConfigError("policy.megatron_cfg.expert_model_parallel_size", ep,
                           f"must divide the data-parallel size x CP ({dp} x {sizes['cp']} of the {workers} training "
                           "workers): each expert-parallel group is drawn from the data-parallel ranks")
+
+
+def check_megatron_experts(hf: Mapping[str, Any], path: str, tp: int, sequence_parallel: bool, ep: int = 1) -> None:
+    """ConfigError at the Megatron block `path` when megatron-core cannot lay out or train the model's experts: a
+    mixture of experts above TP=1 trains only with sequence parallelism (a GPU's Transformer Engine norms), and
+    expert parallelism needs experts that split evenly over it."""
+    if ep > 1:
+        n = num_experts(hf) if is_moe(hf) else 0
+        if not n or n % ep:
+            what = f"its {n} experts do not split evenly" if n else f"the model ({hf.get('model_type')}) has no experts"
+            raise ConfigError(f"{path}.expert_model_parallel_size", ep, f"{what} over {ep} expert-parallel ranks")
+    if is_moe(hf) and tp > 1 and not sequence_parallel:
+        raise ConfigError(f"{path}.sequence_parallel", sequence_parallel,
+                          f"megatron-core trains a mixture of experts at tensor_model_parallel_size={tp} only with "
+                          "sequence parallelism", f"set {path}.sequence_parallel=true on a GPU, or "
+                          f"{path}.tensor_model_parallel_size=1")

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
+from rlpost.config.model_families import ARCHITECTURES, MOE_MODEL_TYPES
 from rlpost.models.expert_weights import LAYOUTS, ExpertLayout
 
-MOE_ARCHS = {"Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+MOE_ARCHS = {ARCHITECTURES[t]: t for t in MOE_MODEL_TYPES}
 """The mixture-of-experts architectures converted, and their model_type (their checkpoint layout's key)."""
 
 
