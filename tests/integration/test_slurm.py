@@ -87,8 +87,12 @@ def test_a_launched_run_learns_is_requeued_on_sigterm_and_resumes(slurm: LocalSl
     assert _job(slurm, job_id)["JobState"] == "RUNNING", _logs(run)
     slurm.run("scancel", "--batch", "--signal=TERM", job_id)  # what --signal=B:TERM@120 does before the time limit
     _wait("the requeue", 300, lambda: _job(slurm, job_id).get("Restarts") == "1")
-    # Slurm holds a requeued job for two minutes before it may start again; let it start now.
+    requeued_at = time.time()
+    # Slurm holds a requeued job for two minutes before it may start again; let it start now. Not within the second
+    # of the requeue, though: slurmd refuses a launch whose credential is not newer, to the second, than the old
+    # instance's kill ("already killed, do not launch batch job"), and the job would end FAILED.
     _wait("the pending requeued job", 120, lambda: _job(slurm, job_id)["JobState"] == "PENDING")
+    time.sleep(max(0.0, int(requeued_at) + 2 - time.time()))
     slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     _wait("the job's end", 900, lambda: _job(slurm, job_id)["JobState"] in ended)
     job = _job(slurm, job_id)
