@@ -200,7 +200,7 @@ def check_model_limits(master: AnyMaster) -> None:
         check_converted(hf, "policy.megatron_cfg.converter_type", p.megatron_cfg.converter_type)
         m = p.megatron_cfg
         check_megatron_experts(hf, "policy.megatron_cfg", m.tensor_model_parallel_size, m.sequence_parallel,
-                               m.expert_model_parallel_size)
+                               m.expert_model_parallel_size, m.context_parallel_size)
     elif isinstance(p, DTensorPolicyConfig) and not p._target_.endswith("V2") and not p.dtensor_cfg.custom_parallel_plan:
         check_tp_plan(hf, "policy.dtensor_cfg.tensor_parallel_size", p.dtensor_cfg.tensor_parallel_size)
     vocab = hf.get("vocab_size")

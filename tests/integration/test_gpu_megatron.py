@@ -109,13 +109,15 @@ def test_bf16_megatron_critic_learns(ray_local: None, tiny_model_dir: Path) -> N
     ("tiny_model_dir", ["policy.megatron_cfg.tensor_model_parallel_size=2"]),
     ("moe_model_dir", ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true"]),
     ("moe_model_dir", ["policy.megatron_cfg.expert_model_parallel_size=2"]),
-], ids=["dp2", "tp2", "moe_tp2_sp", "moe_ep2"])
+    ("tiny_model_dir", ["policy.megatron_cfg.context_parallel_size=2"]),
+], ids=["dp2", "tp2", "moe_tp2_sp", "moe_ep2", "cp2"])
 def test_megatron_trains_over_two_gpus(ray_local: None, request: pytest.FixtureRequest, model: str,
                                        layout: list[str]) -> None:
     """Two ranks over NCCL with the CUDA defaults: DP=2 (the distributed optimizer; the loss, metrics and counts are
     all-reduced over the NCCL data-parallel group), TP=2 (vocabulary-parallel logprobs), and a mixture of experts at
     TP=2 with sequence parallelism (what megatron-core needs to train experts under TP, and what the CPU's local
-    layer spec cannot run) and at EP=2. A step and an eval pass finish, and the step changes the logprobs."""
+    layer spec cannot run) and at EP=2, and CP=2 (rlpost's context-parallel attention in Transformer Engine's layer
+    spec, its gathers over NCCL). A step and an eval pass finish, and the step changes the logprobs."""
     from rlpost.distributed.virtual_cluster import RayVirtualCluster
     from rlpost.models.policy.lm_policy import Policy
 

@@ -60,10 +60,13 @@ LAYOUTS = {
     # the output layer read 5 tokens at a time (rlpost.models.megatron.output_head), its vocabulary sharded and padded
     "tp2": ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.logprob_chunk_size=5"],
     "pp2": ["policy.megatron_cfg.pipeline_model_parallel_size=2", "policy.logprob_chunk_size=5"],
+    # two ranks split each sequence (rlpost.models.megatron.context_parallel)
+    "cp2": ["policy.megatron_cfg.context_parallel_size=2", "policy.logprob_chunk_size=5"],
 }
-PARITY_EXTRA = {"pp2": ["policy.megatron_cfg.activation_checkpointing=true"]}
-"""The parity test's PP=2 also recomputes each stage's layers in backward (rlpost.models.megatron.model
-.checkpoint_layers)."""
+PARITY_EXTRA = {"pp2": ["policy.megatron_cfg.activation_checkpointing=true"],
+                "cp2": ["policy.megatron_cfg.activation_checkpointing=true"]}
+"""The parity test's PP=2 and CP=2 also recompute the layers in backward (rlpost.models.megatron.model
+.checkpoint_layers; under CP through the keys' and values' gathers)."""
 
 
 def policy_cfg(model_dir: Path, workers: int, *overrides: str, megatron: bool = True) -> PolicyConfig:
@@ -187,6 +190,10 @@ def test_parity_with_dtensor(
 
     if layout == "tp2":
         check_refit(b.policy, w)
+    if layout == "cp2":  # 19 tokens: the sequence is padded to a multiple of 2 x CP, and the padding cut off again
+        cut = BatchedDataDict(input_ids=data["input_ids"][:, :19], input_lengths=data["input_lengths"].clamp(max=19))
+        lp19 = b.policy.get_reference_policy_logprobs(cut)["reference_logprobs"]
+        assert torch.allclose(lp19, lp[:, :19], atol=TOL)
 
 
 @pytest.mark.parametrize("layout", ["tp1_dp2", "pp2"])

@@ -152,8 +152,13 @@ def test_plan_rejects_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_reports_what_the_megatron_worker_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
     # device-independent (validation) and CPU-only (the backend's device check) limits, both before any worker
-    assert main(["plan", "policy=megatron", "policy.megatron_cfg.context_parallel_size=2"]) == 2
-    assert "policy.megatron_cfg.context_parallel_size=2: the Megatron policy worker does not split sequences" in capsys.readouterr().err
+    cp_pp = ["policy.megatron_cfg.context_parallel_size=2", "policy.megatron_cfg.pipeline_model_parallel_size=2"]
+    assert main(["plan", "policy=megatron", "cluster.gpus_per_node=4", *cp_pp]) == 2
+    assert ("policy.megatron_cfg.pipeline_model_parallel_size=2: is not supported with "
+            "policy.megatron_cfg.context_parallel_size=2") in capsys.readouterr().err
+    moe = ["model.tiny.architecture=qwen3_moe", "policy.megatron_cfg.context_parallel_size=2", "cluster.gpus_per_node=2"]
+    assert main(["plan", "policy=megatron", *moe]) == 2
+    assert "context parallelism on Megatron is for dense models" in capsys.readouterr().err
     fsdp = "policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp"
     assert main(["plan", "policy=megatron", "cluster.device=cpu", f"{fsdp}=true"]) == 2
     assert f"{fsdp}=True: megatron FSDP is GPU-only" in capsys.readouterr().err

@@ -130,7 +130,8 @@ class MegatronConfig(Block):
     num_layers_in_last_pipeline_stage: int | None = None
     """Layers on the last stage (uneven pipelines)."""
     context_parallel_size: int = checked(1, POSITIVE)
-    """Context-parallel size (requires sequence packing)."""
+    """Ranks that split each sequence (rlpost.models.megatron.context_parallel: megatron's load-balanced chunks, keys
+    and values gathered per layer); 1: off. Dense models on one pipeline stage, without sequence parallelism."""
     pipeline_dtype: str = checked("float32", options("float32", "bfloat16", "float16"))
     """dtype of the tensors passed between pipeline stages."""
     sequence_parallel: bool = False
@@ -238,10 +239,15 @@ class MegatronPolicyConfig(PolicyConfig):
         ]
         for key, value, on, what in unsupported:
             require(not on, key, value, f"{what} is not implemented by the Megatron policy worker", "turn it off")
-        require(m.context_parallel_size == 1, f"{path}.megatron_cfg.context_parallel_size", m.context_parallel_size,
-                "the Megatron policy worker does not split sequences: megatron-core's local attention has no context "
-                "parallelism (transformer-engine's only)",
-                "use policy=dtensor with policy.dtensor_cfg.context_parallel_size")
+        if m.context_parallel_size > 1:
+            beside_cp: list[tuple[str, object, bool]] = [
+                ("pipeline_model_parallel_size", m.pipeline_model_parallel_size, m.pipeline_model_parallel_size > 1),
+                ("sequence_parallel", m.sequence_parallel, m.sequence_parallel),
+            ]
+            for name, setting, on in beside_cp:
+                require(not on, f"{path}.megatron_cfg.{name}", setting, f"is not supported with {path}.megatron_cfg."
+                        f"context_parallel_size={m.context_parallel_size} (context parallelism splits sequences on one "
+                        "pipeline stage, without sequence parallelism)", f"set {path}.megatron_cfg.context_parallel_size=1")
         require(not self.scheduler, f"{path}.scheduler", self.scheduler,
                 "the Megatron worker schedules the lr with megatron_cfg.scheduler; torch schedulers are not used",
                 "leave policy.scheduler empty with policy=megatron")
@@ -314,10 +320,15 @@ def check_expert_parallel(sizes: dict[str, int], dp: int, workers: int) -> None:
                           "workers): each expert-parallel group is drawn from the data-parallel ranks")
 
 
-def check_megatron_experts(hf: Mapping[str, Any], path: str, tp: int, sequence_parallel: bool, ep: int = 1) -> None:
+def check_megatron_experts(hf: Mapping[str, Any], path: str, tp: int, sequence_parallel: bool, ep: int = 1,
+                           cp: int = 1) -> None:
     """ConfigError at the Megatron block `path` when megatron-core cannot lay out or train the model's experts: a
     mixture of experts above TP=1 trains only with sequence parallelism (a GPU's Transformer Engine norms), and
-    expert parallelism needs experts that split evenly over it."""
+    expert parallelism needs experts that split evenly over it. rlpost's context parallelism is for dense models."""
+    if cp > 1 and is_moe(hf):
+        raise ConfigError(f"{path}.context_parallel_size", cp, f"context parallelism on Megatron is for dense models; "
+                          f"this model ({hf.get('model_type')}) is a mixture of experts",
+                          f"set {path}.context_parallel_size=1")
     if ep > 1:
         n = num_experts(hf) if is_moe(hf) else 0
         if not n or n % ep:

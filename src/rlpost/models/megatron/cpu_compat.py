@@ -8,7 +8,8 @@ grad-norm buffers, token counters) and calls `.cuda()`. On a CPU-only torch each
 1. `torch.cuda.current_device` is replaced by a function returning ``"cpu"`` (so `x.to(current_device())` and
    `torch.empty(..., device=current_device())` are CPU calls);
 2. a `torch.overrides.TorchFunctionMode` rewrites ``device="cuda"`` / ``"cuda:N"`` / an int ordinal given to any
-   torch function to ``"cpu"``, turns `Tensor.cuda()` into a no-op and `Tensor.to("cuda")` into `.to("cpu")`;
+   torch function to ``"cpu"``, turns `Tensor.cuda()` into a no-op and `Tensor.to("cuda")` into `.to("cpu")`, and
+   drops `pin_memory=True` (RoPE's context-parallel slice pins its index tensor);
 3. `seed_model_parallel_rng` uses megatron's public
    `initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)` instead of
    `model_parallel_cuda_manual_seed` (which needs `torch.cuda.get_rng_state`); the tracker's `fork()` is then a
@@ -92,6 +93,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):  # page-locked host memory for CUDA copies: there is no pinned allocator
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

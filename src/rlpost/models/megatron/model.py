@@ -105,10 +105,12 @@ def _te_available() -> bool:
     return True
 
 
-def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False, num_experts: int | None = None) -> ModuleSpec:
+def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False, num_experts: int | None = None,
+               context_parallel: bool = False) -> ModuleSpec:
     """The decoder layer spec: Transformer Engine on a GPU when importable (or use_te=True), else local;
     `qk_layernorm`: per-head RMSNorm on the queries and keys (Qwen3); `num_experts`: a MoE layer of that many
-    experts (each its own MLP: no grouped GEMM) in place of the dense MLP."""
+    experts (each its own MLP: no grouped GEMM) in place of the dense MLP; `context_parallel`: rlpost's
+    context-parallel core attention (rlpost.models.megatron.context_parallel) on every device."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -117,10 +119,16 @@ def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False, num_exper
     if use_te is None:
         use_te = torch.cuda.is_available() and _te_available()
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
-    if num_experts:
-        allow_moe_without_transformer_engine()
-    return get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+    else:
+        if num_experts:
+            allow_moe_without_transformer_engine()
+        spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    if context_parallel:
+        from rlpost.models.megatron import context_parallel as cp
+
+        spec = cp.use_in_spec(spec)
+    return spec
 
 
 def load_hf_weights(
@@ -200,7 +208,8 @@ def build_gpt_model(
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(use_te, qk_layernorm=config.qk_layernorm,
-                                          num_experts=config.num_moe_experts),
+                                          num_experts=config.num_moe_experts,
+                                          context_parallel=config.context_parallel_size > 1),
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
         post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
         **gpt_model_args_from_hf(hf_config, megatron_cfg),
@@ -331,6 +340,8 @@ def forward_collect(
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from rlpost.models.megatron import context_parallel as cp
+
     device = next(unwrap_model(model).parameters()).device
     batch_size, seq_len = input_ids.shape
     mbs = micro_batch_size or batch_size
@@ -339,10 +350,10 @@ def forward_collect(
     def forward_step(data_iterator: Iterator[torch.Tensor], mdl: torch.nn.Module
                      ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
         ids = next(data_iterator)
-        output = mdl(ids, None, None)
+        output = mdl(cp.split(ids), None, None)
 
         def last_stage(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            return torch.zeros((), device=out.device), {"out": collect(out, ids).to(dtype)}
+            return torch.zeros((), device=out.device), {"out": collect(cp.gather(out, ids.shape[1]), ids).to(dtype)}
 
         return output, last_stage
 

@@ -64,8 +64,11 @@ def head_logits(model: torch.nn.Module, hidden: torch.Tensor, temperature: float
                 vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None) -> HeadLogits:
     """The logits the output layer would have made from `hidden` [B, S, H] (what the model returned inside
     `passthrough`): this rank's vocabulary rows from `vocab_start`, the ids from `vocab_size` on being padding."""
+    from rlpost.models.megatron import context_parallel as cp
+
     gpt = unwrap_model(model)
     weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
               else gpt.output_layer.weight)
+    weight = cp.replicated(weight)  # under CP every rank reads it on the same whole sequences
     return HeadLogits(hidden, weight, temperature, chunk_tokens(chunk_size, weight.shape[0]), vocab_start, group,
                       vocab_size)

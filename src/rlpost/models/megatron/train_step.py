@@ -250,6 +250,8 @@ def _forward_backward(
     stage; zero elsewhere). Gradients go into DDP's buffers, finalised as the model config says."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from rlpost.models.megatron import context_parallel as cp
+
     ddp = state.model
     group = resolve_tp_group(None)
     start, end, vocab = vocab_shard_range(ddp, group)
@@ -259,10 +261,11 @@ def _forward_backward(
     def forward_step(data_iterator: Iterator[Mapping[str, Any]], mdl: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:
         mb = next(data_iterator)
         ids = mb["input_ids"].to(device)
-        output = mdl(ids, None, None)
+        output = mdl(cp.split(ids), None, None)
 
         def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
             x: torch.Tensor | HeadLogits
+            out = cp.gather(out, ids.shape[1])  # whole sequences under context parallelism
             if loss_input == "head":  # `out` is the final hidden states (output_head.passthrough)
                 x = head_logits(ddp, out, temperature, chunk_size, start, vocab, group)
             else:

@@ -227,7 +227,7 @@ def config_namespace(name: str) -> SimpleNamespace:
 def worker(rank: int, world_size: int, port: int, phases: dict[str, dict[str, Any]], out_dir: str) -> None:
     """One rank: megatron over gloo with the CPU layer; runs each phase's logprob / export / train jobs.
 
-    A phase is {"tp": .., "pp": .., "ep": .. (1 if absent), "logprobs": [names], "export": [names], "train": {key: (name, optim, lr,
+    A phase is {"tp": .., "pp": .., "ep": .. and "cp": .. (1 if absent), "logprobs": [names], "export": [names], "train": {key: (name, optim, lr,
     clip)}} plus the shared "files" (safetensors path per model), "inputs" and "train_batches". With DP > 1 each
     data-parallel rank trains on its own share of the micro-batches.
     """
@@ -258,23 +258,29 @@ def worker(rank: int, world_size: int, port: int, phases: dict[str, dict[str, An
     with cpu_compat():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         for phase, plan in phases.items():
-            tp, pp, ep = plan["tp"], plan["pp"], plan.get("ep", 1)
+            tp, pp, ep, cp = plan["tp"], plan["pp"], plan.get("ep", 1), plan.get("cp", 1)
             ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                         expert_model_parallel_size=ep)
+                                         expert_model_parallel_size=ep, context_parallel_size=cp)
             seed_model_parallel_rng(1234)
             groups = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group())
             experts = {"ep_group": ps.get_expert_model_parallel_group() if ep > 1 else None}
             dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-            base = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+            base = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                        context_parallel_size=cp)
 
             def build(name: str, cfg: Any, precision: str = "float32") -> Any:
                 state = load_file(shared["files"][name])
                 return build_gpt_model(config_namespace(name), cfg, precision, hf_state_dict=state)
 
-            out: dict[str, Any] = {"logprobs": {}, "logprobs_bf16": {}, "export": {}, "train": {}}
+            out: dict[str, Any] = {"logprobs": {}, "logprobs_bf16": {}, "export": {}, "train": {}, "positions_in": []}
             for name in plan.get("logprobs", []):
                 ids, mask = shared["inputs"][name]
-                lp = forward_logprobs(build(name, MegatronConfig(**base)), ids, mask, TEMPERATURE, micro_batch_size=2)
+                model = build(name, MegatronConfig(**base))
+                if model.pre_process:  # how many positions of each sequence this rank's model reads
+                    model.embedding.register_forward_pre_hook(
+                        lambda _m, args, kwargs, seen=out["positions_in"]:
+                        seen.append(int((args[0] if args else kwargs["input_ids"]).shape[1])), with_kwargs=True)
+                lp = forward_logprobs(model, ids, mask, TEMPERATURE, micro_batch_size=2)
                 out["logprobs"][name] = lp.numpy()
             for name in plan.get("logprobs_bf16", []):
                 ids, mask = shared["inputs"][name]

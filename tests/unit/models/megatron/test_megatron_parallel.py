@@ -1,7 +1,7 @@
 """Megatron-Core on CPU over gloo: logprob parity with HF, export round trip and one training step.
 
-One spawned job of two ranks (megatron_test_helpers.worker) runs four phases: TP=1 with DP=2, TP=2, expert
-parallelism EP=2 (with DP=2) and PP=2;
+One spawned job of two ranks (megatron_test_helpers.worker) runs five phases: TP=1 with DP=2, TP=2, expert
+parallelism EP=2 (with DP=2), context parallelism CP=2 and PP=2;
 the tests compare its results here against plain HF / PyTorch.
 """
 
@@ -49,6 +49,14 @@ PHASES: dict[str, dict[str, Any]] = {
         "export": ["qwen3_moe", "mixtral"],
         "train": {"qwen3_moe_sgd": ("qwen3_moe", "sgd", 0.5, 0.0), "mixtral_adam_clip": ("mixtral", "adam", 1e-2, 0.05)},
     },
+    "cp2": {  # context parallelism: each rank reads half of every sequence (rlpost.models.megatron.context_parallel)
+        "tp": 1,
+        "pp": 1,
+        "cp": 2,
+        "logprobs": ["qwen2_tied", "llama", "qwen3"],
+        "export": ["qwen2_tied"],
+        "train": {"llama_sgd": ("llama", "sgd", 0.5, 0.0), "qwen_adam_clip": ("qwen2_tied", "adam", 1e-2, 0.05)},
+    },
     "pp2": {
         "tp": 1,
         "pp": 2,
@@ -94,6 +102,14 @@ def test_logprob_parity(phase: str, results: list[dict[str, Any]], shared: dict[
             assert torch.all(got[:, 0] == 0)
             diff = (got - ref)[mask.bool()].abs().max().item()
             assert diff <= TOL, f"{phase}/{name}: max |megatron - hf| logprob = {diff}"
+
+
+def test_context_parallel_ranks_read_half_of_each_sequence(results: list[dict[str, Any]]) -> None:
+    """Under CP=2 each rank's model reads SEQ / 2 positions (its two chunks), and the logprobs above still equal HF's
+    over the whole sequence; without CP it reads all SEQ."""
+    for res in results:
+        assert res["cp2"]["positions_in"] == [h.SEQ // 2] * 2 * len(PHASES["cp2"]["logprobs"])  # two micro-batches
+        assert set(res["tp1_dp2"]["positions_in"]) == {h.SEQ}
 
 
 def test_bf16_forward_runs_on_cpu(results: list[dict[str, Any]], shared: dict[str, Any], hf_models: dict) -> None:
