@@ -18,7 +18,7 @@ from typing import Any
 
 from rlpost.config.errors import ConfigError, did_you_mean
 from rlpost.config.layout import model_dir_key, read_hf_config
-from rlpost.config.model_families import check_converted, check_tp_plan
+from rlpost.config.model_families import ARCHITECTURES, architecture_of, check_converted, check_tp_plan
 from rlpost.config.schema.cluster import ClusterConfig
 from rlpost.config.schema.master import MasterConfig
 from rlpost.config.schema.megatron import MegatronPolicyConfig, check_megatron_experts
@@ -201,6 +201,10 @@ def check_model_limits(master: AnyMaster) -> None:
         m = p.megatron_cfg
         check_megatron_experts(hf, "policy.megatron_cfg", m.tensor_model_parallel_size, m.sequence_parallel,
                                m.expert_model_parallel_size, m.context_parallel_size)
+        if m.peft.enabled and architecture_of(hf, m.converter_type) == ARCHITECTURES["olmo2"]:
+            raise ConfigError("policy.megatron_cfg.peft.enabled", True, "LoRA on Megatron adds each adapter to its "
+                              "linear's output, and OLMo 2's linear_proj and linear_fc2 end in a norm",
+                              "policy=dtensor trains LoRA on OLMo 2")
     elif isinstance(p, DTensorPolicyConfig) and not p._target_.endswith("V2") and not p.dtensor_cfg.custom_parallel_plan:
         check_tp_plan(hf, "policy.dtensor_cfg.tensor_parallel_size", p.dtensor_cfg.tensor_parallel_size)
     vocab = hf.get("vocab_size")

@@ -56,3 +56,19 @@ def test_each_family_trains_and_the_engine_stays_on_policy(family: str, cache: P
     experts = [n for n in names if ".experts." in n]
     assert bool(experts) is moe and all(n.endswith(".weight") for n in experts), sorted(names)[:8]
     AutoModelForCausalLM.from_pretrained(exported)
+
+
+def test_olmo2_on_megatron_stays_on_policy_and_exports(cache: Path, tmp_path: Path) -> None:
+    """OLMo 2's layer on Megatron-Core (rlpost.models.megatron.olmo2: post-norms, whole-projection q/k norms): two
+    GRPO steps whose refits vLLM's OLMo 2 takes by name and serves on policy, and an HF export transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "olmo2-megatron"
+    train(run, cache, "policy=megatron", "model.tiny.architecture=olmo2", "grpo.max_num_steps=2", "grpo.val_period=0",
+          "checkpointing.save_period=2", "checkpointing.metric_name=null")
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == [1, 2]
+    assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines), lines
+    exported = run / "checkpoints" / "step_2" / "policy" / "weights" / "hf"
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert type(model).__name__ == "Olmo2ForCausalLM"

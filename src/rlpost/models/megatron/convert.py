@@ -1,6 +1,7 @@
-"""HF <-> Megatron-Core conversion for the Qwen2, Qwen3, Llama, Mistral and Phi-3 families (dense, SwiGLU, RMSNorm,
-RoPE, GQA; Qwen3's per-head q/k RMSNorm; Phi-3's fused projections) and the Qwen3-MoE and Mixtral mixtures of
-experts (their attention as Qwen3's and Mistral's; the experts and router in rlpost.models.megatron.moe).
+"""HF <-> Megatron-Core conversion for the Qwen2, Qwen3, Llama, Mistral, Phi-3 and OLMo 2 families (dense, SwiGLU,
+RMSNorm, RoPE, GQA; Qwen3's per-head q/k RMSNorm; Phi-3's fused projections; OLMo 2's post-norms and whole-projection
+q/k norms in rlpost.models.megatron.olmo2) and the Qwen3-MoE and Mixtral mixtures of experts (their attention as
+Qwen3's and Mistral's; the experts and router in rlpost.models.megatron.moe).
 
 Config: `transformer_config_from_hf` maps the HF config to a megatron `TransformerConfig` (RMSNorm eps, GQA via
 `num_query_groups`, `kv_channels` = head_dim, SwiGLU = `gated_linear_unit` + silu, Qwen2's q/k/v bias via
@@ -18,7 +19,8 @@ Weights, per layer (HF name -> megatron local-spec name, TP split):
   post_attention_layernorm.weight   -> pre_mlp_layernorm.weight                  replicated
   mlp.{gate,up}_proj.weight         -> mlp.linear_fc1.weight                     dim 0, fused (below)
   mlp.down_proj.weight              -> mlp.linear_fc2.weight                     dim 1
-A mixture of experts' MLP (router and experts) maps as rlpost.models.megatron.moe describes.
+A mixture of experts' MLP (router and experts) maps as rlpost.models.megatron.moe describes; OLMo 2's norms as
+rlpost.models.megatron.olmo2 describes (its q/k norm weights split over TP with the heads).
 Phi-3 fuses q, k and v in `self_attn.qkv_proj` (rows [q; k; v]) and gate and up in `mlp.gate_up_proj` (rows
 [gate; up]): they are split into the same q, k, v and gate, up, and joined again on the way back.
 plus model.embed_tokens.weight -> embedding.word_embeddings.weight (dim 0), model.norm.weight ->
@@ -57,6 +59,7 @@ import torch
 
 from rlpost.config.model_families import ARCHITECTURES
 from rlpost.models.megatron import moe as moe_layers
+from rlpost.models.megatron import olmo2
 
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -65,7 +68,7 @@ if TYPE_CHECKING:
     from rlpost.config.schema.megatron import MegatronConfig
 
 LLAMA_LIKE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-                    "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                    "Olmo2ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 """Architectures whose attention_bias / mlp_bias flags would add biases megatron's layers here do not carry."""
 FUSED_PROJECTION_ARCHS = ("Phi3ForCausalLM",)
 """Architectures whose checkpoint fuses q/k/v (qkv_proj) and gate/up (gate_up_proj)."""
@@ -104,6 +107,8 @@ class HFModelDims:
     initializer_range: float
     moe: moe_layers.MoEDims | None = None
     """The experts of a mixture of experts (rlpost.models.megatron.moe); None for a dense MLP."""
+    post_norms: bool = False
+    """OLMo 2's layer: norms after attention and the MLP, q/k norms over the whole projection (models.megatron.olmo2)."""
 
 
 def _rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
@@ -172,6 +177,7 @@ def hf_model_dims(hf_config: PretrainedConfig, converter_type: str = "auto") -> 
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         initializer_range=float(getattr(hf_config, "initializer_range", 0.02)),
         moe=moe_layers.moe_dims(hf_config, arch),
+        post_norms=arch == olmo2.ARCHITECTURE,
     )
 
 
@@ -227,7 +233,7 @@ def transformer_config_from_hf(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=d.qkv_bias,
-        qk_layernorm=d.qk_norm,
+        qk_layernorm=d.qk_norm,  # OLMo 2's q/k norms come from its spec: megatron would sum their TP-split grads
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=d.initializer_range,
@@ -313,7 +319,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def tp_split_dim(name: str) -> int | None:
     """Dimension along which megatron shards a (local-spec) parameter over TP; None = replicated."""
-    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight")):
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "layernorm.projection_weight")):
         return 0
     if name.endswith(("word_embeddings.weight", "output_layer.weight")):
         return 0
@@ -386,11 +392,14 @@ def _layer_hf_to_megatron(hf: Mapping[str, torch.Tensor], g: int, d: HFModelDims
     else:
         q, k, v = (hf[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
     out = {
-        "input_layernorm.weight": hf[h + "input_layernorm.weight"],
         "self_attention.linear_qkv.weight": _fuse_qkv(q, k, v, d),
         "self_attention.linear_proj.weight": hf[h + "self_attn.o_proj.weight"],
-        "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
     }
+    if d.post_norms:
+        out.update(olmo2.hf_to_megatron(hf, h))
+    else:
+        out["input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        out["pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
     if d.moe is not None:
         out.update(moe_layers.hf_to_megatron(hf, h, d.moe, *ep))
     else:
@@ -461,7 +470,8 @@ def _layer_megatron_to_hf(m: Mapping[str, torch.Tensor], g: int, d: HFModelDims)
     """HF tensors of global layer g from full megatron tensors named relative to decoder.layers.<i>."""
     h = f"model.layers.{g}."
     q, k, v = split_qkv(m["self_attention.linear_qkv.weight"], d)
-    out = {h + "input_layernorm.weight": m["input_layernorm.weight"]}
+    out = olmo2.megatron_to_hf(m, h) if d.post_norms else {h + "input_layernorm.weight": m["input_layernorm.weight"],
+                                                           h + "post_attention_layernorm.weight": m["pre_mlp_layernorm.weight"]}
     if d.fused_projections:
         out[h + "self_attn.qkv_proj.weight"] = torch.cat([q, k, v], dim=0)
     else:
@@ -473,8 +483,7 @@ def _layer_megatron_to_hf(m: Mapping[str, torch.Tensor], g: int, d: HFModelDims)
     if d.qk_norm:
         out[h + "self_attn.q_norm.weight"] = m["self_attention.q_layernorm.weight"]
         out[h + "self_attn.k_norm.weight"] = m["self_attention.k_layernorm.weight"]
-    out.update({h + "self_attn.o_proj.weight": m["self_attention.linear_proj.weight"],
-                h + "post_attention_layernorm.weight": m["pre_mlp_layernorm.weight"]})
+    out[h + "self_attn.o_proj.weight"] = m["self_attention.linear_proj.weight"]
     if d.moe is not None:
         return {**out, **moe_layers.megatron_to_hf(m, h, d.moe)}
     if d.fused_projections:

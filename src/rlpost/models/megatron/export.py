@@ -62,7 +62,7 @@ def _hf_unit_shapes(unit: Unit, d: HFModelDims, include_tied_lm_head: bool) -> l
     if kind == "final":
         return [("model.norm.weight", (h,))] + ([] if d.tied_embeddings else [("lm_head.weight", (v, h))])
     p = f"model.layers.{g}."
-    out: list[tuple[str, tuple[int, ...]]] = [(p + "input_layernorm.weight", (h,))]
+    out: list[tuple[str, tuple[int, ...]]] = [] if d.post_norms else [(p + "input_layernorm.weight", (h,))]
     if d.fused_projections:
         out += [(p + "self_attn.qkv_proj.weight", (q + 2 * kv, h))]
     else:
@@ -71,9 +71,12 @@ def _hf_unit_shapes(unit: Unit, d: HFModelDims, include_tied_lm_head: bool) -> l
     if d.qkv_bias:
         out += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,))]
         out += [(p + "self_attn.v_proj.bias", (kv,))]
-    if d.qk_norm:
-        out += [(p + "self_attn.q_norm.weight", (d.head_dim,)), (p + "self_attn.k_norm.weight", (d.head_dim,))]
+    if d.qk_norm or d.post_norms:  # per head (Qwen3) or over the whole projection (OLMo 2)
+        qn, kn = (q, kv) if d.post_norms else (d.head_dim, d.head_dim)
+        out += [(p + "self_attn.q_norm.weight", (qn,)), (p + "self_attn.k_norm.weight", (kn,))]
     out += [(p + "self_attn.o_proj.weight", (h, q)), (p + "post_attention_layernorm.weight", (h,))]
+    if d.post_norms:
+        out += [(p + "post_feedforward_layernorm.weight", (h,))]
     if d.moe is not None:
         return out + moe_layers.hf_shapes(p, h, d.moe)
     if d.fused_projections:

@@ -106,11 +106,12 @@ def _te_available() -> bool:
 
 
 def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False, num_experts: int | None = None,
-               context_parallel: bool = False) -> ModuleSpec:
+               context_parallel: bool = False, post_norms: bool = False) -> ModuleSpec:
     """The decoder layer spec: Transformer Engine on a GPU when importable (or use_te=True), else local;
     `qk_layernorm`: per-head RMSNorm on the queries and keys (Qwen3); `num_experts`: a MoE layer of that many
     experts (each its own MLP: no grouped GEMM) in place of the dense MLP; `context_parallel`: rlpost's
-    context-parallel core attention (rlpost.models.megatron.context_parallel) on every device."""
+    context-parallel core attention (rlpost.models.megatron.context_parallel) on every device; `post_norms`: OLMo 2's
+    layer (rlpost.models.megatron.olmo2), on the local spec on every device."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -118,7 +119,11 @@ def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False, num_exper
 
     if use_te is None:
         use_te = torch.cuda.is_available() and _te_available()
-    if use_te:
+    if post_norms:
+        from rlpost.models.megatron import olmo2
+
+        spec = olmo2.olmo2_spec(get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"))
+    elif use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
     else:
         if num_experts:
@@ -209,7 +214,8 @@ def build_gpt_model(
         config=config,
         transformer_layer_spec=layer_spec(use_te, qk_layernorm=config.qk_layernorm,
                                           num_experts=config.num_moe_experts,
-                                          context_parallel=config.context_parallel_size > 1),
+                                          context_parallel=config.context_parallel_size > 1,
+                                          post_norms=hf_model_dims(hf_config, megatron_cfg.converter_type).post_norms),
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
         post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
         **gpt_model_args_from_hf(hf_config, megatron_cfg),

@@ -90,6 +90,16 @@ def phi3_config() -> Any:
                       max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+def olmo2_config() -> Any:
+    """OLMo 2: norms after attention and the MLP (none before), q/k norms over the whole projection."""
+    from transformers import Olmo2Config
+
+    return Olmo2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=96, vocab_size=116, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       max_position_embeddings=256, rope_theta=500000.0, pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2)
+
+
 def qwen3_moe_config() -> Any:
     """Qwen3-MoE: four experts, two per token, renormalised; Qwen3's attention."""
     from transformers import Qwen3MoeConfig
@@ -117,6 +127,7 @@ MODEL_CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3": qwen3_config,
     "mistral": mistral_config,
     "phi3": phi3_config,
+    "olmo2": olmo2_config,
     "qwen3_moe": qwen3_moe_config,
     "mixtral": mixtral_config,
 }

@@ -23,11 +23,13 @@ PHASES: dict[str, dict[str, Any]] = {
     "tp1_dp2": {
         "tp": 1,
         "pp": 1,
-        "logprobs": ["qwen2_tied", "qwen2_untied", "llama", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral"],
+        "logprobs": ["qwen2_tied", "qwen2_untied", "llama", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe",
+                     "mixtral"],
         "logprobs_bf16": ["qwen2_tied"],
-        "export": ["qwen2_untied"],
+        "export": ["qwen2_untied", "olmo2"],
         "train": {
             "qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0),
+            "olmo2_adam": ("olmo2", "adam", 1e-2, 0.0),
             "qwen_adam": ("qwen2_untied", "adam", 1e-3, 0.0),
             "llama_sgd_clip": ("llama", "sgd", 0.5, 0.05),
             "qwen3_moe_sgd": ("qwen3_moe", "sgd", 0.5, 0.0),  # at TP > 1 megatron trains experts with SP alone
@@ -36,10 +38,11 @@ PHASES: dict[str, dict[str, Any]] = {
     "tp2": {
         "tp": 2,
         "pp": 1,
-        "logprobs": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral"],
-        "export": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral"],
+        "logprobs": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe", "mixtral"],
+        "export": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe", "mixtral"],
         "train": {"qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0), "llama_adam": ("llama", "adam", 1e-3, 0.0),
-                  "qwen3_sgd": ("qwen3", "sgd", 0.5, 0.0), "phi3_sgd": ("phi3", "sgd", 0.5, 0.0)},
+                  "qwen3_sgd": ("qwen3", "sgd", 0.5, 0.0), "phi3_sgd": ("phi3", "sgd", 0.5, 0.0),
+                  "olmo2_sgd": ("olmo2", "sgd", 0.5, 0.0)},  # the q/k norms' mean of squares over TP
     },
     "ep2": {  # expert parallelism: each rank holds two of the four experts, over DP=2
         "tp": 1,

@@ -1,0 +1,139 @@
+"""OLMo 2 on Megatron-Core: post-norms and q/k norms over the whole projection, as submodules of the local layer spec.
+
+An OLMo 2 decoder layer has no norm before attention or the MLP. It normalises each one's output instead,
+`h = x + post_attention_layernorm(attn(x))`, `y = h + post_feedforward_layernorm(mlp(h))`, and its q and k norms
+are RMSNorms over the whole projection (all heads at once), where Qwen3's are per head. megatron-core's layer has
+neither, so the spec (`olmo2_spec`) puts:
+
+- `IdentityOp` in place of `input_layernorm` and `pre_mlp_layernorm`;
+- `PostNormRowParallelLinear` in place of `linear_proj` and `linear_fc2`: the row-parallel linear, then an RMSNorm of
+  its (TP-reduced, whole) output, under `<linear>.post_norm.weight` (replicated over TP);
+- `ProjectionNorm` in place of `q_layernorm` and `k_layernorm`: an RMSNorm over every head of the projection. Under
+  TP a rank holds its heads' slice of the weight (`projection_weight`, split over TP like the heads and marked
+  tensor-parallel) and the mean of squares is all-reduced over the TP group (its backward sums the ranks'
+  gradients). The model config keeps `qk_layernorm` off: megatron would sum those norms' gradients over TP, which is
+  right for Qwen3's replicated per-head weights and wrong for these slices.
+
+The local spec on every device (Transformer Engine fuses norms into the next linear, which this layer does not have).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.nn.functional import all_reduce as all_reduce_with_grad
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+ARCHITECTURE = "Olmo2ForCausalLM"
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mean_sq: torch.Tensor) -> torch.Tensor:
+    """HF's RMSNorm given the mean of squares: in fp32, scaled by the weight, back in x's dtype."""
+    return (weight * (x.float() * torch.rsqrt(mean_sq + eps))).to(x.dtype)
+
+
+class PostNorm(nn.Module):
+    """An RMSNorm over the last dimension (OLMo 2's post-attention and post-feed-forward norms)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.weight, self.eps, x.float().pow(2).mean(-1, keepdim=True))
+
+
+def post_norm_linear(base: type) -> type:
+    """`base` (megatron's RowParallelLinear) whose output, whole after the TP reduction, is RMS-normalised."""
+
+    class PostNormRowParallelLinear(base):
+        def __init__(self, input_size: int, output_size: int, *, config: Any, **kwargs: Any) -> None:
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.post_norm = PostNorm(output_size, config.layernorm_epsilon)
+
+        def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            out, bias = super().forward(input_)
+            if bias is not None:
+                raise ValueError("OLMo 2's post-norm follows a linear without bias")
+            return self.post_norm(out), None
+
+    return PostNormRowParallelLinear
+
+
+class ProjectionNorm(nn.Module):
+    """OLMo 2's q or k norm, called as megatron's per-head norm is on [s, b, heads, head_dim] (this rank's heads),
+    normalising over all heads of the projection. `heads` is "query" or "key"."""
+
+    heads = "query"
+
+    def __init__(self, hidden_size: int, config: Any, eps: float, **_: Any) -> None:
+        super().__init__()
+        from megatron.core import parallel_state as ps
+
+        self.group = ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
+        tp = dist.get_world_size(self.group) if self.group is not None else 1
+        total = config.num_attention_heads if self.heads == "query" else config.num_query_groups
+        if total % tp:
+            raise ValueError(f"OLMo 2's {self.heads} norm needs its {total} heads to split over TP={tp}")
+        self.total = total * hidden_size
+        self.projection_weight = nn.Parameter(torch.ones(total // tp * hidden_size))
+        # split over TP like the heads: megatron counts each rank's slice in the grad norm and never sums its grads
+        self.projection_weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+        self.projection_weight.partition_dim = 0  # type: ignore[attr-defined]
+        self.projection_weight.partition_stride = 1  # type: ignore[attr-defined]
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, n, d = x.shape
+        flat = x.reshape(s, b, n * d)
+        sq = flat.float().pow(2).sum(-1, keepdim=True)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            sq = all_reduce_with_grad(sq, group=self.group)
+        return _rms_norm(flat, self.projection_weight, self.eps, sq / self.total).reshape(s, b, n, d)
+
+
+class KeyProjectionNorm(ProjectionNorm):
+    heads = "key"
+
+
+def olmo2_spec(spec: ModuleSpec) -> ModuleSpec:
+    """A copy of the local GPT layer spec with OLMo 2's norms (see the module docstring)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    spec = copy.deepcopy(spec)
+    layer = spec.submodules
+    attention = layer.self_attention.submodules
+    layer.input_layernorm = IdentityOp
+    layer.pre_mlp_layernorm = IdentityOp
+    attention.linear_proj = post_norm_linear(attention.linear_proj)
+    layer.mlp.submodules.linear_fc2 = post_norm_linear(layer.mlp.submodules.linear_fc2)
+    attention.q_layernorm = ProjectionNorm
+    attention.k_layernorm = KeyProjectionNorm
+    return spec
+
+
+def hf_to_megatron(hf: Any, h: str) -> dict[str, torch.Tensor]:
+    """The norms of HF layer prefix `h` under their megatron names (full, TP-unsplit)."""
+    return {
+        "self_attention.linear_proj.post_norm.weight": hf[h + "post_attention_layernorm.weight"],
+        "mlp.linear_fc2.post_norm.weight": hf[h + "post_feedforward_layernorm.weight"],
+        "self_attention.q_layernorm.projection_weight": hf[h + "self_attn.q_norm.weight"],
+        "self_attention.k_layernorm.projection_weight": hf[h + "self_attn.k_norm.weight"],
+    }
+
+
+def megatron_to_hf(m: Any, h: str) -> dict[str, torch.Tensor]:
+    """Inverse of hf_to_megatron."""
+    return {
+        h + "post_attention_layernorm.weight": m["self_attention.linear_proj.post_norm.weight"],
+        h + "post_feedforward_layernorm.weight": m["mlp.linear_fc2.post_norm.weight"],
+        h + "self_attn.q_norm.weight": m["self_attention.q_layernorm.projection_weight"],
+        h + "self_attn.k_norm.weight": m["self_attention.k_layernorm.projection_weight"],
+    }
