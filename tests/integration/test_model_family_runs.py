@@ -22,8 +22,9 @@ pytestmark = pytest.mark.slow
 
 
 RUNS = {"qwen3_moe": (1, 80, False), "phi3": (2, 2, True), "gemma2": (1, 2, True), "olmo2": (1, 2, True),
-        "mixtral": (1, 2, True)}
-"""family -> (TP, steps, LoRA). The Qwen3-MoE run is the default job's 80 steps, and it learns the task; LoRA runs
+        "mixtral": (1, 2, True), "mistral": (1, 2, False)}
+"""family -> (TP, steps, LoRA). The Qwen3-MoE run is the default job's 80 steps, and it learns the task; Mistral's
+refits the full weights (its adapters are refit in test_grpo's LoRA-adapter run); LoRA runs
 take the preset (experiment=tiny_lora: adapters split as their layers are, the embeddings trained in full, the merged
 weights refit). Every family's TP=2 plan is checked on its own in tests/unit/models/test_tp_plans.py; Gemma 3 brings
 no part of the path that Gemma 2 (its headless engine model) and Qwen3-MoE (per-head q/k norms) do not, and its
