@@ -6,7 +6,7 @@ checkpoint's names and transformers loads it.
 
 What each family brings to the path: gemma2 soft-caps its logits (the worker takes them whole) and its vLLM model has
 no head apart from the embedding; qwen3_moe normalises each head's q and k; olmo2 normalises whole projections and phi3 fuses them (both gather their
-projections under TP, and so do their adapters; every family but qwen3_moe runs with LoRA); qwen3_moe and mixtral fuse their experts in memory, split them for
+projections under TP, and so do their adapters; every family but qwen3_moe and mistral runs with LoRA); qwen3_moe and mixtral fuse their experts in memory, split them for
 vLLM and the export, and vLLM-CPU repacks them after each refit
 (rlpost.models.generation.vllm_extension.repack_cpu_experts)."""
 
