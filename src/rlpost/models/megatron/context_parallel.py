@@ -25,6 +25,7 @@ sequence parallelism).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,8 +49,10 @@ def local_positions(length: int, size: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
 
+@functools.lru_cache(maxsize=16)
 def gathered_positions(length: int, size: int) -> torch.Tensor:
-    """The position of each row of the ranks' chunks all-gathered in rank order."""
+    """The position of each row of the ranks' chunks all-gathered in rank order (cached: every layer of every
+    micro-batch asks; callers do not write to it)."""
     return torch.cat([local_positions(length, size, r) for r in range(size)])
 
 
@@ -124,11 +127,9 @@ class ContextParallelAttention(torch.nn.Module):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
         super().__init__()
-        self.config = config
-        del layer_number, attention_type, cp_comm_type, pg_collection
+        del layer_number, attn_mask_type, attention_type, cp_comm_type, pg_collection  # causal, by position
         if getattr(config, "window_size", None) is not None:
             raise ValueError("context parallelism supports full causal attention only (the model has a window)")
-        self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 

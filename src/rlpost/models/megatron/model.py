@@ -210,17 +210,18 @@ def build_gpt_model(
     if load_weights and hf_state_dict is None:
         raise ValueError("build_gpt_model needs hf_state_dict when given an HF config and load_weights=True")
     config: TransformerConfig = transformer_config_from_hf(hf_config, megatron_cfg, precision)
+    dims = hf_model_dims(hf_config, megatron_cfg.converter_type)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(use_te, qk_layernorm=config.qk_layernorm,
                                           num_experts=config.num_moe_experts,
                                           context_parallel=config.context_parallel_size > 1,
-                                          post_norms=hf_model_dims(hf_config, megatron_cfg.converter_type).post_norms),
+                                          post_norms=dims.post_norms),
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
         post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
         **gpt_model_args_from_hf(hf_config, megatron_cfg),
     )
-    model.unpadded_vocab_size = hf_model_dims(hf_config, megatron_cfg.converter_type).vocab_size
+    model.unpadded_vocab_size = dims.vocab_size
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if load_weights:

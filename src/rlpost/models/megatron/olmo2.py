@@ -27,10 +27,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.nn.functional import all_reduce as all_reduce_with_grad
 
+from rlpost.config.model_families import ARCHITECTURES
+
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-ARCHITECTURE = "Olmo2ForCausalLM"
+ARCHITECTURE = ARCHITECTURES["olmo2"]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mean_sq: torch.Tensor) -> torch.Tensor:
@@ -77,8 +79,10 @@ class ProjectionNorm(nn.Module):
         super().__init__()
         from megatron.core import parallel_state as ps
 
-        self.group = ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
-        tp = dist.get_world_size(self.group) if self.group is not None else 1
+        group = ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
+        tp = dist.get_world_size(group) if group is not None else 1
+        self.group = group if tp > 1 else None
+        """The TP group the mean of squares is all-reduced over; None at TP=1."""
         total = config.num_attention_heads if self.heads == "query" else config.num_query_groups
         if total % tp:
             raise ValueError(f"OLMo 2's {self.heads} norm needs its {total} heads to split over TP={tp}")
@@ -94,7 +98,7 @@ class ProjectionNorm(nn.Module):
         s, b, n, d = x.shape
         flat = x.reshape(s, b, n * d)
         sq = flat.float().pow(2).sum(-1, keepdim=True)
-        if self.group is not None and dist.get_world_size(self.group) > 1:
+        if self.group is not None:
             sq = all_reduce_with_grad(sq, group=self.group)
         return _rms_norm(flat, self.projection_weight, self.eps, sq / self.total).reshape(s, b, n, d)
 
