@@ -3,8 +3,9 @@
 - Tokenizer: byte-level BPE trained with `tokenizers` on a small in-code corpus, with Qwen2's
   pre-tokenizer split regex so `AutoTokenizer` (Qwen2Tokenizer) and PreTrainedTokenizerFast agree
   (a char-level WordLevel tokenizer gets silently rewritten by Qwen2Tokenizer and loses spaces).
-- Model: random-init, of the family `architecture` names (Qwen2 by default), with head_dim >= 32 so vLLM-CPU serves it; the embedding is
-  padded to a multiple of 64 rows covering the tokenizer.
+- Model: random-init, of the family `architecture` names (Qwen2 by default), with head_dim >= 32 so vLLM-CPU serves it; the embedding has
+  `vocab_size` rows padded to a multiple of 64 (the BPE's merges run out on its small corpus, so a large vocabulary,
+  Qwen2.5's 151,936, is mostly rows no token reaches, as a real model's padded vocabulary is).
 - Cache: built in a temporary directory and renamed into place, so concurrent builds are safe.
 """
 
@@ -13,7 +14,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 from rlpost.config.schema.model import TINY_MARKER, TinyModelConfig, tiny_build_matches, tiny_spec
@@ -109,7 +113,7 @@ def build_tiny_model(cfg: TinyModelConfig, out_dir: str | os.PathLike[str]) -> P
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         tok = build_tokenizer(cfg.vocab_size)
-        vocab = ((len(tok) + 63) // 64) * 64
+        vocab = ((max(len(tok), cfg.vocab_size) + 63) // 64) * 64  # the tokenizer's merges may stop short of it
         common = dict(
             vocab_size=vocab,
             hidden_size=cfg.hidden_size,
@@ -160,9 +164,24 @@ def build_tiny_model(cfg: TinyModelConfig, out_dir: str | os.PathLike[str]) -> P
     return out
 
 
-def ensure_tiny_model(cfg: TinyModelConfig, path: str | os.PathLike[str]) -> Path:
-    """Return `path`, building the tiny model there first unless a complete build is present."""
+def ensure_tiny_model(cfg: TinyModelConfig, path: str | os.PathLike[str], apart: bool = True) -> Path:
+    """Return `path`, building the tiny model there first unless a complete build is present. `apart`: the build
+    runs in a child process, so the caller (a run's driver) never holds the model: its allocator would keep the
+    pages of a build's fp32 weights for the rest of the run (2 GiB for a model of Qwen2.5-0.5B's shape)."""
     p = Path(path)
     if tiny_build_matches(p, cfg):
         return p
-    return build_tiny_model(cfg, p)
+    if not apart:
+        return build_tiny_model(cfg, p)
+    if p.exists():
+        _check_replaceable(p)
+    argv = [sys.executable, "-m", "rlpost.models.tiny", json.dumps(asdict(cfg)), str(p)]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    if proc.returncode != 0:
+        raise RuntimeError(f"building the tiny model at {p} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return p
+
+
+if __name__ == "__main__":  # ensure_tiny_model's child: python -m rlpost.models.tiny <TinyModelConfig as JSON> <dir>
+    build_tiny_model(TinyModelConfig(**json.loads(sys.argv[1])), sys.argv[2])

@@ -11,7 +11,7 @@ from rlpost.config.errors import ConfigError, require
 from rlpost.config.fields import POSITIVE, SEED, Block, checked, options
 from rlpost.config.model_families import CAUSAL_LMS, MOE_MODEL_TYPES
 
-TINY_BUILDER_VERSION = 2
+TINY_BUILDER_VERSION = 3
 TINY_MARKER = "rlpost_tiny.json"
 
 
@@ -35,7 +35,9 @@ class TinyModelConfig(Block):
     intermediate_size: int = checked(128, POSITIVE)
     """MLP width."""
     vocab_size: int = 384
-    """BPE vocabulary size (the model's embedding is padded to a multiple of 64)."""
+    """The model's vocabulary: its embedding's rows, padded to a multiple of 64. The BPE tokenizer is trained to
+    this size; its small corpus runs out of merges near 400 tokens, so the rows of a larger vocabulary (a real
+    model's shape) are never produced by it."""
     max_position_embeddings: int = 256
     """Longest sequence."""
     tie_word_embeddings: bool = True
