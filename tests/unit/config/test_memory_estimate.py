@@ -158,3 +158,48 @@ def test_plan_json_from_a_directory_holding_only_a_7b_config(tmp_path: Path) -> 
     assert any(g[0] == "engine" for g in groups)
     assert all(w["estimate_gib"] == pytest.approx(sum(w["items"].values()), abs=0.01) for w in memory["workers"])
     assert plan["rows"]["parameters"].startswith("7,615,616,512")
+
+
+def test_the_optimizer_step_holds_two_temporaries_of_the_largest_tensor(tmp_path: Path) -> None:
+    """Single-tensor AdamW (foreach and fused off) makes sqrt(v) and sqrt(v) / bias correction of one parameter at
+    a time: two fp32 copies of Qwen2.5-7B's largest, its 152,064 x 3,584 output layer, sharded 8 ways; under LoRA
+    nothing of note. Colocated, the engine sleeps through the step."""
+    model = config_only(tmp_path, QWEN25_7B)
+    mb = "policy.train_micro_batch_size=4"
+    _, cfg = load_master_config(on_gpus(model, 8, 80, mb))
+    est = estimate(cfg)
+    assert est is not None
+    policy = next(w for w in est.workers if w.group == "policy")
+    step = policy.phases["optimizer step"].device
+    assert step["optimizer step temporaries"] == pytest.approx(2 * 4 * 152064 * 3584 / 8)
+    assert "activations" not in step and "allocator retention" not in step  # a GPU: nothing kept from the backward
+    assert next(w for w in est.workers if w.group == "engine").phases["optimizer step"].device == {
+        "runtime": 0.5 * GIB}
+    lora = estimate(load_master_config(on_gpus(model, 8, 80, mb, "policy.dtensor_cfg.lora_cfg.enabled=true"))[1])
+    assert lora is not None
+    lora_step = next(w for w in lora.workers if w.group == "policy").phases["optimizer step"].device
+    assert lora_step["optimizer step temporaries"] == 0
+
+
+def test_cpu_counts_the_allocators_kept_pages_and_the_engines_packed_output_layer(tmp_path: Path) -> None:
+    """On CPU glibc keeps what a backward frees: the training phase holds its transient working set twice, less the
+    gradients a DTensor worker frees after each step (Megatron keeps them in its buffers); vLLM's CPU matmul keeps a
+    oneDNN-packed copy of the output layer beside the embedding's weight (SmolLM2: 49,152 x 576 in fp32)."""
+    model = config_only(tmp_path, SMOLLM2_135M)
+    base = ["model=local", f"model.path={model}"]
+    est = estimate(load_master_config(base)[1])
+    assert est is not None
+    train = next(w for w in est.workers if w.group == "policy").phases["training"].device
+    transient = train["activations"] + train["backward working set"] + train["output layer chunk"]
+    assert train["allocator retention"] == pytest.approx(max(transient - train["gradients"], 0))
+    engine = next(w for w in est.workers if w.group == "engine").phases["generation"].device
+    assert engine["packed output layer"] == 4 * 49152 * 576
+    megatron = estimate(load_master_config([*base, "policy=megatron"])[1])
+    assert megatron is not None
+    m_train = next(w for w in megatron.workers if w.group == "policy").phases["training"].device
+    assert m_train["allocator retention"] == pytest.approx(
+        m_train["activations"] + m_train["backward working set"] + m_train["output layer chunk"])
+    gpu = estimate(load_master_config(on_gpus(model, 1, 80))[1])
+    assert gpu is not None
+    assert "allocator retention" not in next(w for w in gpu.workers if w.group == "policy").phases["training"].device
+    assert "packed output layer" not in next(w for w in gpu.workers if w.group == "engine").phases["generation"].device

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlpost.config.lora_params import parameter_counts
+from rlpost.config.lora_params import parameter_counts, saved_tables
 from rlpost.config.model_counts import dims, mlp_width, tied_head
 from rlpost.config.schema.lora import LoRAConfig
 
@@ -38,6 +38,9 @@ class ModelShape:
     """Parameters of one decoder layer."""
     tied: bool
     """The output layer is the embedding."""
+    largest_trained: int = 0
+    """Elements of the largest tensor the optimizer updates: the embedding (or the output layer) in full
+    fine-tuning, else an MLP's fused gate and up projection; nothing of note under LoRA (rank-r adapters)."""
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], lora: LoRAConfig | None = None, megatron: bool = False
@@ -55,9 +58,13 @@ class ModelShape:
         h, layers, vocab = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["vocab_size"])
         tied = tied_head(hf)
         body = total - (trainable if lora is not None and lora.enabled else 0) - vocab * h * (1 if tied else 2) - h
+        lora_on = lora is not None and lora.enabled
+        largest = 0 if lora_on else max(vocab * h, 2 * width * h)
+        if lora_on and saved_tables(lora, tied):  # modules_to_save: an embedding trained in full
+            largest = vocab * h
         return cls(hidden=h, layers=layers, vocab=vocab, intermediate=width, q_dim=heads * head_dim,
                    kv_dim=kv_heads * head_dim, params=total, trainable=trainable, layer_params=body // layers,
-                   tied=tied)
+                   tied=tied, largest_trained=largest)
 
     def kv_bytes_per_token(self, precision: str) -> int:
         """Bytes one token takes in an engine's KV cache: keys and values of every layer."""

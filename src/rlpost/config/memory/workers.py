@@ -1,18 +1,29 @@
 """What one worker holds in each phase of a step: named items in bytes, on its device and in host memory.
 
-Phases: `training` (a forward and backward of the largest micro-batch), `logprobs` (a scoring pass) and
-`generation` (the engine awake). The formulas, per rank:
+Phases: `training` (a forward and backward of the largest micro-batch), `optimizer step` (the update), `logprobs` (a
+scoring pass) and `generation` (the engine awake). The formulas, per rank:
 
 - weights, gradients and optimizer state from the parameter counts (rlpost.config.memory.shape) and their sharding:
   FSDP2 over DP x CP and TP on the DTensor workers (a single fp32 rank keeps whole copies); TP x PP on Megatron, whose
   distributed optimizer also shards its state over DP and whose bf16 run keeps fp32 main parameters in the optimizer;
 - activations per micro-batch from its tokens: `ModelShape.saved_per_token` for each layer, or with activation
   checkpointing each layer's input plus one layer recomputed; plus one layer's gradients in the backward;
+- the optimizer step: the gradients and states, and its temporaries: torch's single-tensor AdamW (rlpost sets
+  foreach and fused off, as NeMo RL does) makes two of each parameter's size in turn (the second moment's root,
+  divided by its bias correction), so two of the largest trained tensor (fp32, sharded);
 - the output layer's working set: a chunk of tokens x the vocabulary in fp32 (logits, their log-softmax, their
   gradient), never the whole [tokens, vocabulary] (rlpost.ops.chunked_head);
 - the engine: its weights, its KV cache (CPU: `kv_cache_space_gb` or the size vLLM would be given; GPU: what is left
-  of `gpu_memory_utilization` x the device), and CUDA graphs' pool unless eager;
-- the process itself: `RUNTIME` (the interpreter, torch, transformers, Ray; on a GPU the CUDA context).
+  of `gpu_memory_utilization` x the device), and CUDA graphs' pool unless eager; on CPU also the output layer's
+  packed copy: vLLM's CPU matmul packs each linear layer's weight for oneDNN and frees the original, but keeps the
+  output layer's, which the embedding reads too;
+- the process itself: `RUNTIME` (the interpreter, torch, transformers, Ray; on a GPU the CUDA context);
+- on CPU, the allocator's retention: glibc keeps the pages a pass frees (its arenas are returned only from their
+  top), and a training step's activations, freed in the backward in an order other than they were made, are not
+  all reused by the next micro-batch's. A step's resident set then holds its transient working set about twice,
+  less the freed gradients' pages, which the next step reuses (the DTensor workers free them after each step;
+  Megatron keeps them in its buffers). A GPU's caching allocator reuses its blocks, and the GPU figure is what
+  torch holds allocated, so there this item is nothing.
 """
 
 from __future__ import annotations
@@ -27,11 +38,13 @@ from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.config.schema.policy import DTensorConfig, DTensorPolicyConfig, PolicyConfig
 
 GIB = 2**30
-RUNTIME = {("cpu", "policy"): 0.46 * GIB, ("cpu", "engine"): 0.74 * GIB, ("cpu", "driver"): 0.45 * GIB,
+RUNTIME = {("cpu", "policy"): 0.39 * GIB, ("cpu", "engine"): 0.74 * GIB, ("cpu", "driver"): 0.45 * GIB,
            ("cuda", "policy"): 0.5 * GIB, ("cuda", "engine"): 0.5 * GIB, ("cuda", "driver"): 0.0}
 """Memory of a worker process before it holds anything of the model: on CPU the resident set of the default job's
 workers less their model's items (Python, torch, transformers and Ray's core worker; vLLM besides in the engine); on
 a GPU the CUDA context and the allocator's first blocks."""
+MEGATRON_IMPORT = 0.075 * GIB
+"""What megatron-core's modules add to a policy process's runtime."""
 CUDA_GRAPHS = 0.5 * GIB
 """vLLM's CUDA-graph pool when it captures graphs (enforce_eager=false): a few hundred MiB for models up to 8B."""
 OPTIMIZER_STATES = {"torch.optim.AdamW": 2, "torch.optim.Adam": 2, "torch.optim.SGD": 1, "adam": 2, "sgd": 1}
@@ -125,7 +138,7 @@ def policy_worker(p: PolicyConfig, shape: ModelShape, device: str, world: int, *
         if compute != 4:
             trained["fp32 main weights"] = 4 * shape.trainable / opt_shard
         offloaded = megatron.optimizer.optimizer_cpu_offload and device == "cuda"
-    runtime = RUNTIME[(device, "policy")]
+    runtime = RUNTIME[(device, "policy")] + (MEGATRON_IMPORT if isinstance(p, MegatronPolicyConfig) else 0.0)
     layers_here = shape.layers / pp
     per_stage = dataclasses.replace(shape, layers=max(int(round(layers_here)), 1))
     train_tokens, lp_tokens = _tokens(p, True) // cp, _tokens(p, False) // cp
@@ -150,7 +163,17 @@ def policy_worker(p: PolicyConfig, shape: ModelShape, device: str, world: int, *
             dev.update(trained)
         dev.update(_activations(per_stage, train_tokens, tp, compute, checkpointing))
         dev["output layer chunk"] = _head(shape, train_tokens, p.logprob_chunk_size, tp, 3)
+        transient = dev["activations"] + dev["backward working set"] + dev["output layer chunk"]
+        if device == "cpu":
+            freed = 0.0 if isinstance(p, MegatronPolicyConfig) else trained["gradients"]
+            dev["allocator retention"] = max(transient - freed, 0.0)
         phases["training"] = Usage(dev, dict(host))
+        if not offloaded:  # the update: every state and gradient, and the step's temporaries of the largest tensor
+            step = {**resident, **{k: v for k, v in trained.items() if k != "gathered layers"},
+                    "optimizer step temporaries": 2 * 4 * shape.largest_trained / shard}
+            if device == "cpu":  # the backward's pages, freed but kept, few reused by the step's
+                step["allocator retention"] = transient
+            phases["optimizer step"] = Usage(step, dict(host))
     scoring = dict(resident)
     if trains and not offloaded:
         scoring.update({k: v for k, v in trained.items() if k != "gathered layers"})
@@ -182,10 +205,11 @@ def engine_worker(shape: ModelShape, precision: str, tp: int, workers: int, devi
             awake["CUDA graphs"] = CUDA_GRAPHS
     else:
         awake["KV cache"] = kv_cache_bytes
+        awake["packed output layer"] = BYTES.get(precision, 4) * shape.vocab * shape.hidden / tp
     phases = {"generation": Usage(dict(awake))}
     if colocated:
         asleep = Usage({"runtime": runtime}, {"weights": weights}) if device == "cuda" else Usage(dict(awake))
-        phases["training"] = phases["logprobs"] = asleep
+        phases["training"] = phases["optimizer step"] = phases["logprobs"] = asleep
     return Worker("engine", workers, device, phases, shares_device_with="policy" if colocated else None)
 
 
