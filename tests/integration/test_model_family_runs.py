@@ -45,7 +45,7 @@ def test_each_family_trains_and_the_engine_stays_on_policy(family: str, cache: P
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines), lines
     moe = family in ("qwen3_moe", "mixtral")
-    for m in lines:  # the routers' statistics (rlpost.models.dtensor.router_stats), a MoE family's alone
+    for m in lines:  # the routers' statistics (rlpost.models.router_stats), a MoE family's alone
         assert (m.get("train/moe_aux_loss", 0.0) > 0.0 and m.get("train/moe_load_cv", -1.0) >= 0.0) is moe, m
     if steps > 2:
         rewards = [m["train/reward"] for m in lines]

@@ -289,6 +289,18 @@ LOGITS_CHUNK_BYTES = 256 * 2**20
 for the backward, as the unchunked path does, instead of computed again)."""
 
 
+LONG_SEQUENCE_TOKENS = 4096
+"""policy.max_total_sequence_length from which a CPU policy worker maps its large buffers on their own
+(rlpost.runtime.host_malloc: at 4k tokens one layer's hidden states are 9 MiB at SmolLM2's width, and a step lasts
+minutes on a CPU, so page faults cost nothing that shows)."""
+
+
+def maps_large_buffers(max_sequence_tokens: int) -> bool:
+    """Whether a policy whose sequences reach `max_sequence_tokens` maps its large buffers on their own, so that
+    what a backward frees leaves the process rather than staying in glibc's heap."""
+    return max_sequence_tokens >= LONG_SEQUENCE_TOKENS
+
+
 def chunk_tokens(chunk_size: int | None, vocab_rows: int) -> int:
     """Tokens per chunk: `chunk_size` when set, else as many as LOGITS_CHUNK_BYTES of fp32 logits hold."""
     return chunk_size if chunk_size else max(1, LOGITS_CHUNK_BYTES // (4 * vocab_rows))

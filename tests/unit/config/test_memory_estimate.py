@@ -64,10 +64,14 @@ def test_a_7b_model_in_bf16_adamw_under_fsdp_over_8_gpus(tmp_path: Path) -> None
     assert states == pytest.approx(16 * 7_615_616_512 / 8)  # 14.18 GiB a GPU
     h, layers, tokens = 3584, 28, 4096
     one_layer = (5 * h + 3 * 3584 + 3 * 512 + 4 * 18944) * tokens * 2  # bf16
-    assert train["activations"] == pytest.approx(layers * h * tokens * 2 + one_layer + 2 * h * tokens * 2)
+    assert train["activations"] == pytest.approx(layers * h * tokens * 2 + 2 * h * tokens * 2)  # the layers' inputs
+    assert train["recomputed layer"] == train["backward working set"] == pytest.approx(one_layer)
     assert train["gathered layers"] == pytest.approx(2 * 2 * policy_layer_params())  # two bf16 layers in flight
-    # the output layer: 441 tokens of fp32 logits (256 MiB worth) x 3 (logits, log-softmax, gradient)
-    assert train["output layer chunk"] == pytest.approx(3 * 441 * 152064 * 4)
+    # the output layer: 441 tokens of fp32 logits (256 MiB worth); two in the forward (the logits and logsumexp's
+    # temporary), one in the backward (recomputed, made the gradient in place) beside the fp32 weight gradient
+    assert policy.phases["forward"].device["output layer chunk"] == pytest.approx(2 * 441 * 152064 * 4)
+    assert train["output layer chunk"] == pytest.approx(441 * 152064 * 4)
+    assert train["output layer gradient"] == pytest.approx(4 * 152064 * 3584)
     # the colocated engine takes gpu_memory_utilization of the GPU while it generates: 0.6 x 80 GiB
     engine = next(w for w in est.workers if w.group == "engine")
     awake = engine.phases["generation"].device
@@ -184,21 +188,29 @@ def test_the_optimizer_step_holds_two_temporaries_of_the_largest_tensor(tmp_path
 def test_cpu_counts_the_allocators_kept_pages_and_the_engines_packed_output_layer(tmp_path: Path) -> None:
     """On CPU glibc keeps what a backward frees: the training phase holds its transient working set twice, less the
     gradients a DTensor worker frees after each step (Megatron keeps them in its buffers); vLLM's CPU matmul keeps a
-    oneDNN-packed copy of the output layer beside the embedding's weight (SmolLM2: 49,152 x 576 in fp32)."""
+    oneDNN-packed copy of the output layer beside the embedding's weight (SmolLM2: 49,152 x 576 in fp32), and the
+    engine the pages of its sampler's warm-up over 256 sequences."""
     model = config_only(tmp_path, SMOLLM2_135M)
     base = ["model=local", f"model.path={model}"]
     est = estimate(load_master_config(base)[1])
     assert est is not None
     train = next(w for w in est.workers if w.group == "policy").phases["training"].device
-    transient = train["activations"] + train["backward working set"] + train["output layer chunk"]
+    transient = (train["activations"] + train["backward working set"] + train["output layer chunk"]
+                 + train["output layer gradient"])
     assert train["allocator retention"] == pytest.approx(max(transient - train["gradients"], 0))
     engine = next(w for w in est.workers if w.group == "engine").phases["generation"].device
     assert engine["packed output layer"] == 4 * 49152 * 576
+    assert engine["sampler warm-up"] == 3 * 4 * 256 * 49152  # fp32 logits, probabilities, log-probabilities
     megatron = estimate(load_master_config([*base, "policy=megatron"])[1])
     assert megatron is not None
     m_train = next(w for w in megatron.workers if w.group == "policy").phases["training"].device
     assert m_train["allocator retention"] == pytest.approx(
-        m_train["activations"] + m_train["backward working set"] + m_train["output layer chunk"])
+        m_train["activations"] + m_train["backward working set"] + m_train["output layer chunk"]
+        + m_train["output layer gradient"])
+    # sequences of 4k tokens map their large buffers on their own (rlpost.runtime.host_malloc): nothing kept
+    long = estimate(load_master_config([*base, "policy.max_total_sequence_length=4096"])[1])
+    assert long is not None
+    assert "allocator retention" not in next(w for w in long.workers if w.group == "policy").phases["training"].device
     gpu = estimate(load_master_config(on_gpus(model, 1, 80))[1])
     assert gpu is not None
     assert "allocator retention" not in next(w for w in gpu.workers if w.group == "policy").phases["training"].device

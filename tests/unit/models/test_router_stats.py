@@ -1,11 +1,11 @@
-"""The routers' statistics a mixture-of-experts step logs (rlpost.models.dtensor.router_stats)."""
+"""The routers' statistics a mixture-of-experts step logs (rlpost.models.router_stats)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlpost.models.dtensor.router_stats import layer_stats, router_stats, routers
+from rlpost.models.router_stats import layer_stats, router_stats, routers
 
 
 def test_even_routing_gives_k_and_no_spread_and_two_favourites_give_more() -> None:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from rlpost.config.layout import LONG_SEQUENCE_TOKENS
 from rlpost.runtime import host_malloc
 
 _PROBE = """
@@ -38,5 +39,5 @@ def test_freed_large_buffers_leave_the_process_only_when_mapped() -> None:
 
 
 def test_only_long_sequences_map_their_buffers() -> None:
-    assert host_malloc.wanted(8192) and host_malloc.wanted(host_malloc.LONG_SEQUENCE_TOKENS)
+    assert host_malloc.wanted(8192) and host_malloc.wanted(LONG_SEQUENCE_TOKENS)
     assert not host_malloc.wanted(512)

@@ -1,29 +1,34 @@
 """What one worker holds in each phase of a step: named items in bytes, on its device and in host memory.
 
-Phases: `training` (a forward and backward of the largest micro-batch), `optimizer step` (the update), `logprobs` (a
-scoring pass) and `generation` (the engine awake). The formulas, per rank:
+Phases: `forward` (the end of the largest micro-batch's forward: every activation kept, the output layer's logits),
+`training` (its backward), `optimizer step` (the update), `logprobs` (a scoring pass) and `generation` (the engine
+awake). The formulas, per rank:
 
 - weights, gradients and optimizer state from the parameter counts (rlpost.config.memory.shape) and their sharding:
   FSDP2 over DP x CP and TP on the DTensor workers (a single fp32 rank keeps whole copies); TP x PP on Megatron, whose
   distributed optimizer also shards its state over DP and whose bf16 run keeps fp32 main parameters in the optimizer;
 - activations per micro-batch from its tokens: `ModelShape.saved_per_token` for each layer, or with activation
-  checkpointing each layer's input plus one layer recomputed; plus one layer's gradients in the backward;
+  checkpointing each layer's input, and in the backward one layer recomputed; plus one layer's gradients in the
+  backward;
 - the optimizer step: the gradients and states, and its temporaries: torch's single-tensor AdamW (rlpost sets
   foreach and fused off, as NeMo RL does) makes two of each parameter's size in turn (the second moment's root,
   divided by its bias correction), so two of the largest trained tensor (fp32, sharded);
-- the output layer's working set: a chunk of tokens x the vocabulary in fp32 (logits, their log-softmax, their
-  gradient), never the whole [tokens, vocabulary] (rlpost.ops.chunked_head);
+- the output layer's working set: a chunk of tokens x the vocabulary in fp32, never the whole [tokens, vocabulary]
+  (rlpost.ops.chunked_head): in the forward the logits and logsumexp's temporary; in the backward the recomputed
+  logits, turned into their gradient in place, and the layer's fp32 weight gradient [vocabulary, hidden];
 - the engine: its weights, its KV cache (CPU: `kv_cache_space_gb` or the size vLLM would be given; GPU: what is left
   of `gpu_memory_utilization` x the device), and CUDA graphs' pool unless eager; on CPU also the output layer's
   packed copy: vLLM's CPU matmul packs each linear layer's weight for oneDNN and frees the original, but keeps the
-  output layer's, which the embedding reads too;
+  output layer's, which the embedding reads too; and the pages of its sampler's warm-up over max_num_seqs rows of
+  the vocabulary;
 - the process itself: `RUNTIME` (the interpreter, torch, transformers, Ray; on a GPU the CUDA context);
 - on CPU, the allocator's retention: glibc keeps the pages a pass frees (its arenas are returned only from their
   top), and a training step's activations, freed in the backward in an order other than they were made, are not
   all reused by the next micro-batch's. A step's resident set then holds its transient working set about twice,
   less the freed gradients' pages, which the next step reuses (the DTensor workers free them after each step;
-  Megatron keeps them in its buffers). A GPU's caching allocator reuses its blocks, and the GPU figure is what
-  torch holds allocated, so there this item is nothing.
+  Megatron keeps them in its buffers). A worker of sequences from LONG_SEQUENCE_TOKENS on maps its large buffers on
+  their own (rlpost.runtime.host_malloc), which leave the process when freed. A GPU's caching allocator reuses its
+  blocks, and the GPU figure is what torch holds allocated, so there this item is nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from rlpost.config.layout import chunk_tokens, fsdp_needed
+from rlpost.config.layout import chunk_tokens, fsdp_needed, maps_large_buffers
 from rlpost.config.lora_params import saved_tables
 from rlpost.config.memory.shape import BYTES, ModelShape
 from rlpost.config.schema.megatron import MegatronPolicyConfig
@@ -93,9 +98,14 @@ def _optimizer_states(p: PolicyConfig) -> int:
 
 
 def _activations(shape: ModelShape, tokens: int, tp: int, act_bytes: int, checkpointing: bool) -> dict[str, float]:
+    """What the forward keeps for the backward (every layer's saved tensors, or with checkpointing each layer's
+    input) and, in the backward, the layer recomputed (checkpointing) and one layer's gradients."""
     layer = shape.saved_per_token(tp) * tokens * act_bytes
-    kept = shape.layers * shape.hidden * tokens * act_bytes + layer if checkpointing else shape.layers * layer
-    return {"activations": kept + 2 * shape.hidden * tokens * act_bytes, "backward working set": layer}
+    kept = shape.layers * (shape.hidden * tokens * act_bytes if checkpointing else layer)
+    out = {"activations": kept + 2 * shape.hidden * tokens * act_bytes, "backward working set": layer}
+    if checkpointing:
+        out["recomputed layer"] = layer
+    return out
 
 
 def _head(shape: ModelShape, tokens: int, chunk: int | None, tp: int, copies: int) -> float:
@@ -161,17 +171,23 @@ def policy_worker(p: PolicyConfig, shape: ModelShape, device: str, world: int, *
             dev.update({k: v for k, v in trained.items() if k == "gathered layers"})
         else:
             dev.update(trained)
-        dev.update(_activations(per_stage, train_tokens, tp, compute, checkpointing))
-        dev["output layer chunk"] = _head(shape, train_tokens, p.logprob_chunk_size, tp, 3)
-        transient = dev["activations"] + dev["backward working set"] + dev["output layer chunk"]
-        if device == "cpu":
+        acts = _activations(per_stage, train_tokens, tp, compute, checkpointing)
+        fwd = {**dev, "activations": acts["activations"],
+               "output layer chunk": _head(shape, train_tokens, p.logprob_chunk_size, tp, 2)}
+        dev.update(acts)
+        dev["output layer chunk"] = _head(shape, train_tokens, p.logprob_chunk_size, tp, 1)
+        dev["output layer gradient"] = 4 * shape.vocab // tp * shape.hidden
+        transient = sum(v for k, v in dev.items() if k in acts or k.startswith("output layer"))
+        kept = device == "cpu" and not maps_large_buffers(p.max_total_sequence_length)
+        if kept:
             freed = 0.0 if isinstance(p, MegatronPolicyConfig) else trained["gradients"]
-            dev["allocator retention"] = max(transient - freed, 0.0)
+            fwd["allocator retention"] = dev["allocator retention"] = max(transient - freed, 0.0)
+        phases["forward"] = Usage(fwd, dict(host))
         phases["training"] = Usage(dev, dict(host))
         if not offloaded:  # the update: every state and gradient, and the step's temporaries of the largest tensor
             step = {**resident, **{k: v for k, v in trained.items() if k != "gathered layers"},
                     "optimizer step temporaries": 2 * 4 * shape.largest_trained / shard}
-            if device == "cpu":  # the backward's pages, freed but kept, few reused by the step's
+            if kept:  # the backward's pages, freed but kept, few reused by the step's
                 step["allocator retention"] = transient
             phases["optimizer step"] = Usage(step, dict(host))
     scoring = dict(resident)
@@ -191,8 +207,14 @@ def policy_worker(p: PolicyConfig, shape: ModelShape, device: str, world: int, *
     return Worker(group, world, device, phases)
 
 
+SAMPLER_COPIES = 3
+"""fp32 [sequences, vocabulary] tensors of vLLM's sampler warm-up (logits, probabilities, log-probabilities) whose
+pages a CPU engine keeps: measured on SmolLM2, 256 sequences against 32 left 0.11 GiB more."""
+
+
 def engine_worker(shape: ModelShape, precision: str, tp: int, workers: int, device: str, *, device_bytes: float | None,
-                  utilization: float, kv_cache_bytes: float, eager: bool, colocated: bool) -> Worker:
+                  utilization: float, kv_cache_bytes: float, eager: bool, colocated: bool,
+                  max_num_seqs: int = 256) -> Worker:
     """A vLLM engine's workers: awake in generation; asleep while a colocated policy trains (on a GPU its weights in
     host memory and its KV cache freed; on the CPU, where nothing moves, as when awake)."""
     runtime = RUNTIME[(device, "engine")]
@@ -206,10 +228,11 @@ def engine_worker(shape: ModelShape, precision: str, tp: int, workers: int, devi
     else:
         awake["KV cache"] = kv_cache_bytes
         awake["packed output layer"] = BYTES.get(precision, 4) * shape.vocab * shape.hidden / tp
+        awake["sampler warm-up"] = SAMPLER_COPIES * 4 * max_num_seqs * shape.vocab
     phases = {"generation": Usage(dict(awake))}
     if colocated:
         asleep = Usage({"runtime": runtime}, {"weights": weights}) if device == "cuda" else Usage(dict(awake))
-        phases["training"] = phases["optimizer step"] = phases["logprobs"] = asleep
+        phases["forward"] = phases["training"] = phases["optimizer step"] = phases["logprobs"] = asleep
     return Worker("engine", workers, device, phases, shares_device_with="policy" if colocated else None)
 
 

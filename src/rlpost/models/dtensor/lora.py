@@ -63,7 +63,7 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     """Add adapters to `model` in place (base weights frozen); ValueError naming the key when none matched."""
     from peft import inject_adapter_in_model
 
-    from rlpost.models.dtensor.router_stats import routers
+    from rlpost.models.router_stats import routers
 
     try:
         inject_adapter_in_model(peft_config(cfg, moe=bool(routers(model))), model)

@@ -34,6 +34,7 @@ from rlpost.models.megatron.cpu_compat import is_cpu_compat_active
 from rlpost.models.megatron.export import unwrap_model
 from rlpost.models.megatron.model import resolve_tp_group, scale_and_mask_logits, vocab_shard_range
 from rlpost.models.megatron.output_head import head_logits, passthrough
+from rlpost.models.router_stats import megatron_routing, router_stats, routers
 from rlpost.ops.chunked_head import HeadLogits
 from rlpost.ops.logprobs import vocab_parallel_logprobs
 
@@ -83,6 +84,8 @@ class TrainStepResult:
     metrics: dict[str, float]
     num_microbatches: int
     update_successful: bool
+    router_metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    """Per micro-batch, a mixture of experts' routing (rlpost.models.router_stats; empty dicts for a dense model)."""
 
 
 def _check_cpu_support(megatron_cfg: MegatronConfig) -> None:
@@ -245,9 +248,10 @@ def _forward_backward(
     loss_input: Literal["logits", "logprobs", "head"],
     chunk_size: int | None,
     forward_only: bool,
-) -> tuple[float, dict[str, float]]:
+) -> tuple[float, dict[str, float], list[dict[str, float]]]:
     """megatron's forward(-backward) schedule over the micro-batches: this rank's summed loss and metrics (last
-    stage; zero elsewhere). Gradients go into DDP's buffers, finalised as the model config says."""
+    stage; zero elsewhere), and each micro-batch's routing statistics (a mixture of experts'; this stage's layers).
+    Gradients go into DDP's buffers, finalised as the model config says."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rlpost.models.megatron import context_parallel as cp
@@ -257,11 +261,15 @@ def _forward_backward(
     start, end, vocab = vocab_shard_range(ddp, group)
     device = next(unwrap_model(ddp).parameters()).device
     metric_sums: dict[str, float] = {}
+    moe_routers = routers(unwrap_model(ddp))
+    routing: list[dict[str, float]] = []
 
     def forward_step(data_iterator: Iterator[Mapping[str, Any]], mdl: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:
         mb = next(data_iterator)
         ids = mb["input_ids"].to(device)
-        output = mdl(cp.split(ids), None, None)
+        with router_stats(moe_routers, _valid_tokens(mb, moe_routers, device), megatron_routing) as moe:
+            output = mdl(cp.split(ids), None, None)
+        routing.append(moe)
 
         def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
             x: torch.Tensor | HeadLogits
@@ -290,7 +298,18 @@ def _forward_backward(
             micro_batch_size=int(first.shape[0]),
             forward_only=forward_only,
         )
-    return (float(sum(float(r["loss"]) for r in results)) if results else 0.0), metric_sums
+    return (float(sum(float(r["loss"]) for r in results)) if results else 0.0), metric_sums, routing
+
+
+def _valid_tokens(mb: Mapping[str, Any], moe_routers: list[torch.nn.Module], device: torch.device
+                  ) -> torch.Tensor | None:
+    """[S x B] the micro-batch's tokens within their row's length, in the sequence-major order megatron's routers
+    see them (None for a dense model)."""
+    if not moe_routers or "input_lengths" not in mb:
+        return None
+    ids = mb["input_ids"]
+    valid = torch.arange(ids.shape[1])[None, :] < mb["input_lengths"].cpu()[:, None]  # [B, S]
+    return valid.T.reshape(-1).to(device)
 
 
 def _optimizer_step(state: MegatronTrainState) -> tuple[bool, float]:
@@ -330,20 +349,22 @@ def train_step(
     if forward_only:
         ddp.eval()
         with torch.no_grad():
-            loss, metric_sums = run()
+            loss, metric_sums, routing = run()
         ddp.train()
         loss, metrics = reduce_sums(loss, metric_sums)
-        return TrainStepResult(loss, 0.0, float(optimizer.param_groups[0]["lr"]), metrics, len(microbatches), True)
+        return TrainStepResult(loss, 0.0, float(optimizer.param_groups[0]["lr"]), metrics, len(microbatches), True,
+                               routing)
     ddp.train()
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    loss, metric_sums = run()
+    loss, metric_sums, routing = run()
     lr = float(optimizer.param_groups[0]["lr"])
     success, grad_norm = _optimizer_step(state)
     if success:
         state.scheduler.step(increment=1)
     loss, metrics = reduce_sums(loss, metric_sums)
-    return TrainStepResult(loss, grad_norm, lr, metrics, len(microbatches), success and not math.isnan(grad_norm))
+    return TrainStepResult(loss, grad_norm, lr, metrics, len(microbatches), success and not math.isnan(grad_norm),
+                           routing)
 
 
 # ---- one global batch in parts (rlpost.models.policy.train_parts) ---------------------------------------------
@@ -363,18 +384,19 @@ def accumulate_part(
     temperature: float = 1.0,
     loss_input: Literal["logits", "logprobs", "head"] = "logits",
     chunk_size: int | None = None,
-) -> float:
+) -> tuple[float, list[dict[str, float]]]:
     """Forward/backward over one part's micro-batches into DDP's gradient buffers, left unfinalised (no
     data-parallel reduce, no optimizer step: `step_accumulated` does both once for every part); this rank's summed
-    loss. Without overlap_grad_reduce (checked by the config layer) DDP starts no communication inside a part."""
+    loss and each micro-batch's routing statistics. Without overlap_grad_reduce (checked by the config layer) DDP
+    starts no communication inside a part."""
     config = unwrap_model(state.model).config
     finalize, config.finalize_model_grads_func = config.finalize_model_grads_func, None
     try:
         state.model.train()
-        loss, _ = _forward_backward(state, microbatches, loss_fn, temperature, loss_input, chunk_size, False)
+        loss, _, routing = _forward_backward(state, microbatches, loss_fn, temperature, loss_input, chunk_size, False)
     finally:
         config.finalize_model_grads_func = finalize
-    return loss
+    return loss, routing
 
 
 def step_accumulated(state: MegatronTrainState, scale: float) -> tuple[bool, float]:
@@ -417,6 +439,15 @@ def pad_sequences(data: BatchedDataDict, multiple: int) -> BatchedDataDict:
         for k, v in data.items()
     }
     return BatchedDataDict(out)
+
+
+def with_routing(recorded: list[dict[str, float]], routing: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Each micro-batch's loss metrics with its routing statistics (a mixture of experts'), when this rank has
+    both for every micro-batch (the last pipeline stage of a model whose layers it holds)."""
+    if len(recorded) == len(routing):
+        for metrics, moe in zip(recorded, routing, strict=True):
+            metrics.update(moe)
+    return recorded
 
 
 def from_last_stage(recorded: list[dict[str, float]]) -> list[dict[str, float]]:

@@ -33,7 +33,6 @@ from rlpost.distributed.start_gate import StartGate
 from rlpost.losses.interface import LossFunction, VocabParallelArgs
 from rlpost.models.dtensor import context_parallel, lora
 from rlpost.models.dtensor.output_head import head_logits, output_layer
-from rlpost.models.dtensor.router_stats import router_stats, routers
 from rlpost.models.expert_weights import to_checkpoint_layout
 from rlpost.models.policy import dtensor_checkpoint
 from rlpost.models.policy.global_batches import finish_result, train_global_batches
@@ -42,6 +41,7 @@ from rlpost.models.policy.memory_phases import OffloadState, cuda_memory_stats
 from rlpost.models.policy.optim import build_optimizer, build_scheduler
 from rlpost.models.policy.train_parts import Parts, PartsLoss, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
+from rlpost.models.router_stats import router_stats, routers
 from rlpost.ops.chunked_head import HeadLogits
 from rlpost.runtime import host_malloc
 from rlpost.runtime.gc_heap import import_frozen

@@ -354,7 +354,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
 
     @_megatron_call
     def _accumulate_part(self, parts: Parts, data: BatchedDataDict, loss_fn: LossFunction) -> None:
-        from rlpost.models.megatron.train_step import accumulate_part, normalised_loss
+        from rlpost.models.megatron.train_step import accumulate_part, normalised_loss, with_routing
 
         assert self.train_state is not None  # _begin_parts checked it
         one = torch.ones((), device=self.device)
@@ -362,10 +362,11 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         mb_loss = functools.partial(normalised_loss, loss_fn, one, one, self._vp_kwargs(), recorded)
         micro = [mb.to(self.device) for mb in
                  pad_sequences(data, self._seq_multiple()).make_microbatch_iterator(self.cfg.train_micro_batch_size)]
-        loss = accumulate_part(self.train_state, micro, mb_loss, temperature=self.temperature,
-                               loss_input=loss_input(loss_fn, self.model), chunk_size=self.cfg.logprob_chunk_size)
+        loss, routing = accumulate_part(self.train_state, micro, mb_loss, temperature=self.temperature,
+                                        loss_input=loss_input(loss_fn, self.model),
+                                        chunk_size=self.cfg.logprob_chunk_size)
         parts.loss += loss
-        parts.metrics += from_last_stage(recorded)
+        parts.metrics += from_last_stage(with_routing(recorded, routing))
         self._empty_cache(1)
 
     @_megatron_call
@@ -388,7 +389,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         """One optimizer step per global batch of `data` (eval_mode: the loss and metrics only, no update)."""
         from megatron.core import parallel_state as ps
 
-        from rlpost.models.megatron.train_step import NoSchedulerStep, normalised_loss, train_step
+        from rlpost.models.megatron.train_step import NoSchedulerStep, normalised_loss, train_step, with_routing
 
         if self.train_state is None:
             raise RuntimeError("the policy was built without an optimizer (init_optimizer=False)")
@@ -412,7 +413,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
             res = train_step(step_state, micro, mb_loss, temperature=self.temperature, forward_only=eval_mode,
                              loss_input=loss_input(loss_fn, self.model), chunk_size=self.cfg.logprob_chunk_size)
             self._empty_cache(1)
-            return res.loss, res.grad_norm, from_last_stage(recorded)
+            return res.loss, res.grad_norm, from_last_stage(with_routing(recorded, res.router_metrics))
 
         result = train_global_batches(data, local_gbs, self.device, ps.get_data_parallel_group(), step)
         if not eval_mode:

@@ -1,8 +1,8 @@
 """What a mixture-of-experts model's routers did in one forward: the load-balancing loss and how evenly the tokens
 spread over the experts, logged each training step as train/moe_aux_loss and train/moe_load_cv.
 
-transformers' MoE families route in a `...TopKRouter` module returning (router logits [tokens, experts], scores,
-chosen experts [tokens, k]); a forward hook on each reads them. Padding tokens (past a row's length) are left out.
+Both backends route in a `...TopKRouter` module, and a forward hook on each reads what it decided (`hf_routing`,
+`megatron_routing`). Padding tokens (past a row's length) are left out when the caller marks them.
 
 - moe_aux_loss: the Switch Transformer load-balancing loss, `experts x sum_e f_e P_e` (f_e: the share of the
   tokens' k choices that went to expert e, P_e: its mean router probability), averaged over the MoE layers: k when
@@ -14,11 +14,31 @@ chosen experts [tokens, k]); a forward hook on each reads them. Padding tokens (
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
+
+Routing = Callable[[nn.Module, tuple[Any, ...], Any], tuple[torch.Tensor, torch.Tensor]]
+"""(router, its forward's arguments, its result) -> (router logits [tokens, experts], chosen experts [tokens, k])."""
+
+
+def hf_routing(module: nn.Module, args: tuple[Any, ...], result: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' routers return (router logits, scores, chosen experts)."""
+    return result[0].detach(), result[-1].detach()
+
+
+def megatron_routing(module: Any, args: tuple[Any, ...], result: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron-core's TopKRouter returns (probabilities of the chosen, routing map [tokens, experts]); its logits are
+    the gate's linear layer on its input ([S, B, H]: tokens in sequence-major order), computed again here in fp32."""
+    hidden = args[0].detach()
+    weight = module.weight.detach().float()
+    bias = module.bias.detach().float() if getattr(module, "bias", None) is not None else None
+    logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).float(), weight, bias)
+    chosen = result[1].detach().float().topk(int(module.topk), dim=-1).indices
+    return logits, chosen
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
@@ -37,17 +57,19 @@ def layer_stats(logits: torch.Tensor, chosen: torch.Tensor, experts: int) -> tup
 
 
 @contextmanager
-def router_stats(modules: list[nn.Module], valid: torch.Tensor | None) -> Iterator[dict[str, float]]:
+def router_stats(modules: list[nn.Module], valid: torch.Tensor | None, read: Routing = hf_routing
+                 ) -> Iterator[dict[str, float]]:
     """Within the block, record each router's choices; on leaving, the dict holds moe_aux_loss and moe_load_cv
-    (nothing for a dense model). `valid` [tokens] marks the tokens counted (None: all)."""
+    (nothing for a dense model). `valid` [tokens] marks the tokens counted, in the order the routers see them (None,
+    or a different count of tokens, as a context-parallel rank's: all)."""
     out: dict[str, float] = {}
     if not modules:
         yield out
         return
     seen: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
-    def hook(module: nn.Module, args: object, result: tuple[torch.Tensor, ...]) -> None:
-        logits, chosen = result[0].detach(), result[-1].detach()
+    def hook(module: nn.Module, args: tuple[Any, ...], result: Any) -> None:
+        logits, chosen = read(module, args, result)
         if valid is not None and valid.numel() == logits.shape[0]:
             logits, chosen = logits[valid], chosen[valid]
         seen.append((logits, chosen, int(getattr(module, "num_experts", logits.shape[-1]))))
