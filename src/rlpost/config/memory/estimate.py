@@ -146,8 +146,11 @@ def _add_refit_buffer(workers: list[Worker], cfg: MasterConfig, shape: ModelShap
     worker beside it maps it, so it is resident in both (kept from one refit to the next); the engine copies each
     bucket's tensors out of it as it loads them, which its allocator keeps. On a GPU the buffer is a transient CUDA
     allocation during the refit, below the phases' peaks."""
-    bucket = min(BYTES.get(cfg.generation.weight_dtype(), 4) * shape.params, (cfg.policy.refit_buffer_size_gb or 0.25)
-                 * GIB)
+    dtype_bytes = BYTES.get(cfg.generation.weight_dtype(), 4)
+    # a bucket holds whole layer groups: a decoder layer, or the embedding with a tied output layer, which travels
+    # under both names (rlpost.distributed.weight_buckets): larger than the buffer's size, it sets the bucket's
+    group = max(shape.vocab * shape.hidden * (2 if shape.tied else 1), shape.layer_params) * dtype_bytes
+    bucket = max(min(dtype_bytes * shape.params, (cfg.policy.refit_buffer_size_gb or 0.25) * GIB), group)
     for w in workers:
         for usage in w.phases.values():
             usage.device["refit buffer"] = bucket
