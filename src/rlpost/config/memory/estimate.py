@@ -100,7 +100,8 @@ def _engine(cfg: MasterConfig, shape: ModelShape, device: str, dev_bytes: float 
           else min(max(shape.kv_bytes_per_token(v.precision) * max_len * 256, 2**24), GIB))
     return engine_worker(shape, v.precision, lay.gen_tp, lay.gen_world, device, device_bytes=dev_bytes,
                          utilization=v.gpu_memory_utilization, kv_cache_bytes=kv, eager=bool(v.enforce_eager),
-                         colocated=lay.colocated, max_num_seqs=int((gen.vllm_kwargs or {}).get("max_num_seqs", 256)))
+                         colocated=lay.colocated,
+                         max_num_seqs=int((getattr(gen, "vllm_kwargs", None) or {}).get("max_num_seqs", 256)))
 
 
 def _shape_of(cfg: Config) -> ModelShape | None:

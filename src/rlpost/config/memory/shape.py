@@ -60,7 +60,7 @@ class ModelShape:
         body = total - (trainable if lora is not None and lora.enabled else 0) - vocab * h * (1 if tied else 2) - h
         lora_on = lora is not None and lora.enabled
         largest = 0 if lora_on else max(vocab * h, 2 * width * h)
-        if lora_on and saved_tables(lora, tied):  # modules_to_save: an embedding trained in full
+        if lora is not None and lora_on and saved_tables(lora, tied):  # modules_to_save: an embedding in full
             largest = vocab * h
         return cls(hidden=h, layers=layers, vocab=vocab, intermediate=width, q_dim=heads * head_dim,
                    kv_dim=kv_heads * head_dim, params=total, trainable=trainable, layer_params=body // layers,

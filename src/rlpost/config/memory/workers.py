@@ -103,7 +103,7 @@ def _activations(shape: ModelShape, tokens: int, tp: int, act_bytes: int, checkp
     input) and, in the backward, the layer recomputed (checkpointing) and one layer's gradients."""
     layer = shape.saved_per_token(tp) * tokens * act_bytes
     kept = shape.layers * (shape.hidden * tokens * act_bytes if checkpointing else layer)
-    out = {"activations": kept + 2 * shape.hidden * tokens * act_bytes, "backward working set": layer}
+    out: dict[str, float] = {"activations": kept + 2 * shape.hidden * tokens * act_bytes, "backward working set": layer}
     if checkpointing:
         out["recomputed layer"] = layer
     return out
