@@ -41,6 +41,13 @@ def megatron_routing(module: Any, args: tuple[Any, ...], result: Any) -> tuple[t
     return logits, chosen
 
 
+def row_tokens(input_ids: torch.Tensor, input_lengths: torch.Tensor, sequence_major: bool = False) -> torch.Tensor:
+    """The tokens of a padded batch [B, S] within their row's length, flattened in the order a router sees them:
+    row by row ([B x S], transformers), or position by position ([S x B], megatron-core's [S, B, H] layout)."""
+    valid = torch.arange(input_ids.shape[1])[None, :] < input_lengths.cpu()[:, None]  # [B, S]
+    return (valid.T if sequence_major else valid).reshape(-1)
+
+
 def routers(model: nn.Module) -> list[nn.Module]:
     """The model's MoE routers ([] for a dense model)."""
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]

@@ -164,15 +164,13 @@ def build_tiny_model(cfg: TinyModelConfig, out_dir: str | os.PathLike[str]) -> P
     return out
 
 
-def ensure_tiny_model(cfg: TinyModelConfig, path: str | os.PathLike[str], apart: bool = True) -> Path:
-    """Return `path`, building the tiny model there first unless a complete build is present. `apart`: the build
-    runs in a child process, so the caller (a run's driver) never holds the model: its allocator would keep the
-    pages of a build's fp32 weights for the rest of the run (2 GiB for a model of Qwen2.5-0.5B's shape)."""
+def ensure_tiny_model(cfg: TinyModelConfig, path: str | os.PathLike[str]) -> Path:
+    """Return `path`, building the tiny model there first unless a complete build is present. The build runs in a
+    child process, so the caller (a run's driver) never holds the model: its allocator would keep the pages of a
+    build's fp32 weights for the rest of the run (2 GiB for a model of Qwen2.5-0.5B's shape)."""
     p = Path(path)
     if tiny_build_matches(p, cfg):
         return p
-    if not apart:
-        return build_tiny_model(cfg, p)
     if p.exists():
         _check_replaceable(p)
     argv = [sys.executable, "-m", "rlpost.models.tiny", json.dumps(asdict(cfg)), str(p)]

@@ -11,7 +11,8 @@ MALLOC_MMAP_THRESHOLD_ environment variable set from inside the process: every b
 its own and unmapped when freed. The price is a page fault per page of every such buffer each time it is made,
 which on a small model's short-sequence step (a few MiB of gradients and optimizer temporaries, many times a step)
 costs several percent, so the workers turn it on only for a policy whose sequences reach
-`rlpost.config.layout.LONG_SEQUENCE_TOKENS` (`wanted`). It does nothing where the C library is not glibc.
+`rlpost.config.layout.LONG_SEQUENCE_TOKENS` (`maps_large_buffers` there, which the memory plan reads too). It does
+nothing where the C library is not glibc.
 """
 
 from __future__ import annotations
@@ -23,14 +24,6 @@ M_MMAP_THRESHOLD = -3
 """mallopt's parameter number for the mmap threshold (glibc's malloc.h)."""
 MMAP_THRESHOLD = 1 << 20
 """Buffers of this many bytes or more are mapped on their own: 1 MiB, far above Python's small objects."""
-
-
-def wanted(max_sequence_tokens: int) -> bool:
-    """Whether a policy whose sequences reach `max_sequence_tokens` maps its large buffers (the memory plan counts
-    the heap's kept pages below that length: rlpost.config.layout.maps_large_buffers)."""
-    from rlpost.config.layout import maps_large_buffers  # not at import: a probe of the heap imports this module
-
-    return maps_large_buffers(max_sequence_tokens)
 
 
 def map_large_buffers(threshold: int = MMAP_THRESHOLD) -> bool:

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from rlpost.config.layout import LONG_SEQUENCE_TOKENS
-from rlpost.runtime import host_malloc
+from rlpost.config.layout import LONG_SEQUENCE_TOKENS, maps_large_buffers
 
 _PROBE = """
 import sys, psutil, torch
@@ -39,5 +38,5 @@ def test_freed_large_buffers_leave_the_process_only_when_mapped() -> None:
 
 
 def test_only_long_sequences_map_their_buffers() -> None:
-    assert host_malloc.wanted(8192) and host_malloc.wanted(LONG_SEQUENCE_TOKENS)
-    assert not host_malloc.wanted(512)
+    assert maps_large_buffers(8192) and maps_large_buffers(LONG_SEQUENCE_TOKENS)
+    assert not maps_large_buffers(512)

@@ -58,10 +58,10 @@ class ModelShape:
         h, layers, vocab = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["vocab_size"])
         tied = tied_head(hf)
         body = total - (trainable if lora is not None and lora.enabled else 0) - vocab * h * (1 if tied else 2) - h
-        lora_on = lora is not None and lora.enabled
-        largest = 0 if lora_on else max(vocab * h, 2 * width * h)
-        if lora is not None and lora_on and saved_tables(lora, tied):  # modules_to_save: an embedding in full
-            largest = vocab * h
+        if lora is None or not lora.enabled:
+            largest = max(vocab * h, 2 * width * h)
+        else:  # the adapters, and with modules_to_save an embedding trained in full
+            largest = vocab * h if saved_tables(lora, tied) else 0
         return cls(hidden=h, layers=layers, vocab=vocab, intermediate=width, q_dim=heads * head_dim,
                    kv_dim=kv_heads * head_dim, params=total, trainable=trainable, layer_params=body // layers,
                    tied=tied, largest_trained=largest)

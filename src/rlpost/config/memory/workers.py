@@ -178,7 +178,7 @@ def policy_worker(p: PolicyConfig, shape: ModelShape, device: str, world: int, *
         dev.update(acts)
         dev["output layer chunk"] = _head(shape, train_tokens, p.logprob_chunk_size, tp, 1)
         dev["output layer gradient"] = 4 * shape.vocab // tp * shape.hidden
-        transient = sum(v for k, v in dev.items() if k in acts or k.startswith("output layer"))
+        transient = sum(acts.values()) + dev["output layer chunk"] + dev["output layer gradient"]
         kept = device == "cpu" and not maps_large_buffers(p.max_total_sequence_length)
         if kept:
             freed = 0.0 if isinstance(p, MegatronPolicyConfig) else trained["gradients"]

@@ -34,7 +34,7 @@ from rlpost.models.megatron.cpu_compat import is_cpu_compat_active
 from rlpost.models.megatron.export import unwrap_model
 from rlpost.models.megatron.model import resolve_tp_group, scale_and_mask_logits, vocab_shard_range
 from rlpost.models.megatron.output_head import head_logits, passthrough
-from rlpost.models.router_stats import megatron_routing, router_stats, routers
+from rlpost.models.router_stats import megatron_routing, router_stats, routers, row_tokens
 from rlpost.ops.chunked_head import HeadLogits
 from rlpost.ops.logprobs import vocab_parallel_logprobs
 
@@ -307,9 +307,7 @@ def _valid_tokens(mb: Mapping[str, Any], moe_routers: list[torch.nn.Module], dev
     see them (None for a dense model)."""
     if not moe_routers or "input_lengths" not in mb:
         return None
-    ids = mb["input_ids"]
-    valid = torch.arange(ids.shape[1])[None, :] < mb["input_lengths"].cpu()[:, None]  # [B, S]
-    return valid.T.reshape(-1).to(device)
+    return row_tokens(mb["input_ids"], mb["input_lengths"], sequence_major=True).to(device)
 
 
 def _optimizer_step(state: MegatronTrainState) -> tuple[bool, float]:

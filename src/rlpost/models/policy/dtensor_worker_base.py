@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from rlpost.config.layout import maps_large_buffers
 from rlpost.config.schema.lora import LoRAConfig
 from rlpost.config.schema.policy import DTensorPolicyConfig
 from rlpost.data.packing import PackedSequences
@@ -41,7 +42,7 @@ from rlpost.models.policy.memory_phases import OffloadState, cuda_memory_stats
 from rlpost.models.policy.optim import build_optimizer, build_scheduler
 from rlpost.models.policy.train_parts import Parts, PartsLoss, TrainPartsMixin
 from rlpost.models.policy.weight_export import WeightExportMixin
-from rlpost.models.router_stats import router_stats, routers
+from rlpost.models.router_stats import router_stats, routers, row_tokens
 from rlpost.ops.chunked_head import HeadLogits
 from rlpost.runtime import host_malloc
 from rlpost.runtime.gc_heap import import_frozen
@@ -73,7 +74,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         # The heavy imports first, with the collector paused and their objects frozen (rlpost.runtime.gc_heap): the
         # model classes, and torch's compiler stack that the optimizer's first param group imports.
         import_frozen("torch._dynamo", "transformers.models.auto.modeling_auto")
-        if host_malloc.wanted(cfg.max_total_sequence_length):  # freed activations leave the process
+        if maps_large_buffers(cfg.max_total_sequence_length):  # freed activations leave the process
             host_malloc.map_large_buffers()
         if start_after is not None:  # colocated engines start, and sleep, before this rank touches the device
             start_after.wait()
@@ -407,8 +408,7 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
         token is a row's)."""
         if isinstance(mb, PackedMicroBatch) or not self._routers:
             return None
-        ids = mb["input_ids"]
-        return (torch.arange(ids.shape[1])[None, :] < mb["input_lengths"][:, None]).reshape(-1).to(self.device)
+        return row_tokens(mb["input_ids"], mb["input_lengths"]).to(self.device)
 
     def _clip_grad_norm(self) -> float:
         """Global L2 grad norm over every parameter (TP-sharded and not), then clip to max_grad_norm.

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from rlpost.config.errors import ConfigError
+from rlpost.config.layout import maps_large_buffers
 from rlpost.config.schema.megatron import MegatronPolicyConfig
 from rlpost.distributed.batched_data_dict import BatchedDataDict
 from rlpost.distributed.start_gate import StartGate
@@ -139,7 +140,7 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
     ) -> None:
         # megatron-core's import (a large heap) with the collector paused, then frozen (rlpost.runtime.gc_heap)
         import_frozen("megatron.core.models.gpt.gpt_model", "megatron.core.optimizer", "megatron.core.distributed")
-        if host_malloc.wanted(self.cfg.max_total_sequence_length):  # freed activations leave the process
+        if maps_large_buffers(self.cfg.max_total_sequence_length):  # freed activations leave the process
             host_malloc.map_large_buffers()
         from megatron.core import parallel_state as ps
 
