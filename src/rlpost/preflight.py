@@ -201,10 +201,12 @@ def check_model_limits(master: AnyMaster) -> None:
         m = p.megatron_cfg
         check_megatron_experts(hf, "policy.megatron_cfg", m.tensor_model_parallel_size, m.sequence_parallel,
                                m.expert_model_parallel_size, m.context_parallel_size)
-        if m.peft.enabled and architecture_of(hf, m.converter_type) == ARCHITECTURES["olmo2"]:
-            raise ConfigError("policy.megatron_cfg.peft.enabled", True, "LoRA on Megatron adds each adapter to its "
-                              "linear's output, and OLMo 2's linear_proj and linear_fc2 end in a norm",
-                              "policy=dtensor trains LoRA on OLMo 2")
+        arch = architecture_of(hf, m.converter_type)
+        if m.context_parallel_size > 1 and arch in (ARCHITECTURES["gemma2"], ARCHITECTURES["gemma3_text"]):
+            raise ConfigError("policy.megatron_cfg.context_parallel_size", m.context_parallel_size,
+                              f"Gemma's attention on Megatron (soft-capped scores, sliding windows, RoPE per layer) "
+                              f"reads whole sequences; this model is {arch}",
+                              "set policy.megatron_cfg.context_parallel_size=1")
     elif isinstance(p, DTensorPolicyConfig) and not p._target_.endswith("V2") and not p.dtensor_cfg.custom_parallel_plan:
         check_tp_plan(hf, "policy.dtensor_cfg.tensor_parallel_size", p.dtensor_cfg.tensor_parallel_size)
     vocab = hf.get("vocab_size")

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 RUNS = {"qwen3_moe": (1, 80, False), "phi3": (2, 2, True), "gemma2": (1, 2, True), "olmo2": (1, 2, True),
         "mixtral": (1, 2, True), "mistral": (1, 2, False)}
-"""family -> (TP, steps, LoRA). The Qwen3-MoE run is the default job's 80 steps, and it learns the task; Mistral's
+"""family -> (TP, steps, LoRA) on the DTensor worker. The Qwen3-MoE run is the default job's 80 steps, and it learns the task; Mistral's
 refits the full weights (its adapters are refit in test_grpo's LoRA-adapter run); LoRA runs
 take the preset (experiment=tiny_lora: adapters split as their layers are, the embeddings trained in full, the merged
 weights refit). Every family's TP=2 plan is checked on its own in tests/unit/models/test_tp_plans.py; Gemma 3 brings
@@ -59,17 +59,27 @@ def test_each_family_trains_and_the_engine_stays_on_policy(family: str, cache: P
     AutoModelForCausalLM.from_pretrained(exported)
 
 
-def test_olmo2_on_megatron_stays_on_policy_and_exports(cache: Path, tmp_path: Path) -> None:
-    """OLMo 2's layer on Megatron-Core (rlpost.models.megatron.olmo2: post-norms, whole-projection q/k norms): two
-    GRPO steps whose refits vLLM's OLMo 2 takes by name and serves on policy, and an HF export transformers loads."""
+MEGATRON_RUNS = {"olmo2": True, "gemma2": False, "gemma3_text": True}
+"""family -> LoRA, of the families whose layer on Megatron-Core is rlpost's own: OLMo 2's post-norms and
+whole-projection q/k norms (rlpost.models.megatron.olmo2); Gemma 2's soft-capped scores and logits, sandwich norms,
+scaled embedding and alternating sliding windows, and Gemma 3's per-head q/k norms and local RoPE base
+(rlpost.models.megatron.gemma). With LoRA the adapters on linear_proj and linear_fc2 join their output before its
+norm, as the merged weights vLLM serves do (the gate is ~1.05 at the second step when they join after it)."""
+
+
+@pytest.mark.parametrize("family", list(MEGATRON_RUNS))
+def test_own_megatron_layers_stay_on_policy_and_export(family: str, cache: Path, tmp_path: Path) -> None:
+    """Two GRPO steps on Megatron-Core whose refits vLLM takes by name and serves on policy, and an HF export that
+    transformers loads as the family's model."""
     from transformers import AutoModelForCausalLM
 
-    run = tmp_path / "olmo2-megatron"
-    train(run, cache, "policy=megatron", "model.tiny.architecture=olmo2", "grpo.max_num_steps=2", "grpo.val_period=0",
-          "checkpointing.save_period=2", "checkpointing.metric_name=null")
+    run = tmp_path / f"{family}-megatron"
+    lora = ["policy.megatron_cfg.peft.enabled=true", "policy.megatron_cfg.peft.export_merged=true"
+            ] if MEGATRON_RUNS[family] else []
+    train(run, cache, "policy=megatron", f"model.tiny.architecture={family}", "grpo.max_num_steps=2",
+          "grpo.val_period=0", "checkpointing.save_period=2", "checkpointing.metric_name=null", *lora)
     lines = metrics(run)
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines), lines
-    exported = run / "checkpoints" / "step_2" / "policy" / "weights" / "hf"
-    model = AutoModelForCausalLM.from_pretrained(exported)
-    assert type(model).__name__ == "Olmo2ForCausalLM"
+    model = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_2" / "policy" / "weights" / "hf")
+    assert model.config.model_type == family

@@ -17,7 +17,8 @@ from rlpost.config.errors import ConfigError
 ARCHITECTURES: dict[str, str] = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                  "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                  "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 """model_type -> the HF architecture each converter handles."""
 
 
@@ -25,7 +26,7 @@ MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 """The mixture-of-experts families (rlpost.models.expert_weights has their checkpoint layouts)."""
 
 
-CAUSAL_LMS: dict[str, str] = {**ARCHITECTURES, "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+CAUSAL_LMS: dict[str, str] = dict(ARCHITECTURES)
 """model_type -> the causal LM architecture, for every family `model.tiny.architecture` builds."""
 
 

@@ -159,8 +159,10 @@ def test_plan_reports_what_the_megatron_worker_cannot_run(capsys: pytest.Capture
     moe = ["model.tiny.architecture=qwen3_moe", "policy.megatron_cfg.context_parallel_size=2", "cluster.gpus_per_node=2"]
     assert main(["plan", "policy=megatron", *moe]) == 2
     assert "context parallelism on Megatron is for dense models" in capsys.readouterr().err
-    assert main(["plan", "policy=megatron", "model.tiny.architecture=olmo2", "policy.megatron_cfg.peft.enabled=true"]) == 2
-    assert "OLMo 2's linear_proj and linear_fc2 end in a norm" in capsys.readouterr().err
+    gemma_cp = ["model.tiny.architecture=gemma2", "policy.megatron_cfg.context_parallel_size=2", "cluster.gpus_per_node=2"]
+    assert main(["plan", "policy=megatron", *gemma_cp]) == 2
+    assert ("policy.megatron_cfg.context_parallel_size=2: Gemma's attention on Megatron (soft-capped scores, sliding "
+            "windows, RoPE per layer) reads whole sequences") in capsys.readouterr().err
     fsdp = "policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp"
     assert main(["plan", "policy=megatron", "cluster.device=cpu", f"{fsdp}=true"]) == 2
     assert f"{fsdp}=True: megatron FSDP is GPU-only" in capsys.readouterr().err

@@ -222,3 +222,29 @@ def test_cpu_counts_the_allocators_kept_pages_and_the_engines_packed_output_laye
     assert gpu is not None
     assert "allocator retention" not in next(w for w in gpu.workers if w.group == "policy").phases["training"].device
     assert "packed output layer" not in next(w for w in gpu.workers if w.group == "engine").phases["generation"].device
+
+
+GEMMA2_2B = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304,
+             "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "head_dim": 256, "vocab_size": 256000, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+             "final_logit_softcapping": 30.0}
+"""Gemma-2-2B's config.json (the fields the plan reads)."""
+
+
+@pytest.mark.parametrize("policy", ["dtensor", "megatron"])
+def test_soft_capped_logits_are_counted_whole(tmp_path: Path, policy: str) -> None:
+    """Gemma 2's soft-capped logits are made for every token of a micro-batch at once on both backends: the forward
+    holds two fp32 [4096, 256000] copies (7.8 GiB), where a model without the cap holds two chunks."""
+    sizes = ["policy.max_total_sequence_length=4096", "policy.train_micro_batch_size=1",
+             "policy.logprob_batch_size=1", "policy.dynamic_batching.enabled=false"]
+    heads = {}
+    for name, hf in (("capped", GEMMA2_2B), ("plain", {**GEMMA2_2B, "final_logit_softcapping": None})):
+        (tmp_path / name).mkdir()
+        model = config_only(tmp_path / name, hf)
+        _, cfg = load_master_config([f"policy={policy}", *on_gpus(model, 8, 80, *sizes)])
+        est = estimate(cfg)
+        assert est is not None
+        worker = next(w for w in est.workers if w.group == "policy")
+        heads[name] = worker.phases["forward"].device["output layer chunk"]
+    assert heads["capped"] == pytest.approx(2 * 4096 * 256000 * 4)
+    assert heads["plain"] < heads["capped"] / 8

@@ -41,6 +41,9 @@ class ModelShape:
     largest_trained: int = 0
     """Elements of the largest tensor the optimizer updates: the embedding (or the output layer) in full
     fine-tuning, else an MLP's fused gate and up projection; nothing of note under LoRA (rank-r adapters)."""
+    softcapped_logits: bool = False
+    """The logits are soft-capped (Gemma 2's `final_logit_softcapping`): both backends make them whole, not a chunk
+    of tokens at a time."""
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], lora: LoRAConfig | None = None, megatron: bool = False
@@ -64,7 +67,7 @@ class ModelShape:
             largest = vocab * h if saved_tables(lora, tied) else 0
         return cls(hidden=h, layers=layers, vocab=vocab, intermediate=width, q_dim=heads * head_dim,
                    kv_dim=kv_heads * head_dim, params=total, trainable=trainable, layer_params=body // layers,
-                   tied=tied, largest_trained=largest)
+                   tied=tied, largest_trained=largest, softcapped_logits=bool(hf.get("final_logit_softcapping")))
 
     def kv_bytes_per_token(self, precision: str) -> int:
         """Bytes one token takes in an engine's KV cache: keys and values of every layer."""

@@ -14,7 +14,7 @@ awake). The formulas, per rank:
   foreach and fused off, as NeMo RL does) makes two of each parameter's size in turn (the second moment's root,
   divided by its bias correction), so two of the largest trained tensor (fp32, sharded);
 - the output layer's working set: a chunk of tokens x the vocabulary in fp32, never the whole [tokens, vocabulary]
-  (rlpost.ops.chunked_head): in the forward the logits and logsumexp's temporary; in the backward the recomputed
+  (rlpost.ops.chunked_head; soft-capped logits, Gemma 2's, are made whole): in the forward the logits and logsumexp's temporary; in the backward the recomputed
   logits, turned into their gradient in place, and the layer's fp32 weight gradient [vocabulary, hidden];
 - the engine: its weights, its KV cache (CPU: `kv_cache_space_gb` or the size vLLM would be given; GPU: what is left
   of `gpu_memory_utilization` x the device), and CUDA graphs' pool unless eager; on CPU also the output layer's
@@ -110,8 +110,10 @@ def _activations(shape: ModelShape, tokens: int, tp: int, act_bytes: int, checkp
 
 
 def _head(shape: ModelShape, tokens: int, chunk: int | None, tp: int, copies: int) -> float:
-    """The output layer's fp32 working set: `copies` [chunk, vocabulary / TP] tensors."""
-    return copies * min(tokens, chunk_tokens(chunk, shape.vocab // tp)) * (shape.vocab // tp) * 4
+    """The output layer's fp32 working set: `copies` [chunk, vocabulary / TP] tensors (soft-capped logits: every
+    token's at once)."""
+    rows = tokens if shape.softcapped_logits else min(tokens, chunk_tokens(chunk, shape.vocab // tp))
+    return copies * rows * (shape.vocab // tp) * 4
 
 
 def policy_worker(p: PolicyConfig, shape: ModelShape, device: str, world: int, *, group: str = "policy",

@@ -136,13 +136,16 @@ class HFGenerationWorker:
         import_frozen("transformers.models.auto.modeling_auto")  # its objects frozen (rlpost.runtime.gc_heap)
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        from rlpost.models.policy.hf_loading import attention_implementation
+
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = _DTYPES[precision]
         self.batch_size = batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         config = AutoConfig.from_pretrained(model_path, **(hf_overrides or {}))  # policy.hf_config_overrides
         model: Any = AutoModelForCausalLM.from_pretrained(
-            model_path, config=config, dtype=self.dtype, use_safetensors=True
+            model_path, config=config, dtype=self.dtype, use_safetensors=True,
+            attn_implementation=attention_implementation(config),
         )
         self.model = model.to(self.device).eval()
         gc = self.model.generation_config

@@ -1,7 +1,8 @@
-"""HF <-> Megatron-Core conversion for the Qwen2, Qwen3, Llama, Mistral, Phi-3 and OLMo 2 families (dense, SwiGLU,
-RMSNorm, RoPE, GQA; Qwen3's per-head q/k RMSNorm; Phi-3's fused projections; OLMo 2's post-norms and whole-projection
-q/k norms in rlpost.models.megatron.olmo2) and the Qwen3-MoE and Mixtral mixtures of experts (their attention as
-Qwen3's and Mistral's; the experts and router in rlpost.models.megatron.moe).
+"""HF <-> Megatron-Core conversion for the Qwen2, Qwen3, Llama, Mistral, Phi-3, OLMo 2, Gemma 2 and Gemma 3 families
+(dense, SwiGLU, RMSNorm, RoPE, GQA; Qwen3's per-head q/k RMSNorm; Phi-3's fused projections; OLMo 2's post-norms and
+whole-projection q/k norms in rlpost.models.megatron.olmo2; Gemma's GeGLU, sandwich norms, scaled embedding, soft-caps
+and sliding windows in rlpost.models.megatron.gemma) and the Qwen3-MoE and Mixtral mixtures of experts (their
+attention as Qwen3's and Mistral's; the experts and router in rlpost.models.megatron.moe).
 
 Config: `transformer_config_from_hf` maps the HF config to a megatron `TransformerConfig` (RMSNorm eps, GQA via
 `num_query_groups`, `kv_channels` = head_dim, SwiGLU = `gated_linear_unit` + silu, Qwen2's q/k/v bias via
@@ -20,7 +21,8 @@ Weights, per layer (HF name -> megatron local-spec name, TP split):
   mlp.{gate,up}_proj.weight         -> mlp.linear_fc1.weight                     dim 0, fused (below)
   mlp.down_proj.weight              -> mlp.linear_fc2.weight                     dim 1
 A mixture of experts' MLP (router and experts) maps as rlpost.models.megatron.moe describes; OLMo 2's norms as
-rlpost.models.megatron.olmo2 describes (its q/k norm weights split over TP with the heads).
+rlpost.models.megatron.olmo2 describes (its q/k norm weights split over TP with the heads); Gemma's four norms a
+layer as rlpost.models.megatron.gemma describes (its MLP is Llama's; Gemma 3's q/k norms are Qwen3's).
 Phi-3 fuses q, k and v in `self_attn.qkv_proj` (rows [q; k; v]) and gate and up in `mlp.gate_up_proj` (rows
 [gate; up]): they are split into the same q, k, v and gate, up, and joined again on the way back.
 plus model.embed_tokens.weight -> embedding.word_embeddings.weight (dim 0), model.norm.weight ->
@@ -51,6 +53,7 @@ to full HF tensors; see its docstring for the collectives. No conversion cache i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -58,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlpost.config.model_families import ARCHITECTURES
+from rlpost.models.megatron import gemma as gemma_layers
 from rlpost.models.megatron import moe as moe_layers
 from rlpost.models.megatron import olmo2
 
@@ -68,7 +72,7 @@ if TYPE_CHECKING:
     from rlpost.config.schema.megatron import MegatronConfig
 
 LLAMA_LIKE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-                    "Olmo2ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                    "Olmo2ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", *gemma_layers.ARCHITECTURES)
 """Architectures whose attention_bias / mlp_bias flags would add biases megatron's layers here do not carry."""
 FUSED_PROJECTION_ARCHS = ("Phi3ForCausalLM",)
 """Architectures whose checkpoint fuses q/k/v (qkv_proj) and gate/up (gate_up_proj)."""
@@ -109,6 +113,8 @@ class HFModelDims:
     """The experts of a mixture of experts (rlpost.models.megatron.moe); None for a dense MLP."""
     post_norms: bool = False
     """OLMo 2's layer: norms after attention and the MLP, q/k norms over the whole projection (models.megatron.olmo2)."""
+    gemma: gemma_layers.GemmaDims | None = None
+    """Gemma 2 or 3's layer (rlpost.models.megatron.gemma); None for another family."""
 
 
 def _rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
@@ -133,7 +139,8 @@ def hf_model_dims(hf_config: PretrainedConfig, converter_type: str = "auto") -> 
         raise NotImplementedError(
             f"no Megatron converter for {arch or hf_config!r}; supported: {list(ARCHITECTURES.values())}"
         )
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
+    gemma = gemma_layers.gemma_dims(hf_config, arch)
+    if gemma is None and getattr(hf_config, "hidden_act", "silu") != "silu":
         raise NotImplementedError(f"hidden_act={hf_config.hidden_act!r}: only SwiGLU (silu) is converted")
     if arch in LLAMA_LIKE_ARCHS and (
         getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False)
@@ -145,7 +152,7 @@ def hf_model_dims(hf_config: PretrainedConfig, converter_type: str = "auto") -> 
         arch in ("MistralForCausalLM", "MixtralForCausalLM") and getattr(hf_config, "sliding_window", None) is not None
     ):
         raise NotImplementedError(f"{arch} sliding-window attention is not converted (sliding_window must be unset)")
-    rope = _rope_parameters(hf_config)
+    rope = _rope_parameters(hf_config) if gemma is None else {"rope_theta": gemma.rope[0][0]}  # Gemma: per layer
     if float(rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
         raise NotImplementedError(f"{arch} partial_rotary_factor != 1 (RoPE on part of each head) is not converted")
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
@@ -172,12 +179,13 @@ def hf_model_dims(hf_config: PretrainedConfig, converter_type: str = "auto") -> 
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         rope_scaling_factor=scaling,
         qkv_bias=arch == "Qwen2ForCausalLM",
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or bool(gemma and gemma.qk_norm),
         fused_projections=arch in FUSED_PROJECTION_ARCHS,
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         initializer_range=float(getattr(hf_config, "initializer_range", 0.02)),
         moe=moe_layers.moe_dims(hf_config, arch),
         post_norms=arch == olmo2.ARCHITECTURE,
+        gemma=gemma,
     )
 
 
@@ -262,6 +270,8 @@ def transformer_config_from_hf(
     )
     if d.moe is not None:
         kwargs.update(moe_layers.transformer_kwargs(d.moe))
+    if d.gemma is not None:  # GeGLU; megatron fuses only its own gelu and swiglu
+        kwargs.update(activation_func=functools.partial(F.gelu, approximate="tanh"), bias_activation_fusion=False)
     extra = {k: v for k, v in megatron_cfg.extra.items() if k != VOCAB_DIVISOR_KEY}
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
     unknown = sorted(set(extra) - known)
@@ -279,7 +289,7 @@ def gpt_model_args_from_hf(hf_config: PretrainedConfig, megatron_cfg: MegatronCo
             d.vocab_size, megatron_cfg.tensor_model_parallel_size, vocab_divisor(megatron_cfg)
         ),
         max_sequence_length=d.max_position_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="rope" if d.gemma is None else "none",  # Gemma: RoPE per layer in its attention
         rotary_base=d.rope_theta,
         rope_scaling=d.rope_scaling_factor is not None,
         rope_scaling_factor=d.rope_scaling_factor or 8.0,
@@ -397,6 +407,8 @@ def _layer_hf_to_megatron(hf: Mapping[str, torch.Tensor], g: int, d: HFModelDims
     }
     if d.post_norms:
         out.update(olmo2.hf_to_megatron(hf, h))
+    elif d.gemma is not None:
+        out.update(gemma_layers.hf_to_megatron(hf, h))
     else:
         out["input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
         out["pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
@@ -470,8 +482,13 @@ def _layer_megatron_to_hf(m: Mapping[str, torch.Tensor], g: int, d: HFModelDims)
     """HF tensors of global layer g from full megatron tensors named relative to decoder.layers.<i>."""
     h = f"model.layers.{g}."
     q, k, v = split_qkv(m["self_attention.linear_qkv.weight"], d)
-    out = olmo2.megatron_to_hf(m, h) if d.post_norms else {h + "input_layernorm.weight": m["input_layernorm.weight"],
-                                                           h + "post_attention_layernorm.weight": m["pre_mlp_layernorm.weight"]}
+    if d.post_norms:
+        out = olmo2.megatron_to_hf(m, h)
+    elif d.gemma is not None:
+        out = gemma_layers.megatron_to_hf(m, h)
+    else:
+        out = {h + "input_layernorm.weight": m["input_layernorm.weight"],
+               h + "post_attention_layernorm.weight": m["pre_mlp_layernorm.weight"]}
     if d.fused_projections:
         out[h + "self_attn.qkv_proj.weight"] = torch.cat([q, k, v], dim=0)
     else:

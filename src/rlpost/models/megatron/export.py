@@ -77,6 +77,8 @@ def _hf_unit_shapes(unit: Unit, d: HFModelDims, include_tied_lm_head: bool) -> l
     out += [(p + "self_attn.o_proj.weight", (h, q)), (p + "post_attention_layernorm.weight", (h,))]
     if d.post_norms:
         out += [(p + "post_feedforward_layernorm.weight", (h,))]
+    if d.gemma is not None:
+        out += [(p + "pre_feedforward_layernorm.weight", (h,)), (p + "post_feedforward_layernorm.weight", (h,))]
     if d.moe is not None:
         return out + moe_layers.hf_shapes(p, h, d.moe)
     if d.fused_projections:

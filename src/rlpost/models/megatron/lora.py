@@ -1,7 +1,8 @@
 """LoRA on the Megatron-Core workers (`policy.megatron_cfg.peft`): adapters on the decoder's tensor-parallel linears.
 
 Each adapted linear (`linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`) gets two parameters of its own,
-`lora_A` [r, in] and `lora_B` [out, r], and a forward hook that adds alpha / r * B @ A x to the layer's output. The
+`lora_A` [r, in] and `lora_B` [out, r], and a forward hook that adds alpha / r * B @ A x to the layer's output (on a
+linear that ends in a norm, OLMo 2's and Gemma's, to its output before the norm: `norms.BEFORE_NORM`). The
 base weights are frozen, so megatron's DDP and optimizer hold the adapters alone. Tensor parallelism follows the base
 weight's split:
 
@@ -34,6 +35,7 @@ from torch import nn
 
 from rlpost.config.lora_params import MEGATRON_LINEARS, adapted_modules
 from rlpost.config.schema.lora import LoRAConfig
+from rlpost.models.megatron.norms import BEFORE_NORM
 
 LINEARS = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
 """How megatron splits the weight of each decoder linear an adapter can go on (MEGATRON_LINEARS)."""
@@ -105,7 +107,10 @@ def inject(model: nn.Module, cfg: LoRAConfig, tp_rank: int, tp_size: int) -> lis
             set_defaults_if_not_set_tensor_model_parallel_attributes(module.lora_B)
         module.lora_scale = scale
         setattr(module, ADAPTED, True)
-        module.register_forward_hook(_hook(kind, scale, dropout))
+        if hasattr(module, "post_norm"):  # OLMo 2's and Gemma's: the adapter joins the output before the norm
+            setattr(module, BEFORE_NORM, _hook(kind, scale, dropout))
+        else:
+            module.register_forward_hook(_hook(kind, scale, dropout))
         adapted.append(name)
     if not adapted:
         raise ValueError("policy.megatron_cfg.peft: no linear layer matched target_modules / exclude_modules")

@@ -44,10 +44,12 @@ from rlpost.ops.logprobs import vocab_parallel_logprobs
 if TYPE_CHECKING:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
     from transformers import PretrainedConfig
 
     from rlpost.config.schema.megatron import MegatronConfig
+    from rlpost.models.megatron.gemma import GemmaDims
 
 
 class LazyCheckpoint(Mapping[str, torch.Tensor]):
@@ -106,12 +108,13 @@ def _te_available() -> bool:
 
 
 def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False, num_experts: int | None = None,
-               context_parallel: bool = False, post_norms: bool = False) -> ModuleSpec:
+               context_parallel: bool = False, post_norms: bool = False, gemma: GemmaDims | None = None) -> ModuleSpec:
     """The decoder layer spec: Transformer Engine on a GPU when importable (or use_te=True), else local;
     `qk_layernorm`: per-head RMSNorm on the queries and keys (Qwen3); `num_experts`: a MoE layer of that many
     experts (each its own MLP: no grouped GEMM) in place of the dense MLP; `context_parallel`: rlpost's
     context-parallel core attention (rlpost.models.megatron.context_parallel) on every device; `post_norms`: OLMo 2's
-    layer (rlpost.models.megatron.olmo2), on the local spec on every device."""
+    layer (rlpost.models.megatron.olmo2), `gemma`: Gemma's (rlpost.models.megatron.gemma), each on the local spec on
+    every device."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -123,6 +126,10 @@ def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False, num_exper
         from rlpost.models.megatron import olmo2
 
         spec = olmo2.olmo2_spec(get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"))
+    elif gemma is not None:
+        from rlpost.models.megatron import gemma as gemma_layers
+
+        spec = gemma_layers.gemma_spec(get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"), gemma)
     elif use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
     else:
@@ -211,17 +218,23 @@ def build_gpt_model(
         raise ValueError("build_gpt_model needs hf_state_dict when given an HF config and load_weights=True")
     config: TransformerConfig = transformer_config_from_hf(hf_config, megatron_cfg, precision)
     dims = hf_model_dims(hf_config, megatron_cfg.converter_type)
+    spec: ModuleSpec | TransformerBlockSubmodules = layer_spec(
+        use_te, qk_layernorm=config.qk_layernorm, num_experts=config.num_moe_experts,
+        context_parallel=config.context_parallel_size > 1, post_norms=dims.post_norms, gemma=dims.gemma)
+    if dims.gemma is not None:
+        from rlpost.models.megatron import gemma as gemma_layers
+
+        spec = gemma_layers.block_spec(spec, config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te, qk_layernorm=config.qk_layernorm,
-                                          num_experts=config.num_moe_experts,
-                                          context_parallel=config.context_parallel_size > 1,
-                                          post_norms=dims.post_norms),
+        transformer_layer_spec=spec,
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
         post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
         **gpt_model_args_from_hf(hf_config, megatron_cfg),
     )
     model.unpadded_vocab_size = dims.vocab_size
+    if dims.gemma is not None:
+        gemma_layers.adapt_model(model, dims.gemma, dims.hidden_size)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if load_weights:

@@ -6,8 +6,8 @@ are RMSNorms over the whole projection (all heads at once), where Qwen3's are pe
 neither, so the spec (`olmo2_spec`) puts:
 
 - `IdentityOp` in place of `input_layernorm` and `pre_mlp_layernorm`;
-- `PostNormRowParallelLinear` in place of `linear_proj` and `linear_fc2`: the row-parallel linear, then an RMSNorm of
-  its (TP-reduced, whole) output, under `<linear>.post_norm.weight` (replicated over TP);
+- a post-norm linear (`norms.post_norm_linear`) in place of `linear_proj` and `linear_fc2`: the row-parallel linear,
+  then an RMSNorm of its (TP-reduced, whole) output, under `<linear>.post_norm.weight` (replicated over TP);
 - `ProjectionNorm` in place of `q_layernorm` and `k_layernorm`: an RMSNorm over every head of the projection. Under
   TP a rank holds its heads' slice of the weight (`projection_weight`, split over TP like the heads and marked
   tensor-parallel) and the mean of squares is all-reduced over the TP group (its backward sums the ranks'
@@ -28,45 +28,12 @@ from torch import nn
 from torch.distributed.nn.functional import all_reduce as all_reduce_with_grad
 
 from rlpost.config.model_families import ARCHITECTURES
+from rlpost.models.megatron.norms import RMSNorm, post_norm_linear, rms_norm
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
 ARCHITECTURE = ARCHITECTURES["olmo2"]
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mean_sq: torch.Tensor) -> torch.Tensor:
-    """HF's RMSNorm given the mean of squares: in fp32, scaled by the weight, back in x's dtype."""
-    return (weight * (x.float() * torch.rsqrt(mean_sq + eps))).to(x.dtype)
-
-
-class PostNorm(nn.Module):
-    """An RMSNorm over the last dimension (OLMo 2's post-attention and post-feed-forward norms)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps, x.float().pow(2).mean(-1, keepdim=True))
-
-
-def post_norm_linear(base: type) -> type:
-    """`base` (megatron's RowParallelLinear) whose output, whole after the TP reduction, is RMS-normalised."""
-
-    class PostNormRowParallelLinear(base):
-        def __init__(self, input_size: int, output_size: int, *, config: Any, **kwargs: Any) -> None:
-            super().__init__(input_size, output_size, config=config, **kwargs)
-            self.post_norm = PostNorm(output_size, config.layernorm_epsilon)
-
-        def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            out, bias = super().forward(input_)
-            if bias is not None:
-                raise ValueError("OLMo 2's post-norm follows a linear without bias")
-            return self.post_norm(out), None
-
-    return PostNormRowParallelLinear
 
 
 class ProjectionNorm(nn.Module):
@@ -100,7 +67,7 @@ class ProjectionNorm(nn.Module):
         sq = flat.float().pow(2).sum(-1, keepdim=True)
         if self.group is not None:
             sq = all_reduce_with_grad(sq, group=self.group)
-        return _rms_norm(flat, self.projection_weight, self.eps, sq / self.total).reshape(s, b, n, d)
+        return rms_norm(flat, self.projection_weight, self.eps, sq / self.total).reshape(s, b, n, d)
 
 
 class KeyProjectionNorm(ProjectionNorm):
@@ -116,8 +83,8 @@ def olmo2_spec(spec: ModuleSpec) -> ModuleSpec:
     attention = layer.self_attention.submodules
     layer.input_layernorm = IdentityOp
     layer.pre_mlp_layernorm = IdentityOp
-    attention.linear_proj = post_norm_linear(attention.linear_proj)
-    layer.mlp.submodules.linear_fc2 = post_norm_linear(layer.mlp.submodules.linear_fc2)
+    attention.linear_proj = post_norm_linear(attention.linear_proj, RMSNorm)
+    layer.mlp.submodules.linear_fc2 = post_norm_linear(layer.mlp.submodules.linear_fc2, RMSNorm)
     attention.q_layernorm = ProjectionNorm
     attention.k_layernorm = KeyProjectionNorm
     return spec

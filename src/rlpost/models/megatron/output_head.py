@@ -27,10 +27,12 @@ if TYPE_CHECKING:
 
 
 def reads_in_chunks(model: torch.nn.Module) -> bool:
-    """The model's output layer can be read in chunks: a GPT model without sequence parallelism (on a middle
-    pipeline stage, which has no output layer, the answer is that of the model's config all the same)."""
+    """The model's output layer can be read in chunks: a GPT model without sequence parallelism whose logits are not
+    soft-capped (Gemma 2; on a middle pipeline stage, which has no output layer, the answer is that of the model's
+    config all the same)."""
     gpt = unwrap_model(model)
-    return hasattr(gpt, "shared_embedding_or_output_weight") and not gpt.config.sequence_parallel
+    return (hasattr(gpt, "shared_embedding_or_output_weight") and not gpt.config.sequence_parallel
+            and not getattr(gpt, "final_logit_softcapping", None))
 
 
 def loss_input(loss_fn: LossFunction, model: torch.nn.Module) -> Literal["logits", "head"]:

@@ -79,8 +79,11 @@ class DTensorPolicyWorkerV2(DTensorWorkerBase):
             offloaded = d.cpu_offload and self.device.type == "cuda"  # the plugin's CPUOffloadPolicy (_accelerator)
             return build_sharded(self.cfg, self.lora, self.device, parallel, params_on_cpu=offloaded)
         # (with TP, the config check refuses LoRA: transformers shards at load)
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        from rlpost.models.policy.hf_loading import attention_implementation
+
+        hf_cfg = AutoConfig.from_pretrained(self.cfg.model_name, trust_remote_code=self.cfg.trust_remote_code)
         model: nn.Module = AutoModelForCausalLM.from_pretrained(
             self.cfg.model_name,
             dtype=torch.float32,
@@ -88,7 +91,7 @@ class DTensorPolicyWorkerV2(DTensorWorkerBase):
             device_mesh=self.mesh["tp"],
             trust_remote_code=self.cfg.trust_remote_code,
             use_safetensors=True,
-            attn_implementation="sdpa",
+            attn_implementation=attention_implementation(hf_cfg),
             **self.cfg.hf_config_overrides,
         )
         return parallel(model)

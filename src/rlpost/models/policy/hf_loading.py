@@ -48,13 +48,19 @@ def hf_model_class_and_config(cfg: PolicyConfig) -> tuple[Any, Any]:
     return auto, hf_cfg
 
 
+def attention_implementation(hf_cfg: Any) -> str:
+    """transformers' attention the policy runs: SDPA, or its eager attention for a model whose attention scores are
+    soft-capped (Gemma 2's `attn_logit_softcapping`), which SDPA would leave out."""
+    return "eager" if getattr(hf_cfg, "attn_logit_softcapping", None) else "sdpa"
+
+
 def has_new_head(cfg: PolicyConfig) -> bool:
     """Whether the model carries a head (NEW_HEADS) that a causal LM's checkpoint lacks."""
     return bool(cfg.reward_model_cfg.enabled or cfg.value_head)
 
 
 def load_hf_causal_lm(cfg: PolicyConfig, dtype: torch.dtype) -> nn.Module:
-    """`from_pretrained` on a local directory, fp32 master weights, SDPA attention, of the model
+    """`from_pretrained` on a local directory, fp32 master weights, `attention_implementation`'s attention, of the model
     `hf_model_class_and_config` names (a new `score` head, initialised by HF, when the directory holds a causal
     LM)."""
     auto, hf_cfg = hf_model_class_and_config(cfg)
@@ -64,7 +70,7 @@ def load_hf_causal_lm(cfg: PolicyConfig, dtype: torch.dtype) -> nn.Module:
         dtype=dtype,
         trust_remote_code=cfg.trust_remote_code,
         use_safetensors=True,
-        attn_implementation="sdpa",
+        attn_implementation=attention_implementation(hf_cfg),
     )
     if has_new_head(cfg):
         model.config.architectures = [type(model).__name__]  # the export loads as what it is
@@ -80,7 +86,8 @@ def build_hf_model_on_meta(cfg: PolicyConfig, dtype: torch.dtype) -> nn.Module:
     auto, hf_cfg = hf_model_class_and_config(cfg)
     with init_empty_weights(include_buffers=False):
         model = auto.from_config(
-            hf_cfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code, attn_implementation="sdpa"
+            hf_cfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+            attn_implementation=attention_implementation(hf_cfg),
         )
     model.tie_weights()  # init_empty_weights registers each parameter anew, which unties them
     if has_new_head(cfg):

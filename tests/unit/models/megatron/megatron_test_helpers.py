@@ -120,6 +120,33 @@ def mixtral_config() -> Any:
                          sliding_window=None, router_aux_loss_coef=0.0)
 
 
+def gemma2_config() -> Any:
+    """Gemma 2: caps small enough to bend the scores and logits, a window shorter than the rows on its sliding
+    layers (the first of each pair), a query scale apart from the head size. No pad token: transformers' embedding
+    would freeze its row (`padding_idx`), where megatron's trains every row."""
+    from transformers import Gemma2Config
+
+    return Gemma2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        intermediate_size=96, vocab_size=124, rms_norm_eps=1e-6, max_position_embeddings=256,
+                        query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                        sliding_window=4, rope_theta=10000.0, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+
+
+def gemma3_config() -> Any:
+    """Gemma 3: per-head q/k norms, a window of 5 on the first layer with its local RoPE base, and the second layer's
+    global base with linear scaling."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=96, vocab_size=108, rms_norm_eps=1e-6,
+                            max_position_embeddings=256, query_pre_attn_scalar=32, sliding_window=5,
+                            layer_types=["sliding_attention", "full_attention"],
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                                "factor": 2.0}},
+                            pad_token_id=None, bos_token_id=1, eos_token_id=2)
+
+
 MODEL_CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen2_tied": lambda: qwen2_config(True),
     "qwen2_untied": lambda: qwen2_config(False),
@@ -130,6 +157,8 @@ MODEL_CONFIGS: dict[str, Callable[[], Any]] = {
     "olmo2": olmo2_config,
     "qwen3_moe": qwen3_moe_config,
     "mixtral": mixtral_config,
+    "gemma2": gemma2_config,
+    "gemma3": gemma3_config,
 }
 
 
@@ -137,8 +166,12 @@ def make_hf_model(name: str, seed: int = 0) -> Any:
     """Random-init HF model; biases and norm weights are randomised too (HF inits them to 0 / 1)."""
     from transformers import AutoModelForCausalLM
 
+    from rlpost.models.policy.hf_loading import attention_implementation
+
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(MODEL_CONFIGS[name](), dtype=torch.float32)
+    config = MODEL_CONFIGS[name]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             attn_implementation=attention_implementation(config))
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname:

@@ -24,7 +24,7 @@ PHASES: dict[str, dict[str, Any]] = {
         "tp": 1,
         "pp": 1,
         "logprobs": ["qwen2_tied", "qwen2_untied", "llama", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe",
-                     "mixtral"],
+                     "mixtral", "gemma2", "gemma3"],
         "logprobs_bf16": ["qwen2_tied"],
         "export": ["qwen2_untied", "olmo2"],
         "train": {
@@ -33,16 +33,20 @@ PHASES: dict[str, dict[str, Any]] = {
             "qwen_adam": ("qwen2_untied", "adam", 1e-3, 0.0),
             "llama_sgd_clip": ("llama", "sgd", 0.5, 0.05),
             "qwen3_moe_sgd": ("qwen3_moe", "sgd", 0.5, 0.0),  # at TP > 1 megatron trains experts with SP alone
+            "gemma2_adam": ("gemma2", "adam", 1e-2, 0.0),
         },
     },
     "tp2": {
         "tp": 2,
         "pp": 1,
-        "logprobs": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe", "mixtral"],
-        "export": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe", "mixtral"],
+        "logprobs": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2",
+                     "gemma3"],
+        "export": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2",
+                   "gemma3"],
         "train": {"qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0), "llama_adam": ("llama", "adam", 1e-3, 0.0),
                   "qwen3_sgd": ("qwen3", "sgd", 0.5, 0.0), "phi3_sgd": ("phi3", "sgd", 0.5, 0.0),
-                  "olmo2_sgd": ("olmo2", "sgd", 0.5, 0.0)},  # the q/k norms' mean of squares over TP
+                  "olmo2_sgd": ("olmo2", "sgd", 0.5, 0.0),  # the q/k norms' mean of squares over TP
+                  "gemma3_sgd": ("gemma3", "sgd", 0.5, 0.0)},  # sandwich norms, per-head q/k norms, split heads
     },
     "ep2": {  # expert parallelism: each rank holds two of the four experts, over DP=2
         "tp": 1,
@@ -63,9 +67,10 @@ PHASES: dict[str, dict[str, Any]] = {
     "pp2": {
         "tp": 1,
         "pp": 2,
-        "logprobs": ["qwen2_tied", "llama"],
-        "export": ["qwen2_tied", "llama"],
-        "train": {"qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0), "llama_sgd": ("llama", "sgd", 0.5, 0.0)},
+        "logprobs": ["qwen2_tied", "llama", "gemma3"],  # Gemma 3: each stage's layers keep their own window and RoPE
+        "export": ["qwen2_tied", "llama", "gemma3"],
+        "train": {"qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0), "llama_sgd": ("llama", "sgd", 0.5, 0.0),
+                  "gemma2_sgd": ("gemma2", "sgd", 0.5, 0.0)},
     },
 }
 
