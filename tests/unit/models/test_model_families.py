@@ -44,6 +44,33 @@ def test_the_worker_scores_each_family_as_transformers_does(family: str, family_
         assert (got[row, 1:n] - lp[row, : n - 1]).abs().max() <= 1e-5, family
 
 
+def test_gemma2s_attention_scores_are_soft_capped(family_dirs: dict[str, Path], one_rank: Any,
+                                                 tmp_path: Path) -> None:
+    """With a cap that bends the scores (0.05), the worker's logprobs are transformers' eager attention's, which caps
+    them as vLLM does; its SDPA attention would leave the cap out."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from rlpost.distributed.batched_data_dict import BatchedDataDict
+
+    model_dir = tmp_path / "gemma2"
+    shutil.copytree(family_dirs["gemma2"], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "attn_logit_softcapping": 0.05}))
+    ids = torch.randint(3, 380, (2, 10), generator=torch.Generator().manual_seed(5))
+    got = one_rank(model=model_dir).get_logprobs(
+        BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([10, 10])))["logprobs"][:, 1:]
+    ref = {}
+    for attention in ("eager", "sdpa"):
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention).eval()
+        with torch.no_grad():
+            ref[attention] = torch.log_softmax(hf(input_ids=ids).logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    assert (got - ref["eager"]).abs().max() <= 1e-5
+    assert (got - ref["sdpa"]).abs().max() > 2e-4  # 1.4e-3 for this model
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_hf_export_of_each_family_is_its_checkpoint(family: str, family_dirs: dict[str, Path], one_rank: Any,
                                                         tmp_path: Path) -> None:
