@@ -27,9 +27,9 @@ def _cuda_devices() -> int:
         return 0
 
 
-LONGEST_FIRST = ("tests/integration/test_grpo.py", "tests/integration/test_supervised.py",
-                 "tests/integration/test_dtensor_policy.py", "tests/integration/test_slurm.py",
-                 "tests/integration/test_multinode.py", "tests/integration/test_model_family_runs.py",
+LONGEST_FIRST = ("tests/integration/test_grpo.py", "tests/integration/test_model_family_runs.py",
+                 "tests/integration/test_supervised.py", "tests/integration/test_dtensor_policy.py",
+                 "tests/integration/test_slurm.py", "tests/integration/test_multinode.py",
                  "tests/integration/test_ppo.py",
                  "tests/integration/test_distillation.py")
 """The longest test files (each about 3-12 minutes), started first so that `make test`'s two pytest-xdist workers

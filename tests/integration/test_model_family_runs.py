@@ -59,12 +59,16 @@ def test_each_family_trains_and_the_engine_stays_on_policy(family: str, cache: P
     AutoModelForCausalLM.from_pretrained(exported)
 
 
-MEGATRON_RUNS = {"olmo2": True, "gemma2": False, "gemma3_text": True}
-"""family -> LoRA, of the families whose layer on Megatron-Core is rlpost's own: OLMo 2's post-norms and
-whole-projection q/k norms (rlpost.models.megatron.olmo2); Gemma 2's soft-capped scores and logits, sandwich norms,
+EP2 = ("policy.megatron_cfg.expert_model_parallel_size=2", "cluster.gpus_per_node=2")
+MEGATRON_RUNS: dict[str, tuple[bool, tuple[str, ...]]] = {
+    "olmo2": (True, ()), "gemma2": (False, ()), "gemma3_text": (True, ()), "phi3": (False, ()), "qwen3_moe": (True, EP2)}
+"""family -> (LoRA, overrides), on Megatron-Core: the families whose layer there is rlpost's own, OLMo 2's post-norms and
+whole-projection q/k norms (rlpost.models.megatron.olmo2), Gemma 2's soft-capped scores and logits, sandwich norms,
 scaled embedding and alternating sliding windows, and Gemma 3's per-head q/k norms and local RoPE base
-(rlpost.models.megatron.gemma). With LoRA the adapters on linear_proj and linear_fc2 join their output before its
-norm, as the merged weights vLLM serves do (the gate is ~1.05 at the second step when they join after it)."""
+(rlpost.models.megatron.gemma); Phi-3, whose refit fuses q/k/v and gate/up again for vLLM; LoRA on Qwen3-MoE's
+attention with its experts frozen and split over two expert-parallel ranks (the refit gathers them). With LoRA the adapters on linear_proj and linear_fc2 join their output before the
+norm that ends OLMo 2's and Gemma's, as the merged weights vLLM serves do (the gate is ~1.05 at the second step when
+they join after it)."""
 
 
 @pytest.mark.parametrize("family", list(MEGATRON_RUNS))
@@ -74,10 +78,10 @@ def test_own_megatron_layers_stay_on_policy_and_export(family: str, cache: Path,
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / f"{family}-megatron"
-    lora = ["policy.megatron_cfg.peft.enabled=true", "policy.megatron_cfg.peft.export_merged=true"
-            ] if MEGATRON_RUNS[family] else []
+    with_lora, overrides = MEGATRON_RUNS[family]
+    lora = ["policy.megatron_cfg.peft.enabled=true", "policy.megatron_cfg.peft.export_merged=true"] if with_lora else []
     train(run, cache, "policy=megatron", f"model.tiny.architecture={family}", "grpo.max_num_steps=2",
-          "grpo.val_period=0", "checkpointing.save_period=2", "checkpointing.metric_name=null", *lora)
+          "grpo.val_period=0", "checkpointing.save_period=2", "checkpointing.metric_name=null", *lora, *overrides)
     lines = metrics(run)
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines), lines

@@ -36,6 +36,12 @@ TP_PLAN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausal
 """The architectures rlpost's DTensor TP plans cover."""
 
 
+def attention_implementation(hf_cfg: Any) -> str:
+    """transformers' attention a worker or engine runs the model with: SDPA, or its eager attention for a model whose
+    attention scores are soft-capped (Gemma 2's `attn_logit_softcapping`), which SDPA would leave out."""
+    return "eager" if getattr(hf_cfg, "attn_logit_softcapping", None) else "sdpa"
+
+
 def architecture_of(hf: Mapping[str, Any], converter_type: str = "auto") -> str:
     """The architecture a Megatron run converts: `converter_type`, or config.json's (its `architectures`, else its
     `model_type`'s)."""

@@ -17,16 +17,16 @@ def test_each_converted_family_passes_by_its_model_type_or_architecture(model_ty
 
 def test_another_family_is_refused_naming_its_type_and_the_list() -> None:
     with pytest.raises(ConfigError) as e:
-        check_converted({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]},
+        check_converted({"model_type": "falcon", "architectures": ["FalconForCausalLM"]},
                         "policy.megatron_cfg.converter_type")
     line = str(e.value)
-    assert "policy.megatron_cfg.converter_type" in line and "model_type='gemma2' (Gemma2ForCausalLM)" in line
+    assert "policy.megatron_cfg.converter_type" in line and "model_type='falcon' (FalconForCausalLM)" in line
     assert all(a in line for a in ARCHITECTURES.values())
 
 
 def test_converter_type_names_the_architecture_over_config_json() -> None:
-    assert architecture_of({"model_type": "gemma2"}, "LlamaForCausalLM") == "LlamaForCausalLM"
-    check_converted({"model_type": "gemma2"}, "k", "LlamaForCausalLM")
+    assert architecture_of({"model_type": "falcon"}, "LlamaForCausalLM") == "LlamaForCausalLM"
+    check_converted({"model_type": "falcon"}, "k", "LlamaForCausalLM")
 
 
 def test_dtensor_tp_above_1_needs_a_plan_for_the_model() -> None:

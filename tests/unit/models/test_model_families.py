@@ -17,11 +17,11 @@ FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text", "phi3
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from rlpost.config.schema.model import TinyModelConfig
-    from rlpost.models.tiny import ensure_tiny_model
+    from rlpost.models.tiny import build_tiny_model
 
-    root = tmp_path_factory.mktemp("families")
-    return {a: ensure_tiny_model(TinyModelConfig(architecture=a, num_key_value_heads=1, tie_word_embeddings=a != "llama",
-                                                 seed=3), root / a) for a in FAMILIES}
+    root = tmp_path_factory.mktemp("families")  # built in this process (a run's driver builds in a child of its own)
+    return {a: build_tiny_model(TinyModelConfig(architecture=a, num_key_value_heads=1, tie_word_embeddings=a != "llama",
+                                                seed=3), root / a) for a in FAMILIES}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

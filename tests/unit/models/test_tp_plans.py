@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from rlpost.distributed.ports import free_port
 
-FAMILIES = ("qwen3", "gemma2", "gemma3_text", "olmo2", "phi3", "qwen3_moe", "mixtral")
+FAMILIES = ("qwen3", "mistral", "gemma2", "gemma3_text", "olmo2", "phi3", "qwen3_moe", "mixtral")
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -60,9 +60,10 @@ def _worker(rank: int, world: int, port: int, dirs: dict[str, str], out: str) ->
 
 def test_each_family_tp2_equals_the_unsharded_model(tmp_path: Path) -> None:
     from rlpost.config.schema.model import TinyModelConfig
-    from rlpost.models.tiny import ensure_tiny_model
+    from rlpost.models.tiny import build_tiny_model
 
-    dirs = {f: str(ensure_tiny_model(TinyModelConfig(architecture=f, num_key_value_heads=2, seed=4), tmp_path / f))
+    # built in this process: a run's driver builds in a child of its own (ensure_tiny_model), ten interpreters here
+    dirs = {f: str(build_tiny_model(TinyModelConfig(architecture=f, num_key_value_heads=2, seed=4), tmp_path / f))
             for f in FAMILIES}
     out = tmp_path / "worst.json"
     mp.spawn(_worker, args=(2, free_port("127.0.0.1"), dirs, str(out)), nprocs=2, join=True)

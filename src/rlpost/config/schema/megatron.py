@@ -171,8 +171,6 @@ class MegatronConfig(Block):
             require(not self.sequence_parallel, key, True,
                     "LoRA adapters on Megatron need the whole sequence at the column-parallel layers (sequence_parallel)",
                     f"set {path}.sequence_parallel=false")
-            require(self.expert_model_parallel_size == 1, key, True,
-                    "LoRA on Megatron adapts the dense decoder linears, not experts (expert_model_parallel_size > 1)")
         require(self.expert_tensor_parallel_size in (None, self.tensor_model_parallel_size),
                 f"{path}.expert_tensor_parallel_size", self.expert_tensor_parallel_size,
                 f"must be null or tensor_model_parallel_size ({self.tensor_model_parallel_size}): the worker splits "

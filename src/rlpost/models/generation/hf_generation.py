@@ -136,7 +136,7 @@ class HFGenerationWorker:
         import_frozen("transformers.models.auto.modeling_auto")  # its objects frozen (rlpost.runtime.gc_heap)
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        from rlpost.models.policy.hf_loading import attention_implementation
+        from rlpost.config.model_families import attention_implementation
 
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = _DTYPES[precision]

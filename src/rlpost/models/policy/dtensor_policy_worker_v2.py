@@ -81,7 +81,7 @@ class DTensorPolicyWorkerV2(DTensorWorkerBase):
         # (with TP, the config check refuses LoRA: transformers shards at load)
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from rlpost.models.policy.hf_loading import attention_implementation
+        from rlpost.config.model_families import attention_implementation
 
         hf_cfg = AutoConfig.from_pretrained(self.cfg.model_name, trust_remote_code=self.cfg.trust_remote_code)
         model: nn.Module = AutoModelForCausalLM.from_pretrained(

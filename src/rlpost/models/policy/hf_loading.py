@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlpost.config.model_families import attention_implementation
 from rlpost.config.schema.policy import PolicyConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -46,12 +47,6 @@ def hf_model_class_and_config(cfg: PolicyConfig) -> tuple[Any, Any]:
         hf_cfg.num_labels = 1
         hf_cfg.classifier_dropout = 0.0  # a value estimate, not a regularised classifier
     return auto, hf_cfg
-
-
-def attention_implementation(hf_cfg: Any) -> str:
-    """transformers' attention the policy runs: SDPA, or its eager attention for a model whose attention scores are
-    soft-capped (Gemma 2's `attn_logit_softcapping`), which SDPA would leave out."""
-    return "eager" if getattr(hf_cfg, "attn_logit_softcapping", None) else "sdpa"
 
 
 def has_new_head(cfg: PolicyConfig) -> bool:

@@ -166,7 +166,7 @@ def make_hf_model(name: str, seed: int = 0) -> Any:
     """Random-init HF model; biases and norm weights are randomised too (HF inits them to 0 / 1)."""
     from transformers import AutoModelForCausalLM
 
-    from rlpost.models.policy.hf_loading import attention_implementation
+    from rlpost.config.model_families import attention_implementation
 
     torch.manual_seed(seed)
     config = MODEL_CONFIGS[name]()

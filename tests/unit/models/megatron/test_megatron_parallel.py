@@ -67,10 +67,12 @@ PHASES: dict[str, dict[str, Any]] = {
     "pp2": {
         "tp": 1,
         "pp": 2,
-        "logprobs": ["qwen2_tied", "llama", "gemma3"],  # Gemma 3: each stage's layers keep their own window and RoPE
-        "export": ["qwen2_tied", "llama", "gemma3"],
+        # every family; Gemma 3: each stage's layers keep their own window and RoPE base
+        "logprobs": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma3"],
+        "export": ["qwen2_tied", "llama", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma3"],
         "train": {"qwen_sgd": ("qwen2_tied", "sgd", 0.5, 0.0), "llama_sgd": ("llama", "sgd", 0.5, 0.0),
-                  "gemma2_sgd": ("gemma2", "sgd", 0.5, 0.0)},
+                  "gemma2_sgd": ("gemma2", "sgd", 0.5, 0.0), "qwen3_moe_sgd": ("qwen3_moe", "sgd", 0.5, 0.0),
+                  "olmo2_adam": ("olmo2", "adam", 1e-2, 0.05)},
     },
 }
 
