@@ -72,6 +72,8 @@ BAD = [
     (["model.tiny.architecture=mixtral", "model.tiny.num_experts_per_tok=5"], "model.tiny.num_experts_per_tok",
      "at most num_experts (4)"),
     (["model.tiny.architecture=qwen3_moe", "model.tiny.num_experts=0"], "model.tiny.num_experts", ">= 1"),
+    (["model.tiny.sliding_window=4"], "model.tiny.sliding_window", "applies to gemma2 and gemma3_text"),
+    (["model.tiny.architecture=gemma2", "model.tiny.sliding_window=0"], "model.tiny.sliding_window", ">= 1"),
     (["policy.scheduler=[{name:torch.optim.lr_scheduler.LinearLR},{name:torch.optim.lr_scheduler.ConstantLR}]"],
      "policy.scheduler", "milestones"),
     (["data=math_jsonl", "env=math"], "data.train_data_path", "needs a local train_data_path"),

