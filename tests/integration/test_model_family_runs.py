@@ -1,4 +1,5 @@
-"""Each family `model.tiny.architecture` builds, through `rlpost train` on the DTensor worker with the vLLM engine:
+"""Each family `model.tiny.architecture` builds, through `rlpost train` with the vLLM engine, on the DTensor worker
+(below) and on Megatron-Core (the runs at the end):
 GRPO steps (two; the Qwen3-MoE run learns the default task in 80), so the second refit carries trained weights (at
 TP=2, Phi-3's, from both ranks, each serving the engine on its device; the fingerprint gate fails if they differ) and the
 engine stays on policy (token_mult_prob_error <= 1.001 in fp32); then the HF export of the last step holds the
@@ -67,13 +68,12 @@ def test_each_family_trains_and_the_engine_stays_on_policy(family: str, cache: P
 
 EP2 = ("policy.megatron_cfg.expert_model_parallel_size=2", "cluster.gpus_per_node=2")
 MEGATRON_RUNS: dict[str, tuple[bool, tuple[str, ...]]] = {
-    "olmo2": (True, ()), "gemma2": (False, WINDOW["gemma2"]), "gemma3_text": (True, ()), "phi3": (False, ()),
-    "qwen3_moe": (True, EP2)}
+    "olmo2": (True, ()), "gemma2": (False, WINDOW["gemma2"]), "gemma3_text": (True, ()), "qwen3_moe": (True, EP2)}
 """family -> (LoRA, overrides), on Megatron-Core: the families whose layer there is rlpost's own, OLMo 2's post-norms and
 whole-projection q/k norms (rlpost.models.megatron.olmo2), Gemma 2's soft-capped scores and logits, sandwich norms,
 scaled embedding and alternating sliding windows, and Gemma 3's per-head q/k norms and local RoPE base
-(rlpost.models.megatron.gemma); Phi-3, whose refit fuses q/k/v and gate/up again for vLLM; LoRA on Qwen3-MoE's
-attention with its experts frozen and split over two expert-parallel ranks (the refit gathers them). With LoRA the adapters on linear_proj and linear_fc2 join their output before the
+(rlpost.models.megatron.gemma); LoRA on Qwen3-MoE's attention with its experts frozen and split over two
+expert-parallel ranks (the refit gathers them). With LoRA the adapters on linear_proj and linear_fc2 join their output before the
 norm that ends OLMo 2's and Gemma's, as the merged weights vLLM serves do (the gate is ~1.05 at the second step when
 they join after it)."""
 
@@ -94,3 +94,31 @@ def test_own_megatron_layers_stay_on_policy_and_export(family: str, cache: Path,
     assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines), lines
     model = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_2" / "policy" / "weights" / "hf")
     assert model.config.model_type == family
+
+
+OTHER_FAMILIES = {"dtensor": "qwen3,gemma3_text,llama", "megatron": "llama,mistral,mixtral,phi3"}
+"""backend -> the families no other run takes through `rlpost train` on it (the default job is Qwen2; test_grpo's
+Megatron runs learn with Qwen3 and Qwen3-MoE), so that every family runs on both backends: one Hydra multirun each."""
+
+
+@pytest.mark.parametrize("backend", list(OTHER_FAMILIES))
+def test_every_family_runs_on_each_backend(backend: str, cache: Path, tmp_path: Path) -> None:
+    """Two GRPO steps of each family on the backend, the engine on policy at each (Phi-3's refit fuses q/k/v and
+    gate/up again for vLLM; Mixtral's splits its experts)."""
+    import json
+    import subprocess
+
+    from tests.integration.cli_runs import RLPOST, env
+
+    sweep = tmp_path / backend
+    out = subprocess.run([RLPOST, "train", "-m", f"policy={backend}", f"model.tiny.architecture={OTHER_FAMILIES[backend]}",
+                          "grpo.max_num_steps=2", "grpo.val_period=0", "checkpointing.enabled=false",
+                          f"hydra.sweep.dir={sweep}"], env=env(cache), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    families = OTHER_FAMILIES[backend].split(",")
+    for job, family in enumerate(families):
+        config = (sweep / str(job) / "resolved_config.yaml").read_text()
+        assert f"architecture: {family}" in config, config[:2000]
+        lines = [json.loads(line) for line in (sweep / str(job) / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in lines] == [1, 2], family
+        assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines), (family, lines)
