@@ -197,22 +197,19 @@ def adapt_model(gpt: Any, gemma: GemmaDims, hidden_size: int) -> None:
     gpt.final_logit_softcapping = gemma.final_softcap
 
 
+NORMS = {"input_layernorm.weight": "input_layernorm.weight",
+         "self_attention.linear_proj.post_norm.weight": "post_attention_layernorm.weight",
+         "pre_mlp_layernorm.weight": "pre_feedforward_layernorm.weight",
+         "mlp.linear_fc2.post_norm.weight": "post_feedforward_layernorm.weight"}
+"""A layer's norms before and after attention and the MLP: megatron name -> HF name under the layer's prefix
+(replicated over TP; Gemma 3's q/k norms are converted as Qwen3's)."""
+
+
 def hf_to_megatron(hf: Any, h: str) -> dict[str, torch.Tensor]:
-    """The norms before and after attention and the MLP of HF layer prefix `h` under their megatron names (replicated
-    over TP; Gemma 3's q/k norms are Qwen3's)."""
-    return {
-        "input_layernorm.weight": hf[h + "input_layernorm.weight"],
-        "self_attention.linear_proj.post_norm.weight": hf[h + "post_attention_layernorm.weight"],
-        "pre_mlp_layernorm.weight": hf[h + "pre_feedforward_layernorm.weight"],
-        "mlp.linear_fc2.post_norm.weight": hf[h + "post_feedforward_layernorm.weight"],
-    }
+    """The norms of HF layer prefix `h` under their megatron names."""
+    return {name: hf[h + hf_name] for name, hf_name in NORMS.items()}
 
 
 def megatron_to_hf(m: Any, h: str) -> dict[str, torch.Tensor]:
     """Inverse of hf_to_megatron."""
-    return {
-        h + "input_layernorm.weight": m["input_layernorm.weight"],
-        h + "post_attention_layernorm.weight": m["self_attention.linear_proj.post_norm.weight"],
-        h + "pre_feedforward_layernorm.weight": m["pre_mlp_layernorm.weight"],
-        h + "post_feedforward_layernorm.weight": m["mlp.linear_fc2.post_norm.weight"],
-    }
+    return {h + hf_name: m[name] for name, hf_name in NORMS.items()}

@@ -90,21 +90,18 @@ def olmo2_spec(spec: ModuleSpec) -> ModuleSpec:
     return spec
 
 
+NORMS = {"self_attention.linear_proj.post_norm.weight": "post_attention_layernorm.weight",
+         "mlp.linear_fc2.post_norm.weight": "post_feedforward_layernorm.weight",
+         "self_attention.q_layernorm.projection_weight": "self_attn.q_norm.weight",
+         "self_attention.k_layernorm.projection_weight": "self_attn.k_norm.weight"}
+"""A layer's norms: megatron name -> HF name under the layer's prefix (full, TP-unsplit)."""
+
+
 def hf_to_megatron(hf: Any, h: str) -> dict[str, torch.Tensor]:
-    """The norms of HF layer prefix `h` under their megatron names (full, TP-unsplit)."""
-    return {
-        "self_attention.linear_proj.post_norm.weight": hf[h + "post_attention_layernorm.weight"],
-        "mlp.linear_fc2.post_norm.weight": hf[h + "post_feedforward_layernorm.weight"],
-        "self_attention.q_layernorm.projection_weight": hf[h + "self_attn.q_norm.weight"],
-        "self_attention.k_layernorm.projection_weight": hf[h + "self_attn.k_norm.weight"],
-    }
+    """The norms of HF layer prefix `h` under their megatron names."""
+    return {name: hf[h + hf_name] for name, hf_name in NORMS.items()}
 
 
 def megatron_to_hf(m: Any, h: str) -> dict[str, torch.Tensor]:
     """Inverse of hf_to_megatron."""
-    return {
-        h + "post_attention_layernorm.weight": m["self_attention.linear_proj.post_norm.weight"],
-        h + "post_feedforward_layernorm.weight": m["mlp.linear_fc2.post_norm.weight"],
-        h + "self_attn.q_norm.weight": m["self_attention.q_layernorm.projection_weight"],
-        h + "self_attn.k_norm.weight": m["self_attention.k_layernorm.projection_weight"],
-    }
+    return {h + hf_name: m[name] for name, hf_name in NORMS.items()}
