@@ -22,7 +22,6 @@ torch's scaled_dot_product_attention. Context parallelism is refused (the pre-fl
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any
@@ -30,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from rlpost.models.megatron.norms import GemmaRMSNorm, post_norm_linear
+from rlpost.models.megatron.norms import GemmaRMSNorm, sandwich_spec
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -157,16 +156,9 @@ class GemmaCoreAttention(nn.Module):
 
 def gemma_spec(spec: ModuleSpec, gemma: GemmaDims) -> ModuleSpec:
     """A copy of the local GPT layer spec (built with q/k norms) with Gemma's norms and attention (module docstring)."""
-    spec = copy.deepcopy(spec)
-    layer = spec.submodules
-    attention = layer.self_attention.submodules
-    layer.input_layernorm = GemmaRMSNorm
-    layer.pre_mlp_layernorm = GemmaRMSNorm
-    attention.linear_proj = post_norm_linear(attention.linear_proj, GemmaRMSNorm)
-    layer.mlp.submodules.linear_fc2 = post_norm_linear(layer.mlp.submodules.linear_fc2, GemmaRMSNorm)
-    attention.core_attention = functools.partial(GemmaCoreAttention, gemma=gemma)
-    attention.q_layernorm = GemmaRMSNorm if gemma.qk_norm else None
-    attention.k_layernorm = GemmaRMSNorm if gemma.qk_norm else None
+    head_norm = GemmaRMSNorm if gemma.qk_norm else None
+    spec = sandwich_spec(spec, GemmaRMSNorm, GemmaRMSNorm, head_norm, head_norm)
+    spec.submodules.self_attention.submodules.core_attention = functools.partial(GemmaCoreAttention, gemma=gemma)
     return spec
 
 

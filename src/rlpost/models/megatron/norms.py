@@ -13,10 +13,14 @@ the weight is marked `sequence_parallel` and megatron sums its gradient over the
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, mean_sq: torch.Tensor) -> torch.Tensor:
@@ -70,3 +74,19 @@ def post_norm_linear(base: type, norm: type[RMSNorm]) -> type:
             return self.post_norm(out), None
 
     return PostNormRowParallelLinear
+
+
+def sandwich_spec(spec: ModuleSpec, before: type, after: type[RMSNorm], q_norm: type | None,
+                  k_norm: type | None) -> ModuleSpec:
+    """A copy of the local GPT layer spec with `before` as the norms before attention and the MLP, `after` ending
+    `linear_proj` and `linear_fc2` (post_norm_linear), and the q / k norms."""
+    spec = copy.deepcopy(spec)
+    layer = spec.submodules
+    attention = layer.self_attention.submodules
+    layer.input_layernorm = before
+    layer.pre_mlp_layernorm = before
+    attention.linear_proj = post_norm_linear(attention.linear_proj, after)
+    layer.mlp.submodules.linear_fc2 = post_norm_linear(layer.mlp.submodules.linear_fc2, after)
+    attention.q_layernorm = q_norm
+    attention.k_layernorm = k_norm
+    return spec

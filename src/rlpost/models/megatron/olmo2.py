@@ -19,7 +19,6 @@ The local spec on every device (Transformer Engine fuses norms into the next lin
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +27,7 @@ from torch import nn
 from torch.distributed.nn.functional import all_reduce as all_reduce_with_grad
 
 from rlpost.config.model_families import ARCHITECTURES
-from rlpost.models.megatron.norms import RMSNorm, post_norm_linear, rms_norm
+from rlpost.models.megatron.norms import RMSNorm, rms_norm, sandwich_spec
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -78,16 +77,7 @@ def olmo2_spec(spec: ModuleSpec) -> ModuleSpec:
     """A copy of the local GPT layer spec with OLMo 2's norms (see the module docstring)."""
     from megatron.core.transformer.identity_op import IdentityOp
 
-    spec = copy.deepcopy(spec)
-    layer = spec.submodules
-    attention = layer.self_attention.submodules
-    layer.input_layernorm = IdentityOp
-    layer.pre_mlp_layernorm = IdentityOp
-    attention.linear_proj = post_norm_linear(attention.linear_proj, RMSNorm)
-    layer.mlp.submodules.linear_fc2 = post_norm_linear(layer.mlp.submodules.linear_fc2, RMSNorm)
-    attention.q_layernorm = ProjectionNorm
-    attention.k_layernorm = KeyProjectionNorm
-    return spec
+    return sandwich_spec(spec, IdentityOp, RMSNorm, ProjectionNorm, KeyProjectionNorm)
 
 
 NORMS = {"self_attention.linear_proj.post_norm.weight": "post_attention_layernorm.weight",
