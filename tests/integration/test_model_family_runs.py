@@ -96,29 +96,36 @@ def test_own_megatron_layers_stay_on_policy_and_export(family: str, cache: Path,
     assert model.config.model_type == family
 
 
-OTHER_FAMILIES = {"dtensor": "qwen3,gemma3_text,llama", "megatron": "llama,mistral,mixtral,phi3"}
-"""backend -> the families no other run takes through `rlpost train` on it (the default job is Qwen2; test_grpo's
-Megatron runs learn with Qwen3 and Qwen3-MoE), so that every family runs on both backends: one Hydra multirun each."""
+OTHER_FAMILIES = {"dtensor": ("qwen3,gemma3_text,llama", ("experiment=tiny_lora",)),
+                  "megatron": ("llama,mistral,mixtral,phi3", ())}
+"""backend -> (the families no other run takes through `rlpost train` on it, overrides): the default job is Qwen2,
+test_grpo's Megatron runs learn with Qwen3 and Qwen3-MoE. So every family runs on both backends, one Hydra multirun
+each; the DTensor families with the LoRA preset (adapters on every linear, the merged weights refit)."""
 
 
 @pytest.mark.parametrize("backend", list(OTHER_FAMILIES))
 def test_every_family_runs_on_each_backend(backend: str, cache: Path, tmp_path: Path) -> None:
     """Two GRPO steps of each family on the backend, the engine on policy at each (Phi-3's refit fuses q/k/v and
-    gate/up again for vLLM; Mixtral's splits its experts)."""
+    gate/up again for vLLM; Mixtral's splits its experts; the adapters of Qwen3's and Gemma 3's per-head-normed
+    attention)."""
     import json
     import subprocess
 
+    import yaml
+
     from tests.integration.cli_runs import RLPOST, env
 
-    sweep = tmp_path / backend
-    out = subprocess.run([RLPOST, "train", "-m", f"policy={backend}", f"model.tiny.architecture={OTHER_FAMILIES[backend]}",
+    sweep, (swept, overrides) = tmp_path / backend, OTHER_FAMILIES[backend]
+    out = subprocess.run([RLPOST, "train", "-m", f"policy={backend}", f"model.tiny.architecture={swept}", *overrides,
                           "grpo.max_num_steps=2", "grpo.val_period=0", "checkpointing.enabled=false",
                           f"hydra.sweep.dir={sweep}"], env=env(cache), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    families = OTHER_FAMILIES[backend].split(",")
+    families = swept.split(",")
     for job, family in enumerate(families):
-        config = (sweep / str(job) / "resolved_config.yaml").read_text()
-        assert f"architecture: {family}" in config, config[:2000]
+        config = yaml.safe_load((sweep / str(job) / "resolved_config.yaml").read_text())
+        assert config["model"]["tiny"]["architecture"] == family
+        assert config["policy"]["dtensor_cfg" if backend == "dtensor" else "megatron_cfg"][
+            "lora_cfg" if backend == "dtensor" else "peft"]["enabled"] is bool(overrides)
         lines = [json.loads(line) for line in (sweep / str(job) / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in lines] == [1, 2], family
         assert all(m["train/token_mult_prob_error"] <= 1.001 for m in lines), (family, lines)
