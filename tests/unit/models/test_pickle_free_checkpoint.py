@@ -232,4 +232,4 @@ def test_one_plain_rank_exports_what_dcp_would(one_rank: Any) -> None:
         assert torch.equal(fast[k], ref[k]) and fast[k].data_ptr() == ref[k].data_ptr(), k
         assert not fast[k].requires_grad
     info = w.prepare_weights_for_export("float32")
-    assert set(info) >= set(ref) and "lm_head.weight" in info
+    assert set(info) == set(ref) - {"lm_head.weight"}  # a tied head is not sent apart: the engine derives it

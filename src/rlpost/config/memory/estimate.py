@@ -148,9 +148,9 @@ def _add_refit_buffer(workers: list[Worker], cfg: MasterConfig, shape: ModelShap
     bucket's tensors out of it as it loads them, which its allocator keeps. On a GPU the buffer is a transient CUDA
     allocation during the refit, below the phases' peaks."""
     dtype_bytes = BYTES.get(cfg.generation.weight_dtype(), 4)
-    # a bucket holds whole layer groups: a decoder layer, or the embedding with a tied output layer, which travels
-    # under both names (rlpost.distributed.weight_buckets): larger than the buffer's size, it sets the bucket's
-    group = max(shape.vocab * shape.hidden * (2 if shape.tied else 1), shape.layer_params) * dtype_bytes
+    # a bucket holds whole layer groups (rlpost.distributed.weight_buckets): a decoder layer, or the embedding (a tied
+    # output layer is not sent apart: the engine derives it); larger than the buffer's size, it sets the bucket's
+    group = max(shape.vocab * shape.hidden, shape.layer_params) * dtype_bytes
     bucket = max(min(dtype_bytes * shape.params, (cfg.policy.refit_buffer_size_gb or 0.25) * GIB), group)
     for w in workers:
         for usage in w.phases.values():

@@ -207,17 +207,24 @@ class RlpostWorkerExtension:
             return fp
         names = {n for n, _ in named}
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        # A tied model needs lm_head.weight in the stream, or vLLM keeps a stale head; Gemma's vLLM model has no
-        # head apart from its embedding, so there it is counted (the policy sends it) but not loaded.
+        # The policy sends a tied head as the embedding alone. vLLM needs lm_head.weight in the stream, or it keeps
+        # a stale head (its CPU kernels pack the head apart), so the head is derived here, loaded and not counted in
+        # the fingerprint; Gemma's vLLM model has no head apart from its embedding, so there it is not loaded.
         headless = self._rlpost_tied() and not hasattr(model, "lm_head")
+        derived = set()
         if self._rlpost_tied() and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
             named.append(("lm_head.weight", dict(named)["model.embed_tokens.weight"]))
+            derived.add("lm_head.weight")
         fp = FingerprintBuilder()
         if corrupt:
             named = [(n, t.detach().clone().add_(1.0) if n == corrupt else t) for n, t in named]
+        pulled: set[str] = set()
+
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in named:
-                fp.add(name, t)
+                pulled.add(name)
+                if name not in derived:
+                    fp.add(name, t)
                 if not (headless and name == "lm_head.weight"):
                     yield name, t
 
@@ -225,9 +232,8 @@ class RlpostWorkerExtension:
             self.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
         if any(".experts." in n for n in names):
             self._rlpost_repack_completed_layers(model, names)
-        consumed = set(fp.names)
-        if consumed != {n for n, _ in named}:
-            raise RuntimeError(f"vLLM did not consume {sorted({n for n, _ in named} - consumed)[:5]}")
+        if pulled != {n for n, _ in named}:
+            raise RuntimeError(f"vLLM did not consume {sorted({n for n, _ in named} - pulled)[:5]}")
         return fp
 
     def rlpost_stage_adapter(self, out_dir: str, adapter_config: dict[str, object]) -> bool:

@@ -478,8 +478,9 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
     def prepare_weights_for_export(self, dtype: str, every_rank: bool = False
                                    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """All ranks: gather full weights (collective); rank 0 (`every_rank`: each rank, for the engine on its
-        device) keeps them cast to `dtype` under HF names. With `lora_cfg.refit=adapter`, the adapters alone, under
-        PEFT's names (rlpost.models.generation.vllm_lora)."""
+        device) keeps them cast to `dtype` under HF names, a tied head not apart from the embedding (the engine
+        derives it). With `lora_cfg.refit=adapter`, the adapters alone, under PEFT's names
+        (rlpost.models.generation.vllm_lora)."""
         keep = every_rank or self.rank == 0
         if self.lora is not None and self.lora.refit == "adapter":
             self._onload()
@@ -488,9 +489,8 @@ class DTensorWorkerBase(TrainPartsMixin, WeightExportMixin):
             self._export = [(k, v.to(torch_dtype)) for k, v in adapters.items()] if keep else []
             return {k: (tuple(v.shape), v.dtype) for k, v in self._export}
         full = self._gathered_weights(every_rank)
-        embedding = full.get("model.embed_tokens.weight")
-        if "lm_head.weight" not in full and embedding is not None and getattr(self.model.config, "tie_word_embeddings", False):
-            full["lm_head.weight"] = embedding
+        if getattr(self.model.config, "tie_word_embeddings", False):  # the engine derives its head from the embedding
+            full.pop("lm_head.weight", None)
         full = to_checkpoint_layout(self.model.config, full)  # the engine loads a checkpoint's names
         torch_dtype = getattr(torch, dtype)
         self._export = [(k, v.to(torch_dtype)) for k, v in full.items() if v is not None] if keep else []

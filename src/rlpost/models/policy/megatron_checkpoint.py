@@ -76,7 +76,8 @@ class MegatronState(Protocol):
 
     def local_state(self) -> dict[str, torch.Tensor]: ...
 
-    def gather_full_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]: ...
+    def gather_full_weights(self, dtype: torch.dtype, every_rank: bool = False, tied_head: bool = True
+                            ) -> dict[str, torch.Tensor]: ...
 
 
 FORMAT = "rlpost-megatron-safetensors/1"
@@ -197,11 +198,12 @@ def _load_own_keys(path: Path, prefix: str) -> dict[str, torch.Tensor]:
     return dest
 
 
-def gather_hf_weights(worker: MegatronState, dtype: torch.dtype, every_rank: bool = False) -> dict[str, torch.Tensor]:
+def gather_hf_weights(worker: MegatronState, dtype: torch.dtype, every_rank: bool = False, tied_head: bool = True
+                      ) -> dict[str, torch.Tensor]:
     """Collective over TP x PP of DP replica 0 (other replicas return at once; under expert parallelism the replicas
     of the expert-parallel group join in, as they hold the other experts): global rank 0 gets every weight as a full
-    HF-named CPU tensor cast to dtype (a tied lm_head included), the other ranks {}. `every_rank`: every replica
-    gathers over its own TP x PP groups and every rank keeps the tensors on its device."""
+    HF-named CPU tensor cast to dtype (a tied lm_head included unless `tied_head` is false), the other ranks {}.
+    `every_rank`: every replica gathers over its own TP x PP groups and every rank keeps the tensors on its device."""
     from megatron.core import parallel_state as ps
 
     from rlpost.models.megatron.export import export_hf_weights
@@ -215,7 +217,8 @@ def gather_hf_weights(worker: MegatronState, dtype: torch.dtype, every_rank: boo
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
     for name, t in export_hf_weights(worker.model, worker.hf_config, tp_group, pp_group, dtype=dtype,
-                                     converter_type=m.converter_type, ep_group=ep_group):
+                                     converter_type=m.converter_type, ep_group=ep_group,
+                                     include_tied_lm_head=tied_head):
         if every_rank:
             out[name] = t.detach().clone()
         elif worker.rank == 0:

@@ -456,12 +456,13 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
         return cuda_memory_stats(self.device)
 
     # ---- refit export ----------------------------------------------------------------------
-    def gather_full_weights(self, dtype: torch.dtype, every_rank: bool = False) -> dict[str, torch.Tensor]:
-        """Collective over TP x PP of DP replica 0: rank 0 gets full HF-named CPU tensors (tied lm_head too);
-        `every_rank`: every replica gathers and every rank keeps them on its device."""
+    def gather_full_weights(self, dtype: torch.dtype, every_rank: bool = False, tied_head: bool = True
+                            ) -> dict[str, torch.Tensor]:
+        """Collective over TP x PP of DP replica 0: rank 0 gets full HF-named CPU tensors (a tied lm_head too
+        unless `tied_head` is false); `every_rank`: every replica gathers and every rank keeps them on its device."""
         from rlpost.models.policy.megatron_checkpoint import gather_hf_weights
 
-        return gather_hf_weights(self, dtype, every_rank)
+        return gather_hf_weights(self, dtype, every_rank, tied_head)
 
     @_megatron_call
     def prepare_weights_for_export(self, dtype: str, every_rank: bool = False
@@ -477,7 +478,8 @@ class MegatronPolicyWorker(TrainPartsMixin, WeightExportMixin):
 
             self._export = list(gather_peft_adapters(self, getattr(torch, dtype), every_rank).items())
         else:
-            self._export = list(self.gather_full_weights(getattr(torch, dtype), every_rank).items())
+            # a tied head is not sent apart from the embedding: the engine derives it
+            self._export = list(self.gather_full_weights(getattr(torch, dtype), every_rank, tied_head=False).items())
         return {k: (tuple(v.shape), v.dtype) for k, v in self._export}
 
     def init_refit_collective(self, host: str, port: int, world_size: int) -> bool:
