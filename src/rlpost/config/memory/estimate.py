@@ -152,11 +152,13 @@ def _add_refit_buffer(workers: list[Worker], cfg: MasterConfig, shape: ModelShap
     # output layer is not sent apart: the engine derives it); larger than the buffer's size, it sets the bucket's
     group = max(shape.vocab * shape.hidden, shape.layer_params) * dtype_bytes
     bucket = max(min(dtype_bytes * shape.params, (cfg.policy.refit_buffer_size_gb or 0.25) * GIB), group)
+    # the engine loads the head it derives as it loads the embedding, a copy each
+    loaded = max(bucket, 2 * shape.vocab * shape.hidden * dtype_bytes) if shape.tied else bucket
     for w in workers:
         for usage in w.phases.values():
             usage.device["refit buffer"] = bucket
             if w.group == "engine":
-                usage.device["refit load copy"] = bucket
+                usage.device["refit load copy"] = loaded
 
 
 def _lay_out(device: str, dev_gib: float | None, workers: list[Worker], nodes: int) -> Estimate:
