@@ -14,9 +14,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 RLPOST = shutil.which("rlpost") or str(REPO / ".venv" / "bin" / "rlpost")
 TIMING = ("timing/", "performance/", "resources/")
+"""Metric prefixes that measure the machine, not the run: left out where two runs are compared."""
+RESUMED_SKIPS = (*TIMING, "advisories/")
+"""What a resumed run need not repeat of the straight run: the machine's measures, and the run-health advisories
+(a stall is judged by the steps' wall times)."""
 AC = "policy.dtensor_cfg.activation_checkpointing=true"
 """Activation checkpointing on: an algorithm's test run trains through layers recomputed in backward."""
-"""Metric prefixes that measure the machine, not the run: left out where two runs are compared."""
 
 
 def env(cache: Path) -> dict[str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.fault_table import Record
-from tests.integration.cli_runs import AC, RLPOST, TIMING, env, kill_9_after_checkpoint, metrics, train
+from tests.integration.cli_runs import AC, RESUMED_SKIPS, RLPOST, env, kill_9_after_checkpoint, metrics, train
 
 pytestmark = pytest.mark.slow
 
@@ -179,7 +179,7 @@ def test_sft_learns_and_a_resume_after_kill_9_matches_the_straight_run(cache: Pa
     assert sorted(a) == sorted(b) == list(range(0, steps + 1))
     for step in range(int(found.group(1)) + 1, steps + 1):
         for k, v in a[step].items():
-            if not k.startswith(TIMING):
+            if not k.startswith(RESUMED_SKIPS):
                 assert b[step][k] == pytest.approx(v, abs=1e-6), (step, k)
     again = train(resumed, cache, *common)  # complete: answered before anything starts
     assert f"run already complete: {steps} steps, sft.max_num_steps={steps}" in again.stderr
